@@ -1,0 +1,191 @@
+"""Deterministic random-weight checkpoints in Hugging Face format, for tests, benchmarks and offline demos.
+
+The text such a model writes is meaningless; its shapes, routing and cost are those of the real
+architecture. Weights are scaled so logits and router scores are well separated: greedy decoding then
+does not hinge on float rounding, which makes token-for-token comparisons meaningful.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from shared.model.config import ARCHITECTURES, ModelConfig
+from shared.model.loader import DTYPES, _targets
+from shared.model.transformer import CausalLM
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, as Qwen models use it.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+HF_CLASS = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}
+SIZES: dict[str, dict[str, int]] = {
+    # a few million parameters: fast enough for every test
+    "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, experts=8,
+                 expert_intermediate=32, shared_intermediate=64, max_position=2048),
+    # ~100M parameters in total, ~30M active: big enough that benchmarks measure the model, not Python
+    "small": dict(hidden=512, layers=8, heads=8, kv_heads=2, head_dim=64, intermediate=1024, experts=8,
+                  expert_intermediate=1024, shared_intermediate=1024, max_position=8192),
+}
+# Canonical names back to each architecture's own checkpoint spelling (inverse of loader.RENAMES).
+CHECKPOINT_SPELLING: dict[str, list[tuple[str, str]]] = {
+    "mixtral": [
+        (r"\.mlp\.", ".block_sparse_moe."),
+        (r"\.experts\.(\d+)\.gate_proj\.", r".experts.\1.w1."),
+        (r"\.experts\.(\d+)\.up_proj\.", r".experts.\1.w3."),
+        (r"\.experts\.(\d+)\.down_proj\.", r".experts.\1.w2."),
+    ],
+}
+
+
+def byte_level_tokenizer() -> Tokenizer:
+    """256 byte tokens and three specials: any text round-trips, no training needed."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return tok
+
+
+def demo_config(arch: str, size: str = "tiny") -> dict[str, Any]:
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(sorted(ARCHITECTURES))}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    s = SIZES[size]
+    vocab = 256 + len(SPECIAL_TOKENS)
+    eos = vocab - 1  # <|im_end|>
+    cfg: dict[str, Any] = {
+        "architectures": [HF_CLASS[arch]],
+        "model_type": arch,
+        "vocab_size": vocab,
+        "hidden_size": s["hidden"],
+        "intermediate_size": s["intermediate"],
+        "num_hidden_layers": s["layers"],
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv_heads"],
+        "head_dim": s["head_dim"],
+        "hidden_act": "silu",
+        "max_position_embeddings": s["max_position"],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": arch in ("qwen2", "qwen3"),
+        "attention_bias": False,
+        "bos_token_id": None,
+        "eos_token_id": eos,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+    if arch == "mixtral":
+        cfg |= {"num_local_experts": s["experts"], "num_experts_per_tok": 2,
+                "intermediate_size": s["expert_intermediate"], "sliding_window": None}
+    elif arch == "olmoe":
+        cfg |= {"num_experts": s["experts"], "num_experts_per_tok": 2, "norm_topk_prob": False,
+                "intermediate_size": s["expert_intermediate"], "clip_qkv": None}
+    elif arch in ("qwen2_moe", "qwen3_moe"):
+        cfg |= {"num_experts": s["experts"], "num_experts_per_tok": 2,
+                "moe_intermediate_size": s["expert_intermediate"], "decoder_sparse_step": 1,
+                "norm_topk_prob": arch == "qwen3_moe", "use_sliding_window": False,
+                # the last layer dense: exercises the interleaving both Qwen-MoE variants allow
+                "mlp_only_layers": [s["layers"] - 1] if size == "tiny" else []}
+        if arch == "qwen2_moe":
+            cfg["shared_expert_intermediate_size"] = s["shared_intermediate"]
+    return cfg
+
+
+def random_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Checkpoint-named float32 tensors for `cfg`, reproducible from `seed`."""
+    model_cfg = ModelConfig.from_dict(cfg)
+    with torch.device("meta"):
+        model = CausalLM(model_cfg)
+    gen = torch.Generator().manual_seed(seed)
+    hidden = model_cfg.hidden_size
+    spelling = [(re.compile(a), b) for a, b in CHECKPOINT_SPELLING.get(model_cfg.model_type, [])]
+    tensors = {}
+    for name, target in sorted(_targets(model).items()):
+        shape = tuple(target.param[target.index].shape)
+        w = torch.randn(shape, generator=gen)
+        if "norm" in name:
+            w = 1.0 + 0.1 * w
+        elif name.endswith("bias"):
+            w = 0.1 * w
+        elif name == "lm_head.weight" or name.endswith("mlp.gate.weight"):
+            w = w * (4.0 / hidden**0.5)  # logits / router scores with std ~4: clear winners
+        elif "embed_tokens" not in name:
+            w = w / shape[-1] ** 0.5
+        for pattern, repl in spelling:
+            name = pattern.sub(repl, name)
+        tensors[name] = w.contiguous()
+    return tensors
+
+
+def write_demo_checkpoint(
+    out_dir: str | Path,
+    arch: str = "qwen3_moe",
+    size: str = "tiny",
+    seed: int = 0,
+    dtype: str = "float32",
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """Write config, weights (sharded when `max_shard_bytes` is set), tokenizer and chat template."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = demo_config(arch, size) | {"torch_dtype": dtype}
+    tensors = {k: v.to(DTYPES[dtype]) for k, v in random_weights(cfg, seed).items()}
+    _write_weights(out, tensors, max_shard_bytes)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    eos = cfg["eos_token_id"]
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "do_sample": False}, indent=2))
+    byte_level_tokenizer().save(str(out / "tokenizer.json"))
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": cfg["max_position_embeddings"],
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    return out
+
+
+def _write_weights(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None) -> None:
+    if max_shard_bytes is None:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, fname)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

@@ -1,0 +1,97 @@
+"""Small building blocks shared by every architecture: RMSNorm, rotary embedding, gated MLP.
+
+Tensors are flat over tokens: `T` tokens of the whole batch, `D` hidden size, no padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.model.config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 and cast back before the weight, as the reference implementation does.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Rotary:
+    """Precomputed cos/sin tables indexed by absolute position (not an nn.Module: nothing to load)."""
+
+    def __init__(self, head_dim: int, max_position: int, rope: RopeConfig) -> None:
+        inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = _scale_inv_freq(inv_freq, rope)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (P, head_dim)
+        self.cos, self.sin = emb.cos(), emb.sin()
+        self.max_position = max_position
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: (T, H, hd), k: (T, KVH, hd), positions: (T,) → rotated q, k (new tensors)."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, hd)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    if rope.kind == "linear":
+        return inv_freq / rope.factor
+    if rope.kind == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+        low_wavelen = rope.original_max_position / rope.low_freq_factor
+        high_wavelen = rope.original_max_position / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one (2I, D) weight."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(hidden, intermediate))
+
+    # Checkpoint tensor (relative name) → (our parameter, the slice of it that tensor fills).
+    def checkpoint_shards(self) -> dict[str, tuple[str, tuple]]:
+        i = self.intermediate
+        return {
+            "gate_proj.weight": ("gate_up_proj", (slice(0, i),)),
+            "up_proj.weight": ("gate_up_proj", (slice(i, 2 * i),)),
+            "down_proj.weight": ("down_proj", ()),
+        }
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gated_mlp(x, self.gate_up_proj, self.down_proj)
+
+
+def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """x: (T, D), gate_up: (2I, D), down: (D, I) → (T, D)."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)

@@ -1,0 +1,142 @@
+"""Load a Hugging Face safetensors checkpoint (single file or sharded) into a `CausalLM`.
+
+The mapping from checkpoint names to our parameters is declarative: every parameter loads from the tensor
+of the same name, except where a module's `checkpoint_shards()` says a checkpoint tensor fills a slice of
+a fused/stacked parameter (q/k/v → qkv_proj, gate/up → gate_up_proj, experts.N.* → stacked experts).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from shared.model.config import ModelConfig
+from shared.model.transformer import CausalLM
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Checkpoint spellings rewritten to the canonical (Qwen-style) names before lookup.
+RENAMES: dict[str, list[tuple[str, str]]] = {
+    "mixtral": [
+        (r"\.block_sparse_moe\.", ".mlp."),
+        (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."),
+        (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
+        (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."),
+    ],
+}
+# Tensors some checkpoints carry that hold nothing we need.
+IGNORED = re.compile(r"(rotary_emb\.inv_freq$)")
+
+# Above this many bytes of weights, show a progress bar unless told otherwise.
+PROGRESS_BYTES = 1 << 30
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory is incomplete or does not match its config."""
+
+
+@dataclass(frozen=True)
+class _Target:
+    param: torch.Tensor
+    index: tuple  # the slice of `param` this checkpoint tensor fills; () = all of it
+
+
+def resolve_dtype(requested: str | torch.dtype | None, checkpoint_dtype: str | None) -> torch.dtype:
+    """The requested dtype, else the checkpoint's own, else float32."""
+    if isinstance(requested, torch.dtype):
+        return requested
+    name = requested or checkpoint_dtype or "float32"
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    progress: bool | None = None,
+) -> CausalLM:
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model.to(resolve_dtype(dtype, cfg.torch_dtype)).to_empty(device=device)
+    load_weights(model, model_dir, progress)
+    model.init_runtime()
+    return model.eval()
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise CheckpointError(f"{model_dir}: shard(s) named in {index.name} are missing: {', '.join(missing)}")
+        return [model_dir / n for n in names]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_weights(model: CausalLM, model_dir: Path, progress: bool | None = None) -> None:
+    targets = _targets(model)
+    renames = [(re.compile(a), b) for a, b in RENAMES.get(model.config.model_type, [])]
+    files = checkpoint_files(model_dir)
+    if progress is None:
+        progress = sum(f.stat().st_size for f in files) > PROGRESS_BYTES
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt") as shard:
+                names = list(shard.keys())
+                for raw_name in tqdm(names, desc=f"loading {file.name}", disable=not progress, unit="tensor"):
+                    name = raw_name
+                    for pattern, repl in renames:
+                        name = pattern.sub(repl, name)
+                    target = targets.get(name)
+                    if target is None:
+                        if not (IGNORED.search(name) or (name == "lm_head.weight" and model.lm_head is None)):
+                            log.warning("ignoring unexpected checkpoint tensor %s", raw_name)
+                        continue
+                    tensor = shard.get_tensor(raw_name)
+                    dest = target.param[target.index]
+                    if tuple(dest.shape) != tuple(tensor.shape):
+                        raise CheckpointError(
+                            f"tensor {raw_name} has shape {tuple(tensor.shape)}, "
+                            f"the config implies {tuple(dest.shape)}"
+                        )
+                    dest.copy_(tensor)
+                    loaded.add(name)
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{model_dir}: checkpoint is missing tensor(s): {shown}")
+
+
+def _targets(model: CausalLM) -> dict[str, _Target]:
+    targets: dict[str, _Target] = {}
+    for prefix, module in model.named_modules():
+        shards = module.checkpoint_shards() if hasattr(module, "checkpoint_shards") else {}
+        covered = {param for param, _ in shards.values()}
+        for suffix, (param, index) in shards.items():
+            targets[_join(prefix, suffix)] = _Target(getattr(module, param), index)
+        for name, param in module.named_parameters(recurse=False):
+            if name not in covered:
+                targets[_join(prefix, name)] = _Target(param, ())
+    return targets
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name

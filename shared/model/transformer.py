@@ -1,0 +1,88 @@
+"""The decoder-only causal LM shared by every supported architecture.
+
+Parameter names follow the Hugging Face checkpoints (model.layers.N.self_attn..., lm_head) so the loader
+maps them one to one; fused and stacked parameters declare their checkpoint pieces in `checkpoint_shards`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.model.attention import Attention
+from shared.model.config import ModelConfig
+from shared.model.layers import GatedMLP, RMSNorm, Rotary
+from shared.model.moe import MoE
+from shared.model.paged_attention import AttentionMetadata
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        sparse = cfg.layer_is_sparse(index)
+        self.mlp: nn.Module = MoE(cfg) if sparse else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """forward(input_ids (T,), positions (T,), kv_caches, meta) → hidden (T, D); logits(hidden) → (N, V).
+
+    Build it with `shared.model.loader.load_model`: parameters start uninitialized (meta device), and
+    `init_runtime` creates the tensors that are not weights (RoPE tables, expert-load counters).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary: Rotary | None = None
+
+    def init_runtime(self) -> None:
+        cfg = self.config
+        self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.expert_load = torch.zeros(cfg.num_experts, dtype=torch.int64)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        if self.rotary is None:
+            raise RuntimeError("call init_runtime() (load_model does) before running the model")
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rotary, kv_cache, meta)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def take_expert_load(self) -> dict[int, torch.Tensor]:
+        """Tokens routed per expert in each sparse layer since the last call; resets the counters."""
+        load = {}
+        for i, layer in enumerate(self.model.layers):
+            if isinstance(layer.mlp, MoE):
+                load[i] = layer.mlp.expert_load.clone()
+                layer.mlp.expert_load.zero_()
+        return load
