@@ -96,8 +96,7 @@ class ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in ARCHITECTURES:
             raise UnsupportedModelError(
-                f"unsupported model_type {model_type!r}; supported architectures: "
-                f"{', '.join(sorted(ARCHITECTURES))}"
+                f"unsupported model_type {model_type!r}; supported architectures: {', '.join(sorted(ARCHITECTURES))}"
             )
         arch = ARCHITECTURES[model_type]
         if raw.get("use_sliding_window"):
@@ -162,9 +161,7 @@ def _moe_fields(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[s
         "num_experts_per_tok": _require(raw, "num_experts_per_tok"),
         "moe_intermediate_size": moe_intermediate,
         "norm_topk_prob": arch.always_renormalize or bool(raw.get("norm_topk_prob", False)),
-        "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size", 0)
-        if arch.shared_expert
-        else 0,
+        "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size", 0) if arch.shared_expert else 0,
         "sparse_layers": sparse,
     }
 

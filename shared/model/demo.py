@@ -39,11 +39,31 @@ HF_CLASS = {
 }
 SIZES: dict[str, dict[str, int]] = {
     # a few million parameters: fast enough for every test
-    "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, experts=8,
-                 expert_intermediate=32, shared_intermediate=64, max_position=2048),
+    "tiny": dict(
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        intermediate=128,
+        experts=8,
+        expert_intermediate=32,
+        shared_intermediate=64,
+        max_position=2048,
+    ),
     # ~100M parameters in total, ~30M active: big enough that benchmarks measure the model, not Python
-    "small": dict(hidden=512, layers=8, heads=8, kv_heads=2, head_dim=64, intermediate=1024, experts=8,
-                  expert_intermediate=1024, shared_intermediate=1024, max_position=8192),
+    "small": dict(
+        hidden=512,
+        layers=8,
+        heads=8,
+        kv_heads=2,
+        head_dim=64,
+        intermediate=1024,
+        experts=8,
+        expert_intermediate=1024,
+        shared_intermediate=1024,
+        max_position=8192,
+    ),
 }
 # Canonical names back to each architecture's own checkpoint spelling (inverse of loader.RENAMES).
 CHECKPOINT_SPELLING: dict[str, list[tuple[str, str]]] = {
@@ -96,17 +116,31 @@ def demo_config(arch: str, size: str = "tiny") -> dict[str, Any]:
         "use_cache": True,
     }
     if arch == "mixtral":
-        cfg |= {"num_local_experts": s["experts"], "num_experts_per_tok": 2,
-                "intermediate_size": s["expert_intermediate"], "sliding_window": None}
+        cfg |= {
+            "num_local_experts": s["experts"],
+            "num_experts_per_tok": 2,
+            "intermediate_size": s["expert_intermediate"],
+            "sliding_window": None,
+        }
     elif arch == "olmoe":
-        cfg |= {"num_experts": s["experts"], "num_experts_per_tok": 2, "norm_topk_prob": False,
-                "intermediate_size": s["expert_intermediate"], "clip_qkv": None}
+        cfg |= {
+            "num_experts": s["experts"],
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": False,
+            "intermediate_size": s["expert_intermediate"],
+            "clip_qkv": None,
+        }
     elif arch in ("qwen2_moe", "qwen3_moe"):
-        cfg |= {"num_experts": s["experts"], "num_experts_per_tok": 2,
-                "moe_intermediate_size": s["expert_intermediate"], "decoder_sparse_step": 1,
-                "norm_topk_prob": arch == "qwen3_moe", "use_sliding_window": False,
-                # the last layer dense: exercises the interleaving both Qwen-MoE variants allow
-                "mlp_only_layers": [s["layers"] - 1] if size == "tiny" else []}
+        cfg |= {
+            "num_experts": s["experts"],
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": s["expert_intermediate"],
+            "decoder_sparse_step": 1,
+            "norm_topk_prob": arch == "qwen3_moe",
+            "use_sliding_window": False,
+            # the last layer dense: exercises the interleaving both Qwen-MoE variants allow
+            "mlp_only_layers": [s["layers"] - 1] if size == "tiny" else [],
+        }
         if arch == "qwen2_moe":
             cfg["shared_expert_intermediate_size"] = s["shared_intermediate"]
     return cfg

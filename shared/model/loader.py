@@ -114,8 +114,7 @@ def load_weights(model: CausalLM, model_dir: Path, progress: bool | None = None)
                     dest = target.param[target.index]
                     if tuple(dest.shape) != tuple(tensor.shape):
                         raise CheckpointError(
-                            f"tensor {raw_name} has shape {tuple(tensor.shape)}, "
-                            f"the config implies {tuple(dest.shape)}"
+                            f"tensor {raw_name} has shape {tuple(tensor.shape)}, the config implies {tuple(dest.shape)}"
                         )
                     dest.copy_(tensor)
                     loaded.add(name)

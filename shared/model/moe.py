@@ -49,9 +49,7 @@ class Experts(nn.Module):
             start += n
         return out
 
-    def forward_reference(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> torch.Tensor:
+    def forward_reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Plain per-token loop; the grouped path is tested against this."""
         out = torch.zeros_like(x)
         for t in range(x.shape[0]):

@@ -40,9 +40,9 @@ class AttentionMetadata:
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
         slots = [_context_slots(bt, n, block_size) for bt, n in zip(block_tables, context_lens, strict=True)]
-        slot_mapping = torch.cat(
-            [s[n - q :] for s, n, q in zip(slots, context_lens, query_lens, strict=True)]
-        ).to(device)
+        slot_mapping = torch.cat([s[n - q :] for s, n, q in zip(slots, context_lens, query_lens, strict=True)]).to(
+            device
+        )
 
         decode_slots = decode_mask = None
         if num_decodes:

@@ -1,0 +1,257 @@
+"""One process's inference engine: model + KV pool + block manager + scheduler + runner.
+
+Single-threaded by design: callers (the services) drive `step()` from one loop and call `add_request`,
+`abort`, `export_kv`, `import_kv` between steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shared.engine.block_manager import BlockManager, NoFreeBlocksError
+from shared.engine.kv_export import KVExport
+from shared.engine.kv_pool import KVLayout, KVPool
+from shared.engine.request import FinishReason, Request, RequestStatus
+from shared.engine.runner import ModelRunner
+from shared.engine.sampling import Sampler, SamplingParams
+from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.model.loader import load_model
+from shared.model.transformer import CausalLM
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # checkpoint directory
+    dtype: str | None = None  # None = the checkpoint's own
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_bytes: int = 256 << 20  # memory budget the KV pool is cut from
+    num_kv_blocks: int | None = None  # overrides the budget (tests)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    seed: int | None = None  # for requests without a seed of their own
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class EngineStats:
+    """Cumulative token counts, by the phase the model computed them in."""
+
+    prefill_tokens: int = 0  # tokens computed as part of a prompt (or a recomputation)
+    decode_tokens: int = 0  # single tokens fed back while decoding
+    preemptions: int = 0
+    steps: int = 0
+
+
+@dataclass
+class _Held:
+    request: Request
+    pins: int = field(default=0)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
+        self.config = config
+        self.model = model or load_model(config.model, dtype=config.dtype, device=config.device)
+        mc = self.model.config
+        dtype = next(self.model.parameters()).dtype
+        self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, str(dtype)[6:])
+        if config.num_kv_blocks is not None:
+            self.pool = KVPool(self.layout, config.num_kv_blocks, config.device)
+        else:
+            self.pool = KVPool.from_budget(self.layout, config.kv_cache_bytes, config.device)
+        self.blocks = BlockManager(self.pool.num_blocks, config.block_size)
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if self.pool.num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV pool holds {self.pool.num_blocks * config.block_size} tokens, less than one request "
+                f"of max_model_len {self.max_model_len}: raise kv_cache_bytes or lower max_model_len"
+            )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                max_model_len=self.max_model_len,
+            ),
+            self.blocks,
+            eos_token_ids=mc.eos_token_ids,
+        )
+        self.runner = ModelRunner(self.model, self.pool, Sampler(config.seed))
+        self.requests: dict[str, Request] = {}  # live, or finished and holding KV
+        self.stats = EngineStats()
+        self.last_logits: dict[str, torch.Tensor] = {}  # from the latest step, for tests and logprobs
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, **overrides) -> Engine:
+        return cls(EngineConfig(model=str(model_dir), **overrides))
+
+    # ---- requests -------------------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, hold_kv: bool = False
+    ) -> None:
+        """Queue a request. Raises ValueError for an empty, too long or out-of-vocabulary prompt, or a
+        duplicate id. With hold_kv the blocks outlive the request until `release_kv`."""
+        self._validate(request_id, prompt_token_ids)
+        req = Request(request_id, list(prompt_token_ids), params, hold_kv=hold_kv)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def _validate(self, request_id: str, tokens: list[int]) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not tokens:
+            raise ValueError("the prompt is empty")
+        if len(tokens) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(tokens)} tokens; max_model_len is {self.max_model_len} "
+                "and at least one token must be generated"
+            )
+        vocab = self.model.config.vocab_size
+        if min(tokens) < 0 or max(tokens) >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab})")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks (held ones too). False if the id is unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req.is_finished:  # held for export
+            self.blocks.free(req.block_table)
+            req.block_table = []
+        else:
+            self.scheduler.abort(req)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return the new token of every request that produced one."""
+        plan = self.scheduler.schedule()
+        self.stats.preemptions += len(plan.preempted)
+        if not plan.seqs:
+            return []
+        out = self.runner.execute(plan)
+        self.last_logits = out.logits
+        self.stats.steps += 1
+        for s in plan.seqs:
+            is_decode = s.num_tokens == 1 and s.request.num_computed_tokens == s.request.num_tokens - 1
+            if is_decode:
+                self.stats.decode_tokens += 1
+            else:
+                self.stats.prefill_tokens += s.num_tokens
+        outputs = []
+        for r in self.scheduler.update_from_output(plan, out.sampled):
+            req = r.request
+            if r.finished and not req.hold_kv:
+                self.requests.pop(req.request_id, None)
+            outputs.append(
+                RequestOutput(
+                    req.request_id,
+                    [r.new_token_id] if r.new_token_id is not None else [],
+                    r.finished,
+                    req.finish_reason,
+                    len(req.prompt_token_ids),
+                    len(req.output_token_ids),
+                )
+            )
+        return outputs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Run prompts to completion; output token ids in prompt order (a convenience for tools and tests)."""
+        ids = [f"generate-{i}-{id(prompts)}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts, strict=True):
+            self.add_request(rid, prompt, params)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for o in self.step():
+                results[o.request_id] += o.new_token_ids
+        return [results[rid] for rid in ids]
+
+    # ---- KV hand-off ----------------------------------------------------------------------------------
+
+    def export_kv(self, request_id: str) -> KVExport:
+        """Copy out the KV of a request that is decoding or finished holding its KV. No state changes."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        if req.status is RequestStatus.WAITING or req.num_computed_tokens < req.num_tokens - 1:
+            raise ValueError(f"request {request_id!r} has not finished its prefill")
+        n = self.blocks.blocks_for(req.num_computed_tokens)
+        return KVExport(self.layout, req.num_computed_tokens, self.pool.read(req.block_table[:n]))
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free the blocks of a finished request that held them. False if there is no such request."""
+        req = self.requests.get(request_id)
+        if req is None or not req.is_finished:
+            return False
+        del self.requests[request_id]
+        self.blocks.free(req.block_table)
+        req.block_table = []
+        return True
+
+    def import_kv(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+        kv: KVExport,
+    ) -> None:
+        """Continue a request from KV computed elsewhere. The KV must cover every token but the last
+        sampled one. Raises NoFreeBlocksError (nothing taken) when the pool is full: retry later."""
+        self._validate(request_id, prompt_token_ids)
+        if not output_token_ids:
+            raise ValueError("import needs at least the first sampled token")
+        if kv.layout.fingerprint != self.layout.fingerprint:
+            raise ValueError(f"KV layout {kv.layout} does not match this engine's {self.layout}")
+        if kv.num_tokens != len(prompt_token_ids) + len(output_token_ids) - 1:
+            raise ValueError(
+                f"KV covers {kv.num_tokens} tokens; expected prompt + output - 1 = "
+                f"{len(prompt_token_ids) + len(output_token_ids) - 1}"
+            )
+        if len(self.scheduler.running) >= self.config.max_num_seqs:
+            raise NoFreeBlocksError(f"{self.config.max_num_seqs} requests already running")
+        blocks = self.blocks.allocate(self.blocks.blocks_for(kv.num_tokens))
+        self.pool.write(blocks, kv.reblock(self.layout.block_size))
+        req = Request(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids))
+        req.block_table = blocks
+        req.num_computed_tokens = kv.num_tokens
+        self.requests[request_id] = req
+        self.scheduler.add_running(req)
+
+    def check_integrity(self) -> None:
+        """Block manager invariants, plus: every live request's blocks are counted as used."""
+        self.blocks.check_integrity()
+        for req in self.requests.values():
+            for b in req.block_table:
+                if self.blocks.ref_count(b) == 0:
+                    raise AssertionError(f"request {req.request_id} holds free block {b}")

@@ -1,0 +1,71 @@
+"""The physical KV cache: one preallocated tensor per worker, addressed by block id.
+
+Shape (L, 2, N, B, KVH, hd): layers, K|V, blocks, tokens per block, KV heads, head dim. Which blocks
+belong to whom is the block manager's business; this module only stores and copies bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What two engines must agree on to exchange KV blocks."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def fingerprint(self) -> str:
+        """Stable id of the token-level layout (block size excluded: blocks can be re-cut on import)."""
+        key = f"{self.num_layers}:{self.num_kv_heads}:{self.head_dim}:{self.dtype}"
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+class KVPool:
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu") -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self.tensor = torch.zeros(shape, dtype=layout.torch_dtype, device=device)
+
+    @classmethod
+    def from_budget(cls, layout: KVLayout, budget_bytes: int, device: str | torch.device = "cpu") -> KVPool:
+        num_blocks = budget_bytes // layout.bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV cache budget of {budget_bytes} bytes holds no block ({layout.bytes_per_block} bytes each)"
+            )
+        return cls(layout, num_blocks, device)
+
+    def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, (k_cache, v_cache) views of shape (N, B, KVH, hd) that the model writes into."""
+        return [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(self.layout.num_layers)]
+
+    def read(self, block_ids: list[int]) -> torch.Tensor:
+        """Copy of the given blocks for all layers: (L, 2, n, B, KVH, hd)."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.tensor.device)
+        return self.tensor.index_select(2, index)
+
+    def write(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Fill the given blocks from `data` of shape (L, 2, n, B, KVH, hd)."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.tensor.device)
+        self.tensor.index_copy_(2, index, data.to(device=self.tensor.device, dtype=self.tensor.dtype))

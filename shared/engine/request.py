@@ -1,0 +1,56 @@
+"""One request's state inside an engine."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from shared.engine.sampling import SamplingParams
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"  # queued; also where a preempted request returns to
+    RUNNING = "running"  # has KV blocks; prefilling in chunks or decoding
+    FINISHED = "finished"
+
+
+class FinishReason(Enum):
+    STOP = "stop"  # a stop token (EOS unless ignore_eos, or one of stop_token_ids)
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # Keep the KV blocks when the request finishes, until the engine is told to release them
+    # (a prefill worker holds them for the decode worker's pull).
+    hold_kv: bool = False
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    block_table: list[int] = field(default_factory=list)
+    # Tokens (prompt + output) whose K/V is in the cache. A request is decoding once this is
+    # num_tokens - 1: only the last sampled token still has to go through the model.
+    num_computed_tokens: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output, without concatenating the whole sequence."""
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        if start >= p:
+            return self.output_token_ids[start - p : stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

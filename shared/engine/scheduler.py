@@ -1,0 +1,222 @@
+"""The scheduler decides what runs each step and returns it as a plan; the runner executes the plan; only
+`update_from_output` changes request state after the fact.
+
+Policy (continuous batching):
+- Running requests that are decoding get one token each, first. A decode that needs a new block and finds
+  none preempts the most recently admitted request (its blocks are freed, it returns to the front of the
+  queue and is recomputed later): requests that do not fit wait, they never corrupt another.
+- The remaining token budget goes to prefill: first to prompts already being prefilled in chunks, then to
+  waiting requests in arrival order. With chunked prefill a long prompt is cut to fit the budget and
+  shares steps with decodes; without it a step that admits prompts runs only whole prompts (the classic
+  colocated behaviour, where a long prompt stalls every decode for one step).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # requests holding KV and running at once
+    max_num_batched_tokens: int = 512  # tokens through the model per step
+    enable_chunked_prefill: bool = True
+    max_model_len: int = 4096  # prompt + output tokens of one request
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill a whole prompt must fit in one step: "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) < max_model_len ({self.max_model_len})"
+            )
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    request: Request
+    num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step brings the request up to date, so a next token is sampled."""
+        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulePlan:
+    seqs: list[ScheduledSeq] = field(default_factory=list)  # decodes (one token) first, then prefill chunks
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    request: Request
+    new_token_id: int | None
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last one is preempted first
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """Admit a request whose KV is already in its blocks (imported from another engine)."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._finish(request, FinishReason.ABORT)
+
+    # ---- planning -------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulePlan:
+        plan = SchedulePlan()
+        if not self.config.enable_chunked_prefill and self._admit_waiting(plan, self.config.max_num_batched_tokens):
+            return plan  # a prefill-only step
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_decodes(plan, budget)
+        budget = self._continue_prefills(plan, budget)
+        if self.config.enable_chunked_prefill:
+            self._admit_waiting(plan, budget)
+        return plan
+
+    def _schedule_decodes(self, plan: SchedulePlan, budget: int) -> int:
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req not in self.running or not self._is_decoding(req):
+                continue  # preempted meanwhile, or still prefilling
+            if not self._reserve(req, req.num_computed_tokens + 1, plan):
+                continue  # req itself was preempted
+            plan.seqs.append(ScheduledSeq(req, 1))
+            budget -= 1
+        return budget
+
+    def _continue_prefills(self, plan: SchedulePlan, budget: int) -> int:
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if self._is_decoding(req) or req not in self.running:
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._reserve(req, req.num_computed_tokens + n, plan):
+                continue
+            plan.seqs.append(ScheduledSeq(req, n))
+            budget -= n
+        return budget
+
+    def _admit_waiting(self, plan: SchedulePlan, budget: int) -> bool:
+        """Admit queued requests in order while budget, sequence slots and blocks allow."""
+        admitted = False
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = req.num_tokens - req.num_computed_tokens
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                n = budget
+            if not self._grow(req, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            plan.seqs.append(ScheduledSeq(req, n))
+            budget -= n
+            admitted = True
+        return admitted
+
+    def _is_decoding(self, req: Request) -> bool:
+        return req.num_computed_tokens == req.num_tokens - 1
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Give `req` blocks for `num_tokens` tokens if the pool can; False (nothing taken) otherwise."""
+        need = self.blocks.blocks_for(num_tokens) - len(req.block_table)
+        if need <= 0:
+            return True
+        if not self.blocks.can_allocate(need):
+            return False
+        req.block_table.extend(self.blocks.allocate(need))
+        return True
+
+    def _reserve(self, req: Request, num_tokens: int, plan: SchedulePlan) -> bool:
+        """Like _grow, but preempts the newest running requests until it fits. False if req was preempted."""
+        while not self._grow(req, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request, plan: SchedulePlan) -> None:
+        self.running.remove(req)
+        self.blocks.free(req.block_table)
+        req.block_table = []
+        req.num_computed_tokens = 0  # recompute prompt + output so far when readmitted
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        plan.preempted.append(req)
+        # A scheduled entry for the victim from earlier in this plan must not run.
+        plan.seqs[:] = [s for s in plan.seqs if s.request is not req]
+
+    # ---- applying results -----------------------------------------------------------------------------
+
+    def update_from_output(self, plan: SchedulePlan, sampled: dict[str, int]) -> list[StepResult]:
+        """Advance every scheduled request by its tokens, append sampled tokens, finish the done ones."""
+        results = []
+        for seq in plan.seqs:
+            req = seq.request
+            if req.is_finished:
+                continue  # aborted while the step ran
+            samples = seq.samples
+            req.num_computed_tokens += seq.num_tokens
+            if not samples:
+                continue
+            token = sampled[req.request_id]
+            req.output_token_ids.append(token)
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                self.running.remove(req)
+                self._finish(req, reason)
+            results.append(StepResult(req, token, reason is not None))
+        return results
+
+    def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        keep = req.hold_kv and reason is not FinishReason.ABORT
+        if not keep and req.block_table:
+            self.blocks.free(req.block_table)
+            req.block_table = []
