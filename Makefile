@@ -1,0 +1,37 @@
+# Two commands do all the set-up: `make serve` and `make test`. Each creates .venv when missing and
+# installs the project with its dev extras; nothing else needs installing by hand.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+DEMO_MODEL ?= models/demo-tiny-qwen3_moe
+
+.PHONY: install test lint serve bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: $(STAMP) lint
+	$(PY) -m pytest
+
+$(DEMO_MODEL)/config.json: | $(STAMP)
+	$(VENV)/bin/pdserve demo-model $(DEMO_MODEL) --arch qwen3_moe --size tiny
+
+# Until the services land, `serve` runs the engine in one process on the offline demo model.
+serve: $(STAMP) $(DEMO_MODEL)/config.json
+	$(VENV)/bin/pdserve generate --model $(DEMO_MODEL) --chat --max-tokens 48 "Hello, pdserve!"
+
+bench: $(STAMP)
+	$(PY) benchmarks/engine_bench.py
+
+clean:
+	rm -rf $(VENV) models .pytest_cache .ruff_cache

@@ -1,0 +1,51 @@
+"""The `pdserve` command line: demo checkpoints and one-process generation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.cli import main
+from shared.model.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    assert main(["demo-model", str(out), "--arch", "mixtral", "--size", "tiny", "--seed", "3"]) == 0
+    return out
+
+
+def test_demo_model_is_deterministic(tmp_path, demo_dir):
+    again = tmp_path / "again"
+    assert main(["demo-model", str(again), "--arch", "mixtral", "--seed", "3"]) == 0
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (again / name).read_bytes() == (demo_dir / name).read_bytes(), name
+
+
+def test_generate_json(demo_dir, capsys):
+    rc = main(["generate", "--model", str(demo_dir), "--max-tokens", "12", "--ignore-eos", "--json", "héllo 世界"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    tok = Tokenizer(demo_dir)
+    assert out["prompt_token_ids"] == tok.encode("héllo 世界")
+    assert len(out["token_ids"]) == 12
+    assert out["text"] == tok.decode(out["token_ids"])
+    assert out["finish_reason"] == "length"
+
+
+def test_generate_chat_greedy_is_reproducible(demo_dir, capsys):
+    args = ["generate", "--model", str(demo_dir), "--chat", "--max-tokens", "8", "--json", "hi"]
+    main(args)
+    first = json.loads(capsys.readouterr().out)
+    main(args)
+    assert json.loads(capsys.readouterr().out)["token_ids"] == first["token_ids"]
+    assert first["prompt_token_ids"] == Tokenizer(demo_dir).encode_chat([{"role": "user", "content": "hi"}])
+
+
+def test_generate_reports_bad_input(demo_dir, tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path), "x"]) == 2
+    assert "tokenizer.json" in capsys.readouterr().err
+    assert main(["generate", "--model", str(demo_dir), "--max-tokens", "0", "x"]) == 2
+    assert "max_tokens" in capsys.readouterr().err
