@@ -101,7 +101,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_decodes(plan, budget)
         budget = self._continue_prefills(plan, budget)
-        if self.config.enable_chunked_prefill:
+        # After a preemption memory is tight: admitting now would hand the victim's blocks straight back.
+        if self.config.enable_chunked_prefill and not plan.preempted:
             self._admit_waiting(plan, budget)
         return plan
 

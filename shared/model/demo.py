@@ -8,7 +8,6 @@ does not hinge on float rounding, which makes token-for-token comparisons meanin
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from shared.model.config import ARCHITECTURES, ModelConfig
-from shared.model.loader import DTYPES, _targets
+from shared.model.loader import DTYPES, _targets, checkpoint_name
 from shared.model.transformer import CausalLM
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -64,15 +63,6 @@ SIZES: dict[str, dict[str, int]] = {
         shared_intermediate=1024,
         max_position=8192,
     ),
-}
-# Canonical names back to each architecture's own checkpoint spelling (inverse of loader.RENAMES).
-CHECKPOINT_SPELLING: dict[str, list[tuple[str, str]]] = {
-    "mixtral": [
-        (r"\.mlp\.", ".block_sparse_moe."),
-        (r"\.experts\.(\d+)\.gate_proj\.", r".experts.\1.w1."),
-        (r"\.experts\.(\d+)\.up_proj\.", r".experts.\1.w3."),
-        (r"\.experts\.(\d+)\.down_proj\.", r".experts.\1.w2."),
-    ],
 }
 
 
@@ -153,7 +143,6 @@ def random_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor
         model = CausalLM(model_cfg)
     gen = torch.Generator().manual_seed(seed)
     hidden = model_cfg.hidden_size
-    spelling = [(re.compile(a), b) for a, b in CHECKPOINT_SPELLING.get(model_cfg.model_type, [])]
     tensors = {}
     for name, target in sorted(_targets(model).items()):
         shape = tuple(target.param[target.index].shape)
@@ -166,9 +155,7 @@ def random_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor
             w = w * (4.0 / hidden**0.5)  # logits / router scores with std ~4: clear winners
         elif "embed_tokens" not in name:
             w = w / shape[-1] ** 0.5
-        for pattern, repl in spelling:
-            name = pattern.sub(repl, name)
-        tensors[name] = w.contiguous()
+        tensors[checkpoint_name(model_cfg.model_type, name)] = w.contiguous()
     return tensors
 
 

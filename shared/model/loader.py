@@ -33,6 +33,15 @@ RENAMES: dict[str, list[tuple[str, str]]] = {
         (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."),
     ],
 }
+# The inverse: canonical names back to the checkpoint's own spelling (for messages and demo checkpoints).
+CHECKPOINT_SPELLING: dict[str, list[tuple[str, str]]] = {
+    "mixtral": [
+        (r"\.mlp\.", ".block_sparse_moe."),
+        (r"\.experts\.(\d+)\.gate_proj\.", r".experts.\1.w1."),
+        (r"\.experts\.(\d+)\.up_proj\.", r".experts.\1.w3."),
+        (r"\.experts\.(\d+)\.down_proj\.", r".experts.\1.w2."),
+    ],
+}
 # Tensors some checkpoints carry that hold nothing we need.
 IGNORED = re.compile(r"(rotary_emb\.inv_freq$)")
 
@@ -118,10 +127,17 @@ def load_weights(model: CausalLM, model_dir: Path, progress: bool | None = None)
                         )
                     dest.copy_(tensor)
                     loaded.add(name)
-    missing = sorted(set(targets) - loaded)
+    missing = sorted(checkpoint_name(model.config.model_type, n) for n in set(targets) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{model_dir}: checkpoint is missing tensor(s): {shown}")
+
+
+def checkpoint_name(model_type: str, canonical: str) -> str:
+    """How a checkpoint of `model_type` spells the tensor we call `canonical`."""
+    for pattern, repl in CHECKPOINT_SPELLING.get(model_type, []):
+        canonical = re.sub(pattern, repl, canonical)
+    return canonical
 
 
 def _targets(model: CausalLM) -> dict[str, _Target]:

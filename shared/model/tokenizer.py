@@ -39,9 +39,11 @@ class Tokenizer:
         self._tok = HFTokenizer.from_file(str(path))
         cfg = _read_json(model_dir / "tokenizer_config.json")
         template_file = model_dir / "chat_template.jinja"
-        self.chat_template: str | None = cfg.get("chat_template") or (
-            template_file.read_text() if template_file.is_file() else None
-        )
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default")
+        self.chat_template: str | None = template or (template_file.read_text() if template_file.is_file() else None)
         self.bos_token = _special(cfg.get("bos_token"))
         self.eos_token = _special(cfg.get("eos_token"))
         self.eos_token_ids = self._eos_ids(model_dir)
