@@ -37,8 +37,16 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
 
 
-def test_greedy_generation_matches_transformers(checkpoint, reference):
-    engine = Engine.from_dir(checkpoint, max_num_batched_tokens=PREFILL_BUDGET, num_kv_blocks=64, max_model_len=512)
+@pytest.mark.parametrize("prepack", [True, False], ids=["packed", "plain"])  # both matmul weight formats
+def test_greedy_generation_matches_transformers(checkpoint, reference, prepack):
+    engine = Engine.from_dir(
+        checkpoint,
+        max_num_batched_tokens=PREFILL_BUDGET,
+        num_kv_blocks=64,
+        max_model_len=512,
+        prepack_weights=prepack,
+    )
+    assert bool(engine.model.__dict__.get("prepacked")) == prepack
     prompts = _prompts(engine.model.config.vocab_size)
     ours = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     assert engine.stats.prefill_tokens == sum(PROMPT_LENGTHS)
@@ -62,10 +70,7 @@ def test_prefill_logits_match_transformers(checkpoint, reference):
     cfg = model.config
     prompt = torch.tensor(_prompts(cfg.vocab_size)[2])
     n, block = len(prompt), 16
-    caches = [
-        (torch.zeros(8, block, cfg.num_kv_heads, cfg.head_dim), torch.zeros(8, block, cfg.num_kv_heads, cfg.head_dim))
-        for _ in range(cfg.num_layers)
-    ]
+    caches = [torch.zeros(2, 8, block, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
     # Deliberately scattered blocks: the paged layout must not depend on contiguity.
     meta = AttentionMetadata.build([[5, 0, 7, 2, 3, 1, 6]], [n], [n], block)
     with torch.no_grad():
@@ -74,13 +79,14 @@ def test_prefill_logits_match_transformers(checkpoint, reference):
     assert (ours - ref).abs().max().item() < 1e-4
 
 
-def test_grouped_moe_matches_per_token_reference(checkpoint):
+@pytest.mark.parametrize("num_tokens", [3, 37, 300])  # few experts hit; batched path; per-expert loop
+def test_grouped_moe_matches_per_token_reference(checkpoint, num_tokens):
     model = load_model(checkpoint)
     moes = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, MoE)]
     if not moes:
         pytest.skip("dense architecture")
-    x = torch.randn(37, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(num_tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         grouped, reference = moes[0](x), moes[0](x, reference=True)
     torch.testing.assert_close(grouped, reference, rtol=1e-5, atol=1e-5)
-    assert int(moes[0].expert_load.sum()) == 2 * 37 * model.config.num_experts_per_tok
+    assert int(moes[0].expert_load.sum()) == 2 * num_tokens * model.config.num_experts_per_tok

@@ -56,9 +56,9 @@ class KVPool:
             )
         return cls(layout, num_blocks, device)
 
-    def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, (k_cache, v_cache) views of shape (N, B, KVH, hd) that the model writes into."""
-        return [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(self.layout.num_layers)]
+    def layer_caches(self) -> list[torch.Tensor]:
+        """Per layer, a (2, N, B, KVH, hd) view (K and V) that the model writes into."""
+        return list(self.tensor.unbind(0))
 
     def read(self, block_ids: list[int]) -> torch.Tensor:
         """Copy of the given blocks for all layers: (L, 2, n, B, KVH, hd)."""

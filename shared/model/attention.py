@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shared.model.config import ModelConfig, QKNorm
 from shared.model.layers import RMSNorm, Rotary
+from shared.model.linear import PackedWeights, linear
 from shared.model.paged_attention import AttentionMetadata, paged_attention
 
 
-class Attention(nn.Module):
+class Attention(nn.Module, PackedWeights):
+    LINEAR_WEIGHTS = ("qkv_proj", "o_proj")
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -44,11 +46,11 @@ class Attention(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor,
         rotary: Rotary,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,  # (2, N, B, KVH, hd)
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = linear(x, self.w("qkv_proj"), self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm is QKNorm.FULL:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -60,5 +62,5 @@ class Attention(nn.Module):
         if self.qk_norm is QKNorm.PER_HEAD:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary.apply(q, k, positions)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return F.linear(out.reshape(t, self.q_size), self.o_proj)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return linear(out.reshape(t, self.q_size), self.w("o_proj"))

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.config import RopeConfig
+from shared.model.linear import PackedWeights, linear
 
 
 class RMSNorm(nn.Module):
@@ -69,8 +70,10 @@ def _scale_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return inv_freq
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(nn.Module, PackedWeights):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one (2I, D) weight."""
+
+    LINEAR_WEIGHTS = ("gate_up_proj", "down_proj")
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
@@ -88,10 +91,10 @@ class GatedMLP(nn.Module):
         }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gated_mlp(x, self.gate_up_proj, self.down_proj)
+        return gated_mlp(x, self.w("gate_up_proj"), self.w("down_proj"))
 
 
 def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """x: (T, D), gate_up: (2I, D), down: (D, I) → (T, D)."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    """x: (T, D), gate_up: (2I, D), down: (D, I) → (T, D). Weights may be packed (see linear.py)."""
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, down)

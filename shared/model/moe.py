@@ -7,11 +7,11 @@ Expert weights are stacked: gate_up (E, 2I, D), down (E, D, I).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shared.model.config import ModelConfig
 from shared.model.layers import GatedMLP, gated_mlp
+from shared.model.linear import PackedWeights, linear, pack
 
 
 class Experts(nn.Module):
@@ -20,6 +20,7 @@ class Experts(nn.Module):
         self.num_experts, self.intermediate = num_experts, intermediate
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self._packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def checkpoint_shards(self) -> dict[str, tuple[str, tuple]]:
         i = self.intermediate
@@ -30,9 +31,15 @@ class Experts(nn.Module):
             shards[f"{e}.down_proj.weight"] = ("down", (e,))
         return shards
 
+    def prepack(self) -> None:
+        self._packed = [(pack(self.gate_up[e]), pack(self.down[e])) for e in range(self.num_experts)]
+
+    def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._packed[e] if self._packed is not None else (self.gate_up[e], self.down[e])
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Grouped path: sort the (token, expert) pairs by expert, one matmul pair per active expert."""
-        t, a = topk_ids.shape
+        a = topk_ids.shape[1]
         flat_experts = topk_ids.flatten()  # (T*A,)
         order = flat_experts.argsort(stable=True)
         token_of_pair = order // a  # which token each sorted pair came from
@@ -44,13 +51,13 @@ class Experts(nn.Module):
             if n == 0:
                 continue
             idx = token_of_pair[start : start + n]
-            y = gated_mlp(x[idx], self.gate_up[e], self.down[e])
+            y = gated_mlp(x[idx], *self.expert_weights(e))
             out.index_add_(0, idx, y * weight_of_pair[start : start + n])
             start += n
         return out
 
     def forward_reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """Plain per-token loop; the grouped path is tested against this."""
+        """Plain per-token loop over the unpacked weights; the grouped path is tested against this."""
         out = torch.zeros_like(x)
         for t in range(x.shape[0]):
             for e, w in zip(topk_ids[t].tolist(), topk_weights[t], strict=True):
@@ -58,7 +65,7 @@ class Experts(nn.Module):
         return out
 
 
-class MoE(nn.Module):
+class MoE(nn.Module, PackedWeights):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
@@ -66,15 +73,17 @@ class MoE(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_expert = None
+        self.LINEAR_WEIGHTS = ("gate.weight",)
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+            self.LINEAR_WEIGHTS += ("shared_expert_gate.weight",)
         # Tokens routed to each expert since the last read; the services export it as expert load.
         self.expert_load = torch.zeros(cfg.num_experts, dtype=torch.int64)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """→ topk_ids (T, A) int64, topk_weights (T, A) float32."""
-        probs = F.softmax(self.gate(x).float(), dim=-1)  # (T, E)
+        probs = torch.softmax(linear(x, self.w("gate.weight")).float(), dim=-1)  # (T, E)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -86,5 +95,6 @@ class MoE(nn.Module):
         experts = self.experts.forward_reference if reference else self.experts
         out = experts(x, ids, weights)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            gate = torch.sigmoid(linear(x, self.w("shared_expert_gate.weight")))
+            out = out + gate * self.shared_expert(x)
         return out

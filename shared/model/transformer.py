@@ -7,12 +7,12 @@ maps them one to one; fused and stacked parameters declare their checkpoint piec
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shared.model.attention import Attention
 from shared.model.config import ModelConfig
 from shared.model.layers import GatedMLP, RMSNorm, Rotary
+from shared.model.linear import PackedWeights, linear
 from shared.model.moe import MoE
 from shared.model.paged_attention import AttentionMetadata
 
@@ -39,7 +39,7 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class CausalLM(nn.Module):
+class CausalLM(nn.Module, PackedWeights):
     """forward(input_ids (T,), positions (T,), kv_caches, meta) → hidden (T, D); logits(hidden) → (N, V).
 
     Build it with `shared.model.loader.load_model`: parameters start uninitialized (meta device), and
@@ -52,6 +52,7 @@ class CausalLM(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: Rotary | None = None
+        self.LINEAR_WEIGHTS = ("model.embed_tokens.weight",) if self.lm_head is None else ("lm_head.weight",)
 
     def init_runtime(self) -> None:
         cfg = self.config
@@ -64,7 +65,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[torch.Tensor],  # per layer (2, N, B, KVH, hd)
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         if self.rotary is None:
@@ -75,8 +76,7 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, self.w(self.LINEAR_WEIGHTS[0])).float()
 
     def take_expert_load(self) -> dict[int, torch.Tensor]:
         """Tokens routed per expert in each sparse layer since the last call; resets the counters."""

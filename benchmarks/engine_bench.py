@@ -1,0 +1,330 @@
+"""Prefill and decode throughput of pdserve's engine against Hugging Face transformers, on CPU.
+
+    .venv/bin/python benchmarks/engine_bench.py [--model DIR] [--out JSON] [--threads N] [--quick]
+
+Both systems run in one process on the same checkpoint, dtype and thread count. Repeats of the two are
+interleaved (and their order alternated) so that drift in a shared machine's speed hits both alike; each
+number is the median over repeats, after one warm-up run each.
+
+- prefill: B random prompts of PREFILL_LEN tokens, up to the first token's logits. pdserve: one engine
+  step of B max_tokens=1 requests (the token budget fits the whole batch, so it is one batched prefill).
+  transformers: one forward over (B, PREFILL_LEN) with use_cache=True and logits_to_keep=1.
+- decode: B random prompts of DECODE_PROMPT tokens, then DECODE_TOKENS greedy tokens each after the
+  first (ignore_eos). Only the decode phase is timed. pdserve: the engine steps after every request
+  has its first token. transformers: one `generate`, timed from inside by a logits processor that
+  stamps each step, from the first token's stamp to the last one's (so no prefill is subtracted).
+- floor: the bytes a decode step must read (weights of the experts it touches, KV), over this machine's
+  read bandwidth; also its FLOPs over the machine's matmul rate, since CPUs are often compute bound here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a script from anywhere, installed or not
+
+from shared.engine.engine import Engine  # noqa: E402
+from shared.engine.sampling import SamplingParams  # noqa: E402
+from shared.model.demo import write_demo_checkpoint  # noqa: E402
+
+PREFILL_LEN = 512
+DECODE_PROMPT = 128
+DECODE_TOKENS = 128  # timed tokens per sequence, after the first
+BLOCK_SIZE = 16
+MODEL_FIELDS = ("model_type", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+                "num_experts", "num_experts_per_tok", "moe_intermediate_size")  # fmt: skip
+
+
+def prepare_model(model_dir: str | None) -> Path:
+    if model_dir:
+        return Path(model_dir)
+    out = REPO / "models" / "demo-small-qwen3_moe"
+    # tokenizer_config.json is written last: its presence means an earlier write completed.
+    if not (out / "tokenizer_config.json").is_file():
+        print(f"writing the small qwen3_moe demo checkpoint to {out} ...", flush=True)
+        write_demo_checkpoint(out, arch="qwen3_moe", size="small")
+    return out
+
+
+def _blocks(tokens: int) -> int:
+    return -(-tokens // BLOCK_SIZE)
+
+
+class PdserveRunner:
+    def __init__(self, model_dir: Path, prefill_batch: int, decode_batch: int) -> None:
+        blocks = max(
+            _blocks(PREFILL_LEN + 1) * prefill_batch, _blocks(DECODE_PROMPT + DECODE_TOKENS + 1) * decode_batch
+        )
+        self.engine = Engine.from_dir(
+            model_dir,
+            # every batch of prompts fits one step: a prefill is one batched forward, as in transformers
+            max_num_batched_tokens=max(prefill_batch * PREFILL_LEN, decode_batch * DECODE_PROMPT),
+            max_num_seqs=max(prefill_batch, decode_batch),
+            max_model_len=PREFILL_LEN + DECODE_TOKENS + 1,
+            num_kv_blocks=blocks,  # enough that nothing is ever preempted
+            block_size=BLOCK_SIZE,
+        )
+        self._ids = itertools.count()
+
+    def _add(self, prompts: list[list[int]], max_tokens: int) -> list[str]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        ids = [f"bench-{next(self._ids)}" for _ in prompts]
+        for rid, prompt in zip(ids, prompts, strict=True):
+            self.engine.add_request(rid, prompt, params)
+        return ids
+
+    def prefill(self, prompts: list[list[int]]) -> float:
+        self._add(prompts, max_tokens=1)
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        elapsed = time.perf_counter() - start
+        if len(outputs) != len(prompts) or self.engine.has_unfinished():
+            raise RuntimeError("the prefill batch did not run as one step; raise max_num_batched_tokens")
+        return elapsed
+
+    def decode(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[float], list[list[int]]]:
+        """→ (duration of each decode step, generated tokens per prompt including the first)."""
+        ids = self._add(prompts, max_tokens=1 + new_tokens)
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        steps: list[float] = []
+        while self.engine.has_unfinished():
+            started = all(tokens.values())  # from here on, each step is pure decode
+            t0 = time.perf_counter()
+            for out in self.engine.step():
+                tokens[out.request_id] += out.new_token_ids
+            if started:
+                steps.append(time.perf_counter() - t0)
+        return steps, [tokens[rid] for rid in ids]
+
+
+class _StepClock(LogitsProcessor):
+    """Stamps the time whenever generate() has new logits, i.e. once per model step."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+class TransformersRunner:
+    def __init__(self, model_dir: Path, dtype: torch.dtype) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.model.generation_config.eos_token_id = None  # the equivalent of ignore_eos
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]]) -> float:
+        ids = torch.tensor(prompts)
+        start = time.perf_counter()
+        self.model(ids, use_cache=True, logits_to_keep=1)
+        return time.perf_counter() - start
+
+    def decode(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[float], list[list[int]]]:
+        ids = torch.tensor(prompts)  # equal lengths: no padding, the mask is all ones
+        clock = _StepClock()
+        out = self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=1 + new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList([clock]),
+        )
+        steps = [b - a for a, b in itertools.pairwise(clock.stamps)]
+        return steps, out[:, ids.shape[1] :].tolist()
+
+
+def interleaved(pd_fn, hf_fn, repeats: int) -> tuple[list, list]:
+    """Alternate the two `repeats` times, swapping which goes first; → (pdserve results, transformers results)."""
+    pd, hf = [], []
+    for r in range(repeats):
+        for fn, dest in ((pd_fn, pd), (hf_fn, hf))[:: 1 if r % 2 == 0 else -1]:
+            dest.append(fn())
+    return pd, hf
+
+
+def bench_prefill(pd: PdserveRunner, hf: TransformersRunner, batch: int, repeats: int, gen: torch.Generator) -> dict:
+    prompts = random_prompts(gen, batch, PREFILL_LEN, pd.engine.model.config.vocab_size)
+    pd.prefill(prompts)  # warm-up
+    hf.prefill(prompts)
+    pd_s, hf_s = interleaved(lambda: pd.prefill(prompts), lambda: hf.prefill(prompts), repeats)
+    pd_tps, hf_tps = batch * PREFILL_LEN / statistics.median(pd_s), batch * PREFILL_LEN / statistics.median(hf_s)
+    return dict(batch=batch, pdserve_tok_s=pd_tps, transformers_tok_s=hf_tps, ratio=pd_tps / hf_tps,
+                pdserve_s=pd_s, transformers_s=hf_s)  # fmt: skip
+
+
+def bench_decode(pd: PdserveRunner, hf: TransformersRunner, batch: int, repeats: int, gen: torch.Generator) -> dict:
+    prompts = random_prompts(gen, batch, DECODE_PROMPT, pd.engine.model.config.vocab_size)
+    # A short warm-up suffices: kernels and allocations are per shape, not per step count.
+    pd.decode(prompts, 4)
+    hf.decode(prompts, 4)
+    pd_runs, hf_runs = interleaved(
+        lambda: pd.decode(prompts, DECODE_TOKENS), lambda: hf.decode(prompts, DECODE_TOKENS), repeats
+    )
+    row: dict = dict(batch=batch, avg_context=DECODE_PROMPT + (DECODE_TOKENS + 1) / 2)
+    for name, runs in (("pdserve", pd_runs), ("transformers", hf_runs)):
+        totals = [sum(steps) for steps, _ in runs]
+        if any(len(steps) != DECODE_TOKENS for steps, _ in runs):
+            raise RuntimeError(f"{name}: expected {DECODE_TOKENS} decode steps")
+        row[f"{name}_tok_s"] = batch * DECODE_TOKENS / statistics.median(totals)
+        row[f"{name}_step_ms"] = 1000 * statistics.median(s for steps, _ in runs for s in steps)
+        row[f"{name}_s"] = totals
+    row["ratio"] = row["pdserve_tok_s"] / row["transformers_tok_s"]
+    # Same weights, greedy: the two should write the same tokens (a check that the comparison is fair).
+    row["same_tokens"] = sum(a == b for a, b in zip(pd_runs[-1][1], hf_runs[-1][1], strict=True)) / batch
+    return row
+
+
+def random_prompts(gen: torch.Generator, batch: int, length: int, vocab: int) -> list[list[int]]:
+    return torch.randint(0, vocab, (batch, length), generator=gen).tolist()
+
+
+def read_bandwidth(mib: int = 256, repeats: int = 15) -> float:
+    """GB/s of streaming a large tensor from memory once (a sum): the rate a decode step reads weights at."""
+    src = torch.ones(mib << 18)  # float32, touched now so page faults stay out of the timing
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        src.sum()
+        times.append(time.perf_counter() - t0)
+    return src.numel() * src.element_size() / statistics.median(times[1:]) / 1e9
+
+
+def matmul_gflops(repeats: int = 7) -> float:
+    """A large square matmul: roughly the best FLOP rate these threads reach."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * 2048**3 / statistics.median(times[1:]) / 1e9
+
+
+def decode_step_cost(model: torch.nn.Module, batch: int, context: float) -> tuple[float, float]:
+    """(bytes read, FLOPs) of one decode step of `batch` sequences at average context `context`.
+
+    A step reads every weight once (attention, norms, router, lm_head), except: of the experts only the
+    distinct ones its tokens chose, about E * (1 - (1 - k/E)^B) per sparse layer if routing is uniform;
+    of the embedding table one row per token (unless it doubles as the lm_head); plus the whole KV context.
+    """
+    cfg = model.config
+    itemsize = next(model.parameters()).element_size()
+    expert_params = dense_params = 0
+    for name, p in model.named_parameters():
+        if ".experts." in name:  # the stacked routed experts; a shared expert counts as dense
+            expert_params += p.numel()
+        elif "embed_tokens" not in name or cfg.tie_word_embeddings:
+            dense_params += p.numel()
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    experts_read = e * (1 - (1 - k / e) ** batch) if cfg.is_moe else 0.0
+    per_expert = expert_params / e if cfg.is_moe else 0.0
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+    read = dense_params + per_expert * experts_read + batch * cfg.hidden_size + batch * context * kv_per_token
+    attention_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context  # QK^T and PV, per token
+    return read * itemsize, batch * (2 * (dense_params + per_expert * k) + attention_flops)
+
+
+def add_floor(rows: list[dict], model: torch.nn.Module, gbps: float, gflops: float) -> None:
+    for row in rows:
+        read, flops = decode_step_cost(model, row["batch"], row["avg_context"])
+        row |= dict(step_mb=read / 1e6, mem_floor_ms=read / gbps / 1e6, compute_floor_ms=flops / gflops / 1e6)
+        for name in ("pdserve", "transformers"):
+            row[f"{name}_x_mem_floor"] = row[f"{name}_step_ms"] / row["mem_floor_ms"]
+
+
+def print_report(cfg: dict, prefill: list[dict], decode: list[dict]) -> None:
+    print(
+        f"\npdserve vs transformers {cfg['transformers']} | torch {cfg['torch']} | {cfg['threads']} threads | "
+        f"{cfg['dtype']} | {cfg['model_type']} {cfg['params'] / 1e6:.1f}M params, "
+        f"{cfg['num_experts']} experts top-{cfg['num_experts_per_tok']}"
+    )
+    print(f"read bandwidth {cfg['read_gbps']:.1f} GB/s, matmul {cfg['matmul_gflops']:.0f} GFLOP/s\n")
+    print(f"{'phase':<8}{'batch':>6}{'pdserve tok/s':>15}{'transformers tok/s':>20}{'ratio':>8}")
+    for phase, rows in (("prefill", prefill), ("decode", decode)):
+        for r in rows:
+            print(
+                f"{phase:<8}{r['batch']:>6}{r['pdserve_tok_s']:>15.1f}{r['transformers_tok_s']:>20.1f}"
+                f"{r['ratio']:>8.2f}"
+            )
+    print(f"\ndecode step vs floor (avg context {decode[0]['avg_context']:.1f} tokens)")
+    print(
+        f"{'batch':>5}{'MB/step':>9}{'mem floor ms':>14}{'FLOP floor ms':>15}{'pdserve ms':>12}{'x mem':>7}"
+        f"{'transformers ms':>17}{'x mem':>7}{'same tokens':>13}"
+    )
+    for r in decode:
+        print(
+            f"{r['batch']:>5}{r['step_mb']:>9.1f}{r['mem_floor_ms']:>14.2f}{r['compute_floor_ms']:>15.2f}"
+            f"{r['pdserve_step_ms']:>12.2f}{r['pdserve_x_mem_floor']:>7.1f}{r['transformers_step_ms']:>17.2f}"
+            f"{r['transformers_x_mem_floor']:>7.1f}{r['same_tokens']:>13.0%}"
+        )
+
+
+def run_config(model_dir: Path, model, hf_model, quick: bool, prefill_repeats: int, decode_repeats: int) -> dict:
+    return {f: getattr(model.config, f) for f in MODEL_FIELDS} | dict(
+        model_dir=str(model_dir),
+        params=sum(p.numel() for p in model.parameters()),
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        hf_attn_implementation=hf_model.config._attn_implementation,
+        hf_experts_implementation=getattr(hf_model.config, "_experts_implementation", None),
+        prefill_len=PREFILL_LEN,
+        decode_prompt_len=DECODE_PROMPT,
+        decode_tokens=DECODE_TOKENS,
+        block_size=BLOCK_SIZE,
+        quick=quick,
+        prefill_repeats=prefill_repeats,
+        decode_repeats=decode_repeats,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="checkpoint directory (default: the small qwen3_moe demo, generated once)")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "engine_bench.json"))
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--quick", action="store_true", help="one repeat, fewer batch sizes (about a minute)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)  # one process: this holds for both systems
+    prefill_batches, decode_batches = ((1,), (1, 32)) if args.quick else ((1, 8), (1, 8, 32))
+    prefill_repeats, decode_repeats = (1, 1) if args.quick else (5, 3)
+
+    model_dir = prepare_model(args.model)
+    pd = PdserveRunner(model_dir, max(prefill_batches), max(decode_batches))
+    model = pd.engine.model
+    hf = TransformersRunner(model_dir, next(model.parameters()).dtype)
+    gen = torch.Generator().manual_seed(0)
+    t0 = time.perf_counter()
+    prefill = [bench_prefill(pd, hf, b, prefill_repeats, gen) for b in prefill_batches]
+    decode = [bench_decode(pd, hf, b, decode_repeats, gen) for b in decode_batches]
+    gbps, gflops = read_bandwidth(), matmul_gflops()
+    add_floor(decode, model, gbps, gflops)
+
+    cfg = run_config(model_dir, model, hf.model, args.quick, prefill_repeats, decode_repeats)
+    cfg |= dict(read_gbps=gbps, matmul_gflops=gflops, bench_seconds=time.perf_counter() - t0)
+    print_report(cfg, prefill, decode)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(UTC).isoformat(timespec="seconds")
+    out.write_text(json.dumps(dict(timestamp=stamp, config=cfg, prefill=prefill, decode=decode), indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
