@@ -6,7 +6,7 @@ Single-threaded by design: callers (the services) drive `step()` from one loop a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,12 +63,6 @@ class EngineStats:
     steps: int = 0
 
 
-@dataclass
-class _Held:
-    request: Request
-    pins: int = field(default=0)
-
-
 class Engine:
     def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
         self.config = config
@@ -77,7 +71,9 @@ class Engine:
         dtype = next(self.model.parameters()).dtype
         if config.prepack_weights and can_prepack(torch.device(config.device), dtype):
             prepack(self.model)
-        self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, str(dtype)[6:])
+        self.layout = KVLayout(
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, str(dtype).removeprefix("torch.")
+        )
         if config.num_kv_blocks is not None:
             self.pool = KVPool(self.layout, config.num_kv_blocks, config.device)
         else:
@@ -180,7 +176,7 @@ class Engine:
             outputs.append(
                 RequestOutput(
                     req.request_id,
-                    [r.new_token_id] if r.new_token_id is not None else [],
+                    [r.new_token_id],
                     r.finished,
                     req.finish_reason,
                     len(req.prompt_token_ids),

@@ -61,7 +61,7 @@ class SchedulePlan:
 @dataclass(frozen=True)
 class StepResult:
     request: Request
-    new_token_id: int | None
+    new_token_id: int
     finished: bool
 
 

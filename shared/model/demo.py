@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from shared.model.config import ARCHITECTURES, ModelConfig
-from shared.model.loader import DTYPES, _targets, checkpoint_name
+from shared.model.loader import DTYPES, checkpoint_name, checkpoint_targets
 from shared.model.transformer import CausalLM
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -144,7 +144,7 @@ def random_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor
     gen = torch.Generator().manual_seed(seed)
     hidden = model_cfg.hidden_size
     tensors = {}
-    for name, target in sorted(_targets(model).items()):
+    for name, target in sorted(checkpoint_targets(model).items()):
         shape = tuple(target.param[target.index].shape)
         w = torch.randn(shape, generator=gen)
         if "norm" in name:

@@ -100,7 +100,7 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(model: CausalLM, model_dir: Path, progress: bool | None = None) -> None:
-    targets = _targets(model)
+    targets = checkpoint_targets(model)
     renames = [(re.compile(a), b) for a, b in RENAMES.get(model.config.model_type, [])]
     files = checkpoint_files(model_dir)
     if progress is None:
@@ -140,7 +140,8 @@ def checkpoint_name(model_type: str, canonical: str) -> str:
     return canonical
 
 
-def _targets(model: CausalLM) -> dict[str, _Target]:
+def checkpoint_targets(model: CausalLM) -> dict[str, _Target]:
+    """Checkpoint tensor name (canonical spelling) → the parameter slice it loads into."""
     targets: dict[str, _Target] = {}
     for prefix, module in model.named_modules():
         shards = module.checkpoint_shards() if hasattr(module, "checkpoint_shards") else {}
