@@ -1,0 +1,135 @@
+"""Every message that crosses a service boundary on NATS, and every subject name. Nothing else names them.
+
+Payloads are msgspec structs encoded as JSON (small, typed, readable with `nats sub`). Token ids travel
+as lists of ints; KV tensors never travel on NATS (they move over the KV transfer plane).
+
+Subjects:
+    pd.jobs.prefill.<model>           JetStream work queue: prompts waiting for a prefill worker
+    pd.jobs.decode.<model>            JetStream work queue: prefilled requests waiting for a decode worker
+    pd.tokens.<gateway>.<request>     core NATS: token events for one request, to the gateway that owns it
+    pd.cancel.<request>               core NATS: stop a request everywhere (client went away)
+    pd.hb.<role>.<worker>             core NATS: worker heartbeats (readiness, load)
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+
+import msgspec
+
+JOBS_STREAM = "PD_JOBS"
+JOBS_SUBJECTS = "pd.jobs.>"
+CANCEL_WILDCARD = "pd.cancel.*"
+HEARTBEAT_WILDCARD = "pd.hb.>"
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def subject_token(name: str) -> str:
+    """A model or worker name made safe for one NATS subject token (no dots, spaces or wildcards)."""
+    return _UNSAFE.sub("_", name) or "_"
+
+
+def prefill_subject(model: str) -> str:
+    return f"pd.jobs.prefill.{subject_token(model)}"
+
+
+def decode_subject(model: str) -> str:
+    return f"pd.jobs.decode.{subject_token(model)}"
+
+
+def token_subject(gateway_id: str, request_id: str) -> str:
+    return f"pd.tokens.{subject_token(gateway_id)}.{subject_token(request_id)}"
+
+
+def cancel_subject(request_id: str) -> str:
+    return f"pd.cancel.{subject_token(request_id)}"
+
+
+def heartbeat_subject(role: str, worker_id: str) -> str:
+    return f"pd.hb.{role}.{subject_token(worker_id)}"
+
+
+class Role(Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+
+class Sampling(msgspec.Struct, frozen=True):
+    """The wire form of shared.engine.sampling.SamplingParams (validated by the gateway)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+class PrefillJob(msgspec.Struct, frozen=True):
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    reply_subject: str  # where token events go
+    attempt: int = 0  # bumped on every re-dispatch; events of older attempts are dropped
+    created_at: float = 0.0  # gateway's wall clock when the request arrived (queue-time metrics)
+
+
+class DecodeJob(msgspec.Struct, frozen=True):
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # sampled so far (the first token, or more after a migration)
+    sampling: Sampling
+    reply_subject: str
+    attempt: int = 0
+    prefill_worker: str | None = None  # who holds the KV; None = nothing to pull, recompute
+    created_at: float = 0.0
+
+
+class TokenEvent(msgspec.Struct, frozen=True):
+    """New tokens of a request, or its end. `seq` is the output position of token_ids[0] (0 = the first
+    generated token), whatever the attempt: the gateway delivers positions in order, drops positions it
+    already delivered (duplicates after a re-dispatch) and holds back early ones (two publishers: the
+    prefill worker sends position 0, a decode worker the rest). Events of an attempt older than the
+    newest one seen are stale and dropped. A final event carries finish_reason (and no or more tokens)."""
+
+    request_id: str
+    attempt: int
+    seq: int
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    prompt_tokens: int = 0
+    worker_id: str = ""
+
+
+class Cancel(msgspec.Struct, frozen=True):
+    request_id: str
+
+
+class Heartbeat(msgspec.Struct, frozen=True):
+    worker_id: str
+    role: str
+    model: str
+    rpc_address: str | None  # prefill workers: where decode workers pull KV from
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, kind: type[msgspec.Struct]):  # -> kind
+    """Raises msgspec.ValidationError / DecodeError on malformed input; callers log and drop it."""
+    return msgspec.json.decode(data, type=kind)
