@@ -59,6 +59,9 @@ class WorkerSettings(CommonSettings):
     """Address the KV transfer server binds to and advertises (prefill workers)."""
     rpc_port: int = 0
     """0 = any free port."""
+    advertise_host: str | None = None
+    """Host decode workers dial for KV pulls; None = rpc_host, or this machine's name when rpc_host is a
+    wildcard such as 0.0.0.0 (containers: the service's DNS name)."""
     threads: int | None = None
     """torch intra-op threads for this worker; None = torch's default."""
     dtype: str | None = None

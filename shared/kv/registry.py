@@ -1,0 +1,48 @@
+"""Where each request's KV blocks live, in Redis, under a lease.
+
+Keys (this module names them all):
+    pd:kv:<request>    hash: the prefill worker holding the request's KV, its transfer address, the
+                       token count, layout fingerprint and pull ticket; expires with the lease
+The prefill worker writes the entry when it holds the KV and deletes it when the blocks are freed (pulled,
+cancelled or lease expired). A decode worker that finds no entry recomputes the prompt.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from redis.asyncio import Redis
+
+KV_PREFIX = "pd:kv:"
+
+
+def kv_key(request_id: str) -> str:
+    return f"{KV_PREFIX}{request_id}"
+
+
+class KvLocation(msgspec.Struct, frozen=True):
+    request_id: str
+    worker_id: str
+    rpc_address: str  # host:port of the prefill worker's KvTransfer service
+    num_tokens: int
+    fingerprint: str  # KVLayout.fingerprint of the holder
+    ticket: str  # presented on the pull; proves the puller read this entry
+
+
+class KvRegistry:
+    def __init__(self, redis: Redis, lease_s: float) -> None:
+        self.redis = redis
+        self.lease_ms = int(lease_s * 1000)
+
+    async def put(self, loc: KvLocation) -> None:
+        await self.redis.set(kv_key(loc.request_id), msgspec.json.encode(loc), px=self.lease_ms)
+
+    async def get(self, request_id: str) -> KvLocation | None:
+        raw = await self.redis.get(kv_key(request_id))
+        return None if raw is None else msgspec.json.decode(raw, type=KvLocation)
+
+    async def delete(self, request_id: str) -> None:
+        await self.redis.delete(kv_key(request_id))
+
+    async def count(self) -> int:
+        """Live entries (tests and metrics)."""
+        return sum([1 async for _ in self.redis.scan_iter(match=f"{KV_PREFIX}*")])

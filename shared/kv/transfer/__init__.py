@@ -1,0 +1,23 @@
+"""The KV transfer plane: decode workers pull a request's KV from the prefill worker holding it.
+
+gRPC (proto/kv_transfer.proto) negotiates; the bytes move over a two-rank torch.distributed group per
+(prefill, decode) pair: gloo between CPU processes, NCCL between GPUs. docs/kv_transfer.md has the protocol.
+"""
+
+from shared.kv.transfer.client import ClientStats, KvTransferClient
+from shared.kv.transfer.errors import FailureReason, KvTransferError
+from shared.kv.transfer.pair import Backend
+from shared.kv.transfer.server import KvTransferServer, ServerStats
+from shared.kv.transfer.source import EngineKvSource, KvSource
+
+__all__ = [
+    "Backend",
+    "ClientStats",
+    "EngineKvSource",
+    "FailureReason",
+    "KvSource",
+    "KvTransferClient",
+    "KvTransferError",
+    "KvTransferServer",
+    "ServerStats",
+]

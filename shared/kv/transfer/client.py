@@ -1,0 +1,192 @@
+"""Decode side of the KV transfer plane: pull a request's KV from the prefill worker that holds it.
+
+The first pull from an address negotiates a pair (Connect RPC, then both sides join a two-rank group);
+later pulls reuse it. A pull is one Pull RPC (the server exports, announces shape/dtype/tag and starts
+sending) and a recv into a buffer of the announced shape: new memory, or memory a caller handed back
+with `recycle` after importing an earlier pull. Blocking joins and recv waits run in this client's thread
+pool, so the decode loop keeps stepping while KV arrives. Every failure surfaces as KvTransferError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+
+from shared.engine.kv_export import KVExport
+from shared.engine.kv_pool import KVLayout
+from shared.kv.transfer.buffers import RecvBuffers
+from shared.kv.transfer.errors import FailureReason, KvTransferError
+from shared.kv.transfer.pair import DECODE_RANK, Backend, Pair, check_backend, local_address_towards, store_client
+from shared.kv.transfer.wire import announced_layout
+from shared.rpc import kv_transfer_pb2 as pb
+from shared.rpc import kv_transfer_pb2_grpc as pb_grpc
+
+MAX_BLOCKING_THREADS = 32  # joins + recv waits at once; more queue for a free thread
+# Pull answers given before any send starts: the pair is still clean after them.
+REFUSALS = frozenset(
+    {
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.ALREADY_EXISTS,
+    }
+)
+
+
+@dataclass
+class ClientStats:
+    connects: int = 0  # pairs joined: one process group constructed each
+    pulls: int = 0  # pulls completed
+    bytes_received: int = 0
+
+
+@dataclass
+class _Connection:
+    stub: pb_grpc.KvTransferStub
+    pair: Pair
+    # NCCL matches send/recv by issue order, not tag: one transfer at a time on such a pair.
+    order: asyncio.Lock | contextlib.nullcontext
+
+
+class _StalePair(KvTransferError):
+    """The server no longer knows our pair (it restarted, or dropped the pair after a failed send)."""
+
+
+class KvTransferClient:
+    """One decode worker's puller; holds one pair per prefill worker address. Use from one event loop."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        backend: Backend | str = "gloo",
+        timeout_s: float = 30.0,
+        device: str | None = None,
+        recv_cache_bytes: int = 256 << 20,
+    ) -> None:
+        if not worker_id:
+            raise ValueError("worker_id must not be empty")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.worker_id = worker_id
+        self.backend = check_backend(backend)
+        self.timeout_s = timeout_s
+        self.device = device or self.backend.device  # where received KV lands (NCCL: the decode GPU)
+        self.stats = ClientStats()
+        self._buffers = RecvBuffers(recv_cache_bytes, self.device)  # what `recycle` hands back, for reuse
+        self._executor = ThreadPoolExecutor(MAX_BLOCKING_THREADS, thread_name_prefix="kv-recv")
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._connections: dict[str, asyncio.Task[_Connection]] = {}
+
+    async def pull(self, address: str, request_id: str, ticket: str, layout: KVLayout) -> KVExport:
+        """Fetch the KV of `request_id` from the prefill worker at `address`; `layout` is the receiving
+        engine's (block size may differ: the result carries the source's, `reblock` re-cuts). The prefill
+        side frees its blocks once the bytes are out. Raises KvTransferError (see its `reason`)."""
+        try:
+            return await self._pull_once(address, request_id, ticket, layout)
+        except _StalePair:  # a new pair, once; a second stale answer propagates as UNAVAILABLE
+            return await self._pull_once(address, request_id, ticket, layout)
+
+    def recycle(self, kv: KVExport) -> None:
+        """Optional: hand back a pulled KVExport once its KV is imported, so later pulls receive into the
+        same memory instead of faulting in fresh pages. Neither `kv` nor its tensor may be used afterwards."""
+        self._buffers.give_back(kv.blocks)
+
+    async def close(self) -> None:
+        """Drop every pair and channel. Pulls still in flight fail."""
+        for task in self._connections.values():
+            task.cancel()
+        self._connections.clear()
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _pull_once(self, address: str, request_id: str, ticket: str, layout: KVLayout) -> KVExport:
+        conn = await self._connection(address, layout)
+        request = pb.PullRequest(
+            request_id=request_id,
+            ticket=ticket,
+            decode_worker_id=self.worker_id,
+            pair_id=conn.pair.pair_id,
+            layout_fingerprint=layout.fingerprint,
+        )
+        async with conn.order:
+            reply = await self._call(address, conn, conn.stub.Pull(request, timeout=self.timeout_s), "Pull")
+            try:
+                source = announced_layout(reply, layout)
+                buffer = self._buffers.take(tuple(reply.shape), layout.torch_dtype)
+                # The server is sending already: recv with the announced tag.
+                await asyncio.get_running_loop().run_in_executor(self._executor, conn.pair.recv, buffer, reply.tag)
+            except KvTransferError:
+                self._forget(address, conn)  # dropping the pair fails the server's send: it frees the blocks
+                raise
+            except Exception as e:  # gloo: timeout or peer gone; the pair is closed
+                self._forget(address, conn)
+                raise _transfer_error(e, f"receiving {request_id!r} from {address}") from e
+        self.stats.pulls += 1
+        self.stats.bytes_received += buffer.numel() * buffer.element_size()
+        return KVExport(source, reply.num_tokens, buffer)
+
+    async def _call(self, address: str, conn: _Connection | None, call, what: str):
+        """Await an RPC on `conn`'s pair (None: Connect), mapping its failure to KvTransferError."""
+        try:
+            return await call
+        except grpc.aio.AioRpcError as e:
+            if conn is not None and e.code() not in REFUSALS:
+                # The server may have started a send we will never receive; its failure would close the
+                # pair under our next transfer. ABORTED: the server does not know the pair at all.
+                self._forget(address, conn)
+            if conn is not None and e.code() is grpc.StatusCode.ABORTED:
+                raise _StalePair(FailureReason.UNAVAILABLE, f"{what} to {address}: {e.details()}") from e
+            raise KvTransferError.from_rpc(e, f"{what} to {address}") from e
+
+    async def _connection(self, address: str, layout: KVLayout) -> _Connection:
+        """The pair with `address`, negotiated on first use; concurrent first pulls share one negotiation."""
+        task = self._connections.get(address)
+        if task is None:
+            task = asyncio.ensure_future(self._connect(address, layout))
+            self._connections[address] = task
+        try:
+            return await asyncio.shield(task)
+        except BaseException:
+            if task.done() and self._connections.get(address) is task:
+                del self._connections[address]  # a failed negotiation is not cached
+            raise
+
+    async def _connect(self, address: str, layout: KVLayout) -> _Connection:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+        stub = pb_grpc.KvTransferStub(channel)
+        request = pb.ConnectRequest(
+            decode_worker_id=self.worker_id, backend=self.backend.wire, layout_fingerprint=layout.fingerprint
+        )
+        reply = await self._call(address, None, stub.Connect(request, timeout=self.timeout_s), "Connect")
+        try:
+            pair = await asyncio.get_running_loop().run_in_executor(self._executor, self._join, reply)
+        except Exception as e:
+            raise _transfer_error(e, f"joining pair {reply.pair_id!r} at {reply.store_host}:{reply.store_port}") from e
+        self.stats.connects += 1
+        return _Connection(stub, pair, contextlib.nullcontext() if self.backend.tagged else asyncio.Lock())
+
+    def _join(self, reply: pb.ConnectReply) -> Pair:
+        """Blocking: reach the prefill worker's store, then build our rank of the pair's group."""
+        store = store_client(reply.store_host, reply.store_port, self.timeout_s)
+        local = local_address_towards(reply.store_host) if self.backend is Backend.GLOO else None
+        return Pair.join(self.backend, store, reply.pair_id, DECODE_RANK, self.timeout_s, local)
+
+    def _forget(self, address: str, conn: _Connection) -> None:
+        task = self._connections.get(address)
+        if task is not None and task.done() and not task.cancelled() and task.exception() is None:
+            if task.result() is conn:
+                del self._connections[address]
+
+
+def _transfer_error(error: Exception, what: str) -> KvTransferError:
+    timed_out = "timed out" in str(error).lower() or "timeout" in type(error).__name__.lower()
+    reason = FailureReason.TIMEOUT if timed_out else FailureReason.UNAVAILABLE
+    return KvTransferError(reason, f"{what}: {error}")

@@ -1,0 +1,65 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Backend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BACKEND_UNSPECIFIED: _ClassVar[Backend]
+    BACKEND_GLOO: _ClassVar[Backend]
+    BACKEND_NCCL: _ClassVar[Backend]
+BACKEND_UNSPECIFIED: Backend
+BACKEND_GLOO: Backend
+BACKEND_NCCL: Backend
+
+class ConnectRequest(_message.Message):
+    __slots__ = ("decode_worker_id", "backend", "layout_fingerprint")
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    decode_worker_id: str
+    backend: Backend
+    layout_fingerprint: str
+    def __init__(self, decode_worker_id: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
+
+class ConnectReply(_message.Message):
+    __slots__ = ("store_host", "store_port", "pair_id")
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    store_host: str
+    store_port: int
+    pair_id: str
+    def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., pair_id: _Optional[str] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("request_id", "ticket", "decode_worker_id", "pair_id", "layout_fingerprint")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    ticket: str
+    decode_worker_id: str
+    pair_id: str
+    layout_fingerprint: str
+    def __init__(self, request_id: _Optional[str] = ..., ticket: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., pair_id: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
+
+class PullReply(_message.Message):
+    __slots__ = ("num_tokens", "shape", "dtype", "block_size", "tag")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    block_size: int
+    tag: int
+    def __init__(self, num_tokens: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tag: _Optional[int] = ...) -> None: ...
