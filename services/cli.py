@@ -1,4 +1,5 @@
-"""`pdserve` command line: demo checkpoints and single-process generation (the services come next)."""
+"""`pdserve` command line: the services (up, gateway, prefill, decode, mixed), demo checkpoints, and
+single-process generation."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.set_defaults(func=_generate)
 
+    _add_service_commands(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
@@ -114,6 +116,152 @@ def _generate(args: argparse.Namespace) -> int:
         n = len(detok.token_ids)
         print(f"[{n} tokens in {elapsed:.2f}s, finish_reason={finish_reason}]", file=sys.stderr)
     return 0
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint directory (env PDSERVE_MODEL)")
+    p.add_argument("--model-name", help="name clients use in the model field (default: directory name)")
+    p.add_argument("--nats-url")
+    p.add_argument("--redis-url")
+    p.add_argument("--log-level", default="INFO")
+
+
+def _add_service_commands(sub) -> None:
+    gw = sub.add_parser("gateway", help="the OpenAI-compatible REST gateway")
+    _add_common(gw)
+    gw.add_argument("--host")
+    gw.add_argument("--port", type=int)
+    gw.add_argument("--api-keys", help="comma-separated keys for Authorization: Bearer (default: none)")
+    gw.set_defaults(func=_gateway)
+
+    for role in ("prefill", "decode", "mixed"):
+        w = sub.add_parser(role, help=f"a {role} worker")
+        _add_common(w)
+        w.add_argument("--worker-id")
+        w.add_argument("--threads", type=int, help="torch intra-op threads")
+        w.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+        w.add_argument("--block-size", type=int)
+        w.add_argument("--kv-cache-bytes", type=int)
+        w.add_argument("--max-num-seqs", type=int)
+        w.add_argument("--max-num-batched-tokens", type=int)
+        w.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false", default=None)
+        w.add_argument("--max-model-len", type=int)
+        w.add_argument("--rpc-host", help="address the KV transfer server binds and advertises")
+        w.add_argument("--rpc-port", type=int)
+        w.add_argument("--advertise-host", help="host decode workers dial for KV pulls (default: rpc host)")
+        w.add_argument("--kv-lease-s", type=float)
+        w.set_defaults(func=_worker, role=role)
+
+    up = sub.add_parser("up", help="start NATS, Redis, the gateway and workers locally")
+    up.add_argument("--model", help="checkpoint directory (default: the tiny demo model, written if missing)")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--prefill", type=int, default=1)
+    up.add_argument("--decode", type=int, default=1)
+    up.add_argument("--mixed", type=int, default=0, help="colocated workers instead of prefill + decode")
+    up.add_argument("--nats-url", help="use this NATS (JetStream enabled) instead of starting one")
+    up.add_argument("--redis-url", help="use this Redis instead of starting one")
+    up.add_argument("--threads-per-worker", type=int, default=1)
+    up.set_defaults(func=_up)
+
+
+def _overrides(args: argparse.Namespace, names: list[str]) -> dict:
+    return {n: getattr(args, n, None) for n in names}
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from services.gateway.app import create_app
+    from shared.settings import GatewaySettings, from_env
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s")
+    keys = tuple(k for k in (args.api_keys or "").split(",") if k) or None
+    settings = from_env(
+        GatewaySettings,
+        api_keys=keys,
+        **_overrides(args, ["model", "model_name", "nats_url", "redis_url", "host", "port"]),
+    )
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import signal
+
+    from shared.settings import WorkerSettings, from_env
+
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s {args.role} %(levelname)s %(name)s: %(message)s")
+    names = ["model", "model_name", "nats_url", "redis_url", "worker_id", "threads", "dtype", "block_size",
+             "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
+             "max_model_len", "rpc_host", "rpc_port", "advertise_host", "kv_lease_s"]  # fmt: skip
+    settings = from_env(WorkerSettings, role=args.role, **_overrides(args, names))
+    worker_cls = _worker_class(args.role)
+
+    async def serve() -> None:
+        worker = worker_cls(settings)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, worker.stop)
+        await worker.run()
+
+    asyncio.run(serve())
+    return 0
+
+
+def _worker_class(role: str):
+    if role == "prefill":
+        from services.prefill.worker import PrefillWorker
+
+        return PrefillWorker
+    if role == "decode":
+        from services.decode.worker import DecodeWorker
+
+        return DecodeWorker
+    from services.mixed.worker import MixedWorker
+
+    return MixedWorker
+
+
+def _up(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from services.launcher import Stack, StackSpec
+    from shared.model.demo import write_demo_checkpoint
+
+    model = args.model
+    if model is None:
+        model = "models/demo-tiny-qwen3_moe"
+        if not (Path(model) / "tokenizer_config.json").is_file():
+            write_demo_checkpoint(model, arch="qwen3_moe", size="tiny")
+    spec = StackSpec(
+        model=model,
+        port=args.port,
+        prefill=0 if args.mixed else args.prefill,
+        decode=0 if args.mixed else args.decode,
+        mixed=args.mixed,
+        nats_url=args.nats_url,
+        redis_url=args.redis_url,
+        threads_per_worker=args.threads_per_worker,
+    )
+    stack = Stack(spec, quiet=False)
+    try:
+        stack.start()
+        name = Path(model).name
+        print(f"\npdserve is ready at {stack.url}/v1  (model {name!r}; Ctrl-C stops everything)")
+        print(f"  curl {stack.url}/v1/chat/completions -H 'Content-Type: application/json' \\")
+        print(f'    -d \'{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello"}}]}}\'\n', flush=True)
+        while all(p.poll() is None for p in stack.procs.values()):
+            time.sleep(0.5)
+        print("a service exited; stopping the stack", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stack.stop()
 
 
 if __name__ == "__main__":

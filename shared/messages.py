@@ -121,6 +121,11 @@ class Heartbeat(msgspec.Struct, frozen=True):
     waiting: int = 0
     free_blocks: int = 0
     total_blocks: int = 0
+    # cumulative tokens the engine computed by phase: a decode worker's prefill_tokens stays 0 when every
+    # request's KV was pulled (recomputations show up here)
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    held_kv: int = 0  # prefill workers: requests whose KV waits for a pull
 
 
 _encoder = msgspec.json.Encoder()

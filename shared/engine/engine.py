@@ -107,12 +107,19 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, hold_kv: bool = False
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        hold_kv: bool = False,
+        output_token_ids: list[int] | None = None,
     ) -> None:
         """Queue a request. Raises ValueError for an empty, too long or out-of-vocabulary prompt, or a
-        duplicate id. With hold_kv the blocks outlive the request until `release_kv`."""
-        self._validate(request_id, prompt_token_ids)
+        duplicate id. With hold_kv the blocks outlive the request until `release_kv`. `output_token_ids`
+        continues a request started elsewhere: prompt and those tokens are recomputed, then it samples on."""
+        self._validate(request_id, prompt_token_ids + (output_token_ids or []))
         req = Request(request_id, list(prompt_token_ids), params, hold_kv=hold_kv)
+        req.output_token_ids = list(output_token_ids or [])
         self.requests[request_id] = req
         self.scheduler.add(req)
 

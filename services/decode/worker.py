@@ -1,0 +1,109 @@
+"""The decode worker: takes prefilled requests, pulls their KV from the prefill worker, decodes.
+
+Per job: read the KV location from Redis, pull the blocks over the pair's channel (negotiated over
+gRPC), import them into freshly allocated blocks, ack, and stream tokens until the request finishes.
+Pulls run as tasks on the event loop while the engine thread keeps stepping the running batch. When the
+KV cannot be had (no location, transfer failed, no room), the request is recomputed from its prompt and
+the tokens so far (policy `recompute`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from nats.aio.msg import Msg
+
+from shared.engine.block_manager import NoFreeBlocksError
+from shared.engine.engine import RequestOutput
+from shared.kv.registry import KvRegistry
+from shared.kv.transfer.client import KvTransferClient
+from shared.kv.transfer.errors import KvTransferError
+from shared.messages import DecodeJob, decode, decode_subject
+from shared.worker import Worker, error_event, sampling_params, token_event
+
+log = logging.getLogger(__name__)
+MAX_CONCURRENT_PULLS = 4
+
+
+class DecodeWorker(Worker):
+    role = "decode"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.jobs: dict[str, DecodeJob] = {}
+        self.admitting: set[str] = set()  # pulls in flight
+        self.recomputed = 0
+        self.registry: KvRegistry | None = None
+        self.client: KvTransferClient | None = None
+
+    def job_subject(self) -> str:
+        return decode_subject(self.model_name)
+
+    async def setup(self) -> None:
+        self.registry = KvRegistry(self.redis, self.settings.kv_lease_s)
+        self.client = KvTransferClient(self.settings.worker_id, backend=self.settings.transfer_backend)
+
+    async def teardown(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    def has_room(self) -> bool:
+        return super().has_room() and len(self.admitting) < MAX_CONCURRENT_PULLS
+
+    async def handle_job(self, msg: Msg) -> None:
+        job = decode(msg.data, DecodeJob)
+        self.admitting.add(job.request_id)
+        asyncio.create_task(self._admit(job, msg))
+
+    async def _admit(self, job: DecodeJob, msg: Msg) -> None:
+        rid = job.request_id
+        try:
+            params = sampling_params(job.sampling)
+            kv = await self._pull(job)
+            if rid not in self.admitting:  # cancelled during the pull
+                await msg.ack()
+                return
+            prompt, outputs = job.prompt_token_ids, job.output_token_ids
+            try:
+                if kv is None:
+                    raise NoFreeBlocksError("no KV to import")
+                await self.engine.call(lambda e: e.import_kv(rid, prompt, outputs, params, kv))
+                self.client.recycle(kv)  # its receive buffer serves the next pull (no fresh page faults)
+            except NoFreeBlocksError:
+                self.recomputed += 1
+                await self.engine.call(lambda e: e.add_request(rid, prompt, params, output_token_ids=outputs))
+            self.jobs[rid] = job
+            await msg.ack()
+        except ValueError as exc:
+            self.emit(job.reply_subject, error_event(job, str(exc), self.settings.worker_id))
+            await msg.term()
+        finally:
+            self.admitting.discard(rid)
+
+    async def _pull(self, job: DecodeJob):
+        if job.prefill_worker is None:
+            return None
+        loc = await self.registry.get(job.request_id)
+        if loc is None:
+            log.warning("no KV location for %s (lease expired?); recomputing", job.request_id)
+            return None
+        try:
+            return await self.client.pull(loc.rpc_address, job.request_id, loc.ticket, self.engine.engine.layout)
+        except KvTransferError as exc:
+            log.warning("KV pull of %s from %s failed (%s); recomputing", job.request_id, loc.worker_id, exc)
+            return None
+
+    def handle_outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            job = self.jobs.get(out.request_id)
+            if job is None:
+                continue
+            if out.finished:
+                del self.jobs[out.request_id]
+            self.emit(job.reply_subject, token_event(job.request_id, job.attempt, out, self.settings.worker_id))
+
+    async def on_cancel(self, request_id: str) -> None:
+        self.admitting.discard(request_id)
+        if self.jobs.pop(request_id, None) is not None:
+            await self.engine.call(lambda e: e.abort(request_id))

@@ -1,0 +1,131 @@
+"""`pdserve up`: the whole stack on one machine — nats-server and redis-server (unless URLs are given),
+the gateway and the workers as separate processes — ready when the gateway's /ready says so.
+
+The tests start stacks through the same class, so what they exercise is what users run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.procs import ServerProcess, start_nats, start_redis
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    model: str
+    port: int = 8000
+    prefill: int = 1
+    decode: int = 1
+    mixed: int = 0
+    nats_url: str | None = None  # None = start a private nats-server on a free port
+    redis_url: str | None = None
+    threads_per_worker: int | None = None
+    host: str = "127.0.0.1"
+    worker_args: tuple[str, ...] = ()  # extra flags for every worker
+    gateway_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mixed < 0 or self.prefill < 0 or self.decode < 0:
+            raise ValueError("worker counts must be non-negative")
+        if self.mixed == 0 and (self.prefill == 0 or self.decode == 0):
+            raise ValueError("need at least one prefill and one decode worker, or --mixed workers")
+
+
+class Stack:
+    def __init__(self, spec: StackSpec, log_dir: str | None = None, quiet: bool = True) -> None:
+        self.spec = spec
+        self.quiet = quiet
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdserve-logs-"))
+        self.infra: list[ServerProcess] = []
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.nats_url = spec.nats_url
+        self.redis_url = spec.redis_url
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.spec.host}:{self.spec.port}"
+
+    def start(self, ready_timeout_s: float = 120.0) -> Stack:
+        try:
+            if self.nats_url is None:
+                self.infra.append(start_nats())
+                self.nats_url = self.infra[-1].url
+            if self.redis_url is None:
+                self.infra.append(start_redis())
+                self.redis_url = self.infra[-1].url
+            spec = self.spec
+            roles = ["mixed"] * spec.mixed if spec.mixed else ["prefill"] * spec.prefill + ["decode"] * spec.decode
+            for i, role in enumerate(roles):
+                self.spawn(f"{role}-{i}", [role, "--worker-id", f"{role}-{i}-{os.getpid()}", *self._worker_flags()])
+            self.spawn("gateway", ["gateway", "--port", str(self.spec.port), "--host", self.spec.host,
+                                   *self._common_flags(), *self.spec.gateway_args])  # fmt: skip
+            self.wait_ready(ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _common_flags(self) -> list[str]:
+        return ["--model", self.spec.model, "--nats-url", self.nats_url, "--redis-url", self.redis_url]
+
+    def _worker_flags(self) -> list[str]:
+        flags = self._common_flags() + list(self.spec.worker_args)
+        if self.spec.threads_per_worker:
+            flags += ["--threads", str(self.spec.threads_per_worker)]
+        return flags
+
+    def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        """Start `pdserve <args>` as a child named `name` (logs in log_dir/name.log unless not quiet)."""
+        out = open(self.log_dir / f"{name}.log", "ab") if self.quiet else None  # noqa: SIM115 (lives with proc)
+        env = os.environ | {"PYTHONUNBUFFERED": "1"} | self.spec.env
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", *args], stdout=out, stderr=subprocess.STDOUT
+                                if out else None, env=env)  # fmt: skip
+        self.procs[name] = proc
+        return proc
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with code {proc.returncode}; see {self.log_dir}/{name}.log")
+            try:
+                with urllib.request.urlopen(f"{self.url}/ready", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except urllib.error.HTTPError as exc:
+                last = exc.read().decode(errors="replace")[:200]
+            except OSError as exc:
+                last = str(exc)
+            time.sleep(0.2)
+        raise TimeoutError(f"stack not ready after {timeout_s}s: {last}; logs in {self.log_dir}")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for server in reversed(self.infra):
+            server.stop()
+        self.infra.clear()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.log_dir.glob("*.log"))

@@ -1,0 +1,144 @@
+"""The prefill worker: runs prompts to their first token, keeps the KV under a lease, hands off to decode.
+
+Per job: add the prompt with max_tokens=1 and hold_kv → first token → publish it (TTFT), write the KV
+location to Redis, publish the decode job, ack the prefill job. The blocks stay pinned until a decode
+worker's pull completes (the transfer server releases them) or the lease expires. Ownership of a
+request's blocks: prefilling (engine) → held (this worker, lease running) → pulled → freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+
+from nats.aio.msg import Msg
+
+from shared.engine.engine import RequestOutput
+from shared.engine.kv_export import KVExport
+from shared.engine.kv_pool import KVLayout
+from shared.engine.request import FinishReason
+from shared.kv.registry import KvLocation, KvRegistry
+from shared.kv.transfer.server import KvTransferServer
+from shared.messages import DecodeJob, PrefillJob, TokenEvent, decode, decode_subject, encode, prefill_subject
+from shared.worker import Worker, error_event, sampling_params
+
+log = logging.getLogger(__name__)
+
+
+class PrefillWorker(Worker):
+    role = "prefill"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.jobs: dict[str, tuple[PrefillJob, Msg]] = {}  # prefilling
+        self.held: dict[str, str] = {}  # request id → pull ticket, while the KV waits for its pull
+        self.registry: KvRegistry | None = None
+        self.server: KvTransferServer | None = None
+
+    def job_subject(self) -> str:
+        return prefill_subject(self.model_name)
+
+    def held_kv_count(self) -> int:
+        return len(self.held)
+
+    async def setup(self) -> None:
+        self.registry = KvRegistry(self.redis, self.settings.kv_lease_s)
+        self.server = KvTransferServer(
+            self.settings.rpc_host,
+            self.settings.rpc_port,
+            source=self,
+            backend=self.settings.transfer_backend,
+            advertise_host=self.settings.advertise_host,
+        )
+        self.rpc_address = await self.server.start()
+
+    async def teardown(self) -> None:
+        if self.server is not None:
+            await self.server.stop()
+        for request_id in list(self.held):
+            await self.release_kv(request_id)
+
+    async def handle_job(self, msg: Msg) -> None:
+        job = decode(msg.data, PrefillJob)
+        try:
+            params = sampling_params(job.sampling, max_tokens=1)
+            await self.engine.call(lambda e: e.add_request(job.request_id, job.prompt_token_ids, params, hold_kv=True))
+        except ValueError as exc:
+            self.emit(job.reply_subject, error_event(job, str(exc), self.settings.worker_id))
+            await msg.term()
+            return
+        self.jobs[job.request_id] = (job, msg)
+
+    def handle_outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            entry = self.jobs.pop(out.request_id, None)
+            if entry is not None:
+                asyncio.create_task(self._hand_off(*entry, out))
+
+    async def _hand_off(self, job: PrefillJob, msg: Msg, out: RequestOutput) -> None:
+        rid = job.request_id
+        token = out.new_token_ids[0]
+        finished = out.finish_reason is FinishReason.STOP or job.sampling.max_tokens == 1
+        reason = (out.finish_reason.value if out.finish_reason else "length") if finished else None
+        event = TokenEvent(rid, job.attempt, 0, [token], reason, None, out.num_prompt_tokens, self.settings.worker_id)
+        self.emit(job.reply_subject, event)
+        if finished:  # nothing left to decode
+            await self.engine.call(lambda e: e.release_kv(rid))
+            await msg.ack()
+            return
+        ticket = secrets.token_hex(16)
+        self.held[rid] = ticket
+        layout = self.engine.engine.layout
+        await self.registry.put(
+            KvLocation(
+                rid, self.settings.worker_id, self.rpc_address, out.num_prompt_tokens, layout.fingerprint, ticket
+            )
+        )
+        decode_job = DecodeJob(
+            request_id=rid,
+            model=job.model,
+            prompt_token_ids=job.prompt_token_ids,
+            output_token_ids=[token],
+            sampling=job.sampling,
+            reply_subject=job.reply_subject,
+            attempt=job.attempt,
+            prefill_worker=self.settings.worker_id,
+            created_at=job.created_at,
+        )
+        await self.js.publish(decode_subject(self.model_name), encode(decode_job))
+        await msg.ack()
+        asyncio.get_running_loop().call_later(self.settings.kv_lease_s, self._expire, rid, ticket)
+
+    def _expire(self, request_id: str, ticket: str) -> None:
+        if self.held.get(request_id) == ticket:
+            log.warning("KV lease of %s expired before any pull; freeing its blocks", request_id)
+            asyncio.create_task(self.release_kv(request_id))
+
+    async def on_cancel(self, request_id: str) -> None:
+        entry = self.jobs.pop(request_id, None)
+        if entry is not None:
+            await self.engine.call(lambda e: e.abort(request_id))
+            await entry[1].ack()  # the client is gone: the job is done
+        if request_id in self.held:
+            await self.release_kv(request_id)
+
+    # ---- KvSource: called by the transfer server ----------------------------------------------------
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.engine.engine.layout
+
+    async def export_kv(self, request_id: str, ticket: str) -> KVExport:
+        expected = self.held.get(request_id)
+        if expected is None:
+            raise KeyError(f"no KV held for {request_id!r}")
+        if not secrets.compare_digest(expected, ticket):
+            raise PermissionError(f"wrong ticket for {request_id!r}")
+        return await self.engine.call(lambda e: e.export_kv(request_id))
+
+    async def release_kv(self, request_id: str) -> None:
+        if self.held.pop(request_id, None) is None:
+            return
+        await self.engine.call(lambda e: e.release_kv(request_id))
+        await self.registry.delete(request_id)

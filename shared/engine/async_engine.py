@@ -1,0 +1,91 @@
+"""Drives an `Engine` on its own thread for an asyncio service.
+
+The engine is single-threaded: only this thread touches it. The service's event loop asks for work with
+`call(fn)` (fn(engine) runs between two steps, its result comes back as an awaitable) and receives every
+step's outputs through `on_outputs`, called on the event loop. Steps run back to back while there is
+work, so NATS, gRPC and KV transfers on the loop never stop a running batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from shared.engine.engine import Engine, RequestOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, on_outputs: Callable[[list[RequestOutput]], None]) -> None:
+        self.engine = engine
+        self._on_outputs = on_outputs
+        self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future, asyncio.AbstractEventLoop]]
+        self._commands = queue.SimpleQueue()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopped.set()
+        self._commands.put((lambda e: None, self._loop.create_future(), self._loop))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10)
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run fn(engine) on the engine thread between steps; raises what fn raised."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put((fn, future, loop))
+        return await future
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            busy = self.engine.has_unfinished()
+            self._drain(block=not busy)
+            if self._stopped.is_set():
+                break
+            if self.engine.has_unfinished():
+                try:
+                    outputs = self.engine.step()
+                except Exception:  # a bug in one step must not kill the worker silently
+                    log.exception("engine step failed")
+                    raise
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, future, loop = item
+            try:
+                result, error = fn(self.engine), None
+            except Exception as exc:  # returned to the caller, not fatal to the engine
+                result, error = None, exc
+            loop.call_soon_threadsafe(_settle, future, result, error)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,231 @@
+"""What every worker role shares: engine thread, NATS and Redis clients, the capacity-gated job loop,
+cancellation, heartbeats and token publishing. The roles (services/prefill, decode, mixed) add what
+they do with a job and with the engine's outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import msgspec
+import nats.errors
+import torch
+from nats.aio.msg import Msg
+from redis.asyncio import Redis
+
+from shared import bus
+from shared.engine.async_engine import AsyncEngine
+from shared.engine.engine import Engine, EngineConfig, RequestOutput
+from shared.engine.sampling import SamplingParams
+from shared.messages import (
+    CANCEL_WILDCARD,
+    Cancel,
+    DecodeJob,
+    Heartbeat,
+    PrefillJob,
+    Sampling,
+    TokenEvent,
+    decode,
+    encode,
+    heartbeat_subject,
+)
+from shared.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+HEARTBEAT_S = 1.0
+
+
+def sampling_params(s: Sampling, max_tokens: int | None = None) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens or s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
+
+
+def build_engine(settings: WorkerSettings) -> Engine:
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    return Engine(
+        EngineConfig(
+            model=settings.model,
+            dtype=settings.dtype,
+            device=settings.device,
+            block_size=settings.block_size,
+            kv_cache_bytes=settings.kv_cache_bytes,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            enable_chunked_prefill=settings.enable_chunked_prefill,
+            max_model_len=settings.max_model_len,
+        )
+    )
+
+
+class Worker:
+    """Base of the three roles. Subclasses set `role`, `job_subject()` and implement `handle_job` and
+    `handle_outputs`; `run()` serves until `stop()`."""
+
+    role = "mixed"
+
+    def __init__(self, settings: WorkerSettings, engine: Engine | None = None) -> None:
+        self.settings = settings
+        self.model_name = settings.served_model_name
+        self.engine = AsyncEngine(engine or build_engine(settings), self._outputs_ready)
+        self.stopping = asyncio.Event()
+        self.nc = None
+        self.js = None
+        self.redis: Redis | None = None
+        self.rpc_address: str | None = None
+        self._tasks: list[asyncio.Task] = []
+        # Token events leave through one queue and one publisher task: per-request order is kept.
+        self._outbox: asyncio.Queue[tuple[str, TokenEvent]] = asyncio.Queue()
+
+    # ---- to implement -----------------------------------------------------------------------------------
+
+    def job_subject(self) -> str:
+        raise NotImplementedError
+
+    async def handle_job(self, msg: Msg) -> None:
+        """Take one job message; ack it when the job is safely handed on."""
+        raise NotImplementedError
+
+    def handle_outputs(self, outputs: list[RequestOutput]) -> None:
+        raise NotImplementedError
+
+    async def on_cancel(self, request_id: str) -> None:
+        await self.engine.call(lambda e: e.abort(request_id))
+
+    def held_kv_count(self) -> int:
+        """Requests whose KV this worker holds for someone else's pull (prefill workers)."""
+        return 0
+
+    async def setup(self) -> None:
+        """Role-specific start-up after the connections exist (e.g. the KV transfer server)."""
+
+    async def teardown(self) -> None:
+        """Role-specific shutdown."""
+
+    # ---- machinery --------------------------------------------------------------------------------------
+
+    def has_room(self) -> bool:
+        """Fetch a job only when the engine can start it: nothing queued and blocks to spare."""
+        e = self.engine.engine
+        return e.num_waiting == 0 and e.num_running < e.config.max_num_seqs and e.blocks.usage < 0.9
+
+    async def run(self) -> None:
+        self.nc = await bus.connect(self.settings.nats_url, f"{self.role}-{self.settings.worker_id}")
+        self.js = self.nc.jetstream()
+        await bus.ensure_jobs_stream(self.js)
+        self.redis = Redis.from_url(self.settings.redis_url)
+        self.engine.start()
+        try:
+            await self.setup()
+            await self.nc.subscribe(CANCEL_WILDCARD, cb=self._cancel_received)
+            self._tasks = [
+                asyncio.create_task(self._heartbeats()),
+                asyncio.create_task(self._job_loop()),
+                asyncio.create_task(self._publisher()),
+            ]
+            log.info("%s worker %s serving %s", self.role, self.settings.worker_id, self.model_name)
+            await self.stopping.wait()
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self.teardown()
+            await self.engine.stop()
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+            await self.redis.aclose()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    async def _job_loop(self) -> None:
+        consumer = await bus.job_consumer(self.js, self.job_subject())
+        while not self.stopping.is_set():
+            if not self.has_room():
+                await asyncio.sleep(0.005)
+                continue
+            try:
+                msgs = await consumer.fetch(batch=1, timeout=1.0)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            except Exception as exc:  # NATS restarting: wait and retry, never die
+                log.warning("fetching jobs failed (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                try:
+                    await self.handle_job(msg)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    log.error("dropping malformed job on %s: %s", msg.subject, exc)
+                    await msg.term()
+
+    async def _cancel_received(self, msg: Msg) -> None:
+        try:
+            request_id = decode(msg.data, Cancel).request_id
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.error("dropping malformed cancel: %s", exc)
+            return
+        await self.on_cancel(request_id)
+
+    def _outputs_ready(self, outputs: list[RequestOutput]) -> None:
+        try:
+            self.handle_outputs(outputs)
+        except Exception:
+            log.exception("handling engine outputs failed")
+
+    def emit(self, subject: str, event: TokenEvent) -> None:
+        """Queue a token event for publishing (callable from the loop without awaiting)."""
+        self._outbox.put_nowait((subject, event))
+
+    async def _publisher(self) -> None:
+        while True:
+            subject, event = await self._outbox.get()
+            try:
+                await self.nc.publish(subject, encode(event))
+            except Exception as exc:  # the gateway's deadline turns a lost event into a clear error
+                log.warning("publishing tokens for %s failed: %s", event.request_id, exc)
+
+    async def _heartbeats(self) -> None:
+        while True:
+            e = self.engine.engine
+            beat = Heartbeat(
+                worker_id=self.settings.worker_id,
+                role=self.role,
+                model=self.model_name,
+                rpc_address=self.rpc_address,
+                running=e.num_running,
+                waiting=e.num_waiting,
+                free_blocks=e.blocks.num_free,
+                total_blocks=e.blocks.num_blocks,
+                prefill_tokens=e.stats.prefill_tokens,
+                decode_tokens=e.stats.decode_tokens,
+                held_kv=self.held_kv_count(),
+            )
+            with contextlib.suppress(Exception):
+                await self.nc.publish(heartbeat_subject(self.role, self.settings.worker_id), encode(beat))
+            await asyncio.sleep(HEARTBEAT_S)
+
+
+def token_event(request_id: str, attempt: int, out: RequestOutput, worker_id: str) -> TokenEvent:
+    return TokenEvent(
+        request_id=request_id,
+        attempt=attempt,
+        seq=out.num_output_tokens - len(out.new_token_ids),
+        token_ids=out.new_token_ids,
+        finish_reason=out.finish_reason.value if out.finished and out.finish_reason else None,
+        prompt_tokens=out.num_prompt_tokens,
+        worker_id=worker_id,
+    )
+
+
+def error_event(job: PrefillJob | DecodeJob, message: str, worker_id: str) -> TokenEvent:
+    return TokenEvent(job.request_id, job.attempt, 0, [], finish_reason="error", error=message, worker_id=worker_id)
