@@ -117,10 +117,11 @@ class Stack:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        for proc in self.procs.values():
+        for name, proc in self.procs.items():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                print(f"pdserve: {name} did not stop within {timeout_s}s of SIGTERM; killing it", file=sys.stderr)
                 proc.kill()
                 proc.wait()
         for server in reversed(self.infra):

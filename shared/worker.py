@@ -140,8 +140,10 @@ class Worker:
             await asyncio.gather(*self._tasks, return_exceptions=True)
             await self.teardown()
             await self.engine.stop()
+            with contextlib.suppress(Exception):  # close, not drain: draining can wait ~30 s on a dead peer
+                await asyncio.wait_for(self.nc.flush(), 1.0)
             with contextlib.suppress(Exception):
-                await self.nc.drain()
+                await self.nc.close()
             await self.redis.aclose()
 
     def stop(self) -> None:

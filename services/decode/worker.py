@@ -65,6 +65,8 @@ class DecodeWorker(Worker):
                 await msg.ack()
                 return
             prompt, outputs = job.prompt_token_ids, job.output_token_ids
+            # Registered before the engine sees it: its first outputs may reach the loop before this resumes.
+            self.jobs[rid] = job
             try:
                 if kv is None:
                     raise NoFreeBlocksError("no KV to import")
@@ -73,9 +75,9 @@ class DecodeWorker(Worker):
             except NoFreeBlocksError:
                 self.recomputed += 1
                 await self.engine.call(lambda e: e.add_request(rid, prompt, params, output_token_ids=outputs))
-            self.jobs[rid] = job
             await msg.ack()
         except ValueError as exc:
+            self.jobs.pop(rid, None)
             self.emit(job.reply_subject, error_event(job, str(exc), self.settings.worker_id))
             await msg.term()
         finally:

@@ -26,14 +26,16 @@ class MixedWorker(Worker):
 
     async def handle_job(self, msg: Msg) -> None:
         job = decode(msg.data, PrefillJob)
+        # Registered before the engine sees it: its first outputs may reach the loop before this resumes.
+        self.jobs[job.request_id] = job
         try:
             params = sampling_params(job.sampling)
             await self.engine.call(lambda e: e.add_request(job.request_id, job.prompt_token_ids, params))
         except ValueError as exc:  # the gateway validates; this is a last line of defence
+            del self.jobs[job.request_id]
             self.emit(job.reply_subject, error_event(job, str(exc), self.settings.worker_id))
             await msg.term()
             return
-        self.jobs[job.request_id] = job
         await msg.ack()
 
     def handle_outputs(self, outputs: list[RequestOutput]) -> None:

@@ -61,14 +61,15 @@ class PrefillWorker(Worker):
 
     async def handle_job(self, msg: Msg) -> None:
         job = decode(msg.data, PrefillJob)
+        # Registered before the engine sees it: the first token may reach the loop before this resumes.
+        self.jobs[job.request_id] = (job, msg)
         try:
             params = sampling_params(job.sampling, max_tokens=1)
             await self.engine.call(lambda e: e.add_request(job.request_id, job.prompt_token_ids, params, hold_kv=True))
         except ValueError as exc:
+            del self.jobs[job.request_id]
             self.emit(job.reply_subject, error_event(job, str(exc), self.settings.worker_id))
             await msg.term()
-            return
-        self.jobs[job.request_id] = (job, msg)
 
     def handle_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

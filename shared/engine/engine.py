@@ -170,8 +170,8 @@ class Engine:
         self.last_logits = out.logits
         self.stats.steps += 1
         for s in plan.seqs:
-            is_decode = s.num_tokens == 1 and s.request.num_computed_tokens == s.request.num_tokens - 1
-            if is_decode:
+            req = s.request  # a decode feeds back the last sampled token; a 1-token prompt is a prefill
+            if s.num_tokens == 1 and req.output_token_ids and req.num_computed_tokens == req.num_tokens - 1:
                 self.stats.decode_tokens += 1
             else:
                 self.stats.prefill_tokens += s.num_tokens
