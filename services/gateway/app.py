@@ -1,0 +1,69 @@
+"""The gateway's litestar application: `create_app(settings, backend=None)`.
+
+With no backend given, the lifespan opens a NatsBackend from the settings (connecting in the
+background, so /health answers while NATS is away) and closes it in `finally`. A backend passed in
+(tests, embedding) belongs to the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from litestar import Litestar, Router
+from litestar.datastructures import State
+from litestar.di import Provide
+from litestar.openapi import OpenAPIConfig
+
+from services.gateway.backend import Backend
+from services.gateway.errors import EXCEPTION_HANDLERS
+from services.gateway.middleware import api_key_guard, echo_request_id
+from services.gateway.nats_backend import NatsBackend
+from services.gateway.routes import PROBE_ROUTES, V1_ROUTES
+from services.gateway.served_model import ServedModel
+from shared.settings import GatewaySettings
+
+
+def _backend(state: State) -> Backend:
+    return state.backend
+
+
+def _model(state: State) -> ServedModel:
+    return state.model
+
+
+def create_app(settings: GatewaySettings, backend: Backend | None = None) -> Litestar:
+    model = ServedModel.load(settings)  # fails fast on a wrong checkpoint path, before serving anything
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        owned = None
+        if app.state.backend is None:
+            owned = NatsBackend(settings)
+            await owned.start()
+            app.state.backend = owned
+        try:
+            yield
+        finally:
+            if owned is not None:
+                await owned.close()
+                app.state.backend = None
+
+    v1 = Router(
+        "/v1",
+        route_handlers=V1_ROUTES,
+        guards=[api_key_guard(settings.api_keys)] if settings.api_keys else None,
+    )
+    return Litestar(
+        route_handlers=[v1, *PROBE_ROUTES],
+        dependencies={
+            "backend": Provide(_backend, sync_to_thread=False),
+            "model": Provide(_model, sync_to_thread=False),
+        },
+        state=State({"backend": backend, "model": model}),
+        lifespan=[lifespan],
+        exception_handlers=EXCEPTION_HANDLERS,
+        before_send=[echo_request_id],
+        request_max_body_size=settings.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="pdserve gateway", version="0.1.0", path="/schema"),
+    )

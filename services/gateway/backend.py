@@ -1,0 +1,79 @@
+"""What the gateway needs from the serving plane, as a protocol: the HTTP layer never sees NATS.
+
+`NatsBackend` (nats_backend.py) is the real one; tests pass an in-process fake. A request's life
+against a backend: `open(job)` registers it and dispatches it, the returned stream yields `Update`s
+(new tokens, in output order, never repeated; the last one carries `finish_reason`), `cancel(id)`
+stops it upstream, `aclose()` on the stream forgets it locally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from shared.messages import Sampling
+
+
+class BackendUnavailable(Exception):
+    """No worker can take the request now (nothing live, NATS down, publish failed): HTTP 503."""
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    request_id: str  # unique per gateway and safe as a NATS subject token
+    model: str  # the served model name
+    prompt_token_ids: list[int]
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class Update:
+    """Tokens at the next output positions. The final update has `finish_reason` set:
+    "stop" | "length" (normal ends), "error" | "abort" (with `error`; `status` = the HTTP status the
+    gateway answers with when nothing was streamed yet, e.g. 504 for a timeout)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    status: int = 500
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def failed(self) -> bool:
+        return self.finish_reason in ("error", "abort")
+
+
+class RequestStream(Protocol):
+    """The updates of one request. Iteration ends after the final update; the backend enforces its
+    own deadlines (a stalled request ends with a failed update, never hangs)."""
+
+    def __aiter__(self) -> AsyncIterator[Update]: ...
+
+    async def __anext__(self) -> Update: ...
+
+    async def aclose(self) -> None:
+        """Stop listening for this request (idempotent). Does not cancel it upstream."""
+
+
+@runtime_checkable  # litestar checks injected dependencies with isinstance
+class Backend(Protocol):
+    async def open(self, job: GenerationJob) -> RequestStream:
+        """Register the request's listener, then dispatch it (subscribe before dispatch, so no token
+        is missed). Raises BackendUnavailable when it cannot be dispatched."""
+        ...
+
+    async def cancel(self, request_id: str) -> None:
+        """Ask every worker to drop the request and free its KV. Best effort, idempotent, never raises."""
+        ...
+
+    async def readiness(self) -> tuple[bool, str]:
+        """(True, "ready") when requests can be served now, else (False, why not)."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections; open streams end."""
+        ...

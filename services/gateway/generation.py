@@ -1,0 +1,115 @@
+"""One request's run against the backend: updates in, one text piece per generated token out.
+
+Owns the request's upstream lifetime: whenever the run ends without the worker having finished it
+(client gone, stop string matched, deadline, failure), `close()` cancels it upstream so prefill and
+decode free its work and KV. `close()` is idempotent and safe to call from a cancelled task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+
+from services.gateway.backend import Backend, GenerationJob, RequestStream, Update
+from services.gateway.textstream import TextAssembler
+from shared.model.tokenizer import Tokenizer
+
+_CLOSE_TIMEOUT_S = 5.0
+
+
+class GenerationError(Exception):
+    """The request failed upstream (worker error, timeout); `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Piece:
+    text: str  # may be "" (half a character, a possible stop-string start, a special token)
+    finish_reason: str | None = None  # "stop" | "length", on the last piece only
+
+
+class Generation:
+    """Open → (wait_first) → pieces() or collect() → close(). Counts completion tokens for usage."""
+
+    def __init__(self, backend: Backend, job: GenerationJob, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+        self.backend = backend
+        self.job = job
+        self.text = TextAssembler(tokenizer, stop)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self._stream: RequestStream | None = None
+        self._first: Update | None = None
+        self._worker_finished = False
+        self._closed = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.job.prompt_token_ids)
+
+    async def open(self) -> None:
+        """Dispatch. Raises BackendUnavailable."""
+        self._stream = await self.backend.open(self.job)
+
+    async def wait_first(self) -> None:
+        """Wait for the first update, so that a failure before any token is still a plain HTTP error."""
+        self._first = await self._next()
+        if self._first.failed:
+            raise GenerationError(self._first.error or "request failed", self._first.status)
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """One piece per token, the last one with finish_reason. Raises GenerationError on a failure."""
+        while self.finish_reason is None:
+            update = self._first if self._first is not None else await self._next()
+            self._first = None
+            if update.failed:
+                raise GenerationError(update.error or "request failed", update.status)
+            for piece in self._pieces_of(update):
+                yield piece
+
+    async def collect(self) -> str:
+        """Run to the end; the whole text."""
+        async for _ in self.pieces():
+            pass
+        return self.text.text
+
+    def _pieces_of(self, update: Update) -> list[Piece]:
+        self._worker_finished = update.finished  # the worker let go of the request: nothing to cancel
+        pieces = []
+        for token_id in update.token_ids:
+            self.completion_tokens += 1
+            text = self.text.add(token_id)
+            if self.text.stopped:  # later tokens are dropped; close() cancels the rest upstream
+                self.finish_reason = "stop"
+                return [*pieces, Piece(text, "stop")]
+            pieces.append(Piece(text))
+        if update.finished:
+            tail = self.text.finish()
+            self.finish_reason = "stop" if self.text.stopped else update.finish_reason
+            last = pieces.pop() if pieces else Piece("")
+            pieces.append(Piece(last.text + tail, self.finish_reason))
+        return pieces
+
+    async def _next(self) -> Update:
+        if self._stream is None:
+            raise RuntimeError("Generation.open() was not called")
+        try:
+            return await anext(self._stream)
+        except StopAsyncIteration:
+            return Update([], "error", "the backend ended the request without a final event")
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # shielded: this runs in the finally of a task that is being cancelled (client disconnect)
+        with anyio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
+            if not self._worker_finished:
+                await self.backend.cancel(self.job.request_id)
+            if self._stream is not None:
+                await self._stream.aclose()

@@ -1,0 +1,178 @@
+"""The Backend over NATS: jobs out through JetStream, token events back on one wildcard subscription.
+
+One listener (`pd.tokens.<gateway>.>`) serves every request: it decodes each TokenEvent and routes it
+by request id to that request's RequestUpdates (request_stream.py: order, deadlines).
+A request's stream is registered before its job is published, so no event can arrive unclaimed.
+Heartbeats (`pd.hb.>`) feed the live-worker table behind readiness and the 503 on dispatch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from redis.asyncio import Redis
+
+from services.gateway.backend import BackendUnavailable, GenerationJob, Update
+from services.gateway.liveness import WorkerTable
+from services.gateway.request_stream import Deadlines, RequestUpdates
+from shared import bus
+from shared.messages import (
+    HEARTBEAT_WILDCARD,
+    Cancel,
+    Heartbeat,
+    PrefillJob,
+    TokenEvent,
+    cancel_subject,
+    decode,
+    encode,
+    prefill_subject,
+    token_subject,
+)
+from shared.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+PUBLISH_TIMEOUT_S = 5.0
+REDIS_PING_TIMEOUT_S = 2.0
+SETUP_RETRY_S = 1.0
+DRAIN_TIMEOUT_S = 5.0
+
+
+def token_wildcard(gateway_id: str) -> str:
+    """Every token subject of this gateway, derived from token_subject (messages.py names subjects)."""
+    return token_subject(gateway_id, "_").rsplit(".", 1)[0] + ".>"
+
+
+class NatsBackend:
+    def __init__(self, settings: GatewaySettings, heartbeat_ttl_s: float = 5.0, gap_timeout_s: float = 5.0) -> None:
+        self.settings = settings
+        self.deadlines = Deadlines(settings.first_token_timeout_s, settings.request_timeout_s, gap_timeout_s)
+        self.workers = WorkerTable(heartbeat_ttl_s)
+        self._streams: dict[str, RequestUpdates] = {}  # request id → its stream, while the gateway listens
+        self._nc: NATS | None = None  # set once connected and subscribed
+        self._js: JetStreamContext | None = None
+        self._redis = Redis.from_url(settings.redis_url, socket_connect_timeout=1.0, socket_timeout=2.0)
+        self._setup: asyncio.Task[None] | None = None
+        self._setup_error: str | None = None  # why connecting failed for good (a bad URL, say)
+
+    async def start(self) -> None:
+        """Connect in the background: until then, readiness says why not and dispatch answers 503."""
+        self._setup = asyncio.create_task(self._connect(), name="gateway-nats-connect")
+        self._setup.add_done_callback(self._setup_done)
+
+    def _setup_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._setup_error = f"{type(task.exception()).__name__}: {task.exception()}"
+            log.error("gateway NATS setup failed: %s", self._setup_error)
+
+    async def _connect(self) -> None:
+        nc = await bus.connect(self.settings.nats_url, f"gateway-{self.settings.gateway_id}")
+        js = nc.jetstream()
+        while True:
+            try:
+                await bus.ensure_jobs_stream(js)
+                break
+            except Exception as exc:  # JetStream not ready yet (server starting): keep trying
+                log.warning("jobs stream setup failed (%s); retrying", exc)
+                await asyncio.sleep(SETUP_RETRY_S)
+        await nc.subscribe(token_wildcard(self.settings.gateway_id), cb=self._on_token)
+        await nc.subscribe(HEARTBEAT_WILDCARD, cb=self._on_heartbeat)
+        self._nc, self._js = nc, js
+        log.info("gateway %s connected to NATS", self.settings.gateway_id)
+
+    async def _on_token(self, msg: Msg) -> None:
+        try:
+            event = decode(msg.data, TokenEvent)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("dropping malformed token event on %s: %s", msg.subject, exc)
+            return
+        stream = self._streams.get(event.request_id)
+        if stream is None:
+            log.debug("dropping token event of %s: no longer listening", event.request_id)
+            return
+        stream.push(event)
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            beat = decode(msg.data, Heartbeat)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("dropping malformed heartbeat on %s: %s", msg.subject, exc)
+            return
+        self.workers.record(beat, time.monotonic())
+
+    def _connected(self) -> NATS | None:
+        return self._nc if self._nc is not None and self._nc.is_connected else None
+
+    async def open(self, job: GenerationJob) -> RequestUpdates:
+        if self._connected() is None or self._js is None:
+            raise BackendUnavailable("not connected to NATS")
+        ok, reason = self.workers.can_serve(job.model, time.monotonic())
+        if not ok:
+            raise BackendUnavailable(reason)
+        if job.request_id in self._streams:
+            raise ValueError(f"request id {job.request_id!r} is already in flight")
+        stream = RequestUpdates(job.request_id, self.deadlines, self.cancel, self.forget)
+        self._streams[job.request_id] = stream  # subscribe before dispatch
+        prefill = PrefillJob(
+            request_id=job.request_id,
+            model=job.model,
+            prompt_token_ids=job.prompt_token_ids,
+            sampling=job.sampling,
+            reply_subject=token_subject(self.settings.gateway_id, job.request_id),
+            created_at=time.time(),
+        )
+        try:
+            await self._js.publish(prefill_subject(job.model), encode(prefill), timeout=PUBLISH_TIMEOUT_S)
+        except Exception as exc:
+            self._streams.pop(job.request_id, None)
+            await self.cancel(job.request_id)  # the job may be stored even though its ack was lost
+            raise BackendUnavailable(f"could not dispatch the request ({type(exc).__name__}: {exc})") from exc
+        return stream
+
+    async def cancel(self, request_id: str) -> None:
+        nc = self._connected()
+        if nc is None:
+            return
+        try:
+            await nc.publish(cancel_subject(request_id), encode(Cancel(request_id)))
+        except Exception as exc:
+            log.warning("could not publish the cancel of %s: %s", request_id, exc)
+
+    def forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def readiness(self) -> tuple[bool, str]:
+        if self._setup_error is not None:
+            return False, f"NATS setup failed: {self._setup_error}"
+        if self._nc is None:
+            return False, "not connected to NATS yet"
+        if not self._nc.is_connected:
+            return False, "NATS connection lost; reconnecting"
+        try:
+            await asyncio.wait_for(self._redis.ping(), REDIS_PING_TIMEOUT_S)
+        except Exception as exc:
+            return False, f"Redis does not answer ({type(exc).__name__}: {exc})"
+        return self.workers.can_serve(self.settings.served_model_name, time.monotonic())
+
+    async def close(self) -> None:
+        if self._setup is not None:
+            self._setup.cancel()
+            with contextlib.suppress(BaseException):
+                await self._setup
+        for stream in list(self._streams.values()):
+            stream.put(Update([], "error", "the gateway is shutting down", status=503))
+        self._streams.clear()
+        if self._nc is not None:
+            try:  # drain: deliver what is in flight (cancels above) before closing
+                await asyncio.wait_for(self._nc.drain(), DRAIN_TIMEOUT_S)
+            except Exception as exc:
+                log.warning("NATS drain failed (%s); closing", exc)
+                await self._nc.close()
+        await self._redis.aclose()

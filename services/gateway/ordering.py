@@ -1,0 +1,71 @@
+"""Per-request reordering of token events: the client sees every output position once, in order.
+
+Two publishers write one request's events (the prefill worker position 0, a decode worker the rest),
+and a re-dispatch starts a new attempt that may repeat positions already delivered. Rules, from
+shared.messages.TokenEvent:
+  - an event of an attempt older than the newest seen is stale: dropped;
+  - positions below `delivered` were already sent: dropped (an event straddling it is trimmed);
+  - an event starting past `delivered` waits in `_early` until the gap is filled;
+  - a failed final event ("error" / "abort") ends the request at once, whatever its position.
+State is pure (no I/O, no clock): NatsBackend feeds it from its one token listener.
+"""
+
+from __future__ import annotations
+
+from services.gateway.backend import Update
+from shared.messages import TokenEvent
+
+_DEFAULT_ERROR = {"error": "a worker failed the request", "abort": "the request was aborted upstream"}
+_FAILED = tuple(_DEFAULT_ERROR)
+
+
+class TokenOrder:
+    def __init__(self) -> None:
+        self.delivered = 0  # output positions [0, delivered) have been handed out
+        self.attempt = 0  # newest attempt seen
+        self.finished = False
+        self._early: dict[int, TokenEvent] = {}  # seq → event waiting for positions before it
+
+    def push(self, event: TokenEvent) -> list[Update]:
+        """Feed one event; return the updates now deliverable, in order (often one, maybe none)."""
+        if self.finished or event.attempt < self.attempt:
+            return []
+        if event.attempt > self.attempt:
+            self.attempt = event.attempt
+            # early events of the older attempt may never be followed by the tokens between
+            self._early = {s: e for s, e in self._early.items() if e.attempt == event.attempt}
+        if event.finish_reason in _FAILED:
+            self.finished = True
+            self._early.clear()
+            return [Update([], event.finish_reason, event.error or _DEFAULT_ERROR[event.finish_reason])]
+        if event.seq > self.delivered:
+            held = self._early.get(event.seq)
+            if held is None or len(event.token_ids) >= len(held.token_ids) or event.finish_reason:
+                self._early[event.seq] = event
+            return []
+        updates = [self._take(event)]
+        while not self.finished and (ready := self._next_early()) is not None:
+            updates.append(self._take(ready))
+        return [u for u in updates if u.token_ids or u.finished]
+
+    def gap(self) -> tuple[int, int] | None:
+        """(first missing position, first position waiting) while early events wait for a gap to fill."""
+        return (self.delivered, min(self._early)) if self._early else None
+
+    def _take(self, event: TokenEvent) -> Update:
+        """An event starting at or before `delivered`: its new positions (maybe none) go out."""
+        fresh = event.token_ids[self.delivered - event.seq :]
+        self.delivered += len(fresh)
+        if event.finish_reason is not None:
+            self.finished = True
+            self._early.clear()
+        return Update(list(fresh), event.finish_reason)
+
+    def _next_early(self) -> TokenEvent | None:
+        for seq in sorted(self._early):
+            if seq > self.delivered:
+                return None
+            event = self._early.pop(seq)
+            if seq + len(event.token_ids) > self.delivered or event.finish_reason is not None:
+                return event
+        return None

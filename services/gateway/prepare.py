@@ -1,0 +1,178 @@
+"""From a validated-by-schema request to what the backend runs: prompt token ids, sampling, stop strings.
+
+Everything a client can get wrong is checked here and raised as a 4xx APIError naming the field; a
+request that passes is one every worker accepts (the same rules as shared.engine.sampling.SamplingParams,
+checked without importing torch into the gateway).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.errors import APIError
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.served_model import ServedModel
+from shared.messages import Sampling
+from shared.model.tokenizer import ChatTemplateError
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+@dataclass(frozen=True)
+class Prepared:
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    stop: tuple[str, ...]  # stop strings, applied by the gateway on the text
+    stream: bool
+    include_usage: bool  # streaming: send the usage chunk
+
+
+def prepare_chat(req: ChatCompletionRequest, model: ServedModel) -> Prepared:
+    _check_model(req.model, model)
+    _check_common(req)
+    if req.logprobs:
+        raise APIError(400, "logprobs are not supported", "logprobs")
+    if req.top_logprobs:
+        raise APIError(400, "top_logprobs are not supported", "top_logprobs")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise APIError(400, "response_format other than text is not supported", "response_format")
+    prompt = _chat_prompt(req, model)
+    requested = req.max_completion_tokens or req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    max_tokens = _max_tokens(requested, param, _fitting(prompt, "messages", model), model, default=None)
+    return _prepared(req, prompt, max_tokens, model)
+
+
+def prepare_completion(req: CompletionRequest, model: ServedModel) -> Prepared:
+    _check_model(req.model, model)
+    _check_common(req)
+    if req.logprobs is not None:
+        raise APIError(400, "logprobs are not supported", "logprobs")
+    if req.echo:
+        raise APIError(400, "echo is not supported", "echo")
+    if req.best_of is not None and req.best_of != 1:
+        raise APIError(400, "only best_of=1 is supported", "best_of")
+    prompt = _completion_prompt(req.prompt, model)
+    prompt_len = _fitting(prompt, "prompt", model)
+    max_tokens = _max_tokens(req.max_tokens, "max_tokens", prompt_len, model, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    return _prepared(req, prompt, max_tokens, model)
+
+
+def _check_model(requested: str | None, model: ServedModel) -> None:
+    if requested is not None and requested != model.name:
+        raise APIError(404, f"The model `{requested}` does not exist; this server serves `{model.name}`", "model")
+
+
+def _check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
+    if req.n is not None and req.n != 1:
+        raise APIError(400, f"only n=1 is supported, got n={req.n}", "n")
+
+
+def _chat_prompt(req: ChatCompletionRequest, model: ServedModel) -> list[int]:
+    if not req.messages:
+        raise APIError(400, "messages must contain at least one message", "messages")
+    messages: list[dict[str, Any]] = []
+    for i, m in enumerate(req.messages):
+        if m.role not in CHAT_ROLES:
+            roles = ", ".join(sorted(CHAT_ROLES))
+            raise APIError(400, f"unknown role {m.role!r}; use one of {roles}", f"messages[{i}].role")
+        message: dict[str, Any] = {"role": m.role, "content": _text_content(m.content, i)}
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
+    add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
+    try:
+        return model.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), "messages") from exc
+
+
+def _text_content(content: Any, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            message = f"only text content is supported, got a {part.type!r} part"
+            raise APIError(400, message, f"messages[{index}].content")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _completion_prompt(prompt: str | list[Any], model: ServedModel) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = model.tokenizer.encode(prompt) if prompt else []
+    elif all(type(t) is int for t in prompt):
+        ids = list(prompt)
+    elif all(isinstance(p, str | list) for p in prompt):
+        raise APIError(400, "only one prompt per request is supported", "prompt")
+    else:
+        raise APIError(400, "prompt must be a string or a list of token ids", "prompt")
+    if not ids:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    _check_token_ids(ids, model, "prompt")
+    return ids
+
+
+def _check_token_ids(ids: list[int], model: ServedModel, param: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {model.vocab_size})", param)
+
+
+def _fitting(prompt: list[int], param: str, model: ServedModel) -> int:
+    """The prompt's length, once checked to leave room for at least one generated token."""
+    limit = model.max_model_len
+    if len(prompt) >= limit:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens, and your prompt has {len(prompt)} tokens: "
+            "it must be shorter than the context to leave room for at least one generated token.",
+            param,
+        )
+    return len(prompt)
+
+
+def _max_tokens(requested: int | None, param: str, prompt_len: int, model: ServedModel, default: int | None) -> int:
+    """The generation budget. None = `default`, capped by the room left (all of it when default is None)."""
+    limit = model.max_model_len
+    room = limit - prompt_len
+    if requested is None:
+        return room if default is None else min(default, room)
+    if prompt_len + requested > limit:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the completion). "
+            f"Please reduce the length of the prompt or {param} (at most {room}).",
+            param,
+        )
+    return requested
+
+
+def _prepared(
+    req: ChatCompletionRequest | CompletionRequest, prompt: list[int], max_tokens: int, model: ServedModel
+) -> Prepared:
+    stop_token_ids = list(req.stop_token_ids or [])
+    _check_token_ids(stop_token_ids, model, "stop_token_ids")
+    sampling = Sampling(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k if req.top_k is not None and req.top_k > 0 else None,
+        seed=req.seed,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=bool(req.ignore_eos),
+    )
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    return Prepared(
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        stop=tuple(s for s in stop if s),  # an empty stop string would end every request at once: ignored
+        stream=bool(req.stream),
+        include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
+    )

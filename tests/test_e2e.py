@@ -1,0 +1,207 @@
+"""The whole stack as users run it: nats-server, redis-server, gateway, prefill and decode workers as real
+processes (started by the same launcher as `pdserve up`), driven over HTTP."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from services.launcher import Stack, StackSpec
+from shared.engine.engine import Engine
+from shared.engine.sampling import SamplingParams
+from shared.model.demo import write_demo_checkpoint
+from shared.model.tokenizer import Tokenizer
+from shared.procs import free_port
+from tests.e2e_support import heartbeats, kv_keys
+
+PROMPTS = ["The quick brown fox", "héllo wörld, 世界", "a", "Tell me a story about disaggregation " * 6]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_demo_checkpoint(tmp_path_factory.mktemp("model") / "demo", arch="qwen3_moe", size="tiny")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """Greedy outputs of the single-process engine: what every topology must reproduce."""
+    tok = Tokenizer(model_dir)
+    engine = Engine.from_dir(model_dir, max_model_len=1024)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    ids = [tok.encode(p) for p in PROMPTS]
+    return dict(zip(PROMPTS, engine.generate(ids, params), strict=True))
+
+
+def _stack(model_dir, **kw) -> Stack:
+    spec = StackSpec(model=str(model_dir), port=free_port(), threads_per_worker=1, **kw)
+    stack = Stack(spec)
+    try:
+        return stack.start(ready_timeout_s=180)
+    except Exception:
+        print(stack.logs())
+        raise
+
+
+@pytest.fixture(scope="module")
+def stack_1p1d(model_dir):
+    stack = _stack(model_dir, prefill=1, decode=1)
+    yield stack
+    stack.stop()
+
+
+def _complete(url: str, prompt: str, stream: bool = False, **extra) -> dict:
+    body = {"model": "demo", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": stream} | extra  # fmt: skip
+    with httpx.Client(timeout=120) as client:
+        if not stream:
+            resp = client.post(f"{url}/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            return resp.json()
+        chunks = []
+        with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            raw = resp.read().decode()
+        assert "\r" not in raw
+        for event in raw.split("\n\n"):
+            if event.strip():
+                assert event.startswith("data: ")
+                chunks.append(event[len("data: ") :])
+        assert chunks[-1] == "[DONE]"
+        return {"chunks": [json.loads(c) for c in chunks[:-1]]}
+
+
+def test_completions_match_single_process_engine(stack_1p1d, model_dir, reference):
+    tok = Tokenizer(model_dir)
+    for prompt in PROMPTS:
+        out = _complete(stack_1p1d.url, prompt)
+        assert out["usage"]["completion_tokens"] == MAX_TOKENS
+        assert out["usage"]["prompt_tokens"] == len(tok.encode(prompt))
+        assert out["choices"][0]["text"] == tok.decode(reference[prompt])
+        assert out["choices"][0]["finish_reason"] == "length"
+
+
+def test_streaming_is_ordered_and_complete(stack_1p1d, model_dir, reference):
+    tok = Tokenizer(model_dir)
+    prompt = PROMPTS[0]
+    chunks = _complete(stack_1p1d.url, prompt, stream=True)["chunks"]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == tok.decode(reference[prompt])
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_matches_engine(stack_1p1d, model_dir):
+    tok = Tokenizer(model_dir)
+    messages = [{"role": "user", "content": "hi there"}]
+    ids = tok.encode_chat(messages)
+    engine = Engine.from_dir(model_dir, max_model_len=1024)
+    expected = engine.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))[0]
+    with httpx.Client(timeout=120) as client:
+        resp = client.post(
+            f"{stack_1p1d.url}/v1/chat/completions",
+            json={
+                "model": "demo",
+                "messages": messages,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["choices"][0]["message"]["content"] == tok.decode(expected)
+    assert body["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_concurrent_requests_all_complete_and_kv_moved(stack_1p1d, model_dir, reference):
+    tok = Tokenizer(model_dir)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda p: _complete(stack_1p1d.url, p, stream=True), prompts))
+    for prompt, result in zip(prompts, results, strict=True):
+        text = "".join(c["choices"][0]["text"] for c in result["chunks"] if c["choices"])
+        assert text == tok.decode(reference[prompt])
+
+    time.sleep(0.5)
+    beats = heartbeats(stack_1p1d.nats_url)
+    prefill = [b for b in beats.values() if b.role == "prefill"]
+    decode = [b for b in beats.values() if b.role == "decode"]
+    assert len(prefill) == 1 and len(decode) == 1
+    # The decode worker never ran a prompt: every request's KV was pulled, none recomputed.
+    assert decode[0].prefill_tokens == 0
+    assert decode[0].decode_tokens >= 16 * (MAX_TOKENS - 1)
+    # The prefill worker computed every prompt and holds nothing afterwards.
+    assert prefill[0].prefill_tokens > 0 and prefill[0].decode_tokens == 0
+    assert prefill[0].held_kv == 0 and prefill[0].free_blocks == prefill[0].total_blocks
+    assert decode[0].free_blocks == decode[0].total_blocks
+    assert kv_keys(stack_1p1d.redis_url) == []
+
+
+def test_openai_client(stack_1p1d, model_dir, reference):
+    client = openai.OpenAI(base_url=f"{stack_1p1d.url}/v1", api_key="unused", max_retries=0)
+    tok = Tokenizer(model_dir)
+    prompt = PROMPTS[1]
+    kwargs = dict(model="demo", max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    done = client.completions.create(prompt=prompt, **kwargs)
+    assert done.choices[0].text == tok.decode(reference[prompt])
+    streamed = "".join(c.choices[0].text for c in client.completions.create(prompt=prompt, stream=True, **kwargs))
+    assert streamed == done.choices[0].text
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kwargs)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == MAX_TOKENS
+    stream = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], stream=True, **kwargs)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == chat.choices[0].message.content
+    assert [m.id for m in client.models.list().data] == ["demo"]
+
+
+def test_client_disconnect_frees_kv_everywhere(stack_1p1d):
+    body = {"model": "demo", "prompt": "cancel me", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{stack_1p1d.url}/v1/completions", json=body) as resp:
+            for i, _ in enumerate(resp.iter_lines()):
+                if i > 6:
+                    break  # leave mid-stream
+    deadline = time.monotonic() + 20
+    while True:
+        beats = heartbeats(stack_1p1d.nats_url, seconds=1.2)
+        idle = all(b.running == 0 and b.held_kv == 0 and b.free_blocks == b.total_blocks for b in beats.values())
+        if idle or time.monotonic() > deadline:
+            break
+    assert idle, beats
+    assert kv_keys(stack_1p1d.redis_url) == []
+
+
+def test_bad_input_keeps_the_stack_serving(stack_1p1d):
+    with httpx.Client(timeout=60) as client:
+        for body in ({"model": "demo"}, {"model": "nope", "prompt": "x"}, {"model": "demo", "prompt": "x", "n": 3}):
+            resp = client.post(f"{stack_1p1d.url}/v1/completions", json=body)
+            assert 400 <= resp.status_code < 500 and "error" in resp.json()
+        resp = client.post(
+            f"{stack_1p1d.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+        )
+        assert 400 <= resp.status_code < 500
+    assert _complete(stack_1p1d.url, "still fine")["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+@pytest.mark.parametrize(
+    "topology", [dict(prefill=2, decode=2), dict(mixed=1, prefill=0, decode=0)], ids=["2p2d", "mixed"]
+)
+def test_other_topologies_match(model_dir, reference, topology):
+    tok = Tokenizer(model_dir)
+    stack = _stack(model_dir, **topology)
+    try:
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda p: _complete(stack.url, p), prompts))
+        for prompt, out in zip(prompts, results, strict=True):
+            assert out["choices"][0]["text"] == tok.decode(reference[prompt])
+        beats = heartbeats(stack.nats_url)
+        assert all(b.prefill_tokens == 0 for b in beats.values() if b.role == "decode")
+        assert kv_keys(stack.redis_url) == []
+    finally:
+        stack.stop()
