@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 DEMO_MODEL ?= models/demo-tiny-qwen3_moe
+PORT ?= 8000
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install test lint serve bench clean redis-server
@@ -32,9 +33,9 @@ test: $(STAMP) lint
 $(DEMO_MODEL)/config.json: | $(STAMP)
 	$(VENV)/bin/pdserve demo-model $(DEMO_MODEL) --arch qwen3_moe --size tiny
 
-# Until the services land, `serve` runs the engine in one process on the offline demo model.
+# The whole stack on the offline demo model: nats-server, redis-server, gateway on :8000, 1 prefill + 1 decode.
 serve: $(STAMP) $(DEMO_MODEL)/config.json
-	$(VENV)/bin/pdserve generate --model $(DEMO_MODEL) --chat --max-tokens 48 "Hello, pdserve!"
+	$(VENV)/bin/pdserve up --model $(DEMO_MODEL) --port $(PORT)
 
 bench: $(STAMP)
 	$(PY) benchmarks/engine_bench.py

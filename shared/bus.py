@@ -30,6 +30,9 @@ async def connect(url: str, name: str) -> NATS:
     async def on_reconnect() -> None:
         log.info("%s: reconnected to NATS", name)
 
+    async def on_error(exc: Exception) -> None:  # one line per failed attempt, not a traceback
+        log.warning("%s: NATS connection error: %s", name, exc)
+
     return await nats.connect(
         url,
         name=name,
@@ -37,6 +40,7 @@ async def connect(url: str, name: str) -> NATS:
         reconnect_time_wait=0.5,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
+        error_cb=on_error,
     )
 
 

@@ -43,6 +43,11 @@ def token_subject(gateway_id: str, request_id: str) -> str:
     return f"pd.tokens.{subject_token(gateway_id)}.{subject_token(request_id)}"
 
 
+def token_wildcard(gateway_id: str) -> str:
+    """Every token subject of one gateway (it subscribes once and routes by request id)."""
+    return f"pd.tokens.{subject_token(gateway_id)}.>"
+
+
 def cancel_subject(request_id: str) -> str:
     return f"pd.cancel.{subject_token(request_id)}"
 
@@ -106,6 +111,7 @@ class TokenEvent(msgspec.Struct, frozen=True):
     error: str | None = None
     prompt_tokens: int = 0
     worker_id: str = ""
+    status: int = 500  # with an error: the HTTP status it means (400 = the request itself was refused)
 
 
 class Cancel(msgspec.Struct, frozen=True):

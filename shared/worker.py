@@ -229,5 +229,16 @@ def token_event(request_id: str, attempt: int, out: RequestOutput, worker_id: st
     )
 
 
-def error_event(job: PrefillJob | DecodeJob, message: str, worker_id: str) -> TokenEvent:
-    return TokenEvent(job.request_id, job.attempt, 0, [], finish_reason="error", error=message, worker_id=worker_id)
+def error_event(job: PrefillJob | DecodeJob, message: str, worker_id: str, status: int = 400) -> TokenEvent:
+    """The request was refused (by default as a client mistake the gateway could not see, e.g. a worker
+    with a shorter max_model_len)."""
+    return TokenEvent(
+        request_id=job.request_id,
+        attempt=job.attempt,
+        seq=0,
+        token_ids=[],
+        finish_reason="error",
+        error=message,
+        status=status,
+        worker_id=worker_id,
+    )

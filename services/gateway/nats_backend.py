@@ -34,6 +34,7 @@ from shared.messages import (
     encode,
     prefill_subject,
     token_subject,
+    token_wildcard,
 )
 from shared.settings import GatewaySettings
 
@@ -43,11 +44,6 @@ PUBLISH_TIMEOUT_S = 5.0
 REDIS_PING_TIMEOUT_S = 2.0
 SETUP_RETRY_S = 1.0
 DRAIN_TIMEOUT_S = 5.0
-
-
-def token_wildcard(gateway_id: str) -> str:
-    """Every token subject of this gateway, derived from token_subject (messages.py names subjects)."""
-    return token_subject(gateway_id, "_").rsplit(".", 1)[0] + ".>"
 
 
 class NatsBackend:

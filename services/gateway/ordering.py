@@ -37,7 +37,8 @@ class TokenOrder:
         if event.finish_reason in _FAILED:
             self.finished = True
             self._early.clear()
-            return [Update([], event.finish_reason, event.error or _DEFAULT_ERROR[event.finish_reason])]
+            message = event.error or _DEFAULT_ERROR[event.finish_reason]
+            return [Update([], event.finish_reason, message, status=event.status)]
         if event.seq > self.delivered:
             held = self._early.get(event.seq)
             if held is None or len(event.token_ids) >= len(held.token_ids) or event.finish_reason:

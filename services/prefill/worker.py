@@ -82,7 +82,15 @@ class PrefillWorker(Worker):
         token = out.new_token_ids[0]
         finished = out.finish_reason is FinishReason.STOP or job.sampling.max_tokens == 1
         reason = (out.finish_reason.value if out.finish_reason else "length") if finished else None
-        event = TokenEvent(rid, job.attempt, 0, [token], reason, None, out.num_prompt_tokens, self.settings.worker_id)
+        event = TokenEvent(
+            request_id=rid,
+            attempt=job.attempt,
+            seq=0,
+            token_ids=[token],
+            finish_reason=reason,
+            prompt_tokens=out.num_prompt_tokens,
+            worker_id=self.settings.worker_id,
+        )
         self.emit(job.reply_subject, event)
         if finished:  # nothing left to decode
             await self.engine.call(lambda e: e.release_kv(rid))
