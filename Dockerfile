@@ -1,0 +1,55 @@
+# One image for every pdserve role: `docker run IMAGE gateway|prefill|decode|mixed|demo-model ...`.
+# compose.yaml builds and runs it; see README.md, "Docker".
+
+# ---- build: a virtual environment with the pinned dependencies and pdserve --------------------------
+FROM python:3.11-slim AS build
+
+# Extra package index searched for torch, e.g. a CPU-only torch index for a much smaller CPU image.
+# Empty (the default): the pinned torch from the default index, the CUDA-capable build (several GB; it
+# also runs on CPU). Wheels put in docker/wheels/ are offered first either way (offline builds).
+ARG TORCH_INDEX_URL=""
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH
+RUN python -m venv /opt/venv
+
+# Dependencies in two cached layers, pins read from pyproject.toml: torch (the big one), then the rest.
+# A change to the source reinstalls neither.
+COPY pyproject.toml docker/deps.py /tmp/build/
+COPY docker/wheels/ /tmp/wheels/
+RUN python /tmp/build/deps.py /tmp/build/pyproject.toml torch > /tmp/build/torch.txt \
+    && pip install --find-links /tmp/wheels ${TORCH_INDEX_URL:+--extra-index-url=$TORCH_INDEX_URL} \
+        -r /tmp/build/torch.txt
+RUN python /tmp/build/deps.py /tmp/build/pyproject.toml --not torch > /tmp/build/deps.txt \
+    && pip install --find-links /tmp/wheels -r /tmp/build/deps.txt
+
+# pdserve itself, then the container helpers (healthcheck, model-init) next to it.
+COPY pyproject.toml README.md /tmp/src/
+COPY shared/ /tmp/src/shared/
+COPY services/ /tmp/src/services/
+COPY docker/healthcheck.py docker/model-init.sh /tmp/src/docker/
+RUN pip install --no-deps /tmp/src \
+    && install -m 0755 /tmp/src/docker/healthcheck.py /opt/venv/bin/pdserve-healthcheck \
+    && install -m 0755 /tmp/src/docker/model-init.sh /opt/venv/bin/pdserve-model-init
+
+# ---- runtime: the environment alone (no wheels, no build files), run by an unprivileged user --------
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PATH=/opt/venv/bin:$PATH
+
+# /models is where checkpoints live: a named volume mounted there starts out owned by pdserve.
+RUN useradd --create-home --uid 1000 --user-group pdserve \
+    && mkdir -p /models \
+    && chown pdserve:pdserve /models
+COPY --from=build /opt/venv /opt/venv
+RUN pdserve --help > /dev/null \
+    && python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+
+USER pdserve
+WORKDIR /home/pdserve
+EXPOSE 8000
+ENTRYPOINT ["pdserve"]
+CMD ["--help"]

@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""Container healthcheck for every pdserve role (installed in the image as `pdserve-healthcheck`).
+
+    pdserve-healthcheck gateway                 GET /health on this container's gateway port
+    pdserve-healthcheck prefill|decode|mixed    a heartbeat from *this* container's worker on NATS
+
+A worker is healthy once its engine is loaded and it publishes heartbeats (pd.hb.<role>.<worker>): the
+check listens on NATS for one of this role whose worker id is PDSERVE_WORKER_ID, or, by default, contains this
+container's hostname (worker ids default to `worker-<hostname>-<random>`). Exit 0 = healthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+import urllib.request
+
+TIMEOUT_S = 5.0
+
+
+def check_gateway() -> bool:
+    port = os.environ.get("PDSERVE_PORT", "8000")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=TIMEOUT_S) as resp:
+        return resp.status == 200
+
+
+def _is_mine(worker_id: str) -> bool:
+    wanted = os.environ.get("PDSERVE_WORKER_ID")
+    return worker_id == wanted if wanted else socket.gethostname() in worker_id
+
+
+async def check_worker(role: str) -> bool:
+    try:
+        return await asyncio.wait_for(_heartbeat_seen(role), TIMEOUT_S)
+    except TimeoutError:
+        print(f"no heartbeat from this {role} worker within {TIMEOUT_S:.0f}s", file=sys.stderr)
+        return False
+
+
+async def _heartbeat_seen(role: str) -> bool:
+    import nats
+
+    from shared.messages import HEARTBEAT_WILDCARD, Heartbeat, decode
+
+    async def quiet(exc: Exception) -> None:  # nats-py logs every failed connect attempt otherwise
+        pass
+
+    url = os.environ.get("PDSERVE_NATS_URL", "nats://127.0.0.1:4222")
+    nc = await nats.connect(url, name="healthcheck", allow_reconnect=False, max_reconnect_attempts=1, error_cb=quiet)
+    seen = asyncio.get_running_loop().create_future()
+
+    async def on_beat(msg) -> None:
+        try:
+            beat = decode(msg.data, Heartbeat)
+        except Exception:
+            return
+        if beat.role == role and _is_mine(beat.worker_id) and not seen.done():
+            seen.set_result(True)
+
+    try:
+        await nc.subscribe(HEARTBEAT_WILDCARD, cb=on_beat)
+        return await seen
+    finally:
+        await nc.close()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or argv[0] not in ("gateway", "prefill", "decode", "mixed"):
+        print("usage: pdserve-healthcheck gateway|prefill|decode|mixed", file=sys.stderr)
+        return 2
+    try:
+        ok = check_gateway() if argv[0] == "gateway" else asyncio.run(check_worker(argv[0]))
+    except Exception as exc:  # connection refused, HTTP error, NATS down: unhealthy, with the reason
+        print(f"unhealthy: {exc!r}", file=sys.stderr)
+        return 1
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
