@@ -42,6 +42,7 @@ from shared.engine.kv_export import KVExport  # noqa: E402
 from shared.engine.kv_pool import KVLayout  # noqa: E402
 from shared.engine.sampling import SamplingParams  # noqa: E402
 from shared.kv.transfer import Backend, KvTransferClient, KvTransferServer  # noqa: E402
+from shared.kv.transfer.buffers import BufferPool  # noqa: E402
 from shared.kv.transfer.pair import DECODE_RANK, PREFILL_RANK, Pair  # noqa: E402
 from shared.model.demo import write_demo_checkpoint  # noqa: E402
 
@@ -72,16 +73,22 @@ class BenchSource:
         self.engine = engine
         self.layout = engine.layout
         self.staged = staged
+        # As the prefill worker (EngineKvSource) does: exports copy into buffers reused across pulls.
+        self.buffers = BufferPool(1 << 30, "cpu")
+        self.lent: dict[str, torch.Tensor] = {}
 
     async def export_kv(self, request_id: str, ticket: str) -> KVExport:
         if ticket != "bench":
             raise PermissionError("wrong ticket")
         if request_id in self.staged:
             return self.staged[request_id]
-        return self.engine.export_kv(request_id)  # a copy, as a real pull makes
+        kv = self.engine.export_kv(request_id, alloc=self.buffers.take)  # a copy, as a real pull makes
+        self.lent[request_id] = kv.blocks
+        return kv
 
     async def release_kv(self, request_id: str) -> None:
-        pass
+        if request_id in self.lent:  # the send is over; the KV itself stays held for the next repeat
+            self.buffers.give_back(self.lent.pop(request_id))
 
 
 def prefill_ttft(engine: Engine, rid: str, prompt: list[int], hold: bool) -> float:
@@ -111,7 +118,12 @@ def prefill_main(conn, model_dir: str, sizes: list[int], repeats: int) -> None:
         times = [prefill_ttft(engine, f"warm-{n}-{i}", prompt, hold=False) for i in range(TTFT_REPEATS)]
         timings["ttft"][n] = statistics.median(times)
         prefill_ttft(engine, f"kv-{n}", prompt, hold=True)
-        timings["export"][n] = median_s(lambda n=n: engine.export_kv(f"kv-{n}"), repeats)
+        pool = BufferPool(1 << 30, "cpu")  # export into reused memory, as the source above does
+
+        def export(n=n, pool=pool) -> None:
+            pool.give_back(engine.export_kv(f"kv-{n}", alloc=pool.take).blocks)
+
+        timings["export"][n] = median_s(export, repeats)
         staged[f"staged-{n}"] = engine.export_kv(f"kv-{n}")
     raw_store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
     asyncio.run(serve(conn, BenchSource(engine, staged), raw_store, timings))

@@ -132,6 +132,7 @@ class Heartbeat(msgspec.Struct, frozen=True):
     prefill_tokens: int = 0
     decode_tokens: int = 0
     held_kv: int = 0  # prefill workers: requests whose KV waits for a pull
+    integrity_error: str | None = None  # Engine.check_integrity() failure; None = block accounting is sound
 
 
 _encoder = msgspec.json.Encoder()

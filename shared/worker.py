@@ -37,6 +37,14 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 
 
+def _integrity_error(engine: Engine) -> str | None:
+    try:
+        engine.check_integrity()
+    except AssertionError as exc:
+        return str(exc) or "integrity check failed"
+    return None
+
+
 def sampling_params(s: Sampling, max_tokens: int | None = None) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens or s.max_tokens,
@@ -198,6 +206,7 @@ class Worker:
 
     async def _heartbeats(self) -> None:
         while True:
+            integrity = await self.engine.call(_integrity_error)
             e = self.engine.engine
             beat = Heartbeat(
                 worker_id=self.settings.worker_id,
@@ -211,6 +220,7 @@ class Worker:
                 prefill_tokens=e.stats.prefill_tokens,
                 decode_tokens=e.stats.decode_tokens,
                 held_kv=self.held_kv_count(),
+                integrity_error=integrity,
             )
             with contextlib.suppress(Exception):
                 await self.nc.publish(heartbeat_subject(self.role, self.settings.worker_id), encode(beat))

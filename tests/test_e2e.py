@@ -139,6 +139,7 @@ def test_concurrent_requests_all_complete_and_kv_moved(stack_1p1d, model_dir, re
     # The prefill worker computed every prompt and holds nothing afterwards.
     assert prefill[0].prefill_tokens > 0 and prefill[0].decode_tokens == 0
     assert prefill[0].held_kv == 0 and prefill[0].free_blocks == prefill[0].total_blocks
+    assert prefill[0].integrity_error is None and decode[0].integrity_error is None  # check_integrity()
     assert decode[0].free_blocks == decode[0].total_blocks
     assert kv_keys(stack_1p1d.redis_url) == []
 
@@ -169,7 +170,10 @@ def test_client_disconnect_frees_kv_everywhere(stack_1p1d):
     deadline = time.monotonic() + 20
     while True:
         beats = heartbeats(stack_1p1d.nats_url, seconds=1.2)
-        idle = all(b.running == 0 and b.held_kv == 0 and b.free_blocks == b.total_blocks for b in beats.values())
+        idle = all(
+            b.running == 0 and b.held_kv == 0 and b.free_blocks == b.total_blocks and b.integrity_error is None
+            for b in beats.values()
+        )
         if idle or time.monotonic() > deadline:
             break
     assert idle, beats

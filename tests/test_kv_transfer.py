@@ -20,7 +20,7 @@ import torch
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
 from shared.kv.transfer import EngineKvSource, FailureReason, KvTransferClient, KvTransferError, KvTransferServer
-from shared.kv.transfer.buffers import RecvBuffers
+from shared.kv.transfer.buffers import BufferPool
 from shared.kv.transfer.pair import DECODE_RANK, Backend, Pair, store_client
 from shared.kv.transfer.wire import announced_layout
 from shared.model.demo import write_demo_checkpoint
@@ -313,7 +313,7 @@ def test_client_and_server_validate_their_settings():
 
 
 def test_recv_buffers_are_reused_once_given_back():
-    buffers = RecvBuffers(max_cached_bytes=1 << 20, device="cpu")
+    buffers = BufferPool(max_cached_bytes=1 << 20, device="cpu")
     a = buffers.take((2, 2, 3, 16, 2, 16), torch.float32)
     assert buffers.give_back(a) and not buffers.give_back(a)  # a second give-back is refused
     b = buffers.take((2, 2, 2, 16, 2, 16), torch.float32)  # smaller: a view of a's memory
@@ -321,8 +321,8 @@ def test_recv_buffers_are_reused_once_given_back():
     c = buffers.take((2, 2, 2, 16, 2, 16), torch.float32)  # a's memory is out: a new buffer
     assert c.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
     assert not buffers.give_back(torch.empty(4))  # not ours
-    assert not RecvBuffers(max_cached_bytes=16, device="cpu").give_back(a)  # never lent by that one
-    big = RecvBuffers(max_cached_bytes=100, device="cpu")
+    assert not BufferPool(max_cached_bytes=16, device="cpu").give_back(a)  # never lent by that one
+    big = BufferPool(max_cached_bytes=100, device="cpu")
     assert not big.give_back(big.take((64,), torch.float32)) and big.cached_bytes == 0  # past the cap
 
 

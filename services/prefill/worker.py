@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 
 from nats.aio.msg import Msg
 
 from shared.engine.engine import RequestOutput
-from shared.engine.kv_export import KVExport
-from shared.engine.kv_pool import KVLayout
 from shared.engine.request import FinishReason
 from shared.kv.registry import KvLocation, KvRegistry
 from shared.kv.transfer.server import KvTransferServer
+from shared.kv.transfer.source import EngineKvSource
 from shared.messages import DecodeJob, PrefillJob, TokenEvent, decode, decode_subject, encode, prefill_subject
 from shared.worker import Worker, error_event, sampling_params
 
@@ -32,7 +30,8 @@ class PrefillWorker(Worker):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.jobs: dict[str, tuple[PrefillJob, Msg]] = {}  # prefilling
-        self.held: dict[str, str] = {}  # request id → pull ticket, while the KV waits for its pull
+        # Held KV behind pull tickets; the transfer server exports and releases through it.
+        self.source = EngineKvSource(self.engine.engine, call=self.engine.call, on_release=self._released)
         self.registry: KvRegistry | None = None
         self.server: KvTransferServer | None = None
 
@@ -40,14 +39,14 @@ class PrefillWorker(Worker):
         return prefill_subject(self.model_name)
 
     def held_kv_count(self) -> int:
-        return len(self.held)
+        return len(self.source.held)
 
     async def setup(self) -> None:
         self.registry = KvRegistry(self.redis, self.settings.kv_lease_s)
         self.server = KvTransferServer(
             self.settings.rpc_host,
             self.settings.rpc_port,
-            source=self,
+            source=self.source,
             backend=self.settings.transfer_backend,
             advertise_host=self.settings.advertise_host,
         )
@@ -56,8 +55,8 @@ class PrefillWorker(Worker):
     async def teardown(self) -> None:
         if self.server is not None:
             await self.server.stop()
-        for request_id in list(self.held):
-            await self.release_kv(request_id)
+        for request_id in self.source.held:
+            await self.source.release_kv(request_id)
 
     async def handle_job(self, msg: Msg) -> None:
         job = decode(msg.data, PrefillJob)
@@ -96,13 +95,10 @@ class PrefillWorker(Worker):
             await self.engine.call(lambda e: e.release_kv(rid))
             await msg.ack()
             return
-        ticket = secrets.token_hex(16)
-        self.held[rid] = ticket
-        layout = self.engine.engine.layout
+        ticket = self.source.hold(rid)
+        fingerprint = self.source.layout.fingerprint
         await self.registry.put(
-            KvLocation(
-                rid, self.settings.worker_id, self.rpc_address, out.num_prompt_tokens, layout.fingerprint, ticket
-            )
+            KvLocation(rid, self.settings.worker_id, self.rpc_address, out.num_prompt_tokens, fingerprint, ticket)
         )
         decode_job = DecodeJob(
             request_id=rid,
@@ -117,37 +113,20 @@ class PrefillWorker(Worker):
         )
         await self.js.publish(decode_subject(self.model_name), encode(decode_job))
         await msg.ack()
-        asyncio.get_running_loop().call_later(self.settings.kv_lease_s, self._expire, rid, ticket)
+        asyncio.get_running_loop().call_later(self.settings.kv_lease_s, self._expire, rid)
 
-    def _expire(self, request_id: str, ticket: str) -> None:
-        if self.held.get(request_id) == ticket:
+    def _expire(self, request_id: str) -> None:
+        if request_id in self.source.held and not self.source.is_sending(request_id):
             log.warning("KV lease of %s expired before any pull; freeing its blocks", request_id)
-            asyncio.create_task(self.release_kv(request_id))
+            asyncio.create_task(self.source.release_kv(request_id))
+
+    async def _released(self, request_id: str) -> None:
+        await self.registry.delete(request_id)
 
     async def on_cancel(self, request_id: str) -> None:
         entry = self.jobs.pop(request_id, None)
         if entry is not None:
             await self.engine.call(lambda e: e.abort(request_id))
             await entry[1].ack()  # the client is gone: the job is done
-        if request_id in self.held:
-            await self.release_kv(request_id)
-
-    # ---- KvSource: called by the transfer server ----------------------------------------------------
-
-    @property
-    def layout(self) -> KVLayout:
-        return self.engine.engine.layout
-
-    async def export_kv(self, request_id: str, ticket: str) -> KVExport:
-        expected = self.held.get(request_id)
-        if expected is None:
-            raise KeyError(f"no KV held for {request_id!r}")
-        if not secrets.compare_digest(expected, ticket):
-            raise PermissionError(f"wrong ticket for {request_id!r}")
-        return await self.engine.call(lambda e: e.export_kv(request_id))
-
-    async def release_kv(self, request_id: str) -> None:
-        if self.held.pop(request_id, None) is None:
-            return
-        await self.engine.call(lambda e: e.release_kv(request_id))
-        await self.registry.delete(request_id)
+        if request_id in self.source.held and not self.source.is_sending(request_id):
+            await self.source.release_kv(request_id)

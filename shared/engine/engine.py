@@ -6,6 +6,7 @@ Single-threaded by design: callers (the services) drive `step()` from one loop a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,15 +206,29 @@ class Engine:
 
     # ---- KV hand-off ----------------------------------------------------------------------------------
 
-    def export_kv(self, request_id: str) -> KVExport:
-        """Copy out the KV of a request that is decoding or finished holding its KV. No state changes."""
+    def export_kv(
+        self, request_id: str, alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
+    ) -> KVExport:
+        """Copy out the KV of a request that is decoding or finished holding its KV. No state changes.
+        `alloc(shape, dtype)` supplies the memory to copy into (e.g. a reused buffer)."""
         req = self.requests.get(request_id)
         if req is None:
             raise KeyError(f"unknown request {request_id!r}")
         if req.status is RequestStatus.WAITING or req.num_computed_tokens < req.num_tokens - 1:
             raise ValueError(f"request {request_id!r} has not finished its prefill")
         n = self.blocks.blocks_for(req.num_computed_tokens)
-        return KVExport(self.layout, req.num_computed_tokens, self.pool.read(req.block_table[:n]))
+        out = None
+        if alloc is not None:
+            shape = (
+                self.layout.num_layers,
+                2,
+                n,
+                self.layout.block_size,
+                self.layout.num_kv_heads,
+                self.layout.head_dim,
+            )
+            out = alloc(shape, self.layout.torch_dtype)
+        return KVExport(self.layout, req.num_computed_tokens, self.pool.read(req.block_table[:n], out=out))
 
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks of a finished request that held them. False if there is no such request."""

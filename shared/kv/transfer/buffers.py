@@ -1,8 +1,9 @@
-"""Receive memory the client reuses.
+"""Transfer memory reused across pulls: receive buffers (decode side) and export buffers (prefill side).
 
 A fresh CPU tensor pays a page fault per 4 KiB page on first touch; on the development machine that
-costs as long as the gloo transfer that fills it. Buffers handed back after their KV was imported are
-kept (up to a byte cap) and lent again, viewed in the shape the next pull needs.
+costs as long as the gloo transfer that fills it. Buffers handed back once their transfer is over are
+kept (up to a byte cap) and lent again, viewed in the shape the next pull needs. Not thread-safe: a
+caller that uses one pool from two threads serializes the calls.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import weakref
 import torch
 
 
-class RecvBuffers:
+class BufferPool:
     def __init__(self, max_cached_bytes: int, device: str) -> None:
         if max_cached_bytes < 0:
             raise ValueError(f"max_cached_bytes must be >= 0, got {max_cached_bytes}")

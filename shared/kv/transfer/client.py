@@ -18,7 +18,7 @@ import grpc
 
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVLayout
-from shared.kv.transfer.buffers import RecvBuffers
+from shared.kv.transfer.buffers import BufferPool
 from shared.kv.transfer.errors import FailureReason, KvTransferError
 from shared.kv.transfer.pair import DECODE_RANK, Backend, Pair, check_backend, local_address_towards, store_client
 from shared.kv.transfer.wire import announced_layout
@@ -76,7 +76,7 @@ class KvTransferClient:
         self.timeout_s = timeout_s
         self.device = device or self.backend.device  # where received KV lands (NCCL: the decode GPU)
         self.stats = ClientStats()
-        self._buffers = RecvBuffers(recv_cache_bytes, self.device)  # what `recycle` hands back, for reuse
+        self._buffers = BufferPool(recv_cache_bytes, self.device)  # what `recycle` hands back, for reuse
         self._executor = ThreadPoolExecutor(MAX_BLOCKING_THREADS, thread_name_prefix="kv-recv")
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._connections: dict[str, asyncio.Task[_Connection]] = {}

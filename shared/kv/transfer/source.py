@@ -8,11 +8,16 @@ it is *leased* (the holder's lease timer frees it if nobody pulls); `export_kv` 
 from __future__ import annotations
 
 import secrets
-from typing import Protocol
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import torch
 
 from shared.engine.engine import Engine
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVLayout
+from shared.kv.transfer.buffers import BufferPool
 
 
 class KvSource(Protocol):
@@ -37,12 +42,27 @@ class KvSource(Protocol):
 class EngineKvSource:
     """A KvSource over one Engine's held requests (added with hold_kv=True), tickets kept in memory.
 
-    The engine is single-threaded: its owner must not run `engine.step()` in another thread while this
-    source's methods run on the loop (step on the loop, or wrap both in one lock)."""
+    `call(fn)` runs fn(engine) where the engine lives: pass the worker's `AsyncEngine.call` when a thread
+    steps the engine; the default runs it inline (tests and benchmarks that step on the loop). Exports copy
+    into reused buffers (no first-touch page faults), each returned when its request is released, which
+    the transfer server does only after the send. `on_release(request_id)` runs after the blocks are freed
+    (the prefill worker deletes the Redis entry there).
+    """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        call: Callable[[Callable[[Engine], Any]], Awaitable[Any]] | None = None,
+        on_release: Callable[[str], Awaitable[None]] | None = None,
+        buffer_bytes: int = 256 << 20,
+    ) -> None:
         self.engine = engine
+        self._call = call or _inline(engine)
+        self._on_release = on_release
         self._tickets: dict[str, str] = {}
+        self._buffers = BufferPool(buffer_bytes, str(engine.pool.tensor.device))
+        self._buffers_lock = threading.Lock()  # taken on the engine's thread, given back on the loop
+        self._exported: dict[str, torch.Tensor] = {}  # request id → the buffer its send reads
 
     @property
     def layout(self) -> KVLayout:
@@ -50,8 +70,6 @@ class EngineKvSource:
 
     def hold(self, request_id: str) -> str:
         """Register a finished request holding its KV; returns the ticket a puller must present."""
-        if request_id not in self.engine.requests:
-            raise KeyError(f"the engine holds no request {request_id!r}")
         ticket = secrets.token_urlsafe(16)
         self._tickets[request_id] = ticket
         return ticket
@@ -60,14 +78,38 @@ class EngineKvSource:
     def held(self) -> list[str]:
         return list(self._tickets)
 
+    def is_sending(self, request_id: str) -> bool:
+        """An export of it is out: only the transfer server's release may free it now."""
+        return request_id in self._exported
+
     async def export_kv(self, request_id: str, ticket: str) -> KVExport:
         expected = self._tickets.get(request_id)
         if expected is None:
             raise KeyError(f"no KV held for request {request_id!r}")
         if not secrets.compare_digest(ticket.encode(), expected.encode()):
             raise PermissionError(f"wrong ticket for request {request_id!r}")
-        return self.engine.export_kv(request_id)
+        kv = await self._call(lambda e: e.export_kv(request_id, alloc=self._take))
+        self._exported[request_id] = kv.blocks
+        return kv
 
     async def release_kv(self, request_id: str) -> None:
-        if self._tickets.pop(request_id, None) is not None:
-            self.engine.release_kv(request_id)
+        if self._tickets.pop(request_id, None) is None:
+            return
+        await self._call(lambda e: e.release_kv(request_id))
+        exported = self._exported.pop(request_id, None)
+        if exported is not None:
+            with self._buffers_lock:
+                self._buffers.give_back(exported)
+        if self._on_release is not None:
+            await self._on_release(request_id)
+
+    def _take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        with self._buffers_lock:
+            return self._buffers.take(shape, dtype)
+
+
+def _inline(engine: Engine) -> Callable[[Callable[[Engine], Any]], Awaitable[Any]]:
+    async def call(fn: Callable[[Engine], Any]) -> Any:
+        return fn(engine)
+
+    return call
