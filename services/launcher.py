@@ -49,6 +49,7 @@ class Stack:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdserve-logs-"))
         self.infra: list[ServerProcess] = []
         self.procs: dict[str, subprocess.Popen] = {}
+        self._log_files: list = []
         self.nats_url = spec.nats_url
         self.redis_url = spec.redis_url
 
@@ -87,7 +88,9 @@ class Stack:
 
     def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         """Start `pdserve <args>` as a child named `name` (logs in log_dir/name.log unless not quiet)."""
-        out = open(self.log_dir / f"{name}.log", "ab") if self.quiet else None  # noqa: SIM115 (lives with proc)
+        out = open(self.log_dir / f"{name}.log", "ab") if self.quiet else None  # closed in stop()
+        if out is not None:
+            self._log_files.append(out)
         env = os.environ | {"PYTHONUNBUFFERED": "1"} | self.spec.env
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", *args], stdout=out, stderr=subprocess.STDOUT
                                 if out else None, env=env)  # fmt: skip
@@ -127,6 +130,9 @@ class Stack:
         for server in reversed(self.infra):
             server.stop()
         self.infra.clear()
+        for f in self._log_files:
+            f.close()
+        self._log_files.clear()
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.log_dir.glob("*.log"))
