@@ -86,7 +86,11 @@ class DecodeWorker(Worker):
     async def _pull(self, job: DecodeJob):
         if job.prefill_worker is None:
             return None
-        loc = await self.registry.get(job.request_id)
+        try:
+            loc = await self.registry.get(job.request_id)
+        except Exception as exc:  # Redis unreachable: the KV cannot be found, recompute
+            log.warning("reading the KV location of %s failed (%s); recomputing", job.request_id, exc)
+            return None
         if loc is None:
             log.warning("no KV location for %s (lease expired?); recomputing", job.request_id)
             return None

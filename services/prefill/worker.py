@@ -97,9 +97,15 @@ class PrefillWorker(Worker):
             return
         ticket = self.source.hold(rid)
         fingerprint = self.source.layout.fingerprint
-        await self.registry.put(
-            KvLocation(rid, self.settings.worker_id, self.rpc_address, out.num_prompt_tokens, fingerprint, ticket)
-        )
+        holder: str | None = self.settings.worker_id
+        try:
+            await self.registry.put(
+                KvLocation(rid, self.settings.worker_id, self.rpc_address, out.num_prompt_tokens, fingerprint, ticket)
+            )
+        except Exception as exc:  # Redis unreachable: no decode worker could find the KV, so do not hold it
+            log.warning("could not record the KV location of %s (%s); decode will recompute", rid, exc)
+            await self.source.release_kv(rid)
+            holder = None
         decode_job = DecodeJob(
             request_id=rid,
             model=job.model,
@@ -108,12 +114,13 @@ class PrefillWorker(Worker):
             sampling=job.sampling,
             reply_subject=job.reply_subject,
             attempt=job.attempt,
-            prefill_worker=self.settings.worker_id,
+            prefill_worker=holder,
             created_at=job.created_at,
         )
         await self.js.publish(decode_subject(self.model_name), encode(decode_job))
         await msg.ack()
-        asyncio.get_running_loop().call_later(self.settings.kv_lease_s, self._expire, rid)
+        if holder is not None:
+            asyncio.get_running_loop().call_later(self.settings.kv_lease_s, self._expire, rid)
 
     def _expire(self, request_id: str) -> None:
         if request_id in self.source.held and not self.source.is_sending(request_id):
@@ -121,7 +128,10 @@ class PrefillWorker(Worker):
             asyncio.create_task(self.source.release_kv(request_id))
 
     async def _released(self, request_id: str) -> None:
-        await self.registry.delete(request_id)
+        try:
+            await self.registry.delete(request_id)
+        except Exception as exc:  # the entry's TTL removes it anyway
+            log.warning("could not delete the KV location of %s: %s", request_id, exc)
 
     async def on_cancel(self, request_id: str) -> None:
         entry = self.jobs.pop(request_id, None)
