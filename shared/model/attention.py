@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from shared.model.config import ModelConfig, QKNorm
-from shared.model.layers import RMSNorm, Rotary
+from shared.model.layers import RMSNorm, apply_rotary
 from shared.model.linear import PackedWeights, linear
 from shared.model.paged_attention import AttentionMetadata, paged_attention
 
@@ -44,8 +44,7 @@ class Attention(nn.Module, PackedWeights):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: Rotary,
+        rope: tuple[torch.Tensor, torch.Tensor],  # Rotary.tables() of this step's positions
         kv_cache: torch.Tensor,  # (2, N, B, KVH, hd)
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -61,6 +60,6 @@ class Attention(nn.Module, PackedWeights):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm is QKNorm.PER_HEAD:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.apply(q, k, positions)
+        q, k = apply_rotary(q, k, rope)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return linear(out.reshape(t, self.q_size), self.w("o_proj"))

@@ -40,11 +40,17 @@ class Rotary:
         self.cos, self.sin = emb.cos(), emb.sin()
         self.max_position = max_position
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: (T, H, hd), k: (T, KVH, hd), positions: (T,) → rotated q, k (new tensors)."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, hd)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for these positions, (T, 1, hd) each: looked up once per step, shared by all layers."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: (T, H, hd), k: (T, KVH, hd), rope: Rotary.tables(...) → rotated q, k (new tensors)."""
+    cos, sin = rope
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -37,17 +37,18 @@ class Experts(nn.Module):
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._packed[e] if self._packed is not None else (self.gate_up[e], self.down[e])
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """Grouped path: sort the (token, expert) pairs by expert, one matmul pair per active expert."""
+    def forward(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """Grouped path: sort the (token, expert) pairs by expert, one matmul pair per active expert.
+        counts: (E,) tokens routed to each expert (the router's bincount, shared with the load counter)."""
         a = topk_ids.shape[1]
-        flat_experts = topk_ids.flatten()  # (T*A,)
-        order = flat_experts.argsort(stable=True)
+        order = topk_ids.flatten().argsort(stable=True)
         token_of_pair = order // a  # which token each sorted pair came from
         weight_of_pair = topk_weights.flatten()[order].unsqueeze(1).to(x.dtype)
-        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
         out = torch.zeros_like(x)
         start = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(counts.tolist()):
             if n == 0:
                 continue
             idx = token_of_pair[start : start + n]
@@ -56,7 +57,9 @@ class Experts(nn.Module):
             start += n
         return out
 
-    def forward_reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward_reference(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Plain per-token loop over the unpacked weights; the grouped path is tested against this."""
         out = torch.zeros_like(x)
         for t in range(x.shape[0]):
@@ -91,9 +94,10 @@ class MoE(nn.Module, PackedWeights):
 
     def forward(self, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
         ids, weights = self.route(x)
-        self.expert_load += torch.bincount(ids.flatten(), minlength=self.expert_load.numel())
+        counts = torch.bincount(ids.flatten(), minlength=self.expert_load.numel())
+        self.expert_load += counts
         experts = self.experts.forward_reference if reference else self.experts
-        out = experts(x, ids, weights)
+        out = experts(x, ids, weights, counts)
         if self.shared_expert is not None:
             gate = torch.sigmoid(linear(x, self.w("shared_expert_gate.weight")))
             out = out + gate * self.shared_expert(x)
