@@ -13,10 +13,13 @@ Subjects:
 
 from __future__ import annotations
 
+import logging
 import re
 from enum import Enum
 
 import msgspec
+
+_log = logging.getLogger(__name__)
 
 JOBS_STREAM = "PD_JOBS"
 JOBS_SUBJECTS = "pd.jobs.>"
@@ -143,5 +146,14 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 
 def decode(data: bytes, kind: type[msgspec.Struct]):  # -> kind
-    """Raises msgspec.ValidationError / DecodeError on malformed input; callers log and drop it."""
+    """Raises msgspec.ValidationError / DecodeError on malformed input."""
     return msgspec.json.decode(data, type=kind)
+
+
+def decode_or_drop(data: bytes, kind: type[msgspec.Struct], subject: str):  # -> kind | None
+    """`decode`, or None after logging why: a malformed message is dropped, never fatal to its reader."""
+    try:
+        return decode(data, kind)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        _log.warning("dropping malformed %s on %s: %s", kind.__name__, subject, exc)
+        return None

@@ -27,7 +27,7 @@ from shared.messages import (
     PrefillJob,
     Sampling,
     TokenEvent,
-    decode,
+    decode_or_drop,
     encode,
     heartbeat_subject,
 )
@@ -179,12 +179,9 @@ class Worker:
                     await msg.term()
 
     async def _cancel_received(self, msg: Msg) -> None:
-        try:
-            request_id = decode(msg.data, Cancel).request_id
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.error("dropping malformed cancel: %s", exc)
-            return
-        await self.on_cancel(request_id)
+        cancel = decode_or_drop(msg.data, Cancel, msg.subject)
+        if cancel is not None:
+            await self.on_cancel(cancel.request_id)
 
     def _outputs_ready(self, outputs: list[RequestOutput]) -> None:
         try:
@@ -225,6 +222,28 @@ class Worker:
             with contextlib.suppress(Exception):
                 await self.nc.publish(heartbeat_subject(self.role, self.settings.worker_id), encode(beat))
             await asyncio.sleep(HEARTBEAT_S)
+
+
+class StreamingWorker(Worker):
+    """A role that runs requests to their end and streams every token back (decode, mixed). `streams`
+    holds the job of each request it owns, by request id."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.streams: dict[str, PrefillJob | DecodeJob] = {}
+
+    def handle_outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            job = self.streams.get(out.request_id)
+            if job is None:
+                continue  # cancelled meanwhile
+            if out.finished:
+                del self.streams[out.request_id]
+            self.emit(job.reply_subject, token_event(job.request_id, job.attempt, out, self.settings.worker_id))
+
+    async def on_cancel(self, request_id: str) -> None:
+        if self.streams.pop(request_id, None) is not None:
+            await self.engine.call(lambda e: e.abort(request_id))
 
 
 def token_event(request_id: str, attempt: int, out: RequestOutput, worker_id: str) -> TokenEvent:

@@ -15,25 +15,22 @@ import logging
 from nats.aio.msg import Msg
 
 from shared.engine.block_manager import NoFreeBlocksError
-from shared.engine.engine import RequestOutput
 from shared.kv.registry import KvRegistry
 from shared.kv.transfer.client import KvTransferClient
 from shared.kv.transfer.errors import KvTransferError
 from shared.messages import DecodeJob, decode, decode_subject
-from shared.worker import Worker, error_event, sampling_params, token_event
+from shared.worker import StreamingWorker, error_event, sampling_params
 
 log = logging.getLogger(__name__)
 MAX_CONCURRENT_PULLS = 4
 
 
-class DecodeWorker(Worker):
+class DecodeWorker(StreamingWorker):
     role = "decode"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.jobs: dict[str, DecodeJob] = {}
         self.admitting: set[str] = set()  # pulls in flight
-        self.recomputed = 0
         self.registry: KvRegistry | None = None
         self.client: KvTransferClient | None = None
 
@@ -66,18 +63,17 @@ class DecodeWorker(Worker):
                 return
             prompt, outputs = job.prompt_token_ids, job.output_token_ids
             # Registered before the engine sees it: its first outputs may reach the loop before this resumes.
-            self.jobs[rid] = job
+            self.streams[rid] = job
             try:
                 if kv is None:
                     raise NoFreeBlocksError("no KV to import")
                 await self.engine.call(lambda e: e.import_kv(rid, prompt, outputs, params, kv))
                 self.client.recycle(kv)  # its receive buffer serves the next pull (no fresh page faults)
             except NoFreeBlocksError:
-                self.recomputed += 1
                 await self.engine.call(lambda e: e.add_request(rid, prompt, params, output_token_ids=outputs))
             await msg.ack()
         except ValueError as exc:
-            self.jobs.pop(rid, None)
+            self.streams.pop(rid, None)
             self.emit(job.reply_subject, error_event(job, str(exc), self.settings.worker_id))
             await msg.term()
         finally:
@@ -100,16 +96,6 @@ class DecodeWorker(Worker):
             log.warning("KV pull of %s from %s failed (%s); recomputing", job.request_id, loc.worker_id, exc)
             return None
 
-    def handle_outputs(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            job = self.jobs.get(out.request_id)
-            if job is None:
-                continue
-            if out.finished:
-                del self.jobs[out.request_id]
-            self.emit(job.reply_subject, token_event(job.request_id, job.attempt, out, self.settings.worker_id))
-
     async def on_cancel(self, request_id: str) -> None:
-        self.admitting.discard(request_id)
-        if self.jobs.pop(request_id, None) is not None:
-            await self.engine.call(lambda e: e.abort(request_id))
+        self.admitting.discard(request_id)  # a pull in flight: _admit sees it and drops the request
+        await super().on_cancel(request_id)

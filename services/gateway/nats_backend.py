@@ -13,7 +13,6 @@ import contextlib
 import logging
 import time
 
-import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -30,7 +29,7 @@ from shared.messages import (
     PrefillJob,
     TokenEvent,
     cancel_subject,
-    decode,
+    decode_or_drop,
     encode,
     prefill_subject,
     token_subject,
@@ -84,10 +83,8 @@ class NatsBackend:
         log.info("gateway %s connected to NATS", self.settings.gateway_id)
 
     async def _on_token(self, msg: Msg) -> None:
-        try:
-            event = decode(msg.data, TokenEvent)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("dropping malformed token event on %s: %s", msg.subject, exc)
+        event = decode_or_drop(msg.data, TokenEvent, msg.subject)
+        if event is None:
             return
         stream = self._streams.get(event.request_id)
         if stream is None:
@@ -96,10 +93,8 @@ class NatsBackend:
         stream.push(event)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
-        try:
-            beat = decode(msg.data, Heartbeat)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("dropping malformed heartbeat on %s: %s", msg.subject, exc)
+        beat = decode_or_drop(msg.data, Heartbeat, msg.subject)
+        if beat is None:
             return
         self.workers.record(beat, time.monotonic())
 
