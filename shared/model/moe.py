@@ -57,9 +57,7 @@ class Experts(nn.Module):
             start += n
         return out
 
-    def forward_reference(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward_reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Plain per-token loop over the unpacked weights; the grouped path is tested against this."""
         out = torch.zeros_like(x)
         for t in range(x.shape[0]):
@@ -96,8 +94,10 @@ class MoE(nn.Module, PackedWeights):
         ids, weights = self.route(x)
         counts = torch.bincount(ids.flatten(), minlength=self.expert_load.numel())
         self.expert_load += counts
-        experts = self.experts.forward_reference if reference else self.experts
-        out = experts(x, ids, weights, counts)
+        if reference:
+            out = self.experts.forward_reference(x, ids, weights)
+        else:
+            out = self.experts(x, ids, weights, counts)
         if self.shared_expert is not None:
             gate = torch.sigmoid(linear(x, self.w("shared_expert_gate.weight")))
             out = out + gate * self.shared_expert(x)
