@@ -1,0 +1,99 @@
+"""Prometheus metrics of every service, vLLM-style names under the `pdserve:` prefix, each labelled with
+`model_name` and `role` (gateway | prefill | decode | mixed).
+
+Who records what:
+    gateway      time_to_first_token, inter_token_latency, request_time_per_output_token,
+                 e2e_request_latency (as the client sees them), prompt/generation tokens returned,
+                 request_success by finished_reason, num_requests_running (in flight)
+    workers      request_queue_time (created at the gateway → first scheduled), prompt/generation tokens
+                 the engine computed and sampled, num_requests_running|waiting, kv_cache_usage_perc,
+                 moe_expert_tokens (routed tokens per layer and expert)
+    transfers    kv_transfer_seconds / bytes / failures: decode side (pull) and prefill side (send)
+
+Summed over the workers of a P/D stack, generation tokens equal the gateway's: the prefill worker samples
+each request's first token, the decode worker the rest. Metrics live in the process-wide default
+registry; the gateway serves them at /metrics, a worker on its own port (`serve_metrics`).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+    start_http_server,
+)
+
+disable_created_metrics()  # no `_created` series beside every counter: nothing here reads them
+
+PREFIX = "pdserve:"
+LABELS = ("model_name", "role")
+
+# CPU steps run from a few ms to seconds; GPUs go below 1 ms. Upper ends cover long queues.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                  0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
+
+TIME_TO_FIRST_TOKEN = Histogram(
+    f"{PREFIX}time_to_first_token_seconds", "Request received → first token sent.", LABELS, buckets=_LATENCY_BUCKETS
+)
+INTER_TOKEN_LATENCY = Histogram(
+    f"{PREFIX}inter_token_latency_seconds", "Gap between consecutive output tokens.", LABELS, buckets=_TOKEN_BUCKETS
+)
+TIME_PER_OUTPUT_TOKEN = Histogram(
+    f"{PREFIX}request_time_per_output_token_seconds",
+    "Per request: (e2e - TTFT) / (output tokens - 1).",
+    LABELS,
+    buckets=_TOKEN_BUCKETS,
+)
+E2E_LATENCY = Histogram(
+    f"{PREFIX}e2e_request_latency_seconds", "Request received → last token sent.", LABELS, buckets=_LATENCY_BUCKETS
+)
+QUEUE_TIME = Histogram(
+    f"{PREFIX}request_queue_time_seconds",
+    "Request created at the gateway → first scheduled by an engine.",
+    LABELS,
+    buckets=_LATENCY_BUCKETS,
+)
+PROMPT_TOKENS = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens (gateway: of answered requests).", LABELS)
+GENERATION_TOKENS = Counter(f"{PREFIX}generation_tokens", "Generated tokens (gateway: returned to clients).", LABELS)
+REQUEST_SUCCESS = Counter(
+    f"{PREFIX}request_success", "Finished requests by finish reason.", (*LABELS, "finished_reason")
+)
+REQUESTS_RUNNING = Gauge(f"{PREFIX}num_requests_running", "Requests being computed (gateway: in flight).", LABELS)
+REQUESTS_WAITING = Gauge(f"{PREFIX}num_requests_waiting", "Requests queued in the engine.", LABELS)
+KV_CACHE_USAGE = Gauge(f"{PREFIX}kv_cache_usage_perc", "Fraction of KV blocks in use (0-1, as vLLM).", LABELS)
+KV_TRANSFER_SECONDS = Histogram(
+    f"{PREFIX}kv_transfer_seconds",
+    "One KV transfer: pull (decode) or export + send (prefill).",
+    LABELS,
+    buckets=_LATENCY_BUCKETS,
+)
+KV_TRANSFER_BYTES = Counter(f"{PREFIX}kv_transfer_bytes", "KV bytes moved.", LABELS)
+KV_TRANSFER_FAILURES = Counter(f"{PREFIX}kv_transfer_failures", "Failed KV transfers.", (*LABELS, "reason"))
+MOE_EXPERT_TOKENS = Counter(
+    f"{PREFIX}moe_expert_tokens", "Tokens routed to each expert (top-k counts each).", (*LABELS, "layer", "expert")
+)
+
+
+def exposition() -> tuple[bytes, str]:
+    """The current text exposition and its content type (for a /metrics route)."""
+    return generate_latest(), CONTENT_TYPE_LATEST
+
+
+def serve_metrics(host: str, port: int) -> int:
+    """Serve /metrics from a background thread; returns the bound port (port 0: any free one)."""
+    server, _thread = start_http_server(port, host)
+    return server.server_port
+
+
+def record_expert_load(model_name: str, role: str, load: dict[int, list[int]]) -> None:
+    """Add per-layer expert counts (layer index → tokens per expert) to the expert-load counter."""
+    for layer, counts in load.items():
+        for expert, n in enumerate(counts):
+            if n:
+                MOE_EXPERT_TOKENS.labels(model_name, role, str(layer), str(expert)).inc(n)
