@@ -1,7 +1,8 @@
 """The Docker deployment's contract, checked without Docker: compose.yaml and the Dockerfile must agree
 with the code (settings fields, `pdserve` subcommands) and with what `docker compose up` needs (health
-checks, start order, scalable workers, GPU reservations). docker/healthcheck.py runs for real against a
-local NATS."""
+checks, start order, scalable workers, GPU reservations). The `observability` profile's Prometheus, Grafana
+and Jaeger configuration must agree with the services and with the metrics the code defines.
+docker/healthcheck.py runs for real against a local NATS."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.exposition import choose_encoder
 
 from services.cli import main as cli_main
 from shared.settings import GatewaySettings, WorkerSettings, from_env
+from shared.telemetry import metrics
+from shared.telemetry.tracing import exporters_wanted
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
@@ -28,17 +33,23 @@ BUILDERS = [name for name, svc in SERVICES.items() if "build" in svc]
 PDSERVE_SERVICES = {name for name, svc in SERVICES.items() if svc.get("image") == SERVICES[BUILDERS[0]]["image"]}
 ONE_SHOT = {name for name, svc in SERVICES.items() if svc.get("restart") == "no"}
 GPU_PROFILE = {name for name, svc in SERVICES.items() if "gpu" in svc.get("profiles", [])}
+OBSERVABILITY = {name for name, svc in SERVICES.items() if "observability" in svc.get("profiles", [])}
+OBSERVABILITY_DIR = ROOT / "docker" / "observability"
+# The OpenTelemetry variables compose passes on (read by shared/telemetry/tracing.py and the OTLP exporter).
+OTEL_VARS = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL"}
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
 
 
-def interpolate(value):
-    """What compose makes of a value when no variable is set: ${VAR:-default} → default, ${VAR} → ''."""
+def interpolate(value, shell: dict[str, str] | None = None):
+    """What compose makes of a value with `shell`'s variables (default: none set): ${VAR:-default} → $VAR if
+    set and not empty, else default; ${VAR} → $VAR or ''."""
+    shell = shell or {}
     if isinstance(value, str):
-        return _VAR.sub(lambda m: m.group(2) or "", value)
+        return _VAR.sub(lambda m: shell.get(m.group(1)) or m.group(2) or "", value)
     if isinstance(value, list):
-        return [interpolate(v) for v in value]
+        return [interpolate(v, shell) for v in value]
     if isinstance(value, dict):
-        return {k: interpolate(v) for k, v in value.items()}
+        return {k: interpolate(v, shell) for k, v in value.items()}
     return value
 
 
@@ -58,10 +69,10 @@ def role(name: str) -> str | None:
 WORKERS = {name for name in PDSERVE_SERVICES if role(name) in ("prefill", "decode", "mixed")}
 
 
-def environment(name: str) -> dict[str, str]:
+def environment(name: str, shell: dict[str, str] | None = None) -> dict[str, str]:
     env = SERVICES[name].get("environment", {})
     assert isinstance(env, dict), f"{name}: use the mapping form for environment"
-    return {k: str(v) for k, v in interpolate(env).items()}
+    return {k: str(v) for k, v in interpolate(env, shell).items()}
 
 
 def field_names(cls) -> set[str]:
@@ -190,6 +201,9 @@ def test_environment_names_are_settings_fields():
     for name in PDSERVE_SERVICES:
         fields = gateway_fields if role(name) == "gateway" else worker_fields
         for var in environment(name):
+            if var.startswith("OTEL_"):
+                assert var in OTEL_VARS, f"{name}: {var}"
+                continue
             assert var.startswith("PDSERVE_"), f"{name}: {var}"
             assert var.removeprefix("PDSERVE_").lower() in fields, f"{name}: {var} is no settings field"
     # ... and every PDSERVE_* variable the file interpolates from the user's shell is one too.
@@ -239,6 +253,273 @@ def test_one_image_built_once():
     assert SERVICES["model-init"]["image"] == "pdserve:latest"
     for name in PDSERVE_SERVICES - ONE_SHOT:
         assert "model-init" in SERVICES[name]["depends_on"], name
+
+
+# ---- the observability profile: Jaeger, Prometheus, Grafana ----------------------------------------------
+
+
+def _published(name: str) -> tuple[str, int]:
+    """The one published port of a service with nothing set: (host address, container port)."""
+    ports = interpolate(SERVICES[name]["ports"])
+    assert len(ports) == 1, name
+    host_part, _, container_port = str(ports[0]).rpartition(":")
+    return host_part, int(container_port)
+
+
+def _worker_metrics_port() -> int:
+    ports = {from_env(WorkerSettings, environment(n), role=role(n)).metrics_port for n in WORKERS}
+    assert len(ports) == 1, f"workers serve /metrics on different ports: {ports}"
+    return ports.pop()
+
+
+def _seconds(duration: str) -> float:
+    value, unit = re.fullmatch(r"(\d+)(ms|s|m|h)", duration).groups()
+    return int(value) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
+
+
+def _mounts(name: str) -> dict[str, str]:
+    """Container path → repository path of a service's bind mounts of repository files (all read-only)."""
+    mounts = {}
+    for mount in interpolate(SERVICES[name].get("volumes", [])):
+        source, target, *mode = str(mount).split(":")
+        if source.startswith("./"):
+            assert mode == ["ro"], f"{name}: mount {source} read-only"
+            mounts[target] = source
+    return mounts
+
+
+def _load_yaml(relative: str):
+    return yaml.safe_load((ROOT / relative).read_text())
+
+
+def test_observability_services_run_only_in_their_profile():
+    assert OBSERVABILITY == {"jaeger", "prometheus", "grafana"}
+    for name in OBSERVABILITY:
+        svc = SERVICES[name]
+        assert svc["profiles"] == ["observability"], name
+        assert svc["restart"] == "unless-stopped", name
+        assert ":" in svc["image"] and not svc["image"].endswith(":latest"), f"{name}: pin the image"
+    assert SERVICES["jaeger"]["image"].startswith("jaegertracing/all-in-one:1.")
+    assert SERVICES["prometheus"]["image"].startswith("prom/prometheus:v3.")
+    assert re.match(r"grafana/grafana:1[12]\.", SERVICES["grafana"]["image"])
+    # nothing outside the profile needs it (a dependency would start it, or fail without the profile)
+    for name, svc in SERVICES.items():
+        if name not in OBSERVABILITY:
+            assert not set(svc.get("depends_on", {})) & OBSERVABILITY, name
+    assert SERVICES["grafana"]["depends_on"] == {"prometheus": {"condition": "service_healthy"}}
+
+
+def test_observability_uis_are_published_on_loopback_by_default():
+    for name, variable, port in (("jaeger", "JAEGER", 16686), ("prometheus", "PROMETHEUS", 9090),
+                                 ("grafana", "GRAFANA", 3000)):  # fmt: skip
+        assert SERVICES[name]["ports"] == [f"${{{variable}_PUBLISH:-127.0.0.1:{port}}}:{port}"], name
+        assert _published(name) == (f"127.0.0.1:{port}", port)
+    grafana = environment("grafana")
+    assert environment("grafana", {"GRAFANA_ADMIN_PASSWORD": "s3cret"})["GF_SECURITY_ADMIN_PASSWORD"] == "s3cret"
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD"] == "admin"
+    assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and grafana["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    header = (ROOT / "compose.yaml").read_text().split("\nx-pdserve")[0]
+    for variable in ("JAEGER_PUBLISH", "PROMETHEUS_PUBLISH", "GRAFANA_PUBLISH", "GRAFANA_ADMIN_PASSWORD",
+                     "OTEL_EXPORTER_OTLP_ENDPOINT", "--profile observability"):  # fmt: skip
+        assert variable in header, f"the header comment of compose.yaml does not mention {variable}"
+
+
+def test_observability_healthchecks():
+    assert SERVICES["prometheus"]["healthcheck"]["test"] == [
+        "CMD", "wget", "-q", "-O", "/dev/null", f"http://127.0.0.1:{_published('prometheus')[1]}/-/ready"
+    ]  # fmt: skip
+    assert SERVICES["grafana"]["healthcheck"]["test"] == [
+        "CMD", "wget", "-q", "-O", "/dev/null", f"http://127.0.0.1:{_published('grafana')[1]}/api/health"
+    ]  # fmt: skip
+    # Jaeger's binary checks its own admin port (`status`): the image needs no shell tool for it.
+    assert SERVICES["jaeger"]["healthcheck"]["test"] == ["CMD", "/go/bin/all-in-one-linux", "status"]
+
+
+def test_traces_reach_jaeger_when_asked():
+    otlp_ports = {"grpc": 4317, "http/protobuf": 4318}
+    jaeger = environment("jaeger")
+    assert jaeger["COLLECTOR_OTLP_ENABLED"] == "true"
+    assert jaeger["COLLECTOR_OTLP_GRPC_HOST_PORT"] == "0.0.0.0:4317"
+    assert jaeger["COLLECTOR_OTLP_HTTP_HOST_PORT"] == "0.0.0.0:4318"
+    command_line = "OTEL_EXPORTER_OTLP_ENDPOINT=http://jaeger:4318 docker compose --profile observability up"
+    assert command_line in (ROOT / "README.md").read_text()
+    assert command_line in (ROOT / "compose.yaml").read_text()
+    shell = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://jaeger:4318"}
+    for name in PDSERVE_SERVICES - ONE_SHOT:
+        env = environment(name)
+        assert set(env) >= OTEL_VARS, name
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "" and exporters_wanted(env) == [], f"{name}: tracing is off"
+        env = environment(name, shell)
+        assert exporters_wanted(env) == ["otlp"], name
+        host, port = re.fullmatch(r"http://([\w-]+):(\d+)", env["OTEL_EXPORTER_OTLP_ENDPOINT"]).groups()
+        assert host in OBSERVABILITY and int(port) == otlp_ports[env["OTEL_EXPORTER_OTLP_PROTOCOL"]], name
+
+
+def test_workers_serve_metrics_on_the_compose_network():
+    for name in WORKERS:
+        settings = from_env(WorkerSettings, environment(name), role=role(name))
+        assert settings.metrics_host == "0.0.0.0", f"{name}: Prometheus scrapes from another container"
+        assert settings.metrics_port == 9100, name
+    assert _worker_metrics_port() == 9100
+
+
+def test_prometheus_scrapes_every_pdserve_service():
+    mounts = _mounts("prometheus")
+    config_flag = next(a for a in SERVICES["prometheus"]["command"] if a.startswith("--config.file="))
+    config_path = mounts[config_flag.removeprefix("--config.file=")]
+    assert config_path == "./docker/observability/prometheus.yml"
+    config = _load_yaml(config_path)
+    interval, timeout = config["global"]["scrape_interval"], config["global"]["scrape_timeout"]
+    assert interval == "5s" and _seconds(timeout) <= _seconds(interval)
+    # What the formats Prometheus asks for make of a `pdserve:` name (Accept headers as Prometheus 3 sends them).
+    accept = {
+        "PrometheusText0.0.4": "text/plain;version=0.0.4",
+        "PrometheusText1.0.0": "text/plain;version=1.0.0;escaping=allow-utf-8",
+        "OpenMetricsText0.0.1": "application/openmetrics-text;version=0.0.1",
+        "OpenMetricsText1.0.0": "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8",
+    }
+    registry = CollectorRegistry()
+    Counter("pdserve:probe", "A probe.", registry=registry).inc()
+    for protocol in config["global"]["scrape_protocols"]:
+        encoder, _content_type = choose_encoder(accept[protocol])
+        assert "\npdserve:probe_total 1.0\n" in encoder(registry).decode(), protocol
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == {"gateway", "prefill", "decode"}
+    assert all(job["metrics_path"] == "/metrics" for job in jobs.values())
+
+    gateway_port = from_env(GatewaySettings, environment("gateway")).port
+    (static,) = jobs["gateway"]["static_configs"]
+    assert static["targets"] == [f"gateway:{gateway_port}"]
+    assert "dns_sd_configs" not in jobs["gateway"]
+
+    for job_role in ("prefill", "decode"):
+        job = jobs[job_role]
+        assert "static_configs" not in job, f"{job_role}: workers scale, so find them in DNS"
+        (sd,) = job["dns_sd_configs"]
+        assert sd["type"] == "A" and sd["port"] == _worker_metrics_port(), job_role
+        # every worker service of the role, CPU and gpu profile, and nothing else
+        assert set(sd["names"]) == {name for name in WORKERS if role(name) == job_role}, job_role
+
+
+def test_grafana_provisioning():
+    mounts = _mounts("grafana")
+    assert mounts == {
+        "/etc/grafana/provisioning": "./docker/observability/grafana/provisioning",
+        "/var/lib/grafana/dashboards": "./docker/observability/grafana/dashboards",
+    }
+    provisioning = OBSERVABILITY_DIR / "grafana" / "provisioning"
+    datasources = {}
+    for path in sorted((provisioning / "datasources").glob("*.y*ml")):
+        doc = yaml.safe_load(path.read_text())
+        assert doc["apiVersion"] == 1, path
+        datasources |= {ds["uid"]: ds for ds in doc["datasources"]}
+    assert set(datasources) == {"prometheus", "jaeger"}
+    for uid, service in (("prometheus", "prometheus"), ("jaeger", "jaeger")):
+        ds = datasources[uid]
+        assert ds["type"] == uid and ds["access"] == "proxy"
+        # the service's own (container) port on the compose network
+        assert ds["url"] == f"http://{service}:{_published(service)[1]}", uid
+    assert [uid for uid, ds in datasources.items() if ds.get("isDefault")] == ["prometheus"]
+
+    providers = []
+    for path in sorted((provisioning / "dashboards").glob("*.y*ml")):
+        doc = yaml.safe_load(path.read_text())
+        assert doc["apiVersion"] == 1, path
+        providers += doc["providers"]
+    assert [p["options"]["path"] for p in providers] == ["/var/lib/grafana/dashboards"]
+    assert all(p["type"] == "file" for p in providers)
+    home = environment("grafana")["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == "/var/lib/grafana/dashboards/pdserve.json"
+
+
+def test_observability_mounts_exist():
+    for name in SERVICES:
+        for source in _mounts(name).values():
+            assert (ROOT / source).exists(), f"{name} mounts {source}, which is not in the repository"
+    assert (ROOT / "docker/observability/grafana/dashboards/pdserve.json").is_file()
+
+
+def _dashboard() -> dict:
+    return json.loads((OBSERVABILITY_DIR / "grafana" / "dashboards" / "pdserve.json").read_text())
+
+
+def _panels(panels: list[dict]):
+    for panel in panels:
+        yield panel
+        yield from _panels(panel.get("panels", []))
+
+
+def _exposition() -> dict[str, set[str]]:
+    """Every series name shared.telemetry.metrics exposes → the labels it carries."""
+    names = {}
+    suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",), "gauge": ("",)}
+    for collector in vars(metrics).values():
+        if isinstance(collector, (metrics.Counter, metrics.Gauge, metrics.Histogram)):
+            (family,) = collector.describe()
+            labels = set(collector._labelnames)  # no public accessor
+            for suffix in suffixes[family.type]:
+                names[family.name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
+    assert len(names) > 20
+    return names
+
+
+def test_dashboard_panels_query_prometheus():
+    dashboard = _dashboard()
+    assert dashboard["uid"] == "pdserve" and dashboard["title"] == "pdserve"
+    assert dashboard["schemaVersion"] >= 39
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["model_name"]["definition"] == "label_values(pdserve:generation_tokens_total, model_name)"
+    ids = []
+    queries = 0
+    for panel in _panels(dashboard["panels"]):
+        ids.append(panel["id"])
+        assert {"x", "y", "w", "h"} <= set(panel["gridPos"]), panel["title"]
+        if panel["type"] == "row":
+            continue
+        assert panel.get("datasource") == {"type": "prometheus", "uid": "prometheus"}, panel["title"]
+        assert panel["targets"], panel["title"]
+        refs = [t["refId"] for t in panel["targets"]]
+        assert len(set(refs)) == len(refs), panel["title"]
+        for target in panel["targets"]:
+            assert target.get("datasource", panel["datasource"]) == panel["datasource"], panel["title"]
+            assert 'model_name=~"$model_name"' in target["expr"], f"{panel['title']}: {target['expr']}"
+            queries += 1
+    assert len(ids) == len(set(ids))
+    assert queries >= 25
+    titles = {p["title"] for p in _panels(dashboard["panels"])}
+    for expected in ("Time to first token", "Time per output token", "Inter-token latency", "End-to-end latency",
+                     "Queue time by role", "KV cache usage", "KV transfer time", "KV transfer bandwidth",
+                     "KV transfer failures", "Expert load: layer × expert"):  # fmt: skip
+        assert expected in titles
+
+
+def test_dashboard_metrics_exist():
+    """Every pdserve: series the dashboard queries is one the code exposes, selected by labels it has: a
+    renamed metric or label fails here."""
+    exposed = _exposition()
+    dashboard = _dashboard()
+    text = json.dumps(dashboard)
+    used = set(re.findall(r"pdserve:[a-z0-9_]+", text))
+    assert used and used <= set(exposed), sorted(used - set(exposed))
+    extra_labels = {"instance", "job", "service"}  # added by Prometheus (docker/observability/prometheus.yml)
+    exprs = [t["expr"] for p in _panels(dashboard["panels"]) for t in p.get("targets", [])]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"]]
+    for expr in exprs:
+        for name, selector in re.findall(r"(pdserve:[a-z0-9_]+)(?:\{([^}]*)\})?", expr):
+            selected = set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", selector))
+            assert selected <= exposed[name], f"{expr}: {selected - exposed[name]}"
+        labels = exposed[re.search(r"pdserve:[a-z0-9_]+", expr).group()] | extra_labels
+        for grouping in re.findall(r"\bby \(([^)]*)\)", expr):
+            grouped = {label.strip() for label in grouping.split(",")}
+            assert grouped <= labels, f"{expr}: {grouped - labels}"
+    # the panels the issue asks for
+    for metric in ("time_to_first_token_seconds_bucket", "request_time_per_output_token_seconds_bucket",
+                   "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
+                   "request_queue_time_seconds_bucket", "request_success_total", "generation_tokens_total",
+                   "prompt_tokens_total", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                   "kv_transfer_seconds_bucket", "kv_transfer_bytes_total", "kv_transfer_failures_total",
+                   "moe_expert_tokens_total"):  # fmt: skip
+        assert f"pdserve:{metric}" in used, metric
 
 
 # ---- Dockerfile -----------------------------------------------------------------------------------------
