@@ -25,6 +25,9 @@ class CommonSettings:
     """Name clients use in the `model` field; defaults to the directory's name."""
     nats_url: str = "nats://127.0.0.1:4222"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    trace_file: str | None = None
+    """Also append this service's spans to this JSON-lines file (`pdserve trace` reads it). OTLP export is
+    configured by the standard OTEL_* variables."""
 
     @property
     def served_model_name(self) -> str:
@@ -76,8 +79,14 @@ class WorkerSettings(CommonSettings):
     transfer_backend: str = "gloo"
     """gloo (CPU) | nccl (both sides on CUDA)"""
     device: str = "cpu"
+    metrics_host: str = "127.0.0.1"
+    """Where the worker serves Prometheus /metrics (containers: 0.0.0.0)."""
+    metrics_port: int | None = 0
+    """0 = any free port (logged); None = no metrics server."""
 
     def __post_init__(self) -> None:
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be 0-65535, got {self.metrics_port}")
         if self.role not in ("prefill", "decode", "mixed"):
             raise ValueError(f"role must be prefill, decode or mixed, got {self.role!r}")
         if self.transfer_backend not in ("gloo", "nccl"):

@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import msgspec
 import nats.errors
 import torch
 from nats.aio.msg import Msg
+from opentelemetry.trace import Span
 from redis.asyncio import Redis
 
 from shared import bus
@@ -32,6 +34,7 @@ from shared.messages import (
     heartbeat_subject,
 )
 from shared.settings import WorkerSettings
+from shared.telemetry import metrics, tracing
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
@@ -43,6 +46,12 @@ def _integrity_error(engine: Engine) -> str | None:
     except AssertionError as exc:
         return str(exc) or "integrity check failed"
     return None
+
+
+def _beat_facts(engine: Engine) -> tuple[str | None, dict[int, list[int]]]:
+    """On the engine thread: the integrity verdict and the expert load routed since the last beat."""
+    load = {layer: counts.tolist() for layer, counts in engine.model.take_expert_load().items()}
+    return _integrity_error(engine), load
 
 
 def sampling_params(s: Sampling, max_tokens: int | None = None) -> SamplingParams:
@@ -84,6 +93,8 @@ class Worker:
     def __init__(self, settings: WorkerSettings, engine: Engine | None = None) -> None:
         self.settings = settings
         self.model_name = settings.served_model_name
+        self.labels = (self.model_name, self.role)  # every metric's model_name, role
+        self.metrics_port: int | None = None  # bound once run() starts the metrics server
         self.engine = AsyncEngine(engine or build_engine(settings), self._outputs_ready)
         self.stopping = asyncio.Event()
         self.nc = None
@@ -131,6 +142,9 @@ class Worker:
         self.js = self.nc.jetstream()
         await bus.ensure_jobs_stream(self.js)
         self.redis = Redis.from_url(self.settings.redis_url)
+        if self.settings.metrics_port is not None:
+            self.metrics_port = metrics.serve_metrics(self.settings.metrics_host, self.settings.metrics_port)
+            log.info("metrics at http://%s:%d/metrics", self.settings.metrics_host, self.metrics_port)
         self.engine.start()
         try:
             await self.setup()
@@ -201,10 +215,33 @@ class Worker:
             except Exception as exc:  # the gateway's deadline turns a lost event into a clear error
                 log.warning("publishing tokens for %s failed: %s", event.request_id, exc)
 
+    def process_span(self, msg: Msg, request_id: str):
+        """The `process <subject>` span of a job just fetched, child of its publisher's span."""
+        delivered = msg.metadata.num_delivered if msg.metadata else 1
+        return tracing.consumer_span(msg.subject, msg.headers, request_id, self.settings.worker_id, delivered)
+
+    def record_prefill(self, job: PrefillJob, out: RequestOutput, parent: Span) -> None:
+        """A request's first output (its prompt is computed): the `prefill` span, from its first scheduling
+        to now, and the queue-time and prompt-token metrics."""
+        now = time.time()
+        scheduled_at = out.scheduled_at or now
+        attributes = {tracing.REQUEST_ID: job.request_id, tracing.GEN_AI_USAGE_INPUT_TOKENS: out.num_prompt_tokens}
+        if job.created_at:  # the gateway's clock: another machine's, so clamp a skew below zero
+            queue_s = max(0.0, scheduled_at - job.created_at)
+            attributes[tracing.QUEUE_TIME] = queue_s
+            metrics.QUEUE_TIME.labels(*self.labels).observe(queue_s)
+        metrics.PROMPT_TOKENS.labels(*self.labels).inc(out.num_prompt_tokens)
+        span = tracing.start_span(f"{tracing.PREFILL} {self.model_name}", parent, scheduled_at, attributes=attributes)
+        tracing.end_span(span, now)
+
     async def _heartbeats(self) -> None:
         while True:
-            integrity = await self.engine.call(_integrity_error)
+            integrity, expert_load = await self.engine.call(_beat_facts)
+            metrics.record_expert_load(self.model_name, self.role, expert_load)
             e = self.engine.engine
+            metrics.REQUESTS_RUNNING.labels(*self.labels).set(e.num_running)
+            metrics.REQUESTS_WAITING.labels(*self.labels).set(e.num_waiting)
+            metrics.KV_CACHE_USAGE.labels(*self.labels).set(e.blocks.usage)
             beat = Heartbeat(
                 worker_id=self.settings.worker_id,
                 role=self.role,
@@ -231,19 +268,48 @@ class StreamingWorker(Worker):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.streams: dict[str, PrefillJob | DecodeJob] = {}
+        self.decode_spans: dict[str, Span] = {}  # by request id, while it decodes here
+
+    def start_decode_span(self, request_id: str, parent, start_s: float | None = None) -> None:
+        self.decode_spans[request_id] = tracing.start_span(
+            f"{tracing.DECODE} {self.model_name}",
+            parent,
+            start_s,
+            attributes={tracing.REQUEST_ID: request_id, tracing.WORKER_ID: self.settings.worker_id},
+        )
 
     def handle_outputs(self, outputs: list[RequestOutput]) -> None:
+        tokens = metrics.GENERATION_TOKENS.labels(*self.labels)
         for out in outputs:
             job = self.streams.get(out.request_id)
             if job is None:
                 continue  # cancelled meanwhile
+            self.first_output(job, out)
+            tokens.inc(len(out.new_token_ids))
             if out.finished:
                 del self.streams[out.request_id]
+                self._end_decode_span(out)
             self.emit(job.reply_subject, token_event(job.request_id, job.attempt, out, self.settings.worker_id))
+
+    def first_output(self, job: PrefillJob | DecodeJob, out: RequestOutput) -> None:
+        """Called for every output before it is published; roles that prefill here act on the first one."""
+
+    def _end_decode_span(self, out: RequestOutput) -> None:
+        span = self.decode_spans.pop(out.request_id, None)
+        if span is None:
+            return
+        reason = out.finish_reason.value if out.finish_reason else "length"
+        span.set_attribute(tracing.GEN_AI_USAGE_OUTPUT_TOKENS, out.num_output_tokens)
+        span.set_attribute(tracing.GEN_AI_RESPONSE_FINISH_REASONS, (reason,))
+        tracing.end_span(span)
 
     async def on_cancel(self, request_id: str) -> None:
         if self.streams.pop(request_id, None) is not None:
             await self.engine.call(lambda e: e.abort(request_id))
+        span = self.decode_spans.pop(request_id, None)
+        if span is not None:
+            span.set_attribute(tracing.GEN_AI_RESPONSE_FINISH_REASONS, ("abort",))
+            tracing.end_span(span, error="cancelled")
 
 
 def token_event(request_id: str, attempt: int, out: RequestOutput, worker_id: str) -> TokenEvent:

@@ -13,12 +13,14 @@ import asyncio
 import logging
 
 from nats.aio.msg import Msg
+from opentelemetry.trace import Span
 
 from shared.engine.block_manager import NoFreeBlocksError
 from shared.kv.registry import KvRegistry
 from shared.kv.transfer.client import KvTransferClient
 from shared.kv.transfer.errors import KvTransferError
 from shared.messages import DecodeJob, decode, decode_subject
+from shared.telemetry import metrics, tracing
 from shared.worker import StreamingWorker, error_event, sampling_params
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,9 @@ class DecodeWorker(StreamingWorker):
 
     async def setup(self) -> None:
         self.registry = KvRegistry(self.redis, self.settings.kv_lease_s)
-        self.client = KvTransferClient(self.settings.worker_id, backend=self.settings.transfer_backend)
+        self.client = KvTransferClient(
+            self.settings.worker_id, backend=self.settings.transfer_backend, model_name=self.model_name
+        )
 
     async def teardown(self) -> None:
         if self.client is not None:
@@ -50,10 +54,15 @@ class DecodeWorker(StreamingWorker):
 
     async def handle_job(self, msg: Msg) -> None:
         job = decode(msg.data, DecodeJob)
+        span = self.process_span(msg, job.request_id)
         self.admitting.add(job.request_id)
-        asyncio.create_task(self._admit(job, msg))
+        asyncio.create_task(self._admit_traced(job, msg, span))
 
-    async def _admit(self, job: DecodeJob, msg: Msg) -> None:
+    async def _admit_traced(self, job: DecodeJob, msg: Msg, span: Span) -> None:
+        with tracing.use_span(span, end_on_exit=True):  # the pull's span and log lines join the request's trace
+            await self._admit(job, msg, span)
+
+    async def _admit(self, job: DecodeJob, msg: Msg, span: Span) -> None:
         rid = job.request_id
         try:
             params = sampling_params(job.sampling)
@@ -64,18 +73,26 @@ class DecodeWorker(StreamingWorker):
             prompt, outputs = job.prompt_token_ids, job.output_token_ids
             # Registered before the engine sees it: its first outputs may reach the loop before this resumes.
             self.streams[rid] = job
+            self.start_decode_span(rid, span)
             try:
                 if kv is None:
                     raise NoFreeBlocksError("no KV to import")
                 await self.engine.call(lambda e: e.import_kv(rid, prompt, outputs, params, kv))
                 self.client.recycle(kv)  # its receive buffer serves the next pull (no fresh page faults)
+                span.set_attribute(tracing.KV_OUTCOME, "pulled")
             except NoFreeBlocksError:
                 await self.engine.call(lambda e: e.add_request(rid, prompt, params, output_token_ids=outputs))
+                span.set_attribute(tracing.KV_OUTCOME, "recompute")
+                metrics.PROMPT_TOKENS.labels(*self.labels).inc(len(prompt))  # this engine computes the prompt
             await msg.ack()
         except ValueError as exc:
             self.streams.pop(rid, None)
+            decode_span = self.decode_spans.pop(rid, None)
+            if decode_span is not None:
+                tracing.end_span(decode_span, error=str(exc))
             self.emit(job.reply_subject, error_event(job, str(exc), self.settings.worker_id))
             await msg.term()
+            tracing.mark_error(span, str(exc))
         finally:
             self.admitting.discard(rid)
 

@@ -12,6 +12,7 @@ import asyncio
 import logging
 
 from nats.aio.msg import Msg
+from opentelemetry.trace import Span
 
 from shared.engine.engine import RequestOutput
 from shared.engine.request import FinishReason
@@ -19,6 +20,7 @@ from shared.kv.registry import KvLocation, KvRegistry
 from shared.kv.transfer.server import KvTransferServer
 from shared.kv.transfer.source import EngineKvSource
 from shared.messages import DecodeJob, PrefillJob, TokenEvent, decode, decode_subject, encode, prefill_subject
+from shared.telemetry import metrics, tracing
 from shared.worker import Worker, error_event, sampling_params
 
 log = logging.getLogger(__name__)
@@ -29,7 +31,7 @@ class PrefillWorker(Worker):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.jobs: dict[str, tuple[PrefillJob, Msg]] = {}  # prefilling
+        self.jobs: dict[str, tuple[PrefillJob, Msg, Span]] = {}  # prefilling; the span is the job's process span
         # Held KV behind pull tickets; the transfer server exports and releases through it.
         self.source = EngineKvSource(self.engine.engine, call=self.engine.call, on_release=self._released)
         self.registry: KvRegistry | None = None
@@ -49,6 +51,7 @@ class PrefillWorker(Worker):
             source=self.source,
             backend=self.settings.transfer_backend,
             advertise_host=self.settings.advertise_host,
+            model_name=self.model_name,
         )
         self.rpc_address = await self.server.start()
 
@@ -60,8 +63,9 @@ class PrefillWorker(Worker):
 
     async def handle_job(self, msg: Msg) -> None:
         job = decode(msg.data, PrefillJob)
+        span = self.process_span(msg, job.request_id)
         # Registered before the engine sees it: the first token may reach the loop before this resumes.
-        self.jobs[job.request_id] = (job, msg)
+        self.jobs[job.request_id] = (job, msg, span)
         try:
             params = sampling_params(job.sampling, max_tokens=1)
             await self.engine.call(lambda e: e.add_request(job.request_id, job.prompt_token_ids, params, hold_kv=True))
@@ -69,6 +73,7 @@ class PrefillWorker(Worker):
             del self.jobs[job.request_id]
             self.emit(job.reply_subject, error_event(job, str(exc), self.settings.worker_id))
             await msg.term()
+            tracing.end_span(span, error=str(exc))
 
     def handle_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -76,7 +81,14 @@ class PrefillWorker(Worker):
             if entry is not None:
                 asyncio.create_task(self._hand_off(*entry, out))
 
-    async def _hand_off(self, job: PrefillJob, msg: Msg, out: RequestOutput) -> None:
+    async def _hand_off(self, job: PrefillJob, msg: Msg, span: Span, out: RequestOutput) -> None:
+        self.record_prefill(job, out, span)
+        metrics.GENERATION_TOKENS.labels(*self.labels).inc(len(out.new_token_ids))
+        with tracing.use_span(span, end_on_exit=True):  # log lines and the decode publish join its trace
+            await self._hand_on(job, msg, out)
+
+    async def _hand_on(self, job: PrefillJob, msg: Msg, out: RequestOutput) -> None:
+        """Publish the first token; hold the KV and publish the decode job (or free it: nothing to decode)."""
         rid = job.request_id
         token = out.new_token_ids[0]
         finished = out.finish_reason is FinishReason.STOP or job.sampling.max_tokens == 1
@@ -117,7 +129,9 @@ class PrefillWorker(Worker):
             prefill_worker=holder,
             created_at=job.created_at,
         )
-        await self.js.publish(decode_subject(self.model_name), encode(decode_job))
+        subject = decode_subject(self.model_name)
+        with tracing.producer_span(subject, rid):
+            await self.js.publish(subject, encode(decode_job), headers=tracing.carrier() or None)
         await msg.ack()
         if holder is not None:
             asyncio.get_running_loop().call_later(self.settings.kv_lease_s, self._expire, rid)
@@ -138,5 +152,6 @@ class PrefillWorker(Worker):
         if entry is not None:
             await self.engine.call(lambda e: e.abort(request_id))
             await entry[1].ack()  # the client is gone: the job is done
+            tracing.end_span(entry[2], error="cancelled")
         if request_id in self.source.held and not self.source.is_sending(request_id):
             await self.source.release_kv(request_id)

@@ -52,6 +52,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
+    scheduled_at: float | None = None  # wall clock of the request's first scheduling (end of its queue wait)
 
 
 @dataclass
@@ -189,6 +190,7 @@ class Engine:
                     req.finish_reason,
                     len(req.prompt_token_ids),
                     len(req.output_token_ids),
+                    req.scheduled_at,
                 )
             )
         return outputs

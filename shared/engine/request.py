@@ -37,6 +37,9 @@ class Request:
     # num_tokens - 1: only the last sampled token still has to go through the model.
     num_computed_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    # Wall clock (time.time()) when the engine first gave it compute (or imported its KV): the end of its
+    # queue wait. Kept across preemptions.
+    scheduled_at: float | None = None
 
     @property
     def num_tokens(self) -> int:

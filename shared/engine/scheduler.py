@@ -13,6 +13,7 @@ Policy (continuous batching):
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -80,6 +81,7 @@ class Scheduler:
     def add_running(self, request: Request) -> None:
         """Admit a request whose KV is already in its blocks (imported from another engine)."""
         request.status = RequestStatus.RUNNING
+        request.scheduled_at = request.scheduled_at or time.time()
         self.running.append(request)
 
     def has_unfinished(self) -> bool:
@@ -145,6 +147,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            req.scheduled_at = req.scheduled_at or time.time()
             self.running.append(req)
             plan.seqs.append(ScheduledSeq(req, n))
             budget -= n

@@ -17,15 +17,10 @@ registry; the gateway serves them at /metrics, a worker on its own port (`serve_
 
 from __future__ import annotations
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
-    start_http_server,
-)
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 disable_created_metrics()  # no `_created` series beside every counter: nothing here reads them
 
@@ -85,9 +80,30 @@ def exposition() -> tuple[bytes, str]:
     return generate_latest(), CONTENT_TYPE_LATEST
 
 
+class _MetricsHandler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self.path.split("?")[0] not in ("/metrics", "/"):
+            self.send_error(404)
+            return
+        body, content_type = exposition()
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:  # one line per scrape would drown the worker's log
+        pass
+
+
 def serve_metrics(host: str, port: int) -> int:
-    """Serve /metrics from a background thread; returns the bound port (port 0: any free one)."""
-    server, _thread = start_http_server(port, host)
+    """Serve /metrics from a daemon thread; returns the bound port (port 0: any free one).
+
+    Always the classic text format, like the gateway's route: prometheus_client's own server negotiates
+    OpenMetrics with Prometheus 2.x and then rewrites the `pdserve:` names to `pdserve_`."""
+    server = ThreadingHTTPServer((host, port), _MetricsHandler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server.server_port
 
 

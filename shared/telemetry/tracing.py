@@ -177,8 +177,10 @@ def current_trace_id() -> str | None:
 
 def install_log_trace_ids() -> None:
     """Give every log record a `trace` attribute: " trace=<id>" inside a span, "" outside (use `%(trace)s`
-    in the format)."""
+    in the format). Idempotent."""
     previous = logging.getLogRecordFactory()
+    if getattr(previous, "adds_trace_ids", False):
+        return
 
     def factory(*args, **kwargs) -> logging.LogRecord:
         record = previous(*args, **kwargs)
@@ -186,7 +188,11 @@ def install_log_trace_ids() -> None:
         record.trace = f" trace={trace_id}" if trace_id else ""
         return record
 
+    factory.adds_trace_ids = True
     logging.setLogRecordFactory(factory)
+
+
+use_span = trace.use_span  # `with use_span(span, end_on_exit=...)`: make a span current in a block
 
 
 def attach(ctx: Context):
@@ -196,3 +202,67 @@ def attach(ctx: Context):
 
 def detach(token) -> None:
     otel_context.detach(token)
+
+
+# ---- phase spans -------------------------------------------------------------------------------------------
+
+
+def _ns(t: float) -> int:
+    return int(t * 1e9)
+
+
+def start_span(
+    name: str,
+    parent: Context | trace.Span | None = None,
+    start_s: float | None = None,
+    kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+    attributes: Mapping[str, object] | None = None,
+) -> trace.Span:
+    """A span under `parent` (a context, or a span of this process), started at wall time `start_s`
+    (default now). Phase timestamps come from the engine thread, so spans take explicit times."""
+    ctx = trace.set_span_in_context(parent) if isinstance(parent, trace.Span) else parent
+    return tracer.start_span(
+        name, context=ctx, kind=kind, attributes=attributes, start_time=None if start_s is None else _ns(start_s)
+    )
+
+
+def mark_error(span: trace.Span, error: str) -> None:
+    span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+
+
+def end_span(span: trace.Span, end_s: float | None = None, error: str | None = None) -> None:
+    """End `span` at wall time `end_s` (default now), as failed when `error` is given."""
+    if error is not None:
+        mark_error(span, error)
+    span.end(end_time=None if end_s is None else _ns(end_s))
+
+
+def consumer_span(subject: str, headers: Mapping[str, str] | None, request_id: str, worker_id: str, delivered: int):
+    """`process <subject>`: a worker took a job; the parent is the publisher's span, from the headers."""
+    return tracer.start_span(
+        f"{PROCESS} {subject}",
+        context=extract(headers),
+        kind=trace.SpanKind.CONSUMER,
+        attributes={
+            MESSAGING_SYSTEM: "nats",
+            MESSAGING_OPERATION: PROCESS,
+            MESSAGING_DESTINATION: subject,
+            MESSAGING_DELIVERY_COUNT: delivered,
+            REQUEST_ID: request_id,
+            WORKER_ID: worker_id,
+        },
+    )
+
+
+def producer_span(subject: str, request_id: str):
+    """`publish <subject>` as the current span (a context manager); `carrier()` inside it gives the headers."""
+    return tracer.start_as_current_span(
+        f"{PUBLISH} {subject}",
+        kind=trace.SpanKind.PRODUCER,
+        attributes={
+            MESSAGING_SYSTEM: "nats",
+            MESSAGING_OPERATION: PUBLISH,
+            MESSAGING_DESTINATION: subject,
+            REQUEST_ID: request_id,
+        },
+    )

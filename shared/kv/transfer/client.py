@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from shared.kv.transfer.pair import DECODE_RANK, Backend, Pair, check_backend, l
 from shared.kv.transfer.wire import announced_layout
 from shared.rpc import kv_transfer_pb2 as pb
 from shared.rpc import kv_transfer_pb2_grpc as pb_grpc
+from shared.telemetry import metrics, tracing
 
 MAX_BLOCKING_THREADS = 32  # joins + recv waits at once; more queue for a free thread
 # Pull answers given before any send starts: the pair is still clean after them.
@@ -66,6 +68,7 @@ class KvTransferClient:
         timeout_s: float = 30.0,
         device: str | None = None,
         recv_cache_bytes: int = 256 << 20,
+        model_name: str = "",
     ) -> None:
         if not worker_id:
             raise ValueError("worker_id must not be empty")
@@ -74,6 +77,7 @@ class KvTransferClient:
         self.worker_id = worker_id
         self.backend = check_backend(backend)
         self.timeout_s = timeout_s
+        self.model_name = model_name  # labels this client's spans and metrics
         self.device = device or self.backend.device  # where received KV lands (NCCL: the decode GPU)
         self.stats = ClientStats()
         self._buffers = BufferPool(recv_cache_bytes, self.device)  # what `recycle` hands back, for reuse
@@ -84,11 +88,35 @@ class KvTransferClient:
     async def pull(self, address: str, request_id: str, ticket: str, layout: KVLayout) -> KVExport:
         """Fetch the KV of `request_id` from the prefill worker at `address`; `layout` is the receiving
         engine's (block size may differ: the result carries the source's, `reblock` re-cuts). The prefill
-        side frees its blocks once the bytes are out. Raises KvTransferError (see its `reason`)."""
-        try:
-            return await self._pull_once(address, request_id, ticket, layout)
-        except _StalePair:  # a new pair, once; a second stale answer propagates as UNAVAILABLE
-            return await self._pull_once(address, request_id, ticket, layout)
+        side frees its blocks once the bytes are out. Raises KvTransferError (see its `reason`).
+        Traced as a `pull_kv` span (child of the current one) whose context travels in the gRPC metadata."""
+        labels = (self.model_name, "decode")
+        started = time.perf_counter()
+        attributes = {tracing.REQUEST_ID: request_id, tracing.KV_PEER: address}
+        with tracing.tracer.start_as_current_span(
+            f"{tracing.PULL_KV} {self.model_name}", kind=tracing.trace.SpanKind.CLIENT, attributes=attributes
+        ) as span:
+            try:
+                try:
+                    kv = await self._pull_once(address, request_id, ticket, layout)
+                except _StalePair:  # a new pair, once; a second stale answer propagates as UNAVAILABLE
+                    kv = await self._pull_once(address, request_id, ticket, layout)
+            except KvTransferError as e:
+                metrics.KV_TRANSFER_FAILURES.labels(*labels, e.reason.value).inc()
+                span.set_attribute(tracing.KV_OUTCOME, f"failed: {e.reason.value}")
+                raise
+            elapsed = time.perf_counter() - started
+            metrics.KV_TRANSFER_SECONDS.labels(*labels).observe(elapsed)
+            metrics.KV_TRANSFER_BYTES.labels(*labels).inc(kv.nbytes)
+            span.set_attributes(
+                {
+                    tracing.KV_BYTES: kv.nbytes,
+                    tracing.KV_TOKENS: kv.num_tokens,
+                    tracing.KV_DURATION: elapsed,
+                    tracing.KV_OUTCOME: "pulled",
+                }
+            )
+            return kv
 
     def recycle(self, kv: KVExport) -> None:
         """Optional: hand back a pulled KVExport once its KV is imported, so later pulls receive into the
@@ -115,7 +143,8 @@ class KvTransferClient:
             layout_fingerprint=layout.fingerprint,
         )
         async with conn.order:
-            reply = await self._call(address, conn, conn.stub.Pull(request, timeout=self.timeout_s), "Pull")
+            call = conn.stub.Pull(request, timeout=self.timeout_s, metadata=tracing.grpc_metadata())
+            reply = await self._call(address, conn, call, "Pull")
             try:
                 source = announced_layout(reply, layout)
                 buffer = self._buffers.take(tuple(reply.shape), layout.torch_dtype)

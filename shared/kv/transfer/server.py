@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import logging
 import socket
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from shared.kv.transfer.source import KvSource
 from shared.kv.transfer.wire import describe
 from shared.rpc import kv_transfer_pb2 as pb
 from shared.rpc import kv_transfer_pb2_grpc as pb_grpc
+from shared.telemetry import metrics, tracing
 
 log = logging.getLogger(__name__)
 MAX_BLOCKING_THREADS = 32  # joins + sends waiting at once; more queue for a free thread
@@ -60,10 +62,12 @@ class KvTransferServer:
         backend: Backend | str = "gloo",
         timeout_s: float = 30.0,
         advertise_host: str | None = None,
+        model_name: str = "",
     ) -> None:
         """host/port: where gRPC binds (port 0: any free one). advertise_host: the name decode workers dial
         for gRPC, the store and gloo (default: host, or this machine's FQDN when host is a wildcard).
-        timeout_s bounds a pair's forming and each send; a send that times out frees the KV all the same."""
+        timeout_s bounds a pair's forming and each send; a send that times out frees the KV all the same.
+        model_name labels this server's spans and metrics."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.host = host
@@ -71,6 +75,7 @@ class KvTransferServer:
         self.source = source
         self.backend = check_backend(backend)
         self.timeout_s = timeout_s
+        self.model_name = model_name
         self.stats = ServerStats()
         # Where decode workers reach this machine, for the store and for gloo's listening socket.
         self.public_host = advertise_host or (socket.getfqdn() if host in WILDCARD_HOSTS else host)
@@ -123,6 +128,23 @@ class KvTransferServer:
         return pb.ConnectReply(store_host=self.public_host, store_port=self._store.port, pair_id=pair_id)
 
     async def pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> pb.PullReply:
+        """Accept a pull: export, announce, start the send. The `send_kv` span (child of the puller's span,
+        from the gRPC metadata) covers export and send; the send task ends it."""
+        metadata = dict(context.invocation_metadata() or ())
+        span = tracing.start_span(
+            f"{tracing.SEND_KV} {self.model_name}",
+            tracing.extract(metadata),
+            kind=tracing.trace.SpanKind.SERVER,
+            attributes={tracing.REQUEST_ID: request.request_id, tracing.KV_PEER: request.decode_worker_id},
+        )
+        try:
+            return await self._accept(request, context, span)
+        except BaseException as e:  # refused (context.abort raises) or failed before any send
+            tracing.end_span(span, error=f"{type(e).__name__}: {e}")
+            raise
+
+    async def _accept(self, request: pb.PullRequest, context: grpc.aio.ServicerContext, span) -> pb.PullReply:
+        started = time.perf_counter()
         rid = request.request_id
         slot = self._pairs.get(request.decode_worker_id)
         if slot is None or slot.pair_id != request.pair_id:
@@ -145,8 +167,15 @@ class KvTransferServer:
         except BaseException:
             self._leased.discard(rid)
             raise
+        span.set_attributes(
+            {
+                tracing.KV_EXPORT_TIME: time.perf_counter() - started,
+                tracing.KV_BYTES: kv.nbytes,
+                tracing.KV_TOKENS: kv.num_tokens,
+            }
+        )
         tag = next(slot.tags)
-        task = asyncio.create_task(self._send(slot, pair, kv, tag, rid))
+        task = asyncio.create_task(self._send(slot, pair, kv, tag, rid, span, started))
         self._sends.add(task)
         task.add_done_callback(self._sends.discard)
         self.stats.pulls += 1
@@ -165,15 +194,21 @@ class KvTransferServer:
                 grpc.StatusCode.FAILED_PRECONDITION, f"KV layout fingerprint {fingerprint!r} differs from ours {ours!r}"
             )
 
-    async def _send(self, slot: _Slot, pair: Pair, kv: KVExport, tag: int, rid: str) -> None:
+    async def _send(self, slot: _Slot, pair: Pair, kv: KVExport, tag: int, rid: str, span, started: float) -> None:
         """Send on the pair, then free the blocks whatever happened (pulled → freed)."""
+        labels = (self.model_name, "prefill")
+        error = None
         try:
             # gloo sends host memory (a CUDA pool's export is copied down); NCCL sends from the GPU as is.
             blocks = (kv.blocks if self.backend is Backend.NCCL else kv.blocks.cpu()).contiguous()
             await asyncio.get_running_loop().run_in_executor(self._executor, pair.send, blocks, tag)
             self.stats.bytes_sent += kv.nbytes
+            metrics.KV_TRANSFER_BYTES.labels(*labels).inc(kv.nbytes)
+            metrics.KV_TRANSFER_SECONDS.labels(*labels).observe(time.perf_counter() - started)
         except Exception as e:  # timeout or peer gone: gloo has closed the pair
             self.stats.failed_sends += 1
+            metrics.KV_TRANSFER_FAILURES.labels(*labels, "send_failed").inc()
+            error = f"send failed: {e!r}"
             log.warning("KV send of %s to %s failed: %r", rid, slot.worker_id, e)
             self._drop(slot)
         finally:
@@ -182,6 +217,8 @@ class KvTransferServer:
                 await self.source.release_kv(rid)
             except Exception:
                 log.exception("releasing the KV of %s failed", rid)
+            span.set_attribute(tracing.KV_DURATION, time.perf_counter() - started)
+            tracing.end_span(span, error=error)
 
     def _join(self, pair_id: str) -> Pair:
         """Blocking: our rank of the pair's group, over a store connection of its own."""
