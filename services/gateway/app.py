@@ -65,5 +65,6 @@ def create_app(settings: GatewaySettings, backend: Backend | None = None) -> Lit
         exception_handlers=EXCEPTION_HANDLERS,
         before_send=[echo_request_id],
         request_max_body_size=settings.max_body_bytes,
+        logging_config=None,  # the process's own logging (format with trace ids, set by the CLI) stays as is
         openapi_config=OpenAPIConfig(title="pdserve gateway", version="0.1.0", path="/schema"),
     )

@@ -25,6 +25,7 @@ class GenerationJob:
     model: str  # the served model name
     prompt_token_ids: list[int]
     sampling: Sampling
+    trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent of the request's span
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import anyio
 
 from services.gateway.backend import Backend, GenerationJob, RequestStream, Update
+from services.gateway.observe import RequestObserver
 from services.gateway.textstream import TextAssembler
 from shared.model.tokenizer import Tokenizer
 
@@ -35,11 +36,20 @@ class Piece:
 
 
 class Generation:
-    """Open → (wait_first) → pieces() or collect() → close(). Counts completion tokens for usage."""
+    """Open → (wait_first) → pieces() or collect() → close(). Counts completion tokens for usage; tells
+    `observer` (span and metrics) when tokens reach the client and how the request ended."""
 
-    def __init__(self, backend: Backend, job: GenerationJob, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        job: GenerationJob,
+        tokenizer: Tokenizer,
+        stop: tuple[str, ...],
+        observer: RequestObserver | None = None,
+    ) -> None:
         self.backend = backend
         self.job = job
+        self.observer = observer
         self.text = TextAssembler(tokenizer, stop)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
@@ -47,6 +57,7 @@ class Generation:
         self._first: Update | None = None
         self._worker_finished = False
         self._closed = False
+        self._failure: GenerationError | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -56,11 +67,16 @@ class Generation:
         """Dispatch. Raises BackendUnavailable."""
         self._stream = await self.backend.open(self.job)
 
+    def fail(self, message: str, status: int) -> GenerationError:
+        """Record why the request failed (for close() to report); returns the error to raise."""
+        self._failure = GenerationError(message, status)
+        return self._failure
+
     async def wait_first(self) -> None:
         """Wait for the first update, so that a failure before any token is still a plain HTTP error."""
         self._first = await self._next()
         if self._first.failed:
-            raise GenerationError(self._first.error or "request failed", self._first.status)
+            raise self.fail(self._first.error or "request failed", self._first.status)
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """One piece per token, the last one with finish_reason. Raises GenerationError on a failure."""
@@ -68,7 +84,7 @@ class Generation:
             update = self._first if self._first is not None else await self._next()
             self._first = None
             if update.failed:
-                raise GenerationError(update.error or "request failed", update.status)
+                raise self.fail(update.error or "request failed", update.status)
             for piece in self._pieces_of(update):
                 yield piece
 
@@ -86,8 +102,10 @@ class Generation:
             text = self.text.add(token_id)
             if self.text.stopped:  # later tokens are dropped; close() cancels the rest upstream
                 self.finish_reason = "stop"
+                self._observe_tokens(len(pieces) + 1)
                 return [*pieces, Piece(text, "stop")]
             pieces.append(Piece(text))
+        self._observe_tokens(len(update.token_ids))
         if update.finished:
             tail = self.text.finish()
             self.finish_reason = "stop" if self.text.stopped else update.finish_reason
@@ -103,13 +121,29 @@ class Generation:
         except StopAsyncIteration:
             return Update([], "error", "the backend ended the request without a final event")
 
+    def _observe_tokens(self, n: int) -> None:
+        if self.observer is not None:
+            self.observer.tokens(n)
+
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._report_end()
+        if self._stream is None:
+            return  # never dispatched: nothing upstream to cancel
         # shielded: this runs in the finally of a task that is being cancelled (client disconnect)
         with anyio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
             if not self._worker_finished:
                 await self.backend.cancel(self.job.request_id)
-            if self._stream is not None:
-                await self._stream.aclose()
+            await self._stream.aclose()
+
+    def _report_end(self) -> None:
+        if self.observer is None:
+            return
+        if self._failure is not None:
+            self.observer.end("error", self.completion_tokens, self._failure.message, self._failure.status)
+        elif self.finish_reason is not None:
+            self.observer.end(self.finish_reason, self.completion_tokens)
+        else:  # closed mid-way without a failure: the client went away
+            self.observer.end("abort", self.completion_tokens, "the client disconnected", 499)

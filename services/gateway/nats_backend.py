@@ -36,6 +36,7 @@ from shared.messages import (
     token_wildcard,
 )
 from shared.settings import GatewaySettings
+from shared.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -119,12 +120,18 @@ class NatsBackend:
             reply_subject=token_subject(self.settings.gateway_id, job.request_id),
             created_at=time.time(),
         )
+        subject = prefill_subject(job.model)
+        token = tracing.attach(tracing.extract(job.trace_context))  # the publish span joins the request's trace
         try:
-            await self._js.publish(prefill_subject(job.model), encode(prefill), timeout=PUBLISH_TIMEOUT_S)
+            with tracing.producer_span(subject, job.request_id):
+                headers = tracing.carrier() or None
+                await self._js.publish(subject, encode(prefill), timeout=PUBLISH_TIMEOUT_S, headers=headers)
         except Exception as exc:
             self._streams.pop(job.request_id, None)
             await self.cancel(job.request_id)  # the job may be stored even though its ack was lost
             raise BackendUnavailable(f"could not dispatch the request ({type(exc).__name__}: {exc})") from exc
+        finally:
+            tracing.detach(token)
         return stream
 
     async def cancel(self, request_id: str) -> None:

@@ -7,6 +7,7 @@ streamed byte is a plain JSON error with its HTTP status, even with stream=true.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from litestar import Request, Response, get, post
@@ -21,6 +22,7 @@ from services.gateway.decoding import StrictJSON
 from services.gateway.disconnect import until_disconnect
 from services.gateway.errors import APIError, ErrorBody, error_response
 from services.gateway.generation import Generation, GenerationError
+from services.gateway.observe import RequestObserver
 from services.gateway.prepare import Prepared, prepare_chat, prepare_completion
 from services.gateway.responses import ResponseWriter, new_request_id
 from services.gateway.schemas import (
@@ -33,6 +35,7 @@ from services.gateway.schemas import (
     Status,
 )
 from services.gateway.served_model import ServedModel
+from shared.telemetry import metrics, tracing
 
 AnyRequest = Request[Any, Any, Any]
 
@@ -45,7 +48,8 @@ async def chat_completions(
     model: NamedDependency[ServedModel],
 ) -> Response[ChatCompletion] | Stream:
     """Chat completion (OpenAI-compatible); `stream: true` answers with server-sent events."""
-    return await _complete(request, backend, model, prepare_chat(data, model), chat=True)
+    arrived = time.time(), time.perf_counter()
+    return await _complete(request, backend, model, prepare_chat(data, model), arrived, chat=True)
 
 
 @post("/completions", dto=StrictJSON[CompletionRequest], return_dto=None, status_code=200)
@@ -56,20 +60,34 @@ async def completions(
     model: NamedDependency[ServedModel],
 ) -> Response[Completion] | Stream:
     """Text completion (OpenAI-compatible); `stream: true` answers with server-sent events."""
-    return await _complete(request, backend, model, prepare_completion(data, model), chat=False)
+    arrived = time.time(), time.perf_counter()
+    return await _complete(request, backend, model, prepare_completion(data, model), arrived, chat=False)
 
 
 async def _complete(
-    request: AnyRequest, backend: Backend, model: ServedModel, prepared: Prepared, chat: bool
+    request: AnyRequest,
+    backend: Backend,
+    model: ServedModel,
+    prepared: Prepared,
+    arrived: tuple[float, float],
+    chat: bool,
 ) -> Response[Any] | Stream:
     request_id = new_request_id(chat)
-    job = GenerationJob(request_id, model.name, prepared.prompt_token_ids, prepared.sampling)
-    gen = Generation(backend, job, model.tokenizer, prepared.stop)
+    operation = tracing.CHAT if chat else tracing.TEXT_COMPLETION
+    prompt_tokens = len(prepared.prompt_token_ids)
+    observer = RequestObserver(
+        operation, model.name, request_id, request.headers, arrived, prepared.sampling.max_tokens, prompt_tokens
+    )
+    job = GenerationJob(request_id, model.name, prepared.prompt_token_ids, prepared.sampling, observer.trace_context())
+    gen = Generation(backend, job, model.tokenizer, prepared.stop, observer)
     writer = ResponseWriter(request_id, model.name, chat)
     try:
         await gen.open()
     except BackendUnavailable as exc:
-        raise APIError(503, f"no worker can serve the request now: {exc}") from exc
+        message = f"no worker can serve the request now: {exc}"
+        gen.fail(message, 503)
+        await gen.close()
+        raise APIError(503, message) from exc
     streaming = False
     try:
         if not prepared.stream:
@@ -127,5 +145,12 @@ async def ready(backend: NamedDependency[Backend]) -> Response[Status] | Respons
     return Response(Status(status="ready", detail=reason))
 
 
+@get("/metrics", include_in_schema=False)
+async def prometheus_metrics() -> Response[bytes]:
+    """Prometheus text exposition of this process's metrics. Never needs an API key."""
+    body, content_type = metrics.exposition()
+    return Response(body, media_type=content_type)
+
+
 V1_ROUTES = [chat_completions, completions, list_models, retrieve_model]
-PROBE_ROUTES = [health, ready]
+PROBE_ROUTES = [health, ready, prometheus_metrics]

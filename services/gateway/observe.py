@@ -1,0 +1,99 @@
+"""One request as the gateway observes it: its server span (the root of the request's trace, or a child of
+the client's `traceparent`) and the client-side latency metrics — TTFT, inter-token latency, TPOT, e2e —
+plus the token counters, all measured from when the handler took the request.
+
+Life: `RequestObserver(...)` when the request is valid → `tokens(n)` per update as its tokens are
+handed to the client → `end(...)` exactly once (later calls are ignored).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from opentelemetry import trace
+
+from shared.telemetry import metrics, tracing
+
+ROLE = "gateway"
+
+
+class RequestObserver:
+    def __init__(
+        self,
+        operation: str,  # tracing.CHAT | tracing.TEXT_COMPLETION
+        model: str,
+        request_id: str,
+        headers: Mapping[str, str],
+        arrived: tuple[float, float],  # (time.time(), time.perf_counter()) when the handler took it
+        max_tokens: int,
+        prompt_tokens: int,
+    ) -> None:
+        self.labels = (model, ROLE)
+        self.prompt_tokens = prompt_tokens
+        self._arrived = arrived[1]
+        self._first: float | None = None
+        self._last: float = 0.0
+        self._ended = False
+        self.span = tracing.start_span(
+            f"{operation} {model}",
+            tracing.extract(headers),
+            arrived[0],
+            kind=trace.SpanKind.SERVER,
+            attributes={
+                tracing.GEN_AI_SYSTEM: "pdserve",
+                tracing.GEN_AI_OPERATION: operation,
+                tracing.GEN_AI_REQUEST_MODEL: model,
+                tracing.GEN_AI_REQUEST_MAX_TOKENS: max_tokens,
+                tracing.GEN_AI_RESPONSE_ID: request_id,
+                tracing.GEN_AI_USAGE_INPUT_TOKENS: prompt_tokens,
+                tracing.REQUEST_ID: request_id,
+            },
+        )
+        metrics.REQUESTS_RUNNING.labels(*self.labels).inc()
+
+    def trace_context(self) -> dict[str, str]:
+        """The carrier that makes the job's publish span a child of this request's span."""
+        return tracing.carrier(trace.set_span_in_context(self.span))
+
+    def tokens(self, n: int) -> None:
+        """`n` more tokens reach the client now."""
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        if self._first is None:
+            self._first = now
+            metrics.TIME_TO_FIRST_TOKEN.labels(*self.labels).observe(now - self._arrived)
+            self.span.add_event("first_token")
+        else:
+            metrics.INTER_TOKEN_LATENCY.labels(*self.labels).observe(now - self._last)
+        for _ in range(n - 1):  # tokens that arrived together: no gap between them
+            metrics.INTER_TOKEN_LATENCY.labels(*self.labels).observe(0.0)
+        self._last = now
+
+    def end(self, finish_reason: str, completion_tokens: int, error: str | None = None, status: int = 200) -> None:
+        """The request is over: `finish_reason` stop | length | abort (client gone) | error."""
+        if self._ended:
+            return
+        self._ended = True
+        m = metrics
+        m.REQUESTS_RUNNING.labels(*self.labels).dec()
+        m.REQUEST_SUCCESS.labels(*self.labels, finish_reason).inc()
+        m.GENERATION_TOKENS.labels(*self.labels).inc(completion_tokens)
+        attributes: dict[str, object] = {
+            tracing.GEN_AI_USAGE_OUTPUT_TOKENS: completion_tokens,
+            tracing.GEN_AI_RESPONSE_FINISH_REASONS: (finish_reason,),
+            "http.response.status_code": status,
+        }
+        if self._first is not None:  # e2e ends at the last token (TPOT = (e2e - TTFT) / (tokens - 1))
+            e2e = self._last - self._arrived
+            m.PROMPT_TOKENS.labels(*self.labels).inc(self.prompt_tokens)
+            m.E2E_LATENCY.labels(*self.labels).observe(e2e)
+            attributes[tracing.E2E_TIME] = e2e
+            attributes[tracing.GEN_AI_TTFT] = self._first - self._arrived
+            if completion_tokens > 1:
+                tpot = (self._last - self._first) / (completion_tokens - 1)
+                m.TIME_PER_OUTPUT_TOKEN.labels(*self.labels).observe(tpot)
+                attributes[tracing.GEN_AI_TPOT] = tpot
+        self.span.set_attributes(attributes)
+        tracing.end_span(self.span, error=error)
