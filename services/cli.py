@@ -9,6 +9,7 @@ import sys
 import time
 
 from shared.model.config import ARCHITECTURES
+from shared.telemetry.timeline import add_trace_command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=_generate)
 
     _add_service_commands(sub)
+    add_trace_command(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
@@ -124,6 +126,18 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats-url")
     p.add_argument("--redis-url")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--trace-file", help="also append this service's spans to this JSON-lines file")
+
+
+def _observe(service: str, instance: str, level: str, settings) -> None:
+    """Logging with trace ids, and tracing as OTEL_* / --trace-file ask (nothing exported otherwise)."""
+    import logging
+
+    from shared.telemetry import tracing
+
+    tracing.install_log_trace_ids()
+    logging.basicConfig(level=level, format=f"%(asctime)s {service} %(levelname)s %(name)s%(trace)s: %(message)s")
+    tracing.setup_tracing(f"pdserve-{service}", instance, settings.trace_file)
 
 
 def _add_service_commands(sub) -> None:
@@ -150,6 +164,8 @@ def _add_service_commands(sub) -> None:
         w.add_argument("--rpc-port", type=int)
         w.add_argument("--advertise-host", help="host decode workers dial for KV pulls (default: rpc host)")
         w.add_argument("--kv-lease-s", type=float)
+        w.add_argument("--metrics-host", help="where /metrics is served (default 127.0.0.1)")
+        w.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default: any free one, logged)")
         w.set_defaults(func=_worker, role=role)
 
     up = sub.add_parser("up", help="start NATS, Redis, the gateway and workers locally")
@@ -161,6 +177,7 @@ def _add_service_commands(sub) -> None:
     up.add_argument("--nats-url", help="use this NATS (JetStream enabled) instead of starting one")
     up.add_argument("--redis-url", help="use this Redis instead of starting one")
     up.add_argument("--threads-per-worker", type=int, default=1)
+    up.add_argument("--trace-file", help="every service appends its spans here (read with `pdserve trace`)")
     up.set_defaults(func=_up)
 
 
@@ -169,36 +186,34 @@ def _overrides(args: argparse.Namespace, names: list[str]) -> dict:
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    import logging
-
     import uvicorn
 
     from services.gateway.app import create_app
     from shared.settings import GatewaySettings, from_env
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s")
     keys = tuple(k for k in (args.api_keys or "").split(",") if k) or None
     settings = from_env(
         GatewaySettings,
         api_keys=keys,
-        **_overrides(args, ["model", "model_name", "nats_url", "redis_url", "host", "port"]),
+        **_overrides(args, ["model", "model_name", "nats_url", "redis_url", "host", "port", "trace_file"]),
     )
+    _observe("gateway", settings.gateway_id, args.log_level, settings)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
     return 0
 
 
 def _worker(args: argparse.Namespace) -> int:
     import asyncio
-    import logging
     import signal
 
     from shared.settings import WorkerSettings, from_env
 
-    logging.basicConfig(level=args.log_level, format=f"%(asctime)s {args.role} %(levelname)s %(name)s: %(message)s")
     names = ["model", "model_name", "nats_url", "redis_url", "worker_id", "threads", "dtype", "block_size",
              "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
-             "max_model_len", "rpc_host", "rpc_port", "advertise_host", "kv_lease_s"]  # fmt: skip
+             "max_model_len", "rpc_host", "rpc_port", "advertise_host", "kv_lease_s", "metrics_host",
+             "metrics_port", "trace_file"]  # fmt: skip
     settings = from_env(WorkerSettings, role=args.role, **_overrides(args, names))
+    _observe(args.role, settings.worker_id, args.log_level, settings)
     worker_cls = _worker_class(args.role)
 
     async def serve() -> None:
@@ -246,6 +261,7 @@ def _up(args: argparse.Namespace) -> int:
         nats_url=args.nats_url,
         redis_url=args.redis_url,
         threads_per_worker=args.threads_per_worker,
+        trace_file=args.trace_file,
     )
     stack = Stack(spec, quiet=False)
     try:
@@ -253,7 +269,11 @@ def _up(args: argparse.Namespace) -> int:
         name = Path(model).name
         print(f"\npdserve is ready at {stack.url}/v1  (model {name!r}; Ctrl-C stops everything)")
         print(f"  curl {stack.url}/v1/chat/completions -H 'Content-Type: application/json' \\")
-        print(f'    -d \'{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello"}}]}}\'\n', flush=True)
+        print(f'    -d \'{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello"}}]}}\'')
+        print(f"  metrics: {stack.url}/metrics (gateway), " + ", ".join(stack.metrics_urls()))
+        if args.trace_file:
+            print(f"  spans: {args.trace_file} (pdserve trace {args.trace_file})")
+        print(flush=True)
         while all(p.poll() is None for p in stack.procs.values()):
             time.sleep(0.5)
         print("a service exited; stopping the stack", file=sys.stderr)

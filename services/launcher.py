@@ -17,7 +17,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.procs import ServerProcess, start_nats, start_redis
+from shared.procs import ServerProcess, free_port, start_nats, start_redis
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class StackSpec:
     worker_args: tuple[str, ...] = ()  # extra flags for every worker
     gateway_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    trace_file: str | None = None  # every service appends its spans to this JSON-lines file
 
     def __post_init__(self) -> None:
         if self.mixed < 0 or self.prefill < 0 or self.decode < 0:
@@ -52,6 +53,7 @@ class Stack:
         self._log_files: list = []
         self.nats_url = spec.nats_url
         self.redis_url = spec.redis_url
+        self.metrics_ports: dict[str, int] = {}  # worker name → its /metrics port
 
     @property
     def url(self) -> str:
@@ -68,7 +70,10 @@ class Stack:
             spec = self.spec
             roles = ["mixed"] * spec.mixed if spec.mixed else ["prefill"] * spec.prefill + ["decode"] * spec.decode
             for i, role in enumerate(roles):
-                self.spawn(f"{role}-{i}", [role, "--worker-id", f"{role}-{i}-{os.getpid()}", *self._worker_flags()])
+                name = f"{role}-{i}"
+                self.metrics_ports[name] = port = free_port(self.spec.host)
+                flags = ["--worker-id", f"{name}-{os.getpid()}", "--metrics-port", str(port), *self._worker_flags()]
+                self.spawn(name, [role, *flags])
             self.spawn("gateway", ["gateway", "--port", str(self.spec.port), "--host", self.spec.host,
                                    *self._common_flags(), *self.spec.gateway_args])  # fmt: skip
             self.wait_ready(ready_timeout_s)
@@ -78,10 +83,17 @@ class Stack:
         return self
 
     def _common_flags(self) -> list[str]:
-        return ["--model", self.spec.model, "--nats-url", self.nats_url, "--redis-url", self.redis_url]
+        flags = ["--model", self.spec.model, "--nats-url", self.nats_url, "--redis-url", self.redis_url]
+        if self.spec.trace_file:
+            flags += ["--trace-file", str(Path(self.spec.trace_file).resolve())]
+        return flags
+
+    def metrics_urls(self) -> list[str]:
+        """The /metrics URL of every worker (the gateway's is at url + "/metrics")."""
+        return [f"http://{self.spec.host}:{port}/metrics" for port in self.metrics_ports.values()]
 
     def _worker_flags(self) -> list[str]:
-        flags = self._common_flags() + list(self.spec.worker_args)
+        flags = self._common_flags() + ["--metrics-host", self.spec.host] + list(self.spec.worker_args)
         if self.spec.threads_per_worker:
             flags += ["--threads", str(self.spec.threads_per_worker)]
         return flags
