@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.launcher import Stack, StackSpec
 from shared.engine.engine import Engine
@@ -192,6 +193,22 @@ def test_bad_input_keeps_the_stack_serving(stack_1p1d):
     assert _complete(stack_1p1d.url, "still fine")["usage"]["completion_tokens"] == MAX_TOKENS
 
 
+def test_tracing_off_by_default_and_quiet(stack_1p1d):
+    """No OTEL_* set: no service turned tracing on, and nothing logged an error along the way."""
+    logs = stack_1p1d.logs()
+    assert "tracing on" not in logs
+    assert "Traceback" not in logs and " ERROR " not in logs, logs
+
+
+def _generated_tokens(stack: Stack) -> float:
+    """pdserve:generation_tokens_total summed over every worker's /metrics."""
+    total = 0.0
+    for url in stack.metrics_urls():
+        for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+            total += sum(s.value for s in family.samples if s.name == "pdserve:generation_tokens_total")
+    return total
+
+
 @pytest.mark.parametrize(
     "topology", [dict(prefill=2, decode=2), dict(mixed=1, prefill=0, decode=0)], ids=["2p2d", "mixed"]
 )
@@ -204,6 +221,7 @@ def test_other_topologies_match(model_dir, reference, topology):
             results = list(pool.map(lambda p: _complete(stack.url, p), prompts))
         for prompt, out in zip(prompts, results, strict=True):
             assert out["choices"][0]["text"] == tok.decode(reference[prompt])
+        assert _generated_tokens(stack) == len(prompts) * MAX_TOKENS  # whichever workers sampled them
         beats = heartbeats(stack.nats_url)
         assert all(b.prefill_tokens == 0 for b in beats.values() if b.role == "decode")
         assert kv_keys(stack.redis_url) == []
