@@ -217,7 +217,10 @@ class Worker:
 
     def process_span(self, msg: Msg, request_id: str):
         """The `process <subject>` span of a job just fetched, child of its publisher's span."""
-        delivered = msg.metadata.num_delivered if msg.metadata else 1
+        try:
+            delivered = msg.metadata.num_delivered
+        except nats.errors.NotJSMessageError:  # a core-NATS message (tests, tools): first delivery
+            delivered = 1
         return tracing.consumer_span(msg.subject, msg.headers, request_id, self.settings.worker_id, delivered)
 
     def record_prefill(self, job: PrefillJob, out: RequestOutput, parent: Span) -> None:

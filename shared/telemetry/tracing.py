@@ -237,32 +237,20 @@ def end_span(span: trace.Span, end_s: float | None = None, error: str | None = N
     span.end(end_time=None if end_s is None else _ns(end_s))
 
 
+def _messaging(operation: str, subject: str, request_id: str, **extra: object) -> dict[str, object]:
+    attributes = {MESSAGING_SYSTEM: "nats", MESSAGING_OPERATION: operation, MESSAGING_DESTINATION: subject}
+    return attributes | {REQUEST_ID: request_id} | extra
+
+
 def consumer_span(subject: str, headers: Mapping[str, str] | None, request_id: str, worker_id: str, delivered: int):
     """`process <subject>`: a worker took a job; the parent is the publisher's span, from the headers."""
+    attributes = _messaging(PROCESS, subject, request_id, **{MESSAGING_DELIVERY_COUNT: delivered, WORKER_ID: worker_id})
     return tracer.start_span(
-        f"{PROCESS} {subject}",
-        context=extract(headers),
-        kind=trace.SpanKind.CONSUMER,
-        attributes={
-            MESSAGING_SYSTEM: "nats",
-            MESSAGING_OPERATION: PROCESS,
-            MESSAGING_DESTINATION: subject,
-            MESSAGING_DELIVERY_COUNT: delivered,
-            REQUEST_ID: request_id,
-            WORKER_ID: worker_id,
-        },
+        f"{PROCESS} {subject}", context=extract(headers), kind=trace.SpanKind.CONSUMER, attributes=attributes
     )
 
 
 def producer_span(subject: str, request_id: str):
     """`publish <subject>` as the current span (a context manager); `carrier()` inside it gives the headers."""
-    return tracer.start_as_current_span(
-        f"{PUBLISH} {subject}",
-        kind=trace.SpanKind.PRODUCER,
-        attributes={
-            MESSAGING_SYSTEM: "nats",
-            MESSAGING_OPERATION: PUBLISH,
-            MESSAGING_DESTINATION: subject,
-            REQUEST_ID: request_id,
-        },
-    )
+    attributes = _messaging(PUBLISH, subject, request_id)
+    return tracer.start_as_current_span(f"{PUBLISH} {subject}", kind=trace.SpanKind.PRODUCER, attributes=attributes)
