@@ -133,9 +133,15 @@ class Worker:
     # ---- machinery --------------------------------------------------------------------------------------
 
     def has_room(self) -> bool:
-        """Fetch a job only when the engine can start it: nothing queued and blocks to spare."""
+        """Fetch a job only when the engine can start it soon: a sequence slot and blocks to spare, and the
+        queue shorter than one step's token budget — so the next step can batch several prompts, while a
+        job another worker could start now is not hoarded here."""
         e = self.engine.engine
-        return e.num_waiting == 0 and e.num_running < e.config.max_num_seqs and e.blocks.usage < 0.9
+        return (
+            e.num_running + e.num_waiting < e.config.max_num_seqs
+            and e.num_waiting_tokens < e.config.max_num_batched_tokens
+            and e.blocks.usage < 0.9
+        )
 
     async def run(self) -> None:
         self.nc = await bus.connect(self.settings.nats_url, f"{self.role}-{self.settings.worker_id}")

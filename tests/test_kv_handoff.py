@@ -130,3 +130,16 @@ def test_export_requires_finished_prefill_and_abort_frees_held_blocks(checkpoint
     assert engine.blocks.num_free == engine.blocks.num_blocks
     with pytest.raises(KeyError):
         engine.export_kv("r")
+
+
+def test_waiting_tokens_shrink_as_prompts_are_scheduled(checkpoint, model):
+    """What a worker's admission reads (from another thread) to keep one step's worth of prompts queued."""
+    engine = _engine(checkpoint, model, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    engine.add_request("a", list(range(1, 41)), params)
+    engine.add_request("b", list(range(1, 31)), params)
+    assert engine.num_waiting_tokens == 70
+    engine.step()  # a (40) whole and b's first 24 tokens: chunked under the 64-token budget
+    assert engine.num_waiting == 0 and engine.num_waiting_tokens == 0
+    engine.add_request("c", list(range(1, 11)), params)
+    assert engine.num_waiting_tokens == 10

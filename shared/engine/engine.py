@@ -162,6 +162,12 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens the queued requests still need computed. Safe to read from another thread: the queue is
+        copied in one C call under the GIL, and each request's counts are plain ints."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in tuple(self.scheduler.waiting))
+
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return the new token of every request that produced one."""
         plan = self.scheduler.schedule()
