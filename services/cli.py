@@ -8,6 +8,7 @@ import json
 import sys
 import time
 
+from services.bench.cli import add_bench_command
 from shared.model.config import ARCHITECTURES
 from shared.telemetry.timeline import add_trace_command
 
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _add_service_commands(sub)
     add_trace_command(sub)
+    add_bench_command(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
