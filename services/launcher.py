@@ -30,6 +30,12 @@ class StackSpec:
     nats_url: str | None = None  # None = start a private nats-server on a free port
     redis_url: str | None = None
     threads_per_worker: int | None = None
+    # Per-role overrides, keyed "prefill" / "decode" / "mixed" (benchmarks that compare topologies on the same
+    # cores): threads replaces threads_per_worker for that role's workers; cpu_affinity pins each of that
+    # role's worker processes to those CPU ids (os.sched_setaffinity right after spawn, before the worker
+    # starts any thread, so its torch threads inherit it; Linux only). Gateway and infra are never pinned.
+    threads: dict[str, int] = field(default_factory=dict)
+    cpu_affinity: dict[str, tuple[int, ...]] = field(default_factory=dict)
     host: str = "127.0.0.1"
     worker_args: tuple[str, ...] = ()  # extra flags for every worker
     gateway_args: tuple[str, ...] = ()
@@ -41,6 +47,19 @@ class StackSpec:
             raise ValueError("worker counts must be non-negative")
         if self.mixed == 0 and (self.prefill == 0 or self.decode == 0):
             raise ValueError("need at least one prefill and one decode worker, or --mixed workers")
+        for name, per_role in (("threads", self.threads), ("cpu_affinity", self.cpu_affinity)):
+            if unknown := set(per_role) - {"prefill", "decode", "mixed"}:
+                raise ValueError(f"{name}: unknown roles {sorted(unknown)} (prefill, decode, mixed)")
+        if self.cpu_affinity:
+            if not hasattr(os, "sched_setaffinity"):
+                raise ValueError("cpu_affinity needs os.sched_setaffinity (Linux)")
+            have = os.sched_getaffinity(0)
+            for role, cpus in self.cpu_affinity.items():
+                if not cpus or not set(cpus) <= have:
+                    raise ValueError(
+                        f"cpu_affinity[{role!r}] = {tuple(cpus)}: not a non-empty subset of the CPUs this "
+                        f"process may use, {sorted(have)} ({os.cpu_count()} cores on this machine)"
+                    )
 
 
 class Stack:
@@ -72,8 +91,10 @@ class Stack:
             for i, role in enumerate(roles):
                 name = f"{role}-{i}"
                 self.metrics_ports[name] = port = free_port(self.spec.host)
-                flags = ["--worker-id", f"{name}-{os.getpid()}", "--metrics-port", str(port), *self._worker_flags()]
-                self.spawn(name, [role, *flags])
+                flags = ["--worker-id", f"{name}-{os.getpid()}", "--metrics-port", str(port)]
+                proc = self.spawn(name, [role, *flags, *self._worker_flags(role)])
+                if role in spec.cpu_affinity:  # before the interpreter has started any thread
+                    os.sched_setaffinity(proc.pid, spec.cpu_affinity[role])
             self.spawn("gateway", ["gateway", "--port", str(self.spec.port), "--host", self.spec.host,
                                    *self._common_flags(), *self.spec.gateway_args])  # fmt: skip
             self.wait_ready(ready_timeout_s)
@@ -92,10 +113,10 @@ class Stack:
         """The /metrics URL of every worker (the gateway's is at url + "/metrics")."""
         return [f"http://{self.spec.host}:{port}/metrics" for port in self.metrics_ports.values()]
 
-    def _worker_flags(self) -> list[str]:
+    def _worker_flags(self, role: str) -> list[str]:
         flags = self._common_flags() + ["--metrics-host", self.spec.host] + list(self.spec.worker_args)
-        if self.spec.threads_per_worker:
-            flags += ["--threads", str(self.spec.threads_per_worker)]
+        if threads := self.spec.threads.get(role, self.spec.threads_per_worker):
+            flags += ["--threads", str(threads)]
         return flags
 
     def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
