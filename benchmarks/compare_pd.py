@@ -187,8 +187,9 @@ def slo_context(slos: dict[str, float], probes: dict[str, dict]) -> str:
 
 
 def probe_table(probes: dict[str, dict]) -> str:
-    header = ["mode", "long prompt alone: TTFT ms", "stream alone: TTFT ms", "stream alone: TPOT ms"]
-    rows = [[mode, fmt(p["long_ttft_ms"], 0), fmt(p["stream_ttft_ms"], 0), fmt(p["stream_tpot_ms"])]
+    header = ["mode", "long prompt alone: TTFT ms", "stream alone: TTFT ms", "stream alone: TPOT ms", "other CPU"]
+    rows = [[mode, fmt(p["long_ttft_ms"], 0), fmt(p["stream_ttft_ms"], 0), fmt(p["stream_tpot_ms"]),
+             "—" if p.get("other_share") is None else f"{p['other_share']:.0%}"]
             for mode, p in probes.items()]  # fmt: skip
     return markdown_table(header, rows)
 
@@ -480,7 +481,7 @@ def _plain_log_ticks(axis) -> None:
     """Log axis ticked and labelled 50, 100, 200, 500 ... instead of 5×10^1 (minor labels off: they collide)."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=30))
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     axis.set_minor_formatter(NullFormatter())
 
@@ -775,13 +776,21 @@ def main(argv: list[str] | None = None) -> int:
             for ms in stacks.values():
                 print(f"starting {ms.mode} ...", flush=True)
                 ms.start()
+        ncpu = os.cpu_count() or 1
         for mode, ms in stacks.items():
             if not together:
                 ms.start()
             data["stacks"][mode] = ms.facts
-            data["probes"][mode] = p = probe(ms, tok, model_name, wl, args.probes)
+            ours = [pid for s in stacks.values() for pid in s.pids()] + [os.getpid()]
+            wait_quiet(ours, args.quiet_wait)
+            cpu0, (busy0, _), t0 = sum(map(proc_cpu_s, ours)), machine_busy_s(), time.monotonic()
+            p = probe(ms, tok, model_name, wl, args.probes)
+            cpu1, (busy1, _) = sum(map(proc_cpu_s, ours)), machine_busy_s()
+            p["other_share"] = max(0.0, (busy1 - busy0) - (cpu1 - cpu0)) / ((time.monotonic() - t0) * ncpu)
+            data["probes"][mode] = p
             print(f"{mode}: pinned {ms.facts}\n  unloaded: long TTFT {p['long_ttft_ms']:.0f} ms, stream TTFT "
-                  f"{p['stream_ttft_ms']:.0f} ms, stream TPOT {p['stream_tpot_ms']:.1f} ms", flush=True)  # fmt: skip
+                  f"{p['stream_ttft_ms']:.0f} ms, stream TPOT {p['stream_tpot_ms']:.1f} ms (other CPU "
+                  f"{p['other_share']:.0%})", flush=True)  # fmt: skip
             if not together:
                 ms.stop()
         for i, rate in enumerate(args.rates):
