@@ -221,7 +221,7 @@ class Worker:
             except Exception as exc:  # the gateway's deadline turns a lost event into a clear error
                 log.warning("publishing tokens for %s failed: %s", event.request_id, exc)
 
-    def process_span(self, msg: Msg, request_id: str):
+    def process_span(self, msg: Msg, request_id: str) -> Span:
         """The `process <subject>` span of a job just fetched, child of its publisher's span."""
         try:
             delivered = msg.metadata.num_delivered
@@ -279,7 +279,7 @@ class StreamingWorker(Worker):
         self.streams: dict[str, PrefillJob | DecodeJob] = {}
         self.decode_spans: dict[str, Span] = {}  # by request id, while it decodes here
 
-    def start_decode_span(self, request_id: str, parent, start_s: float | None = None) -> None:
+    def start_decode_span(self, request_id: str, parent: Span, start_s: float | None = None) -> None:
         self.decode_spans[request_id] = tracing.start_span(
             f"{tracing.DECODE} {self.model_name}",
             parent,
@@ -293,15 +293,15 @@ class StreamingWorker(Worker):
             job = self.streams.get(out.request_id)
             if job is None:
                 continue  # cancelled meanwhile
-            self.first_output(job, out)
+            self.on_output(job, out)
             tokens.inc(len(out.new_token_ids))
             if out.finished:
                 del self.streams[out.request_id]
                 self._end_decode_span(out)
             self.emit(job.reply_subject, token_event(job.request_id, job.attempt, out, self.settings.worker_id))
 
-    def first_output(self, job: PrefillJob | DecodeJob, out: RequestOutput) -> None:
-        """Called for every output before it is published; roles that prefill here act on the first one."""
+    def on_output(self, job: PrefillJob | DecodeJob, out: RequestOutput) -> None:
+        """Called for every output before it is published (the mixed role records its prefill on the first)."""
 
     def _end_decode_span(self, out: RequestOutput) -> None:
         span = self.decode_spans.pop(out.request_id, None)

@@ -46,7 +46,7 @@ class MixedWorker(StreamingWorker):
         await msg.ack()
         span.end()
 
-    def first_output(self, job: PrefillJob, out: RequestOutput) -> None:
+    def on_output(self, job: PrefillJob, out: RequestOutput) -> None:
         parent = self.prefilling.pop(out.request_id, None)
         if parent is not None:
             self.record_prefill(job, out, parent)
