@@ -36,18 +36,19 @@ machine, before each run the script waits (at most --quiet-wait s) until those u
 which they used more than --retry-above (25%) is repeated once (--retries), keeping the quieter attempt.
 
 Defaults, from calibration runs on the development machine (2-core AMD EPYC VM, small demo model, float32):
-- rates 0.5,1,1.5,2 stream req/s (+0.25 long/s): colocated keeps up to about 2 (its output throughput levels off
-  near 170 tok/s and the tail after the last send grows from 3 on); ~17 min in all (--quick: rates 1,2, 12 s
-  each, ~4 min).
+- rates 0.5,1,1.5,2 stream req/s (+0.25 long/s): colocated keeps up to about 1.5 (its output throughput levels
+  off near 170 tok/s; at 2 it completes ~1.5 req/s and the tail after the last send grows), so the top rate is
+  just past its ceiling. ~16 min in all on a quiet machine (--quick: rates 1,2, 12 s each, ~3 min).
 - stream 128 in / 128 out: decode-heavy, each stream lives through one or two long prompts; long 1024 in / 8 out
-  every 4 s: its prefill alone takes ~1 s on one core (~0.6-1 s on two threads), a quarter of the interval.
-  The long prompts' output is kept short on purpose: pdserve's decode attention pads every sequence of a batch
-  to the longest context, so while a 1k-token request decodes, every stream's step costs several times more (in
-  both modes alike; measured 73 → 384 ms for 40 streams at one thread). That is a decode-side effect that
-  disaggregation does not address; --long-output-len 32 shows it.
+  every 4 s: its prefill alone takes ~1 s on one core (~0.6 s on two threads), a quarter of the interval.
+- The long prompts' output is short on purpose. pdserve's decode attention pads every sequence of a batch to the
+  longest context, so while a 1k-token request decodes, every stream's step costs several times more (engine
+  alone, 40 streams, one thread: 73 → 384 ms per step), in every mode, and more the larger the batch: it
+  amplifies whichever mode falls behind. --long-output-len 1 takes it out (long requests then never decode: pure
+  prefill interference); 32 makes it dominate.
 - TTFT SLO 2500 ms: about 2.5× the long prompt's bare prefill on one core, so a long prompt that waits behind
   one other still passes; a stream prompt (128 tokens, ~0.15 s) misses it only when queued for seconds.
-- TPOT SLO 100 ms: about 5× the unloaded TPOT through the stack (~20 ms), twice the engine's one-thread decode
+- TPOT SLO 100 ms: about 5× the unloaded TPOT through the stack (15-20 ms), twice the engine's one-thread decode
   step at 16 sequences: met by a decode that is busy but not stalled.
 
 Outputs in --out: compare_pd.json (config, machine, probes, per mode per rate the summary with per_kind and the
