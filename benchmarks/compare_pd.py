@@ -78,7 +78,7 @@ from services.bench.datasets import BenchRequest, interference_requests, random_
 from services.bench.metrics import RequestRecord  # noqa: E402
 from services.bench.runner import BenchConfig, BenchResult, run  # noqa: E402
 from services.launcher import Stack, StackSpec  # noqa: E402
-from shared.model.demo import write_demo_checkpoint  # noqa: E402
+from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
 from shared.model.tokenizer import Tokenizer  # noqa: E402
 from shared.procs import free_port  # noqa: E402
 
@@ -201,11 +201,7 @@ def probe_table(probes: dict[str, dict]) -> str:
 def prepare_model(model_dir: str | None, size: str) -> Path:
     if model_dir:
         return Path(model_dir)
-    out = REPO / "models" / f"demo-{size}-qwen3_moe"
-    if not (out / "tokenizer_config.json").is_file():  # written last: its presence means a complete write
-        print(f"writing the {size} qwen3_moe demo checkpoint to {out} ...", flush=True)
-        write_demo_checkpoint(out, arch="qwen3_moe", size=size)
-    return out
+    return ensure_demo_checkpoint(REPO / "models" / f"demo-{size}-qwen3_moe", size=size)
 
 
 def mode_spec(mode: str, model: Path, cores: tuple[int, int], chunk_budget: int, max_len: int, trace: Path | None):

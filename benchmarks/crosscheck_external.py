@@ -52,7 +52,7 @@ import numpy as np
 
 from services.bench.metrics import RequestRecord, summarize
 from services.launcher import Stack, StackSpec
-from shared.model.demo import write_demo_checkpoint
+from shared.model.demo import ensure_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from shared.procs import free_port
 
@@ -483,8 +483,7 @@ def main() -> None:
         sys.exit(f"no aiperf at {args.aiperf}: python3 -m venv /work/tools/aiperf && "
                  "/work/tools/aiperf/bin/pip install aiperf==0.13.0, or pass --aiperf PATH")  # fmt: skip
     model = Path(args.model or REPO / "models" / f"demo-{args.size}-qwen3_moe")
-    if not (model / "tokenizer_config.json").is_file():
-        write_demo_checkpoint(model, arch="qwen3_moe", size=args.size)
+    ensure_demo_checkpoint(model, size=args.size)
     artifacts = Path(args.artifacts)
     artifacts.mkdir(parents=True, exist_ok=True)
     aiperf_version = subprocess.run([args.aiperf, "--version"], capture_output=True, text=True).stdout.strip()

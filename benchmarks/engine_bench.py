@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere, installed or not
 
 from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.sampling import SamplingParams  # noqa: E402
-from shared.model.demo import write_demo_checkpoint  # noqa: E402
+from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
 
 PREFILL_LEN = 512
 DECODE_PROMPT = 128
@@ -51,12 +51,7 @@ MODEL_FIELDS = ("model_type", "hidden_size", "num_layers", "num_heads", "num_kv_
 def prepare_model(model_dir: str | None) -> Path:
     if model_dir:
         return Path(model_dir)
-    out = REPO / "models" / "demo-small-qwen3_moe"
-    # tokenizer_config.json is written last: its presence means an earlier write completed.
-    if not (out / "tokenizer_config.json").is_file():
-        print(f"writing the small qwen3_moe demo checkpoint to {out} ...", flush=True)
-        write_demo_checkpoint(out, arch="qwen3_moe", size="small")
-    return out
+    return ensure_demo_checkpoint(REPO / "models" / "demo-small-qwen3_moe", size="small")
 
 
 def _blocks(tokens: int) -> int:

@@ -24,7 +24,7 @@ import torch
 from services.launcher import Stack, StackSpec
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
+from shared.model.demo import ensure_demo_checkpoint
 from shared.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,9 +69,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gateway_overhead.json"))
     args = ap.parse_args()
-    model = Path(args.model or REPO / "models" / "demo-tiny-qwen3_moe")
-    if not (model / "tokenizer_config.json").is_file():
-        write_demo_checkpoint(model, arch="qwen3_moe", size="tiny")
+    model = Path(args.model) if args.model else ensure_demo_checkpoint(REPO / "models" / "demo-tiny-qwen3_moe")
     torch.set_num_threads(1)  # as each worker below
     prompt = torch.randint(0, 256, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
 

@@ -44,7 +44,7 @@ from shared.engine.sampling import SamplingParams  # noqa: E402
 from shared.kv.transfer import Backend, KvTransferClient, KvTransferServer  # noqa: E402
 from shared.kv.transfer.buffers import BufferPool  # noqa: E402
 from shared.kv.transfer.pair import DECODE_RANK, PREFILL_RANK, Pair  # noqa: E402
-from shared.model.demo import write_demo_checkpoint  # noqa: E402
+from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
 
 HOST = "127.0.0.1"
 TIMEOUT_S = 120.0
@@ -55,11 +55,7 @@ GO_TAG = 1  # raw gloo: "go" messages; payloads use GO_TAG + 1 + index of the pr
 def prepare_model(model_dir: str | None) -> Path:
     if model_dir:
         return Path(model_dir)
-    out = REPO / "models" / "demo-small-qwen3_moe"
-    if not (out / "tokenizer_config.json").is_file():  # written last: its presence means a complete write
-        print(f"writing the small qwen3_moe demo checkpoint to {out} ...", flush=True)
-        write_demo_checkpoint(out, arch="qwen3_moe", size="small")
-    return out
+    return ensure_demo_checkpoint(REPO / "models" / "demo-small-qwen3_moe", size="small")
 
 
 # ---- prefill process --------------------------------------------------------------------------------------

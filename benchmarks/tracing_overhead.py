@@ -54,7 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere; tests.otlp_receiver lives in the repository
 
 from services.launcher import Stack, StackSpec  # noqa: E402
-from shared.model.demo import write_demo_checkpoint  # noqa: E402
+from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
 from shared.procs import free_port  # noqa: E402
 from shared.telemetry.spanfile import read_spans  # noqa: E402
 from tests.otlp_receiver import OtlpReceiver  # noqa: E402
@@ -68,11 +68,7 @@ MODES = ("off", "otlp", "file", "off2")  # off2: a second stack exactly like off
 def prepare_model(model_dir: str | None, size: str) -> Path:
     if model_dir:
         return Path(model_dir)
-    out = REPO / "models" / f"demo-{size}-qwen3_moe"
-    if not (out / "tokenizer_config.json").is_file():  # written last: its presence means a complete write
-        print(f"writing the {size} qwen3_moe demo checkpoint to {out} ...", flush=True)
-        write_demo_checkpoint(out, arch="qwen3_moe", size=size)
-    return out
+    return ensure_demo_checkpoint(REPO / "models" / f"demo-{size}-qwen3_moe", size=size)
 
 
 # ---- stacks -----------------------------------------------------------------------------------------------

@@ -247,13 +247,11 @@ def _up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from services.launcher import Stack, StackSpec
-    from shared.model.demo import write_demo_checkpoint
+    from shared.model.demo import ensure_demo_checkpoint
 
     model = args.model
     if model is None:
-        model = "models/demo-tiny-qwen3_moe"
-        if not (Path(model) / "tokenizer_config.json").is_file():
-            write_demo_checkpoint(model, arch="qwen3_moe", size="tiny")
+        model = str(ensure_demo_checkpoint("models/demo-tiny-qwen3_moe"))
     spec = StackSpec(
         model=model,
         port=args.port,

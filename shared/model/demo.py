@@ -159,6 +159,16 @@ def random_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor
     return tensors
 
 
+def ensure_demo_checkpoint(out_dir: str | Path, arch: str = "qwen3_moe", size: str = "tiny") -> Path:
+    """The demo checkpoint at `out_dir`, written first if missing or incomplete (tokenizer_config.json is
+    written last: its presence means an earlier write completed)."""
+    out = Path(out_dir)
+    if not (out / "tokenizer_config.json").is_file():
+        print(f"writing the {size} {arch} demo checkpoint to {out} ...", flush=True)
+        write_demo_checkpoint(out, arch=arch, size=size)
+    return out
+
+
 def write_demo_checkpoint(
     out_dir: str | Path,
     arch: str = "qwen3_moe",
