@@ -7,6 +7,7 @@ The tests start stacks through the same class, so what they exercise is what use
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -73,6 +74,8 @@ class Stack:
         self.nats_url = spec.nats_url
         self.redis_url = spec.redis_url
         self.metrics_ports: dict[str, int] = {}  # worker name → its /metrics port
+        # Signs KV pull tickets between this stack's workers; one given in the environment wins.
+        self.cluster_secret = secrets.token_urlsafe(32)
 
     @property
     def url(self) -> str:
@@ -124,7 +127,7 @@ class Stack:
         out = open(self.log_dir / f"{name}.log", "ab") if self.quiet else None  # closed in stop()
         if out is not None:
             self._log_files.append(out)
-        env = os.environ | {"PYTHONUNBUFFERED": "1"} | self.spec.env
+        env = {"PDSERVE_CLUSTER_SECRET": self.cluster_secret} | os.environ | {"PYTHONUNBUFFERED": "1"} | self.spec.env
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", *args], stdout=out, stderr=subprocess.STDOUT
                                 if out else None, env=env)  # fmt: skip
         self.procs[name] = proc

@@ -17,12 +17,14 @@ from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType,
 from nats.js.errors import BadRequestError
 
 from shared.messages import JOBS_STREAM, JOBS_SUBJECTS
+from shared.settings import CommonSettings
 
 log = logging.getLogger(__name__)
 
 
-async def connect(url: str, name: str) -> NATS:
-    """A client that reconnects forever: a NATS restart pauses services, it does not kill them."""
+async def connect(settings: CommonSettings, name: str) -> NATS:
+    """A client of settings.nats_url (with its credentials and TLS options) that reconnects forever: a NATS
+    restart pauses services, it does not kill them."""
 
     async def on_disconnect() -> None:
         log.warning("%s: disconnected from NATS", name)
@@ -34,7 +36,7 @@ async def connect(url: str, name: str) -> NATS:
         log.warning("%s: NATS connection error: %s", name, exc)
 
     return await nats.connect(
-        url,
+        settings.nats_url,
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,

@@ -33,6 +33,7 @@ from shared.messages import (
     encode,
     heartbeat_subject,
 )
+from shared.redis_client import redis_client
 from shared.settings import WorkerSettings
 from shared.telemetry import metrics, tracing
 
@@ -144,10 +145,10 @@ class Worker:
         )
 
     async def run(self) -> None:
-        self.nc = await bus.connect(self.settings.nats_url, f"{self.role}-{self.settings.worker_id}")
+        self.nc = await bus.connect(self.settings, f"{self.role}-{self.settings.worker_id}")
         self.js = self.nc.jetstream()
         await bus.ensure_jobs_stream(self.js)
-        self.redis = Redis.from_url(self.settings.redis_url)
+        self.redis = redis_client(self.settings)
         if self.settings.metrics_port is not None:
             self.metrics_port = metrics.serve_metrics(self.settings.metrics_host, self.settings.metrics_port)
             log.info("metrics at http://%s:%d/metrics", self.settings.metrics_host, self.metrics_port)

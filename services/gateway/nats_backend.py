@@ -16,7 +16,6 @@ import time
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from redis.asyncio import Redis
 
 from services.gateway.backend import BackendUnavailable, GenerationJob, Update
 from services.gateway.liveness import WorkerTable
@@ -35,6 +34,7 @@ from shared.messages import (
     token_subject,
     token_wildcard,
 )
+from shared.redis_client import redis_client
 from shared.settings import GatewaySettings
 from shared.telemetry import tracing
 
@@ -54,7 +54,7 @@ class NatsBackend:
         self._streams: dict[str, RequestUpdates] = {}  # request id → its stream, while the gateway listens
         self._nc: NATS | None = None  # set once connected and subscribed
         self._js: JetStreamContext | None = None
-        self._redis = Redis.from_url(settings.redis_url, socket_connect_timeout=1.0, socket_timeout=2.0)
+        self._redis = redis_client(settings, socket_connect_timeout=1.0, socket_timeout=2.0)
         self._setup: asyncio.Task[None] | None = None
         self._setup_error: str | None = None  # why connecting failed for good (a bad URL, say)
 
@@ -69,7 +69,7 @@ class NatsBackend:
             log.error("gateway NATS setup failed: %s", self._setup_error)
 
     async def _connect(self) -> None:
-        nc = await bus.connect(self.settings.nats_url, f"gateway-{self.settings.gateway_id}")
+        nc = await bus.connect(self.settings, f"gateway-{self.settings.gateway_id}")
         js = nc.jetstream()
         while True:
             try:
