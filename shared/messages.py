@@ -136,6 +136,8 @@ class Heartbeat(msgspec.Struct, frozen=True):
     decode_tokens: int = 0
     held_kv: int = 0  # prefill workers: requests whose KV waits for a pull
     integrity_error: str | None = None  # Engine.check_integrity() failure; None = block accounting is sound
+    block_size: int = 0  # tokens per KV block: total_blocks * block_size = the KV capacity in tokens
+    draining: bool = False  # shutting down: finishes what it has, takes nothing new
 
 
 _encoder = msgspec.json.Encoder()

@@ -265,6 +265,7 @@ class Worker:
                 decode_tokens=e.stats.decode_tokens,
                 held_kv=self.held_kv_count(),
                 integrity_error=integrity,
+                block_size=e.config.block_size,
             )
             with contextlib.suppress(Exception):
                 await self.nc.publish(heartbeat_subject(self.role, self.settings.worker_id), encode(beat))
