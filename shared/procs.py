@@ -7,6 +7,7 @@ works beside servers already listening on the standard ports.
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -47,29 +48,51 @@ def find_binary(name: str) -> str:
 
 @dataclass
 class ServerProcess:
+    """One nats-server or redis-server: `cmd` started it, and starts it again (same port, same data directory)."""
+
     name: str
     url: str
     proc: subprocess.Popen
     data_dir: tempfile.TemporaryDirectory
+    cmd: list[str]
+    host: str
+    port: int
+
+    def restart(self, kill: bool = False, down_s: float = 0.0) -> None:
+        """Stop the server (SIGTERM, or SIGKILL with `kill`), stay down `down_s` seconds, then start the same
+        command again and wait until it listens. The data directory survives: JetStream streams and consumers
+        are still there after a NATS restart."""
+        self._end(kill)
+        if down_s > 0:
+            time.sleep(down_s)
+        self.proc = _spawn(self.cmd)
+        wait_for_port(self.host, self.port, 15, self.proc)
 
     def stop(self) -> None:
+        self._end(kill=False)
+        self.data_dir.cleanup()
+
+    def _end(self, kill: bool) -> None:
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.data_dir.cleanup()
+
+
+def _spawn(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def start_nats(port: int | None = None, host: str = "127.0.0.1") -> ServerProcess:
     port = port or free_port(host)
     data = tempfile.TemporaryDirectory(prefix="pdserve-nats-")
     cmd = [find_binary("nats-server"), "-js", "-a", host, "-p", str(port), "-sd", data.name]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = _spawn(cmd)
     wait_for_port(host, port, 15, proc)
-    return ServerProcess("nats", f"nats://{host}:{port}", proc, data)
+    return ServerProcess("nats", f"nats://{host}:{port}", proc, data, cmd, host, port)
 
 
 def start_redis(port: int | None = None, host: str = "127.0.0.1") -> ServerProcess:
@@ -77,6 +100,6 @@ def start_redis(port: int | None = None, host: str = "127.0.0.1") -> ServerProce
     data = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
     cmd = [find_binary("redis-server"), "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no",
            "--dir", data.name]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = _spawn(cmd)
     wait_for_port(host, port, 15, proc)
-    return ServerProcess("redis", f"redis://{host}:{port}/0", proc, data)
+    return ServerProcess("redis", f"redis://{host}:{port}/0", proc, data, cmd, host, port)
