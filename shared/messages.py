@@ -59,6 +59,12 @@ def heartbeat_subject(role: str, worker_id: str) -> str:
     return f"pd.hb.{role}.{subject_token(worker_id)}"
 
 
+def attempt_key(request_id: str, attempt: int) -> str:
+    """What names one attempt of a request inside a worker (engine request, held KV, Redis entry, KV pull):
+    two attempts of one request may meet on one worker (a hung worker resumes after its request moved on)."""
+    return request_id if attempt == 0 else f"{request_id}~{attempt}"
+
+
 class Role(Enum):
     PREFILL = "prefill"
     DECODE = "decode"
@@ -86,6 +92,10 @@ class PrefillJob(msgspec.Struct, frozen=True):
     attempt: int = 0  # bumped on every re-dispatch; events of older attempts are dropped
     created_at: float = 0.0  # gateway's wall clock when the request arrived (queue-time metrics)
 
+    @property
+    def key(self) -> str:
+        return attempt_key(self.request_id, self.attempt)
+
 
 class DecodeJob(msgspec.Struct, frozen=True):
     request_id: str
@@ -98,13 +108,22 @@ class DecodeJob(msgspec.Struct, frozen=True):
     prefill_worker: str | None = None  # who holds the KV; None = nothing to pull, recompute
     created_at: float = 0.0
 
+    @property
+    def key(self) -> str:
+        return attempt_key(self.request_id, self.attempt)
+
 
 class TokenEvent(msgspec.Struct, frozen=True):
     """New tokens of a request, or its end. `seq` is the output position of token_ids[0] (0 = the first
     generated token), whatever the attempt: the gateway delivers positions in order, drops positions it
     already delivered (duplicates after a re-dispatch) and holds back early ones (two publishers: the
     prefill worker sends position 0, a decode worker the rest). Events of an attempt older than the
-    newest one seen are stale and dropped. A final event carries finish_reason (and no or more tokens)."""
+    newest one seen are stale and dropped. A final event carries finish_reason (and no or more tokens).
+
+    Events also say who is responsible for the request's progress, so that the gateway can move it when
+    that worker dies: a worker that takes a job says so at once (an event with no tokens, seq = the next
+    position); every event of `worker_id` makes it the holder, until one with `queued` says the request
+    now waits in a job queue (the prefill worker published the decode job)."""
 
     request_id: str
     attempt: int
@@ -115,10 +134,15 @@ class TokenEvent(msgspec.Struct, frozen=True):
     prompt_tokens: int = 0
     worker_id: str = ""
     status: int = 500  # with an error: the HTTP status it means (400 = the request itself was refused)
+    queued: bool = False  # after this event no worker holds the request: it waits in a job queue
 
 
 class Cancel(msgspec.Struct, frozen=True):
     request_id: str
+    up_to_attempt: int | None = None  # drop attempts up to this one (the request moved on); None = all
+
+    def covers(self, attempt: int) -> bool:
+        return self.up_to_attempt is None or attempt <= self.up_to_attempt
 
 
 class Heartbeat(msgspec.Struct, frozen=True):

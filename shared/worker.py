@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 
 import msgspec
 import nats.errors
@@ -29,6 +30,7 @@ from shared.messages import (
     PrefillJob,
     Sampling,
     TokenEvent,
+    decode,
     decode_or_drop,
     encode,
     heartbeat_subject,
@@ -39,6 +41,10 @@ from shared.telemetry import metrics, tracing
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
+# How long a cancel is remembered: a cancelled attempt's job may still arrive later (a redelivery after
+# ack_wait, a decode job published by a worker that was hung when its request moved on).
+CANCEL_MEMORY_S = 600.0
+MAX_REMEMBERED_CANCELS = 100_000
 
 
 def _integrity_error(engine: Engine) -> str | None:
@@ -87,7 +93,13 @@ def build_engine(settings: WorkerSettings) -> Engine:
 
 class Worker:
     """Base of the three roles. Subclasses set `role`, `job_subject()` and implement `handle_job` and
-    `handle_outputs`; `run()` serves until `stop()`."""
+    `handle_outputs`; `run()` serves until `stop()`: the first call drains (no new jobs; what is in flight
+    finishes, for at most drain_timeout_s), a second one stops at once.
+
+    Jobs: `take(msg, kind)` decodes a job and says whether to work on it (not a cancelled attempt, not a
+    redelivery of one in hand); until `ack(key)` its message is kept and reported in progress every third of
+    ack_wait, so JetStream redelivers it only when this worker is dead or hung. A taken job is announced
+    to the gateway at once (an event with no tokens): from then on this worker holds the request."""
 
     role = "mixed"
 
@@ -105,6 +117,10 @@ class Worker:
         self._tasks: list[asyncio.Task] = []
         # Token events leave through one queue and one publisher task: per-request order is kept.
         self._outbox: asyncio.Queue[tuple[str, TokenEvent]] = asyncio.Queue()
+        self.draining = False
+        self.unacked: dict[str, Msg] = {}  # attempt key → its job's message, until acked or terminated
+        self._cancelled: OrderedDict[str, tuple[int | None, float]] = OrderedDict()  # id → (up to attempt, when)
+        self._integrity: str | None = None  # the engine's last integrity verdict (refreshed off the beat)
 
     # ---- to implement -----------------------------------------------------------------------------------
 
@@ -118,8 +134,8 @@ class Worker:
     def handle_outputs(self, outputs: list[RequestOutput]) -> None:
         raise NotImplementedError
 
-    async def on_cancel(self, request_id: str) -> None:
-        await self.engine.call(lambda e: e.abort(request_id))
+    async def on_cancel(self, cancel: Cancel) -> None:
+        """Drop the attempts `cancel` covers (their work and KV)."""
 
     def held_kv_count(self) -> int:
         """Requests whose KV this worker holds for someone else's pull (prefill workers)."""
@@ -158,8 +174,10 @@ class Worker:
             await self.nc.subscribe(CANCEL_WILDCARD, cb=self._cancel_received)
             self._tasks = [
                 asyncio.create_task(self._heartbeats()),
+                asyncio.create_task(self._engine_facts()),
                 asyncio.create_task(self._job_loop()),
                 asyncio.create_task(self._publisher()),
+                asyncio.create_task(self._progress_reports()),
             ]
             log.info("%s worker %s serving %s", self.role, self.settings.worker_id, self.model_name)
             await self.stopping.wait()
@@ -176,12 +194,95 @@ class Worker:
             await self.redis.aclose()
 
     def stop(self) -> None:
+        """SIGTERM / SIGINT: the first call drains, a second stops now."""
+        if self.draining or self.nc is None:
+            self.stopping.set()
+            return
+        self.draining = True
+        self._tasks.append(asyncio.create_task(self._drain()))
+
+    def idle(self) -> bool:
+        """Nothing in hand: no job unacked, no request in the engine (running, waiting or holding KV), no
+        token event waiting to leave."""
+        return not self.unacked and not self.engine.engine.requests and self._outbox.empty()
+
+    async def _drain(self) -> None:
+        timeout = self.settings.drain_timeout_s
+        log.info("draining: taking no new jobs, finishing what is in flight (at most %g s)", timeout)
+        deadline = time.monotonic() + timeout
+        while not self.idle() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if not self.idle():
+            log.warning("drain timed out after %g s with work in hand; stopping anyway", timeout)
+        with contextlib.suppress(Exception):  # the last token events out before the connection closes
+            await asyncio.wait_for(self.nc.flush(), 2.0)
         self.stopping.set()
 
+    # ---- jobs -------------------------------------------------------------------------------------------
+
+    def take(self, msg: Msg, kind: type[PrefillJob] | type[DecodeJob]):  # -> kind | None
+        """Decode a job message (raises on a malformed one) and register it in hand; None when there is
+        nothing to do: its attempt was cancelled (acked: done), or it is a redelivery of a job in hand (its
+        newer message replaces the old one, which JetStream no longer tracks)."""
+        job = decode(msg.data, kind)
+        if self.is_cancelled(job.request_id, job.attempt):
+            log.info("dropping job %s: attempt %d was cancelled", job.request_id, job.attempt)
+            asyncio.create_task(_settle(msg.ack()))
+            return None
+        duplicate = job.key in self.unacked
+        self.unacked[job.key] = msg
+        if duplicate:
+            log.info("job %s redelivered while in hand here; keeping the one running", job.key)
+            return None
+        return job
+
+    def announce(self, job: PrefillJob | DecodeJob) -> None:
+        """Tell the gateway this worker holds the request now."""
+        seq = len(job.output_token_ids) if isinstance(job, DecodeJob) else 0
+        self.emit(
+            job.reply_subject, TokenEvent(job.request_id, job.attempt, seq, [], worker_id=self.settings.worker_id)
+        )
+
+    async def ack(self, key: str) -> None:
+        msg = self.unacked.pop(key, None)
+        if msg is not None:
+            await _settle(msg.ack())
+
+    async def term(self, key: str) -> None:
+        """The job can never succeed (refused): JetStream must not redeliver it."""
+        msg = self.unacked.pop(key, None)
+        if msg is not None:
+            await _settle(msg.term())
+
+    def is_cancelled(self, request_id: str, attempt: int) -> bool:
+        entry = self._cancelled.get(request_id)
+        return entry is not None and (entry[0] is None or attempt <= entry[0])
+
+    def _remember(self, cancel: Cancel) -> None:
+        now = time.monotonic()
+        old = self._cancelled.pop(cancel.request_id, None)
+        up_to = cancel.up_to_attempt
+        if old is not None and (old[0] is None or (up_to is not None and old[0] > up_to)):
+            up_to = old[0]
+        self._cancelled[cancel.request_id] = (up_to, now)
+        while self._cancelled and (
+            len(self._cancelled) > MAX_REMEMBERED_CANCELS
+            or next(iter(self._cancelled.values()))[1] < now - CANCEL_MEMORY_S
+        ):
+            self._cancelled.popitem(last=False)
+
+    async def _progress_reports(self) -> None:
+        """Keep JetStream from redelivering the jobs in hand while this worker is alive."""
+        while True:
+            await asyncio.sleep(self.settings.job_ack_wait_s / 3)
+            for msg in list(self.unacked.values()):
+                with contextlib.suppress(Exception):
+                    await msg.in_progress()
+
     async def _job_loop(self) -> None:
-        consumer = await bus.job_consumer(self.js, self.job_subject())
+        consumer = await bus.job_consumer(self.js, self.job_subject(), ack_wait_s=self.settings.job_ack_wait_s)
         while not self.stopping.is_set():
-            if not self.has_room():
+            if self.draining or not self.has_room():
                 await asyncio.sleep(0.005)
                 continue
             try:
@@ -197,12 +298,13 @@ class Worker:
                     await self.handle_job(msg)
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     log.error("dropping malformed job on %s: %s", msg.subject, exc)
-                    await msg.term()
+                    await _settle(msg.term())
 
     async def _cancel_received(self, msg: Msg) -> None:
         cancel = decode_or_drop(msg.data, Cancel, msg.subject)
         if cancel is not None:
-            await self.on_cancel(cancel.request_id)
+            self._remember(cancel)
+            await self.on_cancel(cancel)
 
     def _outputs_ready(self, outputs: list[RequestOutput]) -> None:
         try:
@@ -244,10 +346,16 @@ class Worker:
         span = tracing.start_span(f"{tracing.PREFILL} {self.model_name}", parent, scheduled_at, attributes=attributes)
         tracing.end_span(span, now)
 
+    async def _engine_facts(self) -> None:
+        """Integrity and expert load from the engine thread, between its steps (a long step delays this,
+        never the heartbeat: the gateway judges liveness by the beat)."""
+        while True:
+            self._integrity, expert_load = await self.engine.call(_beat_facts)
+            metrics.record_expert_load(self.model_name, self.role, expert_load)
+            await asyncio.sleep(HEARTBEAT_S)
+
     async def _heartbeats(self) -> None:
         while True:
-            integrity, expert_load = await self.engine.call(_beat_facts)
-            metrics.record_expert_load(self.model_name, self.role, expert_load)
             e = self.engine.engine
             metrics.REQUESTS_RUNNING.labels(*self.labels).set(e.num_running)
             metrics.REQUESTS_WAITING.labels(*self.labels).set(e.num_waiting)
@@ -264,8 +372,9 @@ class Worker:
                 prefill_tokens=e.stats.prefill_tokens,
                 decode_tokens=e.stats.decode_tokens,
                 held_kv=self.held_kv_count(),
-                integrity_error=integrity,
+                integrity_error=self._integrity,
                 block_size=e.config.block_size,
+                draining=self.draining,
             )
             with contextlib.suppress(Exception):
                 await self.nc.publish(heartbeat_subject(self.role, self.settings.worker_id), encode(beat))
@@ -274,19 +383,19 @@ class Worker:
 
 class StreamingWorker(Worker):
     """A role that runs requests to their end and streams every token back (decode, mixed). `streams`
-    holds the job of each request it owns, by request id."""
+    holds the job of each request it owns, by attempt key (the engine's request id)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.streams: dict[str, PrefillJob | DecodeJob] = {}
-        self.decode_spans: dict[str, Span] = {}  # by request id, while it decodes here
+        self.decode_spans: dict[str, Span] = {}  # by attempt key, while it decodes here
 
-    def start_decode_span(self, request_id: str, parent: Span, start_s: float | None = None) -> None:
-        self.decode_spans[request_id] = tracing.start_span(
+    def start_decode_span(self, job: PrefillJob | DecodeJob, parent: Span, start_s: float | None = None) -> None:
+        self.decode_spans[job.key] = tracing.start_span(
             f"{tracing.DECODE} {self.model_name}",
             parent,
             start_s,
-            attributes={tracing.REQUEST_ID: request_id, tracing.WORKER_ID: self.settings.worker_id},
+            attributes={tracing.REQUEST_ID: job.request_id, tracing.WORKER_ID: self.settings.worker_id},
         )
 
     def handle_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -314,13 +423,15 @@ class StreamingWorker(Worker):
         span.set_attribute(tracing.GEN_AI_RESPONSE_FINISH_REASONS, (reason,))
         tracing.end_span(span)
 
-    async def on_cancel(self, request_id: str) -> None:
-        if self.streams.pop(request_id, None) is not None:
-            await self.engine.call(lambda e: e.abort(request_id))
-        span = self.decode_spans.pop(request_id, None)
-        if span is not None:
-            span.set_attribute(tracing.GEN_AI_RESPONSE_FINISH_REASONS, ("abort",))
-            tracing.end_span(span, error="cancelled")
+    async def on_cancel(self, cancel: Cancel) -> None:
+        for key, job in list(self.streams.items()):
+            if job.request_id == cancel.request_id and cancel.covers(job.attempt):
+                del self.streams[key]
+                await self.engine.call(lambda e, key=key: e.abort(key))
+                span = self.decode_spans.pop(key, None)
+                if span is not None:
+                    span.set_attribute(tracing.GEN_AI_RESPONSE_FINISH_REASONS, ("abort",))
+                    tracing.end_span(span, error="cancelled")
 
 
 def token_event(request_id: str, attempt: int, out: RequestOutput, worker_id: str) -> TokenEvent:
@@ -348,3 +459,11 @@ def error_event(job: PrefillJob | DecodeJob, message: str, worker_id: str, statu
         status=status,
         worker_id=worker_id,
     )
+
+
+async def _settle(ack) -> None:
+    """Await an ack / term / in-progress report; NATS being away only means JetStream redelivers later."""
+    try:
+        await ack
+    except Exception as exc:
+        log.warning("could not settle a job message: %s", exc)

@@ -3,8 +3,9 @@
 Per job: read the KV location from Redis, pull the blocks over the pair's channel (negotiated over
 gRPC), import them into freshly allocated blocks, ack, and stream tokens until the request finishes.
 Pulls run as tasks on the event loop while the engine thread keeps stepping the running batch. When the
-KV cannot be had (no location, transfer failed, no room), the request is recomputed from its prompt and
-the tokens so far (policy `recompute`).
+KV cannot be had (no location, transfer failed), the request is recomputed from its prompt and the tokens
+so far (kv_fallback `recompute`), or fails with a clear error (`fail`). A job with nothing to pull (moved
+here from a worker that died) and one with no room to import its KV are always recomputed.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from shared.engine.block_manager import NoFreeBlocksError
 from shared.kv.registry import KvRegistry
 from shared.kv.transfer.client import KvTransferClient
 from shared.kv.transfer.errors import KvTransferError
-from shared.messages import DecodeJob, decode, decode_subject
+from shared.messages import Cancel, DecodeJob, decode_subject
 from shared.telemetry import metrics, tracing
 from shared.worker import StreamingWorker, error_event, sampling_params
 
@@ -32,7 +33,7 @@ class DecodeWorker(StreamingWorker):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.admitting: set[str] = set()  # pulls in flight
+        self.admitting: dict[str, DecodeJob] = {}  # pulls in flight, by attempt key
         self.registry: KvRegistry | None = None
         self.client: KvTransferClient | None = None
 
@@ -53,66 +54,79 @@ class DecodeWorker(StreamingWorker):
         return super().has_room() and len(self.admitting) < MAX_CONCURRENT_PULLS
 
     async def handle_job(self, msg: Msg) -> None:
-        job = decode(msg.data, DecodeJob)
+        job = self.take(msg, DecodeJob)
+        if job is None:
+            return
+        self.announce(job)
         span = self.process_span(msg, job.request_id)
-        self.admitting.add(job.request_id)
-        asyncio.create_task(self._admit_traced(job, msg, span))
+        self.admitting[job.key] = job
+        asyncio.create_task(self._admit_traced(job, span))
 
-    async def _admit_traced(self, job: DecodeJob, msg: Msg, span: Span) -> None:
+    async def _admit_traced(self, job: DecodeJob, span: Span) -> None:
         with tracing.use_span(span, end_on_exit=True):  # the pull's span and log lines join the request's trace
-            await self._admit(job, msg, span)
+            await self._admit(job, span)
 
-    async def _admit(self, job: DecodeJob, msg: Msg, span: Span) -> None:
-        rid = job.request_id
+    async def _admit(self, job: DecodeJob, span: Span) -> None:
+        key = job.key
         try:
             params = sampling_params(job.sampling)
-            kv = await self._pull(job)
-            if rid not in self.admitting:  # cancelled during the pull
-                await msg.ack()
+            kv, failure = await self._pull(job)
+            if key not in self.admitting:  # cancelled during the pull
+                await self.ack(key)
+                return
+            if failure is not None and self.settings.kv_fallback == "fail":
+                message = f"the request's KV could not be had ({failure}) and kv_fallback is 'fail'"
+                self.emit(job.reply_subject, error_event(job, message, self.settings.worker_id, status=502))
+                span.set_attribute(tracing.KV_OUTCOME, "failed")
+                await self.ack(key)  # answered: the job is done
                 return
             prompt, outputs = job.prompt_token_ids, job.output_token_ids
             # Registered before the engine sees it: its first outputs may reach the loop before this resumes.
-            self.streams[rid] = job
-            self.start_decode_span(rid, span)
+            self.streams[key] = job
+            self.start_decode_span(job, span)
             try:
                 if kv is None:
                     raise NoFreeBlocksError("no KV to import")
-                await self.engine.call(lambda e: e.import_kv(rid, prompt, outputs, params, kv))
+                await self.engine.call(lambda e: e.import_kv(key, prompt, outputs, params, kv))
                 self.client.recycle(kv)  # its receive buffer serves the next pull (no fresh page faults)
                 span.set_attribute(tracing.KV_OUTCOME, "pulled")
             except NoFreeBlocksError:
-                await self.engine.call(lambda e: e.add_request(rid, prompt, params, output_token_ids=outputs))
+                await self.engine.call(lambda e: e.add_request(key, prompt, params, output_token_ids=outputs))
                 span.set_attribute(tracing.KV_OUTCOME, "recompute")
                 metrics.PROMPT_TOKENS.labels(*self.labels).inc(len(prompt))  # this engine computes the prompt
-            await msg.ack()
+            await self.ack(key)
         except ValueError as exc:
-            self.streams.pop(rid, None)
-            decode_span = self.decode_spans.pop(rid, None)
+            self.streams.pop(key, None)
+            decode_span = self.decode_spans.pop(key, None)
             if decode_span is not None:
                 tracing.end_span(decode_span, error=str(exc))
             self.emit(job.reply_subject, error_event(job, str(exc), self.settings.worker_id))
-            await msg.term()
+            await self.term(key)
             tracing.mark_error(span, str(exc))
         finally:
-            self.admitting.discard(rid)
+            self.admitting.pop(key, None)
 
-    async def _pull(self, job: DecodeJob):
+    async def _pull(self, job: DecodeJob):  # -> (KVExport | None, why the KV could not be had | None)
+        """The job's KV from the prefill worker that holds it; (None, None) when there is nothing to pull."""
         if job.prefill_worker is None:
-            return None
+            return None, None
+        key = job.key
         try:
-            loc = await self.registry.get(job.request_id)
-        except Exception as exc:  # Redis unreachable: the KV cannot be found, recompute
-            log.warning("reading the KV location of %s failed (%s); recomputing", job.request_id, exc)
-            return None
+            loc = await self.registry.get(key)
+        except Exception as exc:  # Redis unreachable: the KV cannot be found
+            log.warning("reading the KV location of %s failed (%s)", key, exc)
+            return None, f"reading its location failed: {exc}"
         if loc is None:
-            log.warning("no KV location for %s (lease expired?); recomputing", job.request_id)
-            return None
+            log.warning("no KV location for %s (lease expired?)", key)
+            return None, f"no KV location (prefill worker {job.prefill_worker} freed it, or its lease expired)"
         try:
-            return await self.client.pull(loc.rpc_address, job.request_id, loc.ticket, self.engine.engine.layout)
+            return await self.client.pull(loc.rpc_address, key, loc.ticket, self.engine.engine.layout), None
         except KvTransferError as exc:
-            log.warning("KV pull of %s from %s failed (%s); recomputing", job.request_id, loc.worker_id, exc)
-            return None
+            log.warning("KV pull of %s from %s failed (%s)", key, loc.worker_id, exc)
+            return None, f"pulling it from {loc.worker_id} failed: {exc}"
 
-    async def on_cancel(self, request_id: str) -> None:
-        self.admitting.discard(request_id)  # a pull in flight: _admit sees it and drops the request
-        await super().on_cancel(request_id)
+    async def on_cancel(self, cancel: Cancel) -> None:
+        for key, job in list(self.admitting.items()):
+            if job.request_id == cancel.request_id and cancel.covers(job.attempt):
+                del self.admitting[key]  # a pull in flight: _admit sees it and drops the request
+        await super().on_cancel(cancel)

@@ -10,7 +10,7 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import Span
 
 from shared.engine.engine import RequestOutput
-from shared.messages import PrefillJob, decode, prefill_subject
+from shared.messages import Cancel, PrefillJob, prefill_subject
 from shared.telemetry import tracing
 from shared.worker import StreamingWorker, error_event, sampling_params
 
@@ -22,36 +22,41 @@ class MixedWorker(StreamingWorker):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.prefilling: dict[str, Span] = {}  # request id → its process span, until the first token
+        self.prefilling: dict[str, Span] = {}  # attempt key → its process span, until the first token
 
     def job_subject(self) -> str:
         return prefill_subject(self.model_name)
 
     async def handle_job(self, msg: Msg) -> None:
-        job = decode(msg.data, PrefillJob)
+        job = self.take(msg, PrefillJob)
+        if job is None:
+            return
+        self.announce(job)
         span = self.process_span(msg, job.request_id)
         # Registered before the engine sees it: its first outputs may reach the loop before this resumes.
-        self.streams[job.request_id] = job
-        self.prefilling[job.request_id] = span
+        self.streams[job.key] = job
+        self.prefilling[job.key] = span
         try:
             params = sampling_params(job.sampling)
-            await self.engine.call(lambda e: e.add_request(job.request_id, job.prompt_token_ids, params))
+            await self.engine.call(lambda e: e.add_request(job.key, job.prompt_token_ids, params))
         except ValueError as exc:  # the gateway validates; this is a last line of defence
-            del self.streams[job.request_id]
-            del self.prefilling[job.request_id]
+            del self.streams[job.key]
+            del self.prefilling[job.key]
             self.emit(job.reply_subject, error_event(job, str(exc), self.settings.worker_id))
-            await msg.term()
+            await self.term(job.key)
             tracing.end_span(span, error=str(exc))
             return
-        await msg.ack()
+        await self.ack(job.key)
         span.end()
 
     def on_output(self, job: PrefillJob, out: RequestOutput) -> None:
         parent = self.prefilling.pop(out.request_id, None)
         if parent is not None:
             self.record_prefill(job, out, parent)
-            self.start_decode_span(job.request_id, parent, time.time())
+            self.start_decode_span(job, parent, time.time())
 
-    async def on_cancel(self, request_id: str) -> None:
-        self.prefilling.pop(request_id, None)
-        await super().on_cancel(request_id)
+    async def on_cancel(self, cancel: Cancel) -> None:
+        for key, job in list(self.streams.items()):
+            if job.request_id == cancel.request_id and cancel.covers(job.attempt):
+                self.prefilling.pop(key, None)
+        await super().on_cancel(cancel)

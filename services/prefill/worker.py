@@ -1,9 +1,11 @@
 """The prefill worker: runs prompts to their first token, keeps the KV under a lease, hands off to decode.
 
-Per job: add the prompt with max_tokens=1 and hold_kv → first token → publish it (TTFT), write the KV
-location to Redis, publish the decode job, ack the prefill job. The blocks stay pinned until a decode
-worker's pull completes (the transfer server releases them) or the lease expires. Ownership of a
-request's blocks: prefilling (engine) → held (this worker, lease running) → pulled → freed.
+Per job: announce it (this worker holds the request), add the prompt with max_tokens=1 and hold_kv →
+first token → publish it (TTFT), write the KV location to Redis, publish the decode job, ack the prefill
+job, tell the gateway the request is queued for decode. The blocks stay pinned until a decode worker's
+pull completes (the transfer server releases them), the lease expires or the attempt is cancelled.
+Ownership of a request's blocks: prefilling (engine) → held (this worker, lease running) → pulled → freed.
+Everything inside the worker is keyed by the job's attempt key (engine request, held KV, Redis entry).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from shared.engine.request import FinishReason
 from shared.kv.registry import KvLocation, KvRegistry
 from shared.kv.transfer.server import KvTransferServer
 from shared.kv.transfer.source import EngineKvSource
-from shared.messages import DecodeJob, PrefillJob, TokenEvent, decode, decode_subject, encode, prefill_subject
+from shared.messages import Cancel, DecodeJob, PrefillJob, TokenEvent, decode_subject, encode, prefill_subject
 from shared.telemetry import metrics, tracing
 from shared.worker import Worker, error_event, sampling_params
 
@@ -31,7 +33,8 @@ class PrefillWorker(Worker):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.jobs: dict[str, tuple[PrefillJob, Msg, Span]] = {}  # prefilling; the span is the job's process span
+        self.jobs: dict[str, tuple[PrefillJob, Span]] = {}  # prefilling, by attempt key; the job's process span
+        self.holding: dict[str, PrefillJob] = {}  # KV held for a pull, by attempt key
         # Held KV behind pull tickets; the transfer server exports and releases through it.
         self.source = EngineKvSource(self.engine.engine, call=self.engine.call, on_release=self._released)
         self.registry: KvRegistry | None = None
@@ -62,17 +65,20 @@ class PrefillWorker(Worker):
             await self.source.release_kv(request_id)
 
     async def handle_job(self, msg: Msg) -> None:
-        job = decode(msg.data, PrefillJob)
+        job = self.take(msg, PrefillJob)
+        if job is None:
+            return
+        self.announce(job)
         span = self.process_span(msg, job.request_id)
         # Registered before the engine sees it: the first token may reach the loop before this resumes.
-        self.jobs[job.request_id] = (job, msg, span)
+        self.jobs[job.key] = (job, span)
         try:
             params = sampling_params(job.sampling, max_tokens=1)
-            await self.engine.call(lambda e: e.add_request(job.request_id, job.prompt_token_ids, params, hold_kv=True))
+            await self.engine.call(lambda e: e.add_request(job.key, job.prompt_token_ids, params, hold_kv=True))
         except ValueError as exc:
-            del self.jobs[job.request_id]
+            del self.jobs[job.key]
             self.emit(job.reply_subject, error_event(job, str(exc), self.settings.worker_id))
-            await msg.term()
+            await self.term(job.key)
             tracing.end_span(span, error=str(exc))
 
     def handle_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -81,15 +87,22 @@ class PrefillWorker(Worker):
             if entry is not None:
                 asyncio.create_task(self._hand_off(*entry, out))
 
-    async def _hand_off(self, job: PrefillJob, msg: Msg, span: Span, out: RequestOutput) -> None:
+    async def _hand_off(self, job: PrefillJob, span: Span, out: RequestOutput) -> None:
         self.record_prefill(job, out, span)
         metrics.GENERATION_TOKENS.labels(*self.labels).inc(len(out.new_token_ids))
         with tracing.use_span(span, end_on_exit=True):  # log lines and the decode publish join its trace
-            await self._hand_on(job, msg, out)
+            try:
+                await self._hand_on(job, out)
+            except Exception as exc:  # NATS away: the job stays unacked, so JetStream hands it out again
+                log.warning("handing %s on to decode failed (%s); freeing its KV", job.key, exc)
+                tracing.mark_error(span, str(exc))
+                await self.source.release_kv(job.key)
+                await self.engine.call(lambda e: e.release_kv(job.key))
+                self.unacked.pop(job.key, None)
 
-    async def _hand_on(self, job: PrefillJob, msg: Msg, out: RequestOutput) -> None:
+    async def _hand_on(self, job: PrefillJob, out: RequestOutput) -> None:
         """Publish the first token; hold the KV and publish the decode job (or free it: nothing to decode)."""
-        rid = job.request_id
+        rid, key = job.request_id, job.key
         token = out.new_token_ids[0]
         finished = out.finish_reason is FinishReason.STOP or job.sampling.max_tokens == 1
         reason = (out.finish_reason.value if out.finish_reason else "length") if finished else None
@@ -103,20 +116,21 @@ class PrefillWorker(Worker):
             worker_id=self.settings.worker_id,
         )
         self.emit(job.reply_subject, event)
-        if finished:  # nothing left to decode
-            await self.engine.call(lambda e: e.release_kv(rid))
-            await msg.ack()
+        if finished or self.is_cancelled(rid, job.attempt):  # nothing left to decode here
+            await self.engine.call(lambda e: e.release_kv(key))
+            await self.ack(key)
             return
-        ticket = self.source.hold(rid)
+        ticket = self.source.hold(key)
+        self.holding[key] = job
         fingerprint = self.source.layout.fingerprint
         holder: str | None = self.settings.worker_id
         try:
             await self.registry.put(
-                KvLocation(rid, self.settings.worker_id, self.rpc_address, out.num_prompt_tokens, fingerprint, ticket)
+                KvLocation(key, self.settings.worker_id, self.rpc_address, out.num_prompt_tokens, fingerprint, ticket)
             )
         except Exception as exc:  # Redis unreachable: no decode worker could find the KV, so do not hold it
-            log.warning("could not record the KV location of %s (%s); decode will recompute", rid, exc)
-            await self.source.release_kv(rid)
+            log.warning("could not record the KV location of %s (%s); decode will recompute", key, exc)
+            await self.source.release_kv(key)
             holder = None
         decode_job = DecodeJob(
             request_id=rid,
@@ -132,26 +146,31 @@ class PrefillWorker(Worker):
         subject = decode_subject(self.model_name)
         with tracing.producer_span(subject, rid):
             await self.js.publish(subject, encode(decode_job), headers=tracing.carrier() or None)
-        await msg.ack()
+        await self.ack(key)
+        queued = TokenEvent(rid, job.attempt, 1, [], worker_id=self.settings.worker_id, queued=True)
+        self.emit(job.reply_subject, queued)  # no worker holds the request until a decode worker takes it
         if holder is not None:
-            asyncio.get_running_loop().call_later(self.settings.kv_lease_s, self._expire, rid)
+            asyncio.get_running_loop().call_later(self.settings.kv_lease_s, self._expire, key)
 
-    def _expire(self, request_id: str) -> None:
-        if request_id in self.source.held and not self.source.is_sending(request_id):
-            log.warning("KV lease of %s expired before any pull; freeing its blocks", request_id)
-            asyncio.create_task(self.source.release_kv(request_id))
+    def _expire(self, key: str) -> None:
+        if key in self.source.held and not self.source.is_sending(key):
+            log.warning("KV lease of %s expired before any pull; freeing its blocks", key)
+            asyncio.create_task(self.source.release_kv(key))
 
-    async def _released(self, request_id: str) -> None:
+    async def _released(self, key: str) -> None:
+        self.holding.pop(key, None)
         try:
-            await self.registry.delete(request_id)
+            await self.registry.delete(key)
         except Exception as exc:  # the entry's TTL removes it anyway
-            log.warning("could not delete the KV location of %s: %s", request_id, exc)
+            log.warning("could not delete the KV location of %s: %s", key, exc)
 
-    async def on_cancel(self, request_id: str) -> None:
-        entry = self.jobs.pop(request_id, None)
-        if entry is not None:
-            await self.engine.call(lambda e: e.abort(request_id))
-            await entry[1].ack()  # the client is gone: the job is done
-            tracing.end_span(entry[2], error="cancelled")
-        if request_id in self.source.held and not self.source.is_sending(request_id):
-            await self.source.release_kv(request_id)
+    async def on_cancel(self, cancel: Cancel) -> None:
+        for key, (job, span) in list(self.jobs.items()):
+            if job.request_id == cancel.request_id and cancel.covers(job.attempt):
+                del self.jobs[key]
+                await self.engine.call(lambda e, key=key: e.abort(key))
+                await self.ack(key)  # the client is gone or the request moved on: this job is done
+                tracing.end_span(span, error="cancelled")
+        for key, job in list(self.holding.items()):
+            if job.request_id == cancel.request_id and cancel.covers(job.attempt) and not self.source.is_sending(key):
+                await self.source.release_kv(key)
