@@ -9,6 +9,10 @@ dies unacked is redelivered after `ack_wait`.
 from __future__ import annotations
 
 import logging
+import ssl
+import time
+from collections.abc import Callable
+from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
@@ -18,32 +22,123 @@ from nats.js.errors import BadRequestError
 
 from shared.messages import JOBS_STREAM, JOBS_SUBJECTS
 from shared.settings import CommonSettings
+from shared.tls import client_context
+from shared.urls import redact, split_credentials
 
 log = logging.getLogger(__name__)
 
 
+REPEAT_LOG_S = 30.0  # the same connection problem is logged again at most this often
+
+
 async def connect(settings: CommonSettings, name: str) -> NATS:
-    """A client of settings.nats_url (with its credentials and TLS options) that reconnects forever: a NATS
-    restart pauses services, it does not kill them."""
+    """A client of settings.nats_url that reconnects forever: a NATS restart pauses services, it does not kill
+    them. Credentials: settings.nats_user / nats_password, else the URL's (a password with no user, or a user
+    name alone in the URL, is a token). TLS when settings.nats_tls_ca is set or the URL is tls://; then
+    credentials are never sent over a connection the server did not upgrade to TLS. Why the client is not
+    connected (refused credentials, say) is logged once, then at most every REPEAT_LOG_S while it lasts, and
+    answered by connection_problem(name)."""
+    servers, user, password = _servers_and_credentials(settings.nats_url)
+    user, password = settings.nats_user or user, settings.nats_password or password
+    wants_tls = bool(settings.nats_tls_ca or settings.nats_tls_cert) or any(s.startswith("tls://") for s in servers)
+    tls = (
+        client_context("PDSERVE_NATS_TLS", settings.nats_tls_ca, settings.nats_tls_cert, settings.nats_tls_key)
+        if wants_tls
+        else None
+    )
+    problems = _ProblemLog(name)
+    client = NATS()
+
+    def guarded(secret: str) -> Callable[[], str]:
+        """The secret, handed over only on a TLS connection when TLS was asked for (no downgrade)."""
+
+        def give() -> str:
+            if tls is not None and not client._server_info.get("tls_required"):  # nats-py upgrades iff this is set
+                raise ConnectionError("the NATS server did not offer TLS, but TLS was asked for: credentials withheld")
+            return secret
+
+        return give
+
+    auth: dict[str, Any] = {}
+    if user is not None and password is not None:
+        auth = {"user": guarded(user), "password": guarded(password)}
+    elif user is not None or password is not None:
+        auth = {"token": guarded(user or password)}
 
     async def on_disconnect() -> None:
         log.warning("%s: disconnected from NATS", name)
 
     async def on_reconnect() -> None:
+        problems.solved()
         log.info("%s: reconnected to NATS", name)
 
-    async def on_error(exc: Exception) -> None:  # one line per failed attempt, not a traceback
-        log.warning("%s: NATS connection error: %s", name, exc)
+    async def on_error(exc: Exception) -> None:  # one line now and then, never a traceback per attempt
+        problems.report(_explain(exc))
 
-    return await nats.connect(
-        settings.nats_url,
+    log.info("%s: connecting to NATS at %s%s", name, redact(",".join(servers)), " (TLS)" if tls else "")
+    await client.connect(
+        servers,
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
         error_cb=on_error,
+        tls=tls,
+        **auth,
     )
+    problems.solved()
+    return client
+
+
+def connection_problem(name: str) -> str | None:
+    """Why the NATS client `name` (of this process) is not connected, from its last failed attempt; None when
+    it is, or has not failed yet."""
+    return _problems.get(name)
+
+
+_problems: dict[str, str] = {}  # client name → its current connection problem
+
+
+class _ProblemLog:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.last_logged = 0.0
+        self.repeats = 0
+
+    def report(self, problem: str) -> None:
+        now = time.monotonic()
+        if _problems.get(self.name) != problem or now - self.last_logged >= REPEAT_LOG_S:
+            again = f" ({self.repeats} more failed attempts since the last report)" if self.repeats else ""
+            log.warning("%s: cannot connect to NATS: %s; retrying%s", self.name, problem, again)
+            self.last_logged, self.repeats = now, 0
+        else:
+            self.repeats += 1
+        _problems[self.name] = problem
+
+    def solved(self) -> None:
+        _problems.pop(self.name, None)
+        self.repeats = 0
+
+
+def _servers_and_credentials(url: str) -> tuple[list[str], str | None, str | None]:
+    """settings.nats_url (one URL or a comma-separated list) → the servers without user info, and the first
+    user name and password found in them."""
+    servers, user, password = [], None, None
+    for one in (u.strip() for u in url.split(",") if u.strip()):
+        bare, u, p = split_credentials(one)
+        servers.append(bare)
+        user, password = user or u, password or p
+    return servers, user, password
+
+
+def _explain(exc: Exception) -> str:
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in text.lower():
+        return f"the server refused the credentials ({text}): check PDSERVE_NATS_USER and PDSERVE_NATS_PASSWORD"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS failed ({text}): check PDSERVE_NATS_TLS_CA (and _CERT / _KEY where clients are verified)"
+    return f"{type(exc).__name__}: {text}"
 
 
 async def ensure_jobs_stream(js: JetStreamContext) -> None:

@@ -3,12 +3,50 @@
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio import Redis
+from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
 
 from shared.settings import CommonSettings
+from shared.tls import client_context
+from shared.urls import split_credentials
 
 
 def redis_client(settings: CommonSettings, **kwargs: Any) -> Redis:
-    """A client of settings.redis_url; `kwargs` go to redis.asyncio.Redis (timeouts, say)."""
-    return Redis.from_url(settings.redis_url, **kwargs)
+    """A client of settings.redis_url; `kwargs` go to redis.asyncio.Redis (timeouts, say).
+
+    Credentials: settings.redis_username / redis_password, else the URL's. TLS when the URL is rediss:// or
+    settings.redis_tls_ca is set (a redis:// URL then becomes rediss://): the server's certificate and host
+    name are verified against that CA (the system's when unset), and settings.redis_tls_cert / _key are
+    presented to servers that verify clients."""
+    url, user, password = split_credentials(settings.redis_url)
+    options: dict[str, Any] = {
+        "username": settings.redis_username or user,
+        "password": settings.redis_password or password,
+    }
+    parts = urlsplit(url)
+    if settings.redis_tls_ca or settings.redis_tls_cert or parts.scheme == "rediss":
+        # Checked here, so a wrong path fails at start with the variable's name, not at the first command.
+        client_context("PDSERVE_REDIS_TLS", settings.redis_tls_ca, settings.redis_tls_cert, settings.redis_tls_key)
+        url = urlunsplit(parts._replace(scheme="rediss"))
+        options |= {
+            "ssl_ca_certs": settings.redis_tls_ca,
+            "ssl_certfile": settings.redis_tls_cert,
+            "ssl_keyfile": settings.redis_tls_key,
+            "ssl_cert_reqs": "required",
+            "ssl_check_hostname": True,
+        }
+    return Redis.from_url(url, **(options | kwargs))
+
+
+def explain_redis_error(exc: Exception) -> str:
+    """A Redis failure as one line that says what to fix when the cause is the credentials."""
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, AuthenticationError | AuthorizationError) or (
+        isinstance(exc, ResponseError) and str(exc).startswith(("NOAUTH", "WRONGPASS", "NOPERM"))
+    ):
+        return f"Redis refused the credentials ({text}): check PDSERVE_REDIS_USERNAME and PDSERVE_REDIS_PASSWORD"
+    if "certificate" in text.lower() or "ssl" in text.lower():
+        return f"TLS failed ({text}): check PDSERVE_REDIS_TLS_CA (and _CERT / _KEY where clients are verified)"
+    return text

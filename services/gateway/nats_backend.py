@@ -34,7 +34,7 @@ from shared.messages import (
     token_subject,
     token_wildcard,
 )
-from shared.redis_client import redis_client
+from shared.redis_client import explain_redis_error, redis_client
 from shared.settings import GatewaySettings
 from shared.telemetry import tracing
 
@@ -149,14 +149,16 @@ class NatsBackend:
     async def readiness(self) -> tuple[bool, str]:
         if self._setup_error is not None:
             return False, f"NATS setup failed: {self._setup_error}"
+        problem = bus.connection_problem(f"gateway-{self.settings.gateway_id}")  # refused credentials, say
+        why = f": {problem}" if problem else ""
         if self._nc is None:
-            return False, "not connected to NATS yet"
+            return False, "not connected to NATS yet" + why
         if not self._nc.is_connected:
-            return False, "NATS connection lost; reconnecting"
+            return False, "NATS connection lost; reconnecting" + why
         try:
             await asyncio.wait_for(self._redis.ping(), REDIS_PING_TIMEOUT_S)
         except Exception as exc:
-            return False, f"Redis does not answer ({type(exc).__name__}: {exc})"
+            return False, f"Redis does not answer ({explain_redis_error(exc)})"
         return self.workers.can_serve(self.settings.served_model_name, time.monotonic())
 
     async def close(self) -> None:
