@@ -1,6 +1,10 @@
 """`pdserve up`: the whole stack on one machine — nats-server and redis-server (unless URLs are given),
 the gateway and the workers as separate processes — ready when the gateway's /ready says so.
 
+The private nats-server and redis-server require passwords generated here, as is the cluster secret that
+signs KV pull tickets; every service gets them, and the server URLs, in its environment (never on a command
+line, which any local user can read).
+
 The tests start stacks through the same class, so what they exercise is what users run.
 """
 
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.procs import ServerProcess, free_port, start_nats, start_redis
+from shared.urls import split_credentials
 
 
 @dataclass(frozen=True)
@@ -71,8 +76,11 @@ class Stack:
         self.infra: list[ServerProcess] = []
         self.procs: dict[str, subprocess.Popen] = {}
         self._log_files: list = []
+        # URLs a client of this stack's servers can use as they are (credentials included): tests and tools.
         self.nats_url = spec.nats_url
         self.redis_url = spec.redis_url
+        # The private servers' settings, for every service (see service_env).
+        self._infra_env: dict[str, str] = {}
         self.metrics_ports: dict[str, int] = {}  # worker name → its /metrics port
         # Signs KV pull tickets between this stack's workers; one given in the environment wins.
         self.cluster_secret = secrets.token_urlsafe(32)
@@ -84,11 +92,17 @@ class Stack:
     def start(self, ready_timeout_s: float = 120.0) -> Stack:
         try:
             if self.nats_url is None:
-                self.infra.append(start_nats())
+                user, password = "pdserve", secrets.token_urlsafe(24)
+                self.infra.append(start_nats(user=user, password=password))
                 self.nats_url = self.infra[-1].url
+                self._infra_env |= {"PDSERVE_NATS_URL": split_credentials(self.nats_url)[0],
+                                    "PDSERVE_NATS_USER": user, "PDSERVE_NATS_PASSWORD": password}  # fmt: skip
             if self.redis_url is None:
-                self.infra.append(start_redis())
+                password = secrets.token_urlsafe(24)
+                self.infra.append(start_redis(password=password))
                 self.redis_url = self.infra[-1].url
+                self._infra_env |= {"PDSERVE_REDIS_URL": split_credentials(self.redis_url)[0],
+                                    "PDSERVE_REDIS_PASSWORD": password}  # fmt: skip
             spec = self.spec
             roles = ["mixed"] * spec.mixed if spec.mixed else ["prefill"] * spec.prefill + ["decode"] * spec.decode
             for i, role in enumerate(roles):
@@ -107,7 +121,7 @@ class Stack:
         return self
 
     def _common_flags(self) -> list[str]:
-        flags = ["--model", self.spec.model, "--nats-url", self.nats_url, "--redis-url", self.redis_url]
+        flags = ["--model", self.spec.model]
         if self.spec.trace_file:
             flags += ["--trace-file", str(Path(self.spec.trace_file).resolve())]
         return flags
@@ -122,12 +136,34 @@ class Stack:
             flags += ["--threads", str(threads)]
         return flags
 
-    def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        """Start `pdserve <args>` as a child named `name` (logs in log_dir/name.log unless not quiet)."""
+    def service_env(self) -> dict[str, str]:
+        """The environment of every service: this process's, with the stack's servers and secrets.
+
+        A cluster secret already in the environment wins (several stacks may share workers). For a server
+        this stack started, its URL and credentials replace any PDSERVE_NATS_* / PDSERVE_REDIS_* inherited
+        (they were meant for another server); for a server given by URL, the inherited ones apply to it.
+        spec.env wins over everything."""
+        inherited = dict(os.environ)
+        for plane in ("NATS", "REDIS"):
+            if f"PDSERVE_{plane}_URL" in self._infra_env:
+                inherited = {k: v for k, v in inherited.items() if not k.startswith(f"PDSERVE_{plane}_")}
+        given = {"PDSERVE_NATS_URL": self.spec.nats_url, "PDSERVE_REDIS_URL": self.spec.redis_url}
+        return (
+            {"PDSERVE_CLUSTER_SECRET": self.cluster_secret}
+            | inherited
+            | {k: v for k, v in given.items() if v is not None}
+            | self._infra_env
+            | {"PYTHONUNBUFFERED": "1"}
+            | self.spec.env
+        )
+
+    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start `pdserve <args>` as a child named `name` (logs in log_dir/name.log unless not quiet), with
+        service_env() and then `env`."""
         out = open(self.log_dir / f"{name}.log", "ab") if self.quiet else None  # closed in stop()
         if out is not None:
             self._log_files.append(out)
-        env = {"PDSERVE_CLUSTER_SECRET": self.cluster_secret} | os.environ | {"PYTHONUNBUFFERED": "1"} | self.spec.env
+        env = self.service_env() | (env or {})
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", *args], stdout=out, stderr=subprocess.STDOUT
                                 if out else None, env=env)  # fmt: skip
         self.procs[name] = proc
