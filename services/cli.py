@@ -148,6 +148,9 @@ def _add_service_commands(sub) -> None:
     gw.add_argument("--host")
     gw.add_argument("--port", type=int)
     gw.add_argument("--api-keys", help="comma-separated keys for Authorization: Bearer (default: none)")
+    gw.add_argument("--max-pending-requests", type=int, help="429 past this many requests awaiting a first token")
+    gw.add_argument("--kv-overcommit", type=float, help="429 past this multiple of the live decode KV capacity")
+    gw.add_argument("--drain-timeout-s", type=float, help="on SIGTERM: finish in-flight requests for at most this long")
     gw.set_defaults(func=_gateway)
 
     for role in ("prefill", "decode", "mixed"):
@@ -191,16 +194,23 @@ def _gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
     from services.gateway.app import create_app
+    from services.gateway.draining import Drain, DrainingServer
     from shared.settings import GatewaySettings, from_env
 
     keys = tuple(k for k in (args.api_keys or "").split(",") if k) or None
-    settings = from_env(
-        GatewaySettings,
-        api_keys=keys,
-        **_overrides(args, ["model", "model_name", "nats_url", "redis_url", "host", "port", "trace_file"]),
-    )
+    names = ["model", "model_name", "nats_url", "redis_url", "host", "port", "trace_file", "max_pending_requests",
+             "kv_overcommit", "drain_timeout_s"]  # fmt: skip
+    settings = from_env(GatewaySettings, api_keys=keys, **_overrides(args, names))
     _observe("gateway", settings.gateway_id, args.log_level, settings)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
+    drain = Drain(settings.drain_timeout_s)  # SIGTERM: /ready 503, new requests 503, in-flight ones finish
+    config = uvicorn.Config(
+        create_app(settings, drain=drain),
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        timeout_graceful_shutdown=settings.drain_timeout_s,
+    )
+    DrainingServer(config, drain).run()
     return 0
 
 

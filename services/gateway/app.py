@@ -1,8 +1,10 @@
-"""The gateway's litestar application: `create_app(settings, backend=None)`.
+"""The gateway's litestar application: `create_app(settings, backend=None, drain=None)`.
 
 With no backend given, the lifespan opens a NatsBackend from the settings (connecting in the
-background, so /health answers while NATS is away) and closes it in `finally`. A backend passed in
-(tests, embedding) belongs to the caller.
+background, so /health answers while NATS is away) and closes it in `finally`, or earlier when a drain
+runs out of time (closing ends its open requests with a clear error). A backend passed in (tests,
+embedding) belongs to the caller. `drain` (draining.py) is the shutdown state the server shares with the
+routes; the CLI's DrainingServer sets it on SIGTERM.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 
 from services.gateway.backend import Backend
+from services.gateway.draining import Drain
 from services.gateway.errors import EXCEPTION_HANDLERS
 from services.gateway.middleware import api_key_guard, echo_request_id
 from services.gateway.nats_backend import NatsBackend
@@ -32,21 +35,35 @@ def _model(state: State) -> ServedModel:
     return state.model
 
 
-def create_app(settings: GatewaySettings, backend: Backend | None = None) -> Litestar:
+def _drain(state: State) -> Drain:
+    return state.drain
+
+
+def create_app(settings: GatewaySettings, backend: Backend | None = None, drain: Drain | None = None) -> Litestar:
     model = ServedModel.load(settings)  # fails fast on a wrong checkpoint path, before serving anything
+    drain = drain or Drain(settings.drain_timeout_s)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        owned = None
-        if app.state.backend is None:
+        owned: NatsBackend | None = None
+
+        async def close_owned() -> None:  # once: at a drain's expiry or at the end, whichever comes first
+            nonlocal owned
+            closing, owned = owned, None
+            if closing is not None:
+                await closing.close()
+
+        opened = app.state.backend is None
+        if opened:
             owned = NatsBackend(settings)
             await owned.start()
             app.state.backend = owned
+            drain.on_expiry(close_owned)
         try:
             yield
         finally:
-            if owned is not None:
-                await owned.close()
+            if opened:
+                await close_owned()
                 app.state.backend = None
 
     v1 = Router(
@@ -59,8 +76,9 @@ def create_app(settings: GatewaySettings, backend: Backend | None = None) -> Lit
         dependencies={
             "backend": Provide(_backend, sync_to_thread=False),
             "model": Provide(_model, sync_to_thread=False),
+            "drain": Provide(_drain, sync_to_thread=False),
         },
-        state=State({"backend": backend, "model": model}),
+        state=State({"backend": backend, "model": model, "drain": drain}),
         lifespan=[lifespan],
         exception_handlers=EXCEPTION_HANDLERS,
         before_send=[echo_request_id],

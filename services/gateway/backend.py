@@ -19,6 +19,17 @@ class BackendUnavailable(Exception):
     """No worker can take the request now (nothing live, NATS down, publish failed): HTTP 503."""
 
 
+class Overloaded(Exception):
+    """The workers are busy past the admission bounds (admission.py): HTTP 429 with `Retry-After`.
+    `reason` says which bound ("queue" | "kv"), for the rejection counter."""
+
+    def __init__(self, message: str, retry_after_s: int, reason: str = "queue") -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = max(1, int(retry_after_s))
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class GenerationJob:
     request_id: str  # unique per gateway and safe as a NATS subject token
@@ -64,7 +75,8 @@ class RequestStream(Protocol):
 class Backend(Protocol):
     async def open(self, job: GenerationJob) -> RequestStream:
         """Register the request's listener, then dispatch it (subscribe before dispatch, so no token
-        is missed). Raises BackendUnavailable when it cannot be dispatched."""
+        is missed). Raises BackendUnavailable when it cannot be dispatched, Overloaded when admission
+        refuses it."""
         ...
 
     async def cancel(self, request_id: str) -> None:

@@ -1,13 +1,17 @@
 """Which workers are alive, from their heartbeats (`pd.hb.<role>.<worker>`, about one a second).
 
 A worker is live while its last heartbeat is younger than `ttl_s`. A model can be served when a live
-mixed worker serves it, or a live prefill worker and a live decode worker both do. Pure state: the
-caller passes the clock, so tests need no sleeping.
+mixed worker serves it, or a live prefill worker and a live decode worker both do; a draining worker
+(shutting down: finishes what it has, takes nothing new) counts for neither. Its decode KV capacity
+(admission's bound) is what the live decode and mixed workers' heartbeats report. Pure state: the caller
+passes the clock, so tests need no sleeping.
 """
 
 from __future__ import annotations
 
 from shared.messages import Heartbeat, Role, subject_token
+
+_HOLDS_DECODE_KV = (Role.DECODE.value, Role.MIXED.value)
 
 
 class WorkerTable:
@@ -23,16 +27,30 @@ class WorkerTable:
         self._seen = {w: (t, b) for w, (t, b) in self._seen.items() if now - t < self.ttl_s}
         return [beat for _, beat in self._seen.values()]
 
-    def can_serve(self, model: str, now: float) -> tuple[bool, str]:
-        """(True, summary) or (False, what is missing). Workers match on the job subject's model token,
-        the name both sides derive their subjects from."""
+    def serving(self, model: str, now: float) -> list[Heartbeat]:
+        """Live workers of `model` that take new work (not draining). Workers match on the job subject's
+        model token, the name both sides derive their subjects from."""
         key = subject_token(model)
-        roles = [b.role for b in self.live(now) if subject_token(b.model) == key]
+        return [b for b in self.live(now) if subject_token(b.model) == key and not b.draining]
+
+    def kv_capacity(self, model: str, now: float) -> int | None:
+        """Tokens of KV in the workers that hold `model`'s decode KV (decode and mixed, not draining); None when
+        none of them reports its block size (an older worker): the capacity is unknown."""
+        beats = [b for b in self.serving(model, now) if b.role in _HOLDS_DECODE_KV and b.block_size > 0]
+        return sum(b.total_blocks * b.block_size for b in beats) if beats else None
+
+    def can_serve(self, model: str, now: float) -> tuple[bool, str]:
+        """(True, summary) or (False, what is missing)."""
+        roles = [b.role for b in self.serving(model, now)]
         counts = {r.value: roles.count(r.value) for r in Role}
         summary = ", ".join(f"{n} {role}" for role, n in counts.items() if n)
         if counts[Role.MIXED.value] or (counts[Role.PREFILL.value] and counts[Role.DECODE.value]):
             return True, f"live workers for {model}: {summary}"
         if not roles:
+            key = subject_token(model)
+            draining = sum(b.draining for b in self.live(now) if subject_token(b.model) == key)
+            if draining:
+                return False, f"every live worker for model {model!r} is draining ({draining} shutting down)"
             return False, f"no live worker serves model {model!r}"
         missing = "decode" if counts[Role.PREFILL.value] else "prefill"
         return False, f"no live {missing} worker for model {model!r} (live: {summary})"

@@ -2,7 +2,9 @@
 
 A completion request: decode strictly (decoding.py) → validate and tokenize (prepare.py) → dispatch
 (generation.py over the Backend) → one JSON body, or SSE events (sse.py). Every error before the first
-streamed byte is a plain JSON error with its HTTP status, even with stream=true.
+streamed byte is a plain JSON error with its HTTP status, even with stream=true: among them 429 with
+`Retry-After` when admission refuses the request (admission.py), and 503 while the gateway drains
+(draining.py), when /ready says 503 too.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
 from services.gateway import sse
-from services.gateway.backend import Backend, BackendUnavailable, GenerationJob
+from services.gateway.backend import Backend, BackendUnavailable, GenerationJob, Overloaded
 from services.gateway.decoding import StrictJSON
 from services.gateway.disconnect import until_disconnect
+from services.gateway.draining import Drain
 from services.gateway.errors import APIError, ErrorBody, error_response
 from services.gateway.generation import Generation, GenerationError
 from services.gateway.observe import RequestObserver
@@ -46,9 +49,11 @@ async def chat_completions(
     request: AnyRequest,
     backend: NamedDependency[Backend],
     model: NamedDependency[ServedModel],
+    drain: NamedDependency[Drain],
 ) -> Response[ChatCompletion] | Stream:
     """Chat completion (OpenAI-compatible); `stream: true` answers with server-sent events."""
     arrived = time.time(), time.perf_counter()
+    _refuse_while_draining(drain, model)
     return await _complete(request, backend, model, prepare_chat(data, model), arrived, chat=True)
 
 
@@ -58,10 +63,18 @@ async def completions(
     request: AnyRequest,
     backend: NamedDependency[Backend],
     model: NamedDependency[ServedModel],
+    drain: NamedDependency[Drain],
 ) -> Response[Completion] | Stream:
     """Text completion (OpenAI-compatible); `stream: true` answers with server-sent events."""
     arrived = time.time(), time.perf_counter()
+    _refuse_while_draining(drain, model)
     return await _complete(request, backend, model, prepare_completion(data, model), arrived, chat=False)
+
+
+def _refuse_while_draining(drain: Drain, model: ServedModel) -> None:
+    if drain.draining:
+        metrics.REQUESTS_REJECTED.labels(model.name, "gateway", "draining").inc()
+        raise APIError(503, "the gateway is shutting down (draining): send the request to another replica")
 
 
 async def _complete(
@@ -88,6 +101,10 @@ async def _complete(
         gen.fail(message, 503)
         await gen.close()
         raise APIError(503, message) from exc
+    except Overloaded as exc:
+        gen.fail(exc.message, 429)
+        await gen.close()
+        raise APIError(429, exc.message, headers={"Retry-After": str(exc.retry_after_s)}) from exc
     streaming = False
     try:
         if not prepared.stream:
@@ -137,8 +154,13 @@ async def health() -> Status:
 
 
 @get("/ready")
-async def ready(backend: NamedDependency[Backend]) -> Response[Status] | Response[ErrorBody]:
-    """200 when NATS and Redis answer and live workers can serve the model; else 503 with the reason."""
+async def ready(
+    backend: NamedDependency[Backend], drain: NamedDependency[Drain]
+) -> Response[Status] | Response[ErrorBody]:
+    """200 when NATS and Redis answer and live workers can serve the model; else 503 with the reason
+    ("draining: ..." once the gateway is shutting down)."""
+    if drain.draining:
+        return error_response(503, "draining: the gateway is shutting down and takes no new requests")
     ok, reason = await backend.readiness()
     if not ok:
         return error_response(503, reason)

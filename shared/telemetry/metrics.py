@@ -4,7 +4,8 @@
 Who records what:
     gateway      time_to_first_token, inter_token_latency, request_time_per_output_token,
                  e2e_request_latency (as the client sees them), prompt/generation tokens returned,
-                 request_success by finished_reason, num_requests_running (in flight)
+                 request_success by finished_reason, num_requests_running (in flight),
+                 requests_rejected by reason (admission, draining)
     workers      request_queue_time (created at the gateway → first scheduled), prompt/generation tokens
                  the engine computed and sampled, num_requests_running|waiting, kv_cache_usage_perc,
                  moe_expert_tokens (routed tokens per layer and expert)
@@ -58,6 +59,11 @@ PROMPT_TOKENS = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens (gateway: of an
 GENERATION_TOKENS = Counter(f"{PREFIX}generation_tokens", "Generated tokens (gateway: returned to clients).", LABELS)
 REQUEST_SUCCESS = Counter(
     f"{PREFIX}request_success", "Finished requests by finish reason.", (*LABELS, "finished_reason")
+)
+REQUESTS_REJECTED = Counter(
+    f"{PREFIX}requests_rejected",
+    "Requests the gateway refused before dispatch: queue | kv (admission bounds, 429), draining (503).",
+    (*LABELS, "reason"),
 )
 REQUESTS_RUNNING = Gauge(f"{PREFIX}num_requests_running", "Requests being computed (gateway: in flight).", LABELS)
 REQUESTS_WAITING = Gauge(f"{PREFIX}num_requests_waiting", "Requests queued in the engine.", LABELS)
