@@ -82,6 +82,7 @@ class Stack:
         # The private servers' settings, for every service (see service_env).
         self._infra_env: dict[str, str] = {}
         self.metrics_ports: dict[str, int] = {}  # worker name → its /metrics port
+        self._spawned: dict[str, tuple[list[str], dict[str, str] | None]] = {}  # name → spawn()'s arguments
         # Signs KV pull tickets between this stack's workers; one given in the environment wins.
         self.cluster_secret = secrets.token_urlsafe(32)
 
@@ -163,11 +164,18 @@ class Stack:
         out = open(self.log_dir / f"{name}.log", "ab") if self.quiet else None  # closed in stop()
         if out is not None:
             self._log_files.append(out)
+        self._spawned[name] = (args, env)
         env = self.service_env() | (env or {})
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", *args], stdout=out, stderr=subprocess.STDOUT
                                 if out else None, env=env)  # fmt: skip
         self.procs[name] = proc
         return proc
+
+    def respawn(self, name: str) -> subprocess.Popen:
+        """Start service `name` again as it was first started (after it died or was killed)."""
+        if self.procs[name].poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        return self.spawn(name, *self._spawned[name])
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
