@@ -22,6 +22,11 @@ class WorkerTable:
     def record(self, beat: Heartbeat, now: float) -> None:
         self._seen[beat.worker_id] = (now, beat)
 
+    def last_seen(self, worker_id: str) -> float | None:
+        """When the worker's last heartbeat arrived (the caller's clock); None if never, or forgotten."""
+        entry = self._seen.get(worker_id)
+        return None if entry is None else entry[0]
+
     def live(self, now: float) -> list[Heartbeat]:
         """Live workers; forgets the dead ones."""
         self._seen = {w: (t, b) for w, (t, b) in self._seen.items() if now - t < self.ttl_s}

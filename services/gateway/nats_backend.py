@@ -4,6 +4,12 @@ One listener (`pd.tokens.<gateway>.>`) serves every request: it decodes each Tok
 by request id to that request's RequestUpdates (request_stream.py: order, deadlines).
 A request's stream is registered before its job is published, so no event can arrive unclaimed.
 Heartbeats (`pd.hb.>`) feed the live-worker table behind readiness and the 503 on dispatch.
+
+A watchdog moves requests whose worker died or stalled (request_stream.RequestUpdates.why_move): it cancels
+the old attempt (`Cancel.up_to_attempt`) and dispatches the next one — the prefill job again when no token
+was delivered yet, else a decode job carrying the prompt and every token delivered so far, which a decode
+worker recomputes and continues from. The client's stream goes on: positions already delivered are dropped.
+While the gateway itself is cut off from NATS it judges nobody: heartbeats could not reach it.
 """
 
 from __future__ import annotations
@@ -13,10 +19,12 @@ import contextlib
 import logging
 import time
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from services.gateway.admission import admit
 from services.gateway.backend import BackendUnavailable, GenerationJob, Update
 from services.gateway.liveness import WorkerTable
 from services.gateway.request_stream import Deadlines, RequestUpdates
@@ -24,11 +32,13 @@ from shared import bus
 from shared.messages import (
     HEARTBEAT_WILDCARD,
     Cancel,
+    DecodeJob,
     Heartbeat,
     PrefillJob,
     TokenEvent,
     cancel_subject,
     decode_or_drop,
+    decode_subject,
     encode,
     prefill_subject,
     token_subject,
@@ -36,7 +46,7 @@ from shared.messages import (
 )
 from shared.redis_client import explain_redis_error, redis_client
 from shared.settings import GatewaySettings
-from shared.telemetry import tracing
+from shared.telemetry import metrics, tracing
 
 log = logging.getLogger(__name__)
 
@@ -44,19 +54,21 @@ PUBLISH_TIMEOUT_S = 5.0
 REDIS_PING_TIMEOUT_S = 2.0
 SETUP_RETRY_S = 1.0
 DRAIN_TIMEOUT_S = 5.0
+WATCH_INTERVAL_S = 0.25
 
 
 class NatsBackend:
-    def __init__(self, settings: GatewaySettings, heartbeat_ttl_s: float = 5.0, gap_timeout_s: float = 5.0) -> None:
+    def __init__(self, settings: GatewaySettings, gap_timeout_s: float = 5.0) -> None:
         self.settings = settings
         self.deadlines = Deadlines(settings.first_token_timeout_s, settings.request_timeout_s, gap_timeout_s)
-        self.workers = WorkerTable(heartbeat_ttl_s)
+        self.workers = WorkerTable(settings.worker_ttl_s)
         self._streams: dict[str, RequestUpdates] = {}  # request id → its stream, while the gateway listens
         self._nc: NATS | None = None  # set once connected and subscribed
         self._js: JetStreamContext | None = None
         self._redis = redis_client(settings, socket_connect_timeout=1.0, socket_timeout=2.0)
         self._setup: asyncio.Task[None] | None = None
         self._setup_error: str | None = None  # why connecting failed for good (a bad URL, say)
+        self._watchdog: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Connect in the background: until then, readiness says why not and dispatch answers 503."""
@@ -81,7 +93,69 @@ class NatsBackend:
         await nc.subscribe(token_wildcard(self.settings.gateway_id), cb=self._on_token)
         await nc.subscribe(HEARTBEAT_WILDCARD, cb=self._on_heartbeat)
         self._nc, self._js = nc, js
+        self._watchdog = asyncio.create_task(self._watch(), name="gateway-watchdog")
         log.info("gateway %s connected to NATS", self.settings.gateway_id)
+
+    async def _watch(self) -> None:
+        """Every WATCH_INTERVAL_S: move the requests whose holder died or stalled."""
+        ttl = self.settings.worker_ttl_s
+        judge_from = time.monotonic() + ttl  # heartbeats need a ttl to arrive after (re)connecting
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            now = time.monotonic()
+            if self._connected() is None:
+                judge_from = now + ttl
+                continue
+            if now < judge_from:
+                continue
+            for stream in list(self._streams.values()):
+                why = stream.why_move(self.workers.last_seen, ttl, self.settings.stall_timeout_s)
+                if why is not None:
+                    try:
+                        await self._move(stream, why)
+                    except Exception:  # never let one request stop the watchdog
+                        log.exception("moving request %s failed", stream.request_id)
+
+    async def _move(self, stream: RequestUpdates, why: str) -> None:
+        """Cancel the stream's attempt and dispatch the next one elsewhere, or fail it after max_migrations."""
+        rid, first = stream.request_id, stream.job
+        if stream.migrations >= self.settings.max_migrations or first is None:
+            message = f"{why}; the request already moved {stream.migrations} times and was given up"
+            log.warning("request %s: %s", rid, message)
+            stream.put(Update([], "error", message, status=502))
+            await self.cancel(rid)
+            return
+        old = stream.attempt
+        attempt = stream.move_on()
+        metrics.REQUEST_MIGRATIONS.labels(
+            self.settings.served_model_name, "prefill" if not stream.delivered else "decode"
+        ).inc()
+        log.warning(
+            "request %s: %s; moving it on as attempt %d (%d tokens so far)", rid, why, attempt, stream.delivered
+        )
+        await self._nc.publish(cancel_subject(rid), encode(Cancel(rid, up_to_attempt=old)))
+        if stream.delivered == 0:
+            job, subject = msgspec.structs.replace(first, attempt=attempt), prefill_subject(first.model)
+        else:  # a decode worker recomputes prompt + tokens so far (no KV to pull) and goes on from there
+            job = DecodeJob(
+                request_id=rid,
+                model=first.model,
+                prompt_token_ids=first.prompt_token_ids,
+                output_token_ids=list(stream.tokens),
+                sampling=first.sampling,
+                reply_subject=first.reply_subject,
+                attempt=attempt,
+                prefill_worker=None,
+                created_at=first.created_at,
+            )
+            subject = decode_subject(first.model)
+        try:
+            await self._js.publish(
+                subject, encode(job), timeout=PUBLISH_TIMEOUT_S, headers=stream.trace_headers or None
+            )
+        except Exception as exc:
+            stream.put(Update([], "error", f"{why}; moving the request failed ({type(exc).__name__}: {exc})", 503))
+            await self.cancel(rid)
 
     async def _on_token(self, msg: Msg) -> None:
         event = decode_or_drop(msg.data, TokenEvent, msg.subject)
@@ -108,10 +182,9 @@ class NatsBackend:
         ok, reason = self.workers.can_serve(job.model, time.monotonic())
         if not ok:
             raise BackendUnavailable(reason)
+        admit(self.settings, self.workers, self._streams, job)  # raises Overloaded (429) past the bounds
         if job.request_id in self._streams:
             raise ValueError(f"request id {job.request_id!r} is already in flight")
-        stream = RequestUpdates(job.request_id, self.deadlines, self.cancel, self.forget)
-        self._streams[job.request_id] = stream  # subscribe before dispatch
         prefill = PrefillJob(
             request_id=job.request_id,
             model=job.model,
@@ -120,11 +193,14 @@ class NatsBackend:
             reply_subject=token_subject(self.settings.gateway_id, job.request_id),
             created_at=time.time(),
         )
+        stream = RequestUpdates(job.request_id, self.deadlines, self.cancel, self.forget, job=prefill)
+        self._streams[job.request_id] = stream  # subscribe before dispatch
         subject = prefill_subject(job.model)
         token = tracing.attach(tracing.extract(job.trace_context))  # the publish span joins the request's trace
         try:
             with tracing.producer_span(subject, job.request_id):
                 headers = tracing.carrier() or None
+                stream.trace_headers = headers or {}  # a moved request's jobs continue the same trace
                 await self._js.publish(subject, encode(prefill), timeout=PUBLISH_TIMEOUT_S, headers=headers)
         except Exception as exc:
             self._streams.pop(job.request_id, None)
@@ -162,10 +238,11 @@ class NatsBackend:
         return self.workers.can_serve(self.settings.served_model_name, time.monotonic())
 
     async def close(self) -> None:
-        if self._setup is not None:
-            self._setup.cancel()
-            with contextlib.suppress(BaseException):
-                await self._setup
+        for task in (self._setup, self._watchdog):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
         for stream in list(self._streams.values()):
             stream.put(Update([], "error", "the gateway is shutting down", status=503))
         self._streams.clear()

@@ -7,7 +7,9 @@ shared.messages.TokenEvent:
   - positions below `delivered` were already sent: dropped (an event straddling it is trimmed);
   - an event starting past `delivered` waits in `_early` until the gap is filled;
   - a failed final event ("error" / "abort") ends the request at once, whatever its position.
-State is pure (no I/O, no clock): NatsBackend feeds it from its one token listener.
+When the gateway moves a request to another worker it starts a newer attempt itself (`move_on`): from then
+on the old attempt's events are stale. `tokens` are the ids delivered so far (what the new attempt resumes
+from). State is pure (no I/O, no clock): NatsBackend feeds it from its one token listener.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ _FAILED = tuple(_DEFAULT_ERROR)
 class TokenOrder:
     def __init__(self) -> None:
         self.delivered = 0  # output positions [0, delivered) have been handed out
-        self.attempt = 0  # newest attempt seen
+        self.attempt = 0  # newest attempt seen or started
         self.finished = False
+        self.tokens: list[int] = []  # the ids at positions [0, delivered)
         self._early: dict[int, TokenEvent] = {}  # seq → event waiting for positions before it
 
     def push(self, event: TokenEvent) -> list[Update]:
@@ -49,6 +52,13 @@ class TokenOrder:
             updates.append(self._take(ready))
         return [u for u in updates if u.token_ids or u.finished]
 
+    def move_on(self, attempt: int) -> None:
+        """A newer attempt starts (the request moved to another worker): older events are stale from now."""
+        if attempt <= self.attempt:
+            raise ValueError(f"attempt {attempt} is not newer than {self.attempt}")
+        self.attempt = attempt
+        self._early.clear()
+
     def gap(self) -> tuple[int, int] | None:
         """(first missing position, first position waiting) while early events wait for a gap to fill."""
         return (self.delivered, min(self._early)) if self._early else None
@@ -57,6 +67,7 @@ class TokenOrder:
         """An event starting at or before `delivered`: its new positions (maybe none) go out."""
         fresh = event.token_ids[self.delivered - event.seq :]
         self.delivered += len(fresh)
+        self.tokens.extend(fresh)
         if event.finish_reason is not None:
             self.finished = True
             self._early.clear()

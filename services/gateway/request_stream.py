@@ -1,5 +1,10 @@
 """One request's updates on the NATS side: events in (from the backend's one listener), ordered updates out,
-and the deadlines that keep a lost worker or a lost event from hanging the client.
+who holds the request now, and the deadlines that keep a lost worker or a lost event from hanging the client.
+
+Holder: the worker responsible for the request's next event (TokenEvent: a worker announces a job it takes;
+every event makes its worker the holder, until one marked `queued` hands the request to a job queue).
+NatsBackend's watchdog asks `why_move` and, when the holder died or stalled, moves the request on to a
+new attempt (`move_on`): prompt + tokens so far go to another worker, the old attempt's events are stale.
 
 Deadlines, each ending the request with a failed update and a cancel upstream:
   - first token: `first_token_s` after dispatch (covers queueing for a free worker);
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 
 from services.gateway.backend import Update
 from services.gateway.ordering import TokenOrder
-from shared.messages import TokenEvent
+from shared.messages import PrefillJob, TokenEvent
 
 
 @dataclass(frozen=True)
@@ -38,8 +43,14 @@ class RequestUpdates:
         cancel: Callable[[str], Awaitable[None]],
         forget: Callable[[str], None],
         clock: Callable[[], float] = time.monotonic,
+        job: PrefillJob | None = None,
     ) -> None:
         self.request_id = request_id
+        self.job = job  # as first dispatched (attempt 0): what a move re-sends
+        self.prompt_tokens = len(job.prompt_token_ids) if job is not None else 0
+        self.holder: str | None = None  # worker id, or None while the request waits in a job queue
+        self.migrations = 0
+        self.trace_headers: dict[str, str] = {}  # NATS headers carrying the request's trace context
         self.deadlines = deadlines
         self._cancel = cancel
         self._forget = forget
@@ -51,12 +62,42 @@ class RequestUpdates:
         self._progress_at: float | None = None  # when the last deliverable update arrived
         self._gap_since: float | None = None
         self._ended = False
+        self._held_since = self._opened_at  # when the holder took the request
+        self._tokens_at: float | None = None  # when the current attempt last delivered tokens
+
+    @property
+    def attempt(self) -> int:
+        return self._order.attempt
+
+    @property
+    def delivered(self) -> int:
+        """Output tokens delivered so far."""
+        return self._order.delivered
+
+    @property
+    def tokens(self) -> list[int]:
+        """The output token ids delivered so far."""
+        return self._order.tokens
+
+    @property
+    def first_token_seen(self) -> bool:
+        return self._order.delivered > 0
+
+    @property
+    def finished(self) -> bool:
+        return self._ended or self._order.finished
 
     def push(self, event: TokenEvent) -> None:
         now = self._clock()
         updates = self._order.push(event)
         if updates:
             self._progress_at = now
+            self._tokens_at = now
+        if event.attempt == self._order.attempt and event.worker_id:
+            if not event.queued and event.worker_id != self.holder:
+                self.holder, self._held_since = event.worker_id, now
+            elif event.queued and event.worker_id == self.holder:  # a later stage's taker may have spoken first
+                self.holder = None
         for update in updates:
             self._queue.put_nowait(update)
         gap = self._order.gap()
@@ -64,9 +105,35 @@ class RequestUpdates:
         self._wakeup.set()
 
     def put(self, update: Update) -> None:
-        """An update from the gateway itself (shutdown)."""
+        """An update from the gateway itself (shutdown, a failed move)."""
         self._queue.put_nowait(update)
         self._wakeup.set()
+
+    def why_move(self, last_beat: Callable[[str], float | None], worker_ttl_s: float, stall_s: float) -> str | None:
+        """Why the request must move to another worker now, or None. Its holder is dead when no heartbeat
+        came for worker_ttl_s (one never heard from gets worker_ttl_s from when it took the request); it has
+        stalled when, after this attempt delivered tokens, nothing more came for stall_s. (Before any token
+        of the attempt a long queue or prefill is normal: only the heartbeat and the first-token deadline
+        judge it.)"""
+        if self.finished or self.holder is None:
+            return None
+        now = self._clock()
+        heard = max(last_beat(self.holder) or 0.0, self._held_since)
+        if now - heard > worker_ttl_s:
+            return f"worker {self.holder} sent no heartbeat for {now - heard:.1f} s"
+        if self._tokens_at is not None and now - max(self._tokens_at, self._held_since) > stall_s:
+            return f"worker {self.holder} produced no token for {stall_s:g} s"
+        return None
+
+    def move_on(self) -> int:
+        """Start the next attempt (the caller re-dispatches it); returns its number."""
+        attempt = self._order.attempt + 1
+        self._order.move_on(attempt)
+        self.migrations += 1
+        self.holder, self._held_since, self._tokens_at = None, self._clock(), None
+        self._gap_since = None
+        self._wakeup.set()
+        return attempt
 
     def __aiter__(self) -> RequestUpdates:
         return self

@@ -76,6 +76,11 @@ KV_TRANSFER_SECONDS = Histogram(
 )
 KV_TRANSFER_BYTES = Counter(f"{PREFIX}kv_transfer_bytes", "KV bytes moved.", LABELS)
 KV_TRANSFER_FAILURES = Counter(f"{PREFIX}kv_transfer_failures", "Failed KV transfers.", (*LABELS, "reason"))
+REQUEST_MIGRATIONS = Counter(
+    f"{PREFIX}request_migrations",
+    "Requests moved to another worker (their worker died or stalled), by the phase they were in.",
+    ("model_name", "phase"),
+)
 MOE_EXPERT_TOKENS = Counter(
     f"{PREFIX}moe_expert_tokens", "Tokens routed to each expert (top-k counts each).", (*LABELS, "layer", "expert")
 )
