@@ -1,0 +1,121 @@
+"""Moving a request between workers, as pure state: who holds it (from the token events), when it must move
+(holder dead or stalled), and what the client sees across the move (no position twice, none missing).
+The real thing, with processes killed, is tests/test_faults.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.gateway.ordering import TokenOrder
+from services.gateway.request_stream import Deadlines, RequestUpdates
+from shared.messages import Cancel, PrefillJob, Sampling, TokenEvent, attempt_key
+
+TTL, STALL = 2.0, 10.0
+
+
+def ev(seq, tokens, worker="", attempt=0, finish=None, queued=False) -> TokenEvent:
+    return TokenEvent("r", attempt, seq, tokens, finish_reason=finish, worker_id=worker, queued=queued)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def updates(clock: Clock) -> RequestUpdates:
+    async def cancel(_: str) -> None:
+        pass
+
+    job = PrefillJob("r", "m", [1, 2, 3], Sampling(max_tokens=8), "pd.tokens.g.r")
+    return RequestUpdates("r", Deadlines(60, 60), cancel, lambda _: None, clock=clock, job=job)
+
+
+def test_move_on_makes_the_old_attempt_stale_and_keeps_delivered_tokens():
+    order = TokenOrder()
+    assert [u.token_ids for u in order.push(ev(0, [7]))] == [[7]]
+    assert [u.token_ids for u in order.push(ev(1, [8, 9]))] == [[8, 9]]
+    order.push(ev(5, [1]))  # early, never to be filled by the old attempt
+    order.move_on(1)
+    assert order.gap() is None
+    assert order.push(ev(3, [4], attempt=0)) == []  # the old worker woke up: stale
+    # the new attempt resumes at position 3 (a recompute may repeat earlier positions: dropped)
+    got = order.push(ev(2, [9, 10, 11], attempt=1))
+    assert [u.token_ids for u in got] == [[10, 11]]
+    assert order.tokens == [7, 8, 9, 10, 11] and order.delivered == 5
+    with pytest.raises(ValueError):
+        order.move_on(1)
+
+
+def test_holder_follows_the_events_of_the_current_attempt():
+    clock = Clock()
+    s = updates(clock)
+    assert s.holder is None  # queued for prefill
+    s.push(ev(0, [], worker="p0"))  # p0 took it
+    assert s.holder == "p0"
+    s.push(ev(0, [5], worker="p0"))
+    s.push(ev(1, [], worker="d0"))  # the decode worker took it before p0's queued event arrived
+    s.push(ev(1, [], worker="p0", queued=True))  # p0 handing off does not unseat d0
+    assert s.holder == "d0"
+    s2 = updates(clock)
+    s2.push(ev(0, [5], worker="p0"))
+    s2.push(ev(1, [], worker="p0", queued=True))
+    assert s2.holder is None  # waiting in the decode queue: nobody to watch
+    s.move_on()
+    assert s.holder is None and s.attempt == 1 and s.migrations == 1
+    s.push(ev(1, [6], worker="d0", attempt=0))  # stale: does not make d0 the holder again
+    assert s.holder is None
+
+
+def test_why_move_judges_the_holder_by_heartbeat_then_by_stall():
+    clock = Clock()
+    s = updates(clock)
+    beats: dict[str, float] = {}
+    assert s.why_move(beats.get, TTL, STALL) is None  # nobody holds it
+    s.push(ev(0, [], worker="p0"))
+    clock.now += TTL - 0.1
+    assert s.why_move(beats.get, TTL, STALL) is None  # never heard from, but only just took it
+    clock.now += 0.2
+    assert "p0 sent no heartbeat" in s.why_move(beats.get, TTL, STALL)
+    beats["p0"] = clock.now
+    clock.now += 30  # a long prefill with heartbeats flowing is no stall (no token in this attempt yet)
+    beats["p0"] = clock.now
+    assert s.why_move(beats.get, TTL, STALL) is None
+    s.push(ev(0, [5], worker="p0"))
+    s.push(ev(1, [6], worker="d0"))
+    beats["d0"] = clock.now
+    clock.now += STALL + 1
+    beats["d0"] = clock.now
+    assert "d0 produced no token" in s.why_move(beats.get, TTL, STALL)
+    s.push(ev(2, [7], worker="d0", finish="length"))
+    assert s.why_move(beats.get, TTL, STALL) is None  # finished: nothing to move
+
+
+def test_client_sees_every_position_once_across_a_move():
+    clock = Clock()
+    s = updates(clock)
+
+    async def drain() -> list[int]:
+        tokens = []
+        async for u in s:
+            tokens += u.token_ids
+        return tokens
+
+    s.push(ev(0, [10], worker="p0"))
+    s.push(ev(1, [11, 12], worker="d0"))
+    assert s.tokens == [10, 11, 12]
+    s.move_on()  # d0 died
+    s.push(ev(2, [12, 13], worker="d1", attempt=1))  # overlaps position 2
+    s.push(ev(3, [99], worker="d0", attempt=0))  # d0 was only hung: stale
+    s.push(ev(4, [14], worker="d1", attempt=1, finish="length"))
+    assert asyncio.run(drain()) == [10, 11, 12, 13, 14]
+
+
+def test_cancel_covers_attempts_up_to_its_own():
+    assert Cancel("r").covers(7)
+    assert Cancel("r", up_to_attempt=1).covers(1) and not Cancel("r", up_to_attempt=1).covers(2)
+    assert attempt_key("r", 0) == "r" and attempt_key("r", 2) == "r~2"
