@@ -24,14 +24,15 @@ RUN python /tmp/build/deps.py /tmp/build/pyproject.toml torch > /tmp/build/torch
 RUN python /tmp/build/deps.py /tmp/build/pyproject.toml --not torch > /tmp/build/deps.txt \
     && pip install --find-links /tmp/wheels -r /tmp/build/deps.txt
 
-# pdserve itself, then the container helpers (healthcheck, model-init) next to it.
+# pdserve itself, then the container helpers (healthcheck, model-init, secrets-init) next to it.
 COPY pyproject.toml README.md /tmp/src/
 COPY shared/ /tmp/src/shared/
 COPY services/ /tmp/src/services/
-COPY docker/healthcheck.py docker/model-init.sh /tmp/src/docker/
+COPY docker/healthcheck.py docker/model-init.sh docker/secrets_init.py /tmp/src/docker/
 RUN pip install --no-deps /tmp/src \
     && install -m 0755 /tmp/src/docker/healthcheck.py /opt/venv/bin/pdserve-healthcheck \
-    && install -m 0755 /tmp/src/docker/model-init.sh /opt/venv/bin/pdserve-model-init
+    && install -m 0755 /tmp/src/docker/model-init.sh /opt/venv/bin/pdserve-model-init \
+    && install -m 0755 /tmp/src/docker/secrets_init.py /opt/venv/bin/pdserve-secrets-init
 
 # ---- runtime: the environment alone (no wheels, no build files), run by an unprivileged user --------
 FROM python:3.11-slim
@@ -40,10 +41,12 @@ ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/venv/bin:$PATH
 
-# /models is where checkpoints live: a named volume mounted there starts out owned by pdserve.
+# /models is where checkpoints live, /run/secrets the deployment's secrets (secrets-init writes them): a
+# named volume mounted at either starts out owned by pdserve, with these modes.
 RUN useradd --create-home --uid 1000 --user-group pdserve \
-    && mkdir -p /models \
-    && chown pdserve:pdserve /models
+    && mkdir -p /models /run/secrets \
+    && chown pdserve:pdserve /models /run/secrets \
+    && chmod 0700 /run/secrets
 COPY --from=build /opt/venv /opt/venv
 RUN pdserve --help > /dev/null \
     && python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"

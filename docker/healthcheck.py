@@ -6,7 +6,9 @@
 
 A worker is healthy once its engine is loaded and it publishes heartbeats (pd.hb.<role>.<worker>): the
 check listens on NATS for one of this role whose worker id is PDSERVE_WORKER_ID, or, by default, contains this
-container's hostname (worker ids default to `worker-<hostname>-<random>`). Exit 0 = healthy.
+container's hostname (worker ids default to `worker-<hostname>-<random>`). It connects as the services do
+(shared.bus.connect with the PDSERVE_* settings: URL, credentials, TLS), so a check that passes also proves
+the credentials. Exit 0 = healthy; otherwise the reason is on stderr.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 import urllib.request
 
 TIMEOUT_S = 5.0
+CLIENT_NAME = "healthcheck"
 
 
 def check_gateway() -> bool:
@@ -32,23 +35,23 @@ def _is_mine(worker_id: str) -> bool:
 
 
 async def check_worker(role: str) -> bool:
+    from shared import bus
+
     try:
         return await asyncio.wait_for(_heartbeat_seen(role), TIMEOUT_S)
     except TimeoutError:
-        print(f"no heartbeat from this {role} worker within {TIMEOUT_S:.0f}s", file=sys.stderr)
+        problem = bus.connection_problem(CLIENT_NAME)
+        why = f"cannot connect to NATS: {problem}" if problem else f"no heartbeat from this {role} worker"
+        print(f"{why} (within {TIMEOUT_S:.0f}s)", file=sys.stderr)
         return False
 
 
 async def _heartbeat_seen(role: str) -> bool:
-    import nats
-
+    from shared import bus
     from shared.messages import HEARTBEAT_WILDCARD, Heartbeat, decode
+    from shared.settings import CommonSettings, from_env
 
-    async def quiet(exc: Exception) -> None:  # nats-py logs every failed connect attempt otherwise
-        pass
-
-    url = os.environ.get("PDSERVE_NATS_URL", "nats://127.0.0.1:4222")
-    nc = await nats.connect(url, name="healthcheck", allow_reconnect=False, max_reconnect_attempts=1, error_cb=quiet)
+    nc = await bus.connect(from_env(CommonSettings), CLIENT_NAME)
     seen = asyncio.get_running_loop().create_future()
 
     async def on_beat(msg) -> None:

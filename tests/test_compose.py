@@ -1,8 +1,10 @@
 """The Docker deployment's contract, checked without Docker: compose.yaml and the Dockerfile must agree
 with the code (settings fields, `pdserve` subcommands) and with what `docker compose up` needs (health
 checks, start order, scalable workers, GPU reservations). The `observability` profile's Prometheus, Grafana
-and Jaeger configuration must agree with the services and with the metrics the code defines.
-docker/healthcheck.py runs for real against a local NATS."""
+and Jaeger configuration must agree with the services and with the metrics the code defines. Security: API
+keys on, every service with the credentials it needs from the secrets volume, nats and redis refusing whoever
+lacks the password. docker/healthcheck.py, docker/secrets_init.py and the nats and redis commands of
+compose.yaml run for real against local servers."""
 
 from __future__ import annotations
 
@@ -12,7 +14,10 @@ import importlib.util
 import json
 import re
 import socket
+import stat
+import subprocess
 import threading
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -22,6 +27,9 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import choose_encoder
 
 from services.cli import main as cli_main
+from shared import bus
+from shared.procs import free_port, wait_for_port
+from shared.redis_client import explain_redis_error, redis_client
 from shared.settings import GatewaySettings, WorkerSettings, from_env
 from shared.telemetry import metrics
 from shared.telemetry.tracing import exporters_wanted
@@ -69,10 +77,61 @@ def role(name: str) -> str | None:
 WORKERS = {name for name in PDSERVE_SERVICES if role(name) in ("prefill", "decode", "mixed")}
 
 
-def environment(name: str, shell: dict[str, str] | None = None) -> dict[str, str]:
+def volume_mounts(name: str) -> dict[str, str]:
+    """Named volume → where a service mounts it (with :ro when read-only)."""
+    mounts = {}
+    for mount in interpolate(SERVICES[name].get("volumes", [])):
+        source, target, *mode = str(mount).split(":")
+        if not source.startswith(("./", "/")):
+            mounts[source] = ":".join([target, *mode])
+    return mounts
+
+
+SECRET_READERS = {name for name in SERVICES if "secrets" in volume_mounts(name)} - {"secrets-init"}
+
+
+def _shell_script(name: str) -> str:
+    """The script of a service whose command is `sh -c <script>`, as the container gets it ($$ is a $)."""
+    cmd = command(name)
+    assert cmd[:2] == ["sh", "-c"] and len(cmd) == 3, name
+    return interpolate(cmd[2]).replace("$$", "$")
+
+
+def _load_script(name: str, path: str):
+    """A script of docker/ as a module (they are installed as commands in the image, not as modules)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+secrets_init = _load_script("pdserve_secrets_init", "docker/secrets_init.py")
+SECRETS_MOUNT = "/run/secrets"  # where the secrets volume is mounted
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_secrets(tmp_path_factory) -> Path:
+    """What secrets-init writes into an empty volume (nothing set in the shell), here: environment() points
+    the services' PDSERVE_*_FILE paths at it, so their settings parse as they would in the containers."""
+    global _local_secrets
+    _local_secrets = tmp_path_factory.mktemp("secrets")
+    assert secrets_init.main([str(_local_secrets)], environ={}) == 0
+    return _local_secrets
+
+
+_local_secrets: Path | None = None
+
+
+def environment(name: str, shell: dict[str, str] | None = None, raw: bool = False) -> dict[str, str]:
+    """A service's environment as compose makes it; unless `raw`, with paths into the secrets volume moved
+    to this test module's secrets-init output."""
     env = SERVICES[name].get("environment", {})
     assert isinstance(env, dict), f"{name}: use the mapping form for environment"
-    return {k: str(v) for k, v in interpolate(env, shell).items()}
+    env = {k: str(v) for k, v in interpolate(env, shell).items()}
+    if not raw and _local_secrets is not None:
+        env = {k: str(_local_secrets) + v.removeprefix(SECRETS_MOUNT) if v.startswith(SECRETS_MOUNT + "/") else v
+               for k, v in env.items()}  # fmt: skip
+    return env
 
 
 def field_names(cls) -> set[str]:
@@ -83,8 +142,9 @@ def field_names(cls) -> set[str]:
 
 
 def test_expected_services_exist():
-    assert {"nats", "redis", "model-init", "gateway", "prefill", "decode", "prefill-gpu", "decode-gpu"} <= set(SERVICES)
-    assert ONE_SHOT == {"model-init"}
+    expected = {"secrets-init", "nats", "redis", "model-init", "gateway", "prefill", "decode", "prefill-gpu"}
+    assert expected | {"decode-gpu"} <= set(SERVICES)
+    assert ONE_SHOT == {"model-init", "secrets-init"}
     assert WORKERS == {"prefill", "decode", "prefill-gpu", "decode-gpu"}
     assert GPU_PROFILE == {"prefill-gpu", "decode-gpu"}
 
@@ -100,16 +160,27 @@ def test_every_long_running_service_has_a_healthcheck():
         assert "disable" not in check, name
 
 
+def _nats_conf() -> str:
+    assert _mounts("nats") == {"/etc/nats/pdserve.conf": "./docker/nats.conf"}
+    return (ROOT / "docker" / "nats.conf").read_text()
+
+
 def test_infrastructure_healthchecks():
     nats = SERVICES["nats"]
     assert nats["image"].startswith("nats:") and nats["image"].endswith("-alpine")
-    assert "--jetstream" in command("nats") or "-js" in command("nats")
+    script = _shell_script("nats")
+    assert "exec nats-server --jetstream --config /etc/nats/pdserve.conf" in script
     assert any("/healthz?js-enabled-only=true" in part for part in nats["healthcheck"]["test"])
-    monitor_port = command("nats")[command("nats").index("--http_port") + 1]
-    assert f"127.0.0.1:{monitor_port}/healthz" in " ".join(nats["healthcheck"]["test"])
+    # monitoring listens inside the container only, where the healthcheck runs
+    (monitor,) = re.findall(r'^http: "([^"]+)"', _nats_conf(), re.M)
+    assert monitor.startswith("127.0.0.1:")
+    assert f"http://{monitor}/healthz" in " ".join(nats["healthcheck"]["test"])
     redis = SERVICES["redis"]
     assert redis["image"].startswith("redis:")
-    assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    # redis-cli prints NOAUTH and exits 0 without the password: the check logs in and wants PONG
+    test = redis["healthcheck"]["test"]
+    assert test[0] == "CMD-SHELL" and "REDISCLI_AUTH=" in test[1] and test[1].endswith("| grep -q PONG")
+    assert f"{SECRETS_MOUNT}/redis_password" in test[1]
 
 
 def test_pdserve_healthchecks_check_their_own_role():
@@ -136,6 +207,9 @@ def test_depends_on_waits_for_health_or_completion():
         assert deps["nats"]["condition"] == "service_healthy", name
         assert deps["redis"]["condition"] == "service_healthy", name
         assert deps["model-init"]["condition"] == "service_completed_successfully", name
+    # everything that reads the secrets volume waits until secrets-init has filled it
+    for name in SECRET_READERS:
+        assert SERVICES[name]["depends_on"]["secrets-init"]["condition"] == "service_completed_successfully", name
 
 
 def test_gateway_publishes_8000():
@@ -183,7 +257,7 @@ def test_gpu_profile_reserves_disjoint_gpus():
 
 def test_models_volume_is_mounted_everywhere_it_is_read():
     assert "models" in COMPOSE["volumes"]
-    for name in PDSERVE_SERVICES:
+    for name in PDSERVE_SERVICES - {"secrets-init"}:
         mounts = [str(m) for m in interpolate(SERVICES[name]["volumes"])]
         models = [m for m in mounts if m.split(":")[1] == "/models"]
         assert models, f"{name} does not mount /models"
@@ -193,19 +267,22 @@ def test_models_volume_is_mounted_everywhere_it_is_read():
         assert read_only == (name not in ONE_SHOT), f"{name}: only model-init writes checkpoints"
         model = environment(name)["PDSERVE_MODEL"]
         assert model.startswith("/models/"), name
-    assert len({environment(n)["PDSERVE_MODEL"] for n in PDSERVE_SERVICES}) == 1
+    assert len({environment(n)["PDSERVE_MODEL"] for n in PDSERVE_SERVICES - {"secrets-init"}}) == 1
 
 
 def test_environment_names_are_settings_fields():
     gateway_fields, worker_fields = field_names(GatewaySettings), field_names(WorkerSettings)
-    for name in PDSERVE_SERVICES:
+    # secrets-init reads the user's own secrets, by the names the services' settings give them
+    assert {v.removeprefix("PDSERVE_").lower() for v in environment("secrets-init")} == set(secrets_init.SECRETS)
+    for name in PDSERVE_SERVICES - {"secrets-init"}:
         fields = gateway_fields if role(name) == "gateway" else worker_fields
         for var in environment(name):
             if var.startswith("OTEL_"):
                 assert var in OTEL_VARS, f"{name}: {var}"
                 continue
             assert var.startswith("PDSERVE_"), f"{name}: {var}"
-            assert var.removeprefix("PDSERVE_").lower() in fields, f"{name}: {var} is no settings field"
+            field = var.removeprefix("PDSERVE_").removesuffix("_FILE").lower()  # PDSERVE_<FIELD>_FILE too
+            assert field in fields, f"{name}: {var} is no settings field"
     # ... and every PDSERVE_* variable the file interpolates from the user's shell is one too.
     all_fields = gateway_fields | worker_fields
     for var in re.findall(r"\$\{(PDSERVE_[A-Z0-9_]+)", (ROOT / "compose.yaml").read_text()):
@@ -217,7 +294,7 @@ def test_environment_values_parse():
     for name in PDSERVE_SERVICES - ONE_SHOT:
         if role(name) == "gateway":
             settings = from_env(GatewaySettings, environment(name))
-            assert settings.api_keys == ()
+            assert len(settings.api_keys) == 1  # generated by secrets-init
         else:
             settings = from_env(WorkerSettings, environment(name), role=role(name))
             assert settings.threads and settings.dtype is None
@@ -235,6 +312,9 @@ def test_commands_are_pdserve_subcommands(capsys):
     for name in PDSERVE_SERVICES - ONE_SHOT:
         assert "entrypoint" not in SERVICES[name], f"{name} runs the image's entrypoint, pdserve"
         _help_exits_cleanly(command(name))
+    # secrets-init takes the directory the volume is mounted at
+    assert SERVICES["secrets-init"]["entrypoint"] == ["pdserve-secrets-init"]
+    assert command("secrets-init") == [SECRETS_MOUNT]
     # model-init passes its command on to `pdserve demo-model <dir>`
     assert SERVICES["model-init"]["entrypoint"] == ["pdserve-model-init"]
     _help_exits_cleanly(["demo-model", "/models/demo", *command("model-init")])
@@ -245,14 +325,171 @@ def test_commands_are_pdserve_subcommands(capsys):
 def test_one_image_built_once():
     # One service builds the image (building it in several races in some compose versions); all the
     # others wait for that one, so the image exists before compose looks for it.
-    assert BUILDERS == ["model-init"]
-    build = SERVICES["model-init"]["build"]
+    assert BUILDERS == ["secrets-init"]
+    build = SERVICES["secrets-init"]["build"]
     assert build["context"] == "."
     args = set(re.findall(r"^ARG (\w+)", (ROOT / "Dockerfile").read_text(), re.M))
     assert set(build.get("args", {})) <= args
-    assert SERVICES["model-init"]["image"] == "pdserve:latest"
+    assert SERVICES["secrets-init"]["image"] == "pdserve:latest"
+    for name in PDSERVE_SERVICES - {"secrets-init"}:
+        assert "secrets-init" in SERVICES[name]["depends_on"], name
+
+
+# ---- security: API keys, credentials, the secrets volume -------------------------------------------------
+
+
+def _secret(name: str) -> str:
+    return (_local_secrets / name).read_text().strip()
+
+
+def test_secrets_volume_reaches_every_service_that_needs_it():
+    assert "secrets" in COMPOSE["volumes"]
+    assert volume_mounts("secrets-init")["secrets"] == SECRETS_MOUNT  # the only writer
+    assert SECRET_READERS == (PDSERVE_SERVICES - ONE_SHOT) | {"nats", "redis"}
+    for name in SECRET_READERS:
+        assert volume_mounts(name)["secrets"] == f"{SECRETS_MOUNT}:ro", name
+
+
+def test_every_pdserve_service_gets_its_credentials():
+    """From the secrets volume, through PDSERVE_<FIELD>_FILE: NATS and Redis passwords for all, the cluster
+    secret for every worker, API keys for the gateway (on by default)."""
     for name in PDSERVE_SERVICES - ONE_SHOT:
-        assert "model-init" in SERVICES[name]["depends_on"], name
+        env = environment(name, raw=True)
+        # secrets only as files: none in an environment variable, where `docker inspect` shows it
+        for var in ("PDSERVE_NATS_PASSWORD", "PDSERVE_REDIS_PASSWORD", "PDSERVE_CLUSTER_SECRET", "PDSERVE_API_KEYS"):
+            assert var not in env, f"{name}: {var} (an empty value would also hide {var}_FILE)"
+        assert env["PDSERVE_NATS_PASSWORD_FILE"] == f"{SECRETS_MOUNT}/nats_password", name
+        assert env["PDSERVE_REDIS_PASSWORD_FILE"] == f"{SECRETS_MOUNT}/redis_password", name
+        if role(name) == "gateway":
+            settings = from_env(GatewaySettings, environment(name))
+            assert settings.api_keys == (_secret("api_keys"),), "API keys are on by default"
+        else:
+            settings = from_env(WorkerSettings, environment(name), role=role(name))
+            assert settings.cluster_secret == _secret("cluster_secret"), name
+        assert settings.nats_user == "pdserve" and settings.nats_password == _secret("nats_password"), name
+        assert settings.redis_password == _secret("redis_password"), name
+    # what the user sets in the shell reaches secrets-init, which stores it for the services
+    shell = {"PDSERVE_API_KEYS": "k1,k2", "PDSERVE_NATS_PASSWORD": "mine"}
+    given = environment("secrets-init", shell)
+    assert given["PDSERVE_API_KEYS"] == "k1,k2" and given["PDSERVE_NATS_PASSWORD"] == "mine"
+    assert given["PDSERVE_CLUSTER_SECRET"] == "" and given["PDSERVE_REDIS_PASSWORD"] == ""  # generated
+
+
+def test_the_header_says_how_to_read_and_set_the_api_key():
+    header = (ROOT / "compose.yaml").read_text().split("\nx-pdserve")[0]
+    assert f"docker compose exec -T gateway cat {SECRETS_MOUNT}/api_keys" in header
+    for variable in ("PDSERVE_API_KEYS", "PDSERVE_CLUSTER_SECRET", "PDSERVE_NATS_PASSWORD", "PDSERVE_REDIS_PASSWORD"):
+        assert variable in header
+    assert "docs/security.md" in header
+
+
+def test_secrets_init_generates_keeps_and_takes_yours(tmp_path, capsys):
+    directory = tmp_path / "secrets"
+    assert secrets_init.main([str(directory)], environ={}) == 0
+    first = {p.name: p.read_text() for p in directory.iterdir()}
+    assert set(first) == {"api_keys", "cluster_secret", "nats_password", "redis_password"}
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    for path in directory.iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path.name
+        assert len(path.read_text().strip()) >= 32, path.name
+        assert not set(path.read_text().strip()) & secrets_init.UNSAFE, path.name
+    # a restart keeps them (clients and servers already use them)
+    assert secrets_init.main([str(directory)], environ={}) == 0
+    assert {p.name: p.read_text() for p in directory.iterdir()} == first
+    # a value from the environment wins, and stays
+    assert secrets_init.main([str(directory)], environ={"PDSERVE_API_KEYS": "key-a,key-b"}) == 0
+    assert (directory / "api_keys").read_text() == "key-a,key-b\n"
+    assert (directory / "nats_password").read_text() == first["nats_password"]
+    assert secrets_init.main([str(directory)], environ={}) == 0
+    assert (directory / "api_keys").read_text() == "key-a,key-b\n"
+    out = capsys.readouterr().out
+    for value in first.values():
+        assert value.strip() not in out, "secrets-init prints no secret"
+    # a password nats.conf or the redis command could not carry is refused, with the reason
+    assert secrets_init.main([str(directory)], environ={"PDSERVE_REDIS_PASSWORD": 'a"b'}) == 1
+    assert "PDSERVE_REDIS_PASSWORD" in capsys.readouterr().err
+    assert secrets_init.main(["--help"]) == 2
+
+
+def _run_infra(name: str, script: str, secrets_dir: Path, port: int) -> subprocess.Popen:
+    script = script.replace(SECRETS_MOUNT + "/", f"{secrets_dir}/")
+    proc = subprocess.Popen(["sh", "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_port("127.0.0.1", port, 15, proc)
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_compose_nats_requires_the_password(tmp_path):
+    """compose.yaml's nats command and docker/nats.conf, run here: the services' settings log in, a wrong
+    password does not, and the healthcheck's monitoring endpoint answers."""
+    port, monitor = free_port(), free_port()
+    script = _shell_script("nats").replace(
+        "--config /etc/nats/pdserve.conf",
+        f"--config {ROOT / 'docker' / 'nats.conf'} -p {port} -m {monitor} -sd {tmp_path / 'js'}",  # flags win
+    )
+    assert "-p" in script  # the replacement happened
+    proc = _run_infra("nats", script, _local_secrets, port)
+    try:
+        env = environment("gateway") | {"PDSERVE_NATS_URL": f"nats://127.0.0.1:{port}"}
+        assert asyncio.run(_nats_connects(from_env(GatewaySettings, env), "compose-nats"))
+        wrong = env | {"PDSERVE_NATS_PASSWORD": "wrong"}
+        assert not asyncio.run(_nats_connects(from_env(GatewaySettings, wrong), "compose-nats-wrong"))
+        assert "refused the credentials" in bus.connection_problem("compose-nats-wrong")
+        anonymous = {"PDSERVE_NATS_URL": f"nats://127.0.0.1:{port}"}
+        assert not asyncio.run(_nats_connects(from_env(GatewaySettings, anonymous), "compose-nats-anonymous"))
+        with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true", timeout=5) as r:
+            assert r.status == 200
+    finally:
+        _stop(proc)
+
+
+async def _nats_connects(settings, name: str) -> bool:
+    try:
+        nc = await asyncio.wait_for(bus.connect(settings, name), 1.0)
+    except TimeoutError:
+        return False
+    await nc.close()
+    return True
+
+
+def test_compose_redis_requires_the_password():
+    """compose.yaml's redis command and healthcheck, run here (the image's entrypoint aside)."""
+    port = free_port()
+    script = _shell_script("redis").replace(
+        "exec docker-entrypoint.sh redis-server -", f"exec redis-server - --port {port} --bind 127.0.0.1"
+    )
+    assert f"--port {port}" in script
+    proc = _run_infra("redis", script, _local_secrets, port)
+    try:
+        env = environment("gateway") | {"PDSERVE_REDIS_URL": f"redis://127.0.0.1:{port}/0"}
+        assert asyncio.run(_redis_ping(from_env(GatewaySettings, env))) == "PONG"
+        assert "refused the credentials" in asyncio.run(
+            _redis_ping(from_env(GatewaySettings, env | {"PDSERVE_REDIS_PASSWORD": "wrong"}))
+        )
+        assert "refused the credentials" in asyncio.run(
+            _redis_ping(from_env(GatewaySettings, {"PDSERVE_REDIS_URL": env["PDSERVE_REDIS_URL"]}))
+        )
+        check = SERVICES["redis"]["healthcheck"]["test"][1].replace("redis-cli ping", f"redis-cli -p {port} ping")
+        check = interpolate(check).replace("$$", "$")  # what compose hands the container's shell
+        assert subprocess.run(["sh", "-c", check.replace(SECRETS_MOUNT, str(_local_secrets))]).returncode == 0
+        elsewhere = check.replace(SECRETS_MOUNT, str(_local_secrets / "missing"))
+        assert subprocess.run(["sh", "-c", elsewhere], stderr=subprocess.DEVNULL).returncode != 0
+    finally:
+        _stop(proc)
+
+
+async def _redis_ping(settings) -> str:
+    client = redis_client(settings, socket_timeout=2.0)
+    try:
+        return "PONG" if await client.ping() else "no"
+    except Exception as exc:
+        return explain_redis_error(exc)
+    finally:
+        await client.aclose()
 
 
 # ---- the observability profile: Jaeger, Prometheus, Grafana ----------------------------------------------
@@ -546,6 +783,9 @@ def test_dockerfile_contract():
     body = " ".join(rest for _, rest in instructions)
     assert "docker/healthcheck.py /opt/venv/bin/pdserve-healthcheck" in body
     assert "docker/model-init.sh /opt/venv/bin/pdserve-model-init" in body
+    assert "docker/secrets_init.py /opt/venv/bin/pdserve-secrets-init" in body
+    # the secrets volume starts out as the image's directory: the pdserve user's, private
+    assert f"chown pdserve:pdserve /models {SECRETS_MOUNT}" in body and f"chmod 0700 {SECRETS_MOUNT}" in body
 
 
 def test_dockerignore_keeps_the_context_small():
@@ -560,9 +800,7 @@ def test_dockerignore_keeps_the_context_small():
 
 @pytest.fixture(scope="module")
 def healthcheck():
-    spec = importlib.util.spec_from_file_location("pdserve_healthcheck", ROOT / "docker" / "healthcheck.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _load_script("pdserve_healthcheck", "docker/healthcheck.py")
     module.TIMEOUT_S = 1.5
     return module
 
@@ -628,3 +866,46 @@ def test_healthcheck_worker_heartbeats(healthcheck, monkeypatch):
     finally:
         server.stop()
     assert healthcheck.main(["prefill"]) == 1  # NATS is gone
+
+
+def test_healthcheck_logs_in_as_the_services_do(healthcheck, monkeypatch, tmp_path, capsys):
+    """Credentials from the same PDSERVE_* settings (here the _FILE form compose uses); a wrong password is
+    unhealthy, with the reason."""
+    from shared.procs import start_nats
+
+    server = start_nats(user="pdserve", password="right-one")
+    password_file = tmp_path / "nats_password"
+    password_file.write_text("right-one\n")
+    monkeypatch.setenv("PDSERVE_NATS_URL", f"nats://127.0.0.1:{server.port}")  # no credentials in the URL
+    monkeypatch.setenv("PDSERVE_NATS_USER", "pdserve")
+    monkeypatch.setenv("PDSERVE_NATS_PASSWORD_FILE", str(password_file))
+    monkeypatch.setenv("PDSERVE_WORKER_ID", "worker-x")
+    try:
+        assert asyncio.run(_check_while_beating(healthcheck, server.url, "decode", "worker-x"))
+        password_file.write_text("wrong\n")
+        capsys.readouterr()
+        assert healthcheck.main(["decode"]) == 1
+        assert "refused the credentials" in capsys.readouterr().err
+    finally:
+        server.stop()
+
+
+async def _check_while_beating(healthcheck, url: str, role: str, worker_id: str) -> bool:
+    import nats
+
+    from shared.messages import Heartbeat, encode, heartbeat_subject
+
+    nc = await nats.connect(url)
+
+    async def beat() -> None:
+        while True:
+            hb = Heartbeat(worker_id=worker_id, role=role, model="demo", rpc_address=None)
+            await nc.publish(heartbeat_subject(role, worker_id), encode(hb))
+            await asyncio.sleep(0.1)
+
+    task = asyncio.create_task(beat())
+    try:
+        return await healthcheck.check_worker(role)
+    finally:
+        task.cancel()
+        await nc.close()
