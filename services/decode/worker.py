@@ -43,7 +43,11 @@ class DecodeWorker(StreamingWorker):
     async def setup(self) -> None:
         self.registry = KvRegistry(self.redis, self.settings.kv_lease_s)
         self.client = KvTransferClient(
-            self.settings.worker_id, backend=self.settings.transfer_backend, model_name=self.model_name
+            self.settings.worker_id,
+            secret=self.settings.cluster_secret,
+            backend=self.settings.transfer_backend,
+            timeout_s=self.settings.kv_transfer_timeout_s,
+            model_name=self.model_name,
         )
 
     async def teardown(self) -> None:
@@ -120,7 +124,7 @@ class DecodeWorker(StreamingWorker):
             log.warning("no KV location for %s (lease expired?)", key)
             return None, f"no KV location (prefill worker {job.prefill_worker} freed it, or its lease expired)"
         try:
-            return await self.client.pull(loc.rpc_address, key, loc.ticket, self.engine.engine.layout), None
+            return await self.client.pull(loc.rpc_address, key, self.engine.engine.layout), None
         except KvTransferError as exc:
             log.warning("KV pull of %s from %s failed (%s)", key, loc.worker_id, exc)
             return None, f"pulling it from {loc.worker_id} failed: {exc}"

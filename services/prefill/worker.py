@@ -52,7 +52,11 @@ class PrefillWorker(Worker):
             self.settings.rpc_host,
             self.settings.rpc_port,
             source=self.source,
+            secret=self.settings.cluster_secret,
             backend=self.settings.transfer_backend,
+            timeout_s=self.settings.kv_transfer_timeout_s,
+            chunk_bytes=self.settings.kv_chunk_bytes,
+            fault_send_midway=self.settings.fault_kv_send_midway,
             advertise_host=self.settings.advertise_host,
             model_name=self.model_name,
         )
@@ -120,13 +124,13 @@ class PrefillWorker(Worker):
             await self.engine.call(lambda e: e.release_kv(key))
             await self.ack(key)
             return
-        ticket = self.source.hold(key)
+        self.source.hold(key)
         self.holding[key] = job
         fingerprint = self.source.layout.fingerprint
         holder: str | None = self.settings.worker_id
         try:
             await self.registry.put(
-                KvLocation(key, self.settings.worker_id, self.rpc_address, out.num_prompt_tokens, fingerprint, ticket)
+                KvLocation(key, self.settings.worker_id, self.rpc_address, out.num_prompt_tokens, fingerprint)
             )
         except Exception as exc:  # Redis unreachable: no decode worker could find the KV, so do not hold it
             log.warning("could not record the KV location of %s (%s); decode will recompute", key, exc)

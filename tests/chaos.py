@@ -1,0 +1,251 @@
+"""What the fault scenarios share (tests/test_faults.py, and benchmarks/reliability.py which runs the same
+scenarios under more load): concurrent streaming requests against a stack, the verdict on each request,
+a watch on the token events that says who holds which request, and the checks that must hold after
+every fault (block accounting sound, no KV held, no `pd:*` key left).
+
+A request's verdict:
+  - completed: HTTP 200, every position streamed once (one chunk per token, as many as usage says, as many
+    as asked for under ignore_eos), a finish reason, [DONE];
+  - failed cleanly: an OpenAI-shaped error, before the stream (4xx/5xx body) or inside it (an error event,
+    then [DONE]);
+  - lost: anything else — a dropped connection, a stream cut short, a hang past the client's timeout,
+    duplicated or missing positions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+import msgspec
+import nats
+
+from services.launcher import Stack
+from shared.messages import TokenEvent
+from tests.e2e_support import heartbeats, kv_keys
+
+CLIENT_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Outcome:
+    prompt: str
+    max_tokens: int
+    status: int | None = None
+    pieces: list[str] = field(default_factory=list)  # one per streamed token
+    finish_reason: str | None = None
+    completion_tokens: int | None = None
+    error: str | None = None  # the error the gateway reported
+    done: bool = False  # [DONE] arrived
+    exception: str | None = None  # the transport failed (connection dropped, timeout)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    @property
+    def verdict(self) -> str:
+        if self.exception is None and self.error is not None and (self.status != 200 or self.done):
+            return "failed_cleanly"
+        complete = (
+            self.status == 200
+            and self.done
+            and self.exception is None
+            and self.finish_reason in ("length", "stop")
+            and len(self.pieces) == self.completion_tokens
+            and (self.finish_reason != "length" or self.completion_tokens == self.max_tokens)
+        )
+        return "completed" if complete else "lost"
+
+
+class Progress:
+    """Streamed-token counts of the requests in flight, which a scenario waits on before striking."""
+
+    def __init__(self, n: int) -> None:
+        self.counts = [0] * n
+        self.ended = [False] * n
+        self._changed = threading.Condition()
+
+    def bump(self, i: int, ended: bool = False) -> None:
+        with self._changed:
+            self.counts[i] += not ended
+            self.ended[i] |= ended
+            self._changed.notify_all()
+
+    def wait(self, predicate: Callable[[Progress], bool], timeout_s: float = 60.0) -> None:
+        with self._changed:
+            if not self._changed.wait_for(lambda: predicate(self), timeout_s):
+                raise TimeoutError(f"progress never got there: counts {self.counts}, ended {self.ended}")
+
+
+def stream_completion(url: str, prompt: str, max_tokens: int, progress: Progress | None = None, i: int = 0) -> Outcome:
+    """One streaming completion (greedy, ignore_eos, with usage), read to its end."""
+    out = Outcome(prompt, max_tokens)
+    body = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    try:
+        with (
+            httpx.Client(timeout=CLIENT_TIMEOUT_S) as client,
+            client.stream("POST", f"{url}/v1/completions", json=body) as resp,
+        ):
+            out.status = resp.status_code
+            if resp.status_code != 200:
+                out.error = json.loads(resp.read())["error"]["message"]
+                return out
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    out.done = True
+                    continue
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    out.error = chunk["error"]["message"]
+                elif chunk.get("usage") and not chunk["choices"]:
+                    out.completion_tokens = chunk["usage"]["completion_tokens"]
+                else:
+                    choice = chunk["choices"][0]
+                    out.pieces.append(choice["text"])
+                    out.finish_reason = choice.get("finish_reason") or out.finish_reason
+                    if progress is not None:
+                        progress.bump(i)
+    except Exception as exc:  # the verdict says lost
+        out.exception = f"{type(exc).__name__}: {exc}"
+    finally:
+        if progress is not None:
+            progress.bump(i, ended=True)
+    return out
+
+
+class Load:
+    """`prompts` streamed concurrently, one thread each; `results()` waits for every outcome."""
+
+    def __init__(self, url: str, prompts: list[str], max_tokens: int) -> None:
+        self.progress = Progress(len(prompts))
+        self._pool = ThreadPoolExecutor(len(prompts))
+        self._futures: list[Future[Outcome]] = [
+            self._pool.submit(stream_completion, url, p, max_tokens, self.progress, i) for i, p in enumerate(prompts)
+        ]
+
+    def results(self, timeout_s: float = CLIENT_TIMEOUT_S + 30) -> list[Outcome]:
+        try:
+            return [f.result(timeout=timeout_s) for f in self._futures]
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def tally(outcomes: list[Outcome]) -> dict[str, int]:
+    verdicts = Counter(o.verdict for o in outcomes)
+    return {"sent": len(outcomes), "completed": verdicts["completed"],
+            "failed_cleanly": verdicts["failed_cleanly"], "lost": verdicts["lost"]}  # fmt: skip
+
+
+class EventWatch:
+    """Every TokenEvent on the stack's NATS, from a thread of its own: who announced, tokened, queued what."""
+
+    def __init__(self, nats_url: str) -> None:
+        self.events: list[TokenEvent] = []
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run(nats_url)), daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise TimeoutError("could not subscribe to the token events")
+
+    async def _run(self, nats_url: str) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        nc = await nats.connect(nats_url)
+
+        async def on_event(msg) -> None:
+            with self._lock:
+                self.events.append(msgspec.json.decode(msg.data, type=TokenEvent))
+
+        await nc.subscribe("pd.tokens.>", cb=on_event)
+        await nc.flush()
+        self._ready.set()
+        await self._stop.wait()
+        await nc.close()
+
+    def taken_without_token(self, worker_prefix: str) -> set[str]:
+        """Requests a worker announced (took) and has published no token for yet."""
+        with self._lock:
+            events = list(self.events)
+        taken = {e.request_id for e in events if e.worker_id.startswith(worker_prefix) and not e.token_ids}
+        tokened = {e.request_id for e in events if e.token_ids or e.finish_reason}
+        return taken - tokened
+
+    def holders(self) -> dict[str, str]:
+        """Request id → the worker whose event about it came last, for requests not finished."""
+        with self._lock:
+            events = list(self.events)
+        last: dict[str, str] = {}
+        for e in events:
+            if e.finish_reason:
+                last[e.request_id] = ""
+            elif e.request_id not in last or last[e.request_id]:
+                last[e.request_id] = e.worker_id
+        return {rid: worker for rid, worker in last.items() if worker}
+
+    def wait_for(self, predicate: Callable[[EventWatch], bool], timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate(self):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the awaited token events never came")
+            time.sleep(0.002)
+
+    def close(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(5)
+
+
+def settled(stack: Stack, timeout_s: float = 60.0) -> dict[str, object]:
+    """Wait until every live worker is idle with sound block accounting and holds no KV, and Redis has no
+    `pd:*` key left (KV leases bound how long that takes); returns the last heartbeats and keys seen.
+    Raises AssertionError with what is still wrong."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        beats = heartbeats(stack.nats_url, seconds=1.2)
+        keys = kv_keys(stack.redis_url)
+        problems = [
+            f"{b.worker_id}: {what}"
+            for b in beats.values()
+            for what, bad in (
+                (f"integrity: {b.integrity_error}", b.integrity_error is not None),
+                (f"holds KV of {b.held_kv} requests", b.held_kv),
+                (f"{b.running} running, {b.waiting} waiting", b.running or b.waiting),
+                (f"{b.total_blocks - b.free_blocks} blocks in use", b.free_blocks != b.total_blocks),
+            )
+            if bad
+        ] + ([f"Redis keys left: {keys}"] if keys else [])
+        if not problems:
+            return {"heartbeats": beats, "keys": keys}
+        if time.monotonic() > deadline:
+            raise AssertionError("; ".join(problems))
+        time.sleep(0.5)
+
+
+def metric_total(text: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus counter's samples matching `labels` in an exposition text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def gateway_metric(stack: Stack, name: str, **labels: str) -> float:
+    return metric_total(httpx.get(f"{stack.url}/metrics", timeout=10).text, name, **labels)

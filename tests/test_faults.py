@@ -1,0 +1,238 @@
+"""Faults under concurrent streaming load, with real processes killed for real (SIGKILL / SIGSTOP), real
+nats-server and redis-server restarts, and an injected KV transfer failure. After each: every request
+completed or failed cleanly (none lost), completed ones match the single-process engine token for token,
+and every live worker's KV pool is sound and empty with no `pd:*` key left once leases expire.
+
+The stacks run with short liveness and lease settings (FAST) so that a scenario takes seconds;
+benchmarks/reliability.py runs the same scenarios with more requests (CHAOS_REQUESTS) and reports the table
+in docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+from services.launcher import Stack, StackSpec
+from shared.engine.engine import Engine
+from shared.engine.sampling import SamplingParams
+from shared.model.demo import write_demo_checkpoint
+from shared.model.tokenizer import Tokenizer
+from shared.procs import free_port
+from tests.chaos import EventWatch, Load, gateway_metric, metric_total, settled, stream_completion, tally
+
+N = int(os.environ.get("CHAOS_REQUESTS", "6"))  # concurrent streams per scenario
+SHORT = ["The quick brown fox", "héllo wörld, 世界", "Tell me a story about disaggregation", "a b c d e f g"]
+LONG = ["Prefill is compute-bound and decode is memory-bound; " * 24 + str(i) for i in range(4)]
+MAX_TOKENS = 128
+FAST = {
+    "PDSERVE_WORKER_TTL_S": "2",  # gateway: a worker silent for 2 s is dead
+    "PDSERVE_STALL_TIMEOUT_S": "10",
+    "PDSERVE_KV_LEASE_S": "4",
+    "PDSERVE_KV_TRANSFER_TIMEOUT_S": "5",
+    "PDSERVE_JOB_ACK_WAIT_S": "6",
+    "PDSERVE_FIRST_TOKEN_TIMEOUT_S": "60",
+    "PDSERVE_DRAIN_TIMEOUT_S": "5",
+}
+REPORT = os.environ.get("CHAOS_REPORT")  # benchmarks/reliability.py: append each scenario's tally here
+
+
+def prompts(pool: list[str], n: int = N) -> list[str]:
+    return [pool[i % len(pool)] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_demo_checkpoint(tmp_path_factory.mktemp("model") / "demo", arch="qwen3_moe", size="tiny")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """Greedy outputs of the single-process engine: what every surviving request must reproduce."""
+    tok = Tokenizer(model_dir)
+    engine = Engine.from_dir(model_dir, max_model_len=2048)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    texts = SHORT + LONG
+    outputs = engine.generate([tok.encode(p) for p in texts], params)
+    return {p: tok.decode(out) for p, out in zip(texts, outputs, strict=True)}
+
+
+def start(model_dir, prefill: int, decode: int, env: dict[str, str] | None = None, worker_args=()) -> Stack:
+    spec = StackSpec(model=str(model_dir), port=free_port(), prefill=prefill, decode=decode, threads_per_worker=1,
+                     env=FAST | (env or {}), worker_args=tuple(worker_args))  # fmt: skip
+    stack = Stack(spec)
+    try:
+        return stack.start(ready_timeout_s=180)
+    except Exception:
+        print(stack.logs())
+        raise
+
+
+def first(stack: Stack, role: str) -> str:
+    """The name of the stack's first worker of `role` (names count across roles: prefill-0, decode-1, ...)."""
+    return min(name for name in stack.procs if name.startswith(role))
+
+
+def busiest(stack: Stack, watch: EventWatch, role: str) -> str:
+    """The name of the worker of `role` that holds the most unfinished requests now (launcher worker ids
+    are "<name>-<launcher pid>")."""
+    held = Counter(watch.holders().values())
+    names = [name for name in stack.procs if name.startswith(role)]
+    return max(names, key=lambda name: sum(n for worker, n in held.items() if worker.startswith(f"{name}-")))
+
+
+def signal_worker(stack: Stack, name: str, sig: signal.Signals) -> None:
+    stack.procs[name].send_signal(sig)
+    if sig is signal.SIGKILL:
+        stack.procs[name].wait(10)
+
+
+def wait_ready(stack: Stack, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{stack.url}/ready", timeout=5).status_code != 200:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{stack.url} not ready again: {httpx.get(f'{stack.url}/ready').text}")
+        time.sleep(0.2)
+
+
+def check(outcomes, reference, scenario: str, may_fail: bool = False) -> dict[str, int]:
+    """No request lost; every completed one equals the reference; failures only where the scenario allows."""
+    counts = tally(outcomes)
+    if REPORT:
+        with open(REPORT, "a") as f:
+            f.write(
+                f"{scenario}\t{counts['sent']}\t{counts['completed']}\t{counts['failed_cleanly']}\t{counts['lost']}\n"
+            )
+    lost = [(o.prompt[:30], o.status, o.exception, o.error, len(o.pieces), o.completion_tokens) for o in outcomes
+            if o.verdict == "lost"]  # fmt: skip
+    assert not lost, f"{scenario}: lost {lost}"
+    if not may_fail:
+        failed = [o.error for o in outcomes if o.verdict == "failed_cleanly"]
+        assert not failed, f"{scenario}: failed {failed}"
+    for o in outcomes:
+        if o.verdict == "completed":
+            assert o.text == reference[o.prompt], f"{scenario}: {o.prompt[:30]!r} differs from the reference"
+    return counts
+
+
+def test_prefill_killed_before_first_token(model_dir, reference):
+    """The prefill worker holding requests dies before their first token: the gateway sees its heartbeat stop
+    and dispatches them again; the other prefill worker runs them; clients get full answers."""
+    # a small token budget per step makes each long prompt take several steps: a window before its first token
+    stack = start(model_dir, prefill=2, decode=1, worker_args=["--max-num-batched-tokens", "32"])
+    watch = EventWatch(stack.nats_url)
+    try:
+        load = Load(stack.url, prompts(LONG), MAX_TOKENS)
+        watch.wait_for(lambda w: w.taken_without_token("prefill-0"))
+        signal_worker(stack, "prefill-0", signal.SIGKILL)  # prefill-0 is also its worker id's prefix
+        check(load.results(), reference, "prefill killed before first token")
+        assert gateway_metric(stack, "pdserve:request_migrations_total", phase="prefill") >= 1
+        settled(stack)
+    finally:
+        watch.close()
+        stack.stop()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_prefill_killed_after_first_token(model_dir, reference, policy):
+    """First tokens are out and the decode jobs wait (the decode worker is stopped); the prefill worker dies
+    with the KV. The decode worker's pull fails: it recomputes (policy recompute) or each request fails with
+    a clear error (policy fail)."""
+    stack = start(model_dir, prefill=1, decode=1, env={"PDSERVE_KV_FALLBACK": policy, "PDSERVE_WORKER_TTL_S": "5"})
+    watch = EventWatch(stack.nats_url)
+    decode = first(stack, "decode")
+    try:
+        signal_worker(stack, decode, signal.SIGSTOP)  # dispatch still works while its last beat is < 5 s old
+        load = Load(stack.url, prompts(SHORT), MAX_TOKENS)
+        watch.wait_for(lambda w: sum(e.queued for e in w.events) >= N)  # every decode job published
+        signal_worker(stack, "prefill-0", signal.SIGKILL)
+        signal_worker(stack, decode, signal.SIGCONT)
+        outcomes = load.results()
+        check(outcomes, reference, f"prefill killed after first token ({policy})", may_fail=policy == "fail")
+        if policy == "fail":
+            assert all(o.verdict == "failed_cleanly" and "kv_fallback" in o.error for o in outcomes)
+            assert all(len(o.pieces) == 1 for o in outcomes)  # the first token, then the error
+        stack.respawn("prefill-0")
+        wait_ready(stack)
+        beats = settled(stack)["heartbeats"]
+        decode = next(b for b in beats.values() if b.role == "decode")
+        assert (decode.prefill_tokens > 0) == (policy == "recompute")  # it recomputed the prompts itself
+        assert stream_completion(stack.url, SHORT[0], MAX_TOKENS).text == reference[SHORT[0]]
+    finally:
+        watch.close()
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def stack_1p2d(model_dir):
+    stack = start(model_dir, prefill=1, decode=2)
+    yield stack
+    stack.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_decode_worker_dies_mid_stream(stack_1p2d, reference, sig):
+    """A decode worker dies (SIGKILL) or hangs (SIGSTOP) while streaming: the gateway notices its heartbeat
+    stop, moves each of its requests (prompt + tokens so far) to the other decode worker, and every client's
+    stream goes on with no position repeated or missing. A hung worker that wakes up later is stale: its
+    events are dropped and its work cancelled."""
+    stack = stack_1p2d
+    moved = gateway_metric(stack, "pdserve:request_migrations_total", phase="decode")
+    watch = EventWatch(stack.nats_url)
+    try:
+        load = Load(stack.url, prompts(SHORT), MAX_TOKENS)
+        load.progress.wait(lambda p: min(p.counts) >= 3)
+        victim = busiest(stack, watch, "decode")
+        signal_worker(stack, victim, sig)
+        outcomes = load.results()
+    finally:
+        watch.close()
+    check(outcomes, reference, f"decode worker {'killed' if sig is signal.SIGKILL else 'hung'} mid-stream")
+    assert gateway_metric(stack, "pdserve:request_migrations_total", phase="decode") > moved
+    if sig is signal.SIGKILL:
+        stack.respawn(victim)
+    else:
+        signal_worker(stack, victim, signal.SIGCONT)
+    wait_ready(stack)
+    settled(stack)
+
+
+@pytest.mark.parametrize("server", ["nats", "redis"])
+def test_infrastructure_restart(model_dir, reference, server):
+    """nats-server or redis-server restarts under load: services reconnect; requests in flight complete or
+    fail cleanly; new requests succeed once it is back. (Redis keeps nothing: KV locations written before the
+    restart are gone, so decode recomputes those requests.)"""
+    stack = start(model_dir, prefill=1, decode=1)
+    try:
+        load = Load(stack.url, prompts(SHORT), MAX_TOKENS)
+        load.progress.wait(lambda p: min(p.counts) >= 1)
+        infra = next(s for s in stack.infra if s.name == server)
+        infra.restart(down_s=1.0)
+        check(load.results(), reference, f"{server} restart", may_fail=True)
+        wait_ready(stack)
+        again = Load(stack.url, prompts(SHORT), MAX_TOKENS).results()
+        assert tally(again)["completed"] == N
+        check(again, reference, f"after {server} restart")
+        settled(stack)
+    finally:
+        stack.stop()
+
+
+def test_kv_transfer_fails_midway(model_dir, reference):
+    """Every KV send breaks after its first piece (injected on the prefill worker): decode recomputes, the
+    prefill worker frees the blocks anyway, and nothing stays pinned."""
+    fault = {"PDSERVE_FAULT_KV_SEND_MIDWAY": "1", "PDSERVE_KV_CHUNK_BYTES": "4096"}
+    stack = start(model_dir, prefill=1, decode=1, env=fault)
+    try:
+        check(Load(stack.url, prompts(SHORT), MAX_TOKENS).results(), reference, "KV transfer fails midway")
+        beats = settled(stack)["heartbeats"]
+        assert next(b for b in beats.values() if b.role == "decode").prefill_tokens > 0
+        decode_metrics = httpx.get(f"http://127.0.0.1:{stack.metrics_ports[first(stack, 'decode')]}/metrics").text
+        assert metric_total(decode_metrics, "pdserve:kv_transfer_failures_total") >= 1
+    finally:
+        stack.stop()
