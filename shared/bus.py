@@ -75,7 +75,9 @@ async def connect(settings: CommonSettings, name: str) -> NATS:
     async def on_error(exc: Exception) -> None:  # one line now and then, never a traceback per attempt
         problems.report(_explain(exc))
 
-    log.info("%s: connecting to NATS at %s%s", name, redact(",".join(servers)), " (TLS)" if tls else "")
+    login = f"as {user}" if user and password else "with a token" if user or password else "without credentials"
+    tls_note = ", TLS" if tls else ""
+    log.info("%s: connecting to NATS at %s (%s%s)", name, redact(",".join(servers)), login, tls_note)
     await client.connect(
         servers,
         name=name,

@@ -95,8 +95,8 @@ def _text_content(content: Any, index: int) -> str:
     texts = []
     for part in content:
         if part.type != "text" or part.text is None:
-            message = f"only text content is supported, got a {part.type!r} part"
-            raise APIError(400, message, f"messages[{index}].content")
+            got = "a text part without `text`" if part.type == "text" else f"a {part.type!r} part"
+            raise APIError(400, f"only text content is supported, got {got}", f"messages[{index}].content")
         texts.append(part.text)
     return "\n".join(texts)
 
