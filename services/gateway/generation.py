@@ -14,6 +14,7 @@ import anyio
 
 from services.gateway.backend import Backend, GenerationJob, RequestStream, Update
 from services.gateway.observe import RequestObserver
+from services.gateway.prompt_log import log_completion, log_prompt
 from services.gateway.textstream import TextAssembler
 from shared.model.tokenizer import Tokenizer
 
@@ -46,10 +47,13 @@ class Generation:
         tokenizer: Tokenizer,
         stop: tuple[str, ...],
         observer: RequestObserver | None = None,
+        log_prompts: bool = False,  # settings.log_prompts: prompt and completion text in the log (prompt_log.py)
     ) -> None:
         self.backend = backend
         self.job = job
         self.observer = observer
+        self.log_prompts = log_prompts
+        self._tokenizer = tokenizer
         self.text = TextAssembler(tokenizer, stop)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
@@ -65,6 +69,8 @@ class Generation:
 
     async def open(self) -> None:
         """Dispatch. Raises BackendUnavailable."""
+        if self.log_prompts:
+            log_prompt(self.job.request_id, self._tokenizer, self.job.prompt_token_ids)
         self._stream = await self.backend.open(self.job)
 
     def fail(self, message: str, status: int) -> GenerationError:
@@ -130,6 +136,9 @@ class Generation:
             return
         self._closed = True
         self._report_end()
+        if self.log_prompts:
+            ending = "error" if self._failure is not None else self.finish_reason or "abort"
+            log_completion(self.job.request_id, self.text.text, self.completion_tokens, ending)
         if self._stream is None:
             return  # never dispatched: nothing upstream to cancel
         # shielded: this runs in the finally of a task that is being cancelled (client disconnect)

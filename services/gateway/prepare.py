@@ -3,6 +3,12 @@
 Everything a client can get wrong is checked here and raised as a 4xx APIError naming the field; a
 request that passes is one every worker accepts (the same rules as shared.engine.sampling.SamplingParams,
 checked without importing torch into the gateway).
+
+Limits: the body is at most max_body_bytes (litestar answers 413); a prompt at most
+ServedModel.max_prompt_tokens tokens (settings.max_prompt_tokens, else the context less one). Work grows with
+what a client sends and runs on the event loop, so it is bounded before it is done: text that cannot fit in
+the token limit is refused before the chat template renders or the tokenizer runs, as are more messages than
+the limit has tokens; stop strings (matched against every generated token) and stop token ids are capped.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from shared.model.tokenizer import ChatTemplateError
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # per stop string: the held-back check costs its length squared per generated token
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass(frozen=True)
@@ -73,7 +82,11 @@ def _check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
 def _chat_prompt(req: ChatCompletionRequest, model: ServedModel) -> list[int]:
     if not req.messages:
         raise APIError(400, "messages must contain at least one message", "messages")
+    if len(req.messages) > model.max_prompt_tokens:
+        message = f"too many messages: {len(req.messages)}, for prompts of at most {model.max_prompt_tokens} tokens"
+        raise APIError(400, message, "messages")
     messages: list[dict[str, Any]] = []
+    chars = 0
     for i, m in enumerate(req.messages):
         if m.role not in CHAT_ROLES:
             roles = ", ".join(sorted(CHAT_ROLES))
@@ -82,11 +95,27 @@ def _chat_prompt(req: ChatCompletionRequest, model: ServedModel) -> list[int]:
         if m.name is not None:
             message["name"] = m.name
         messages.append(message)
+        chars += len(message["content"]) + len(m.name or "")
+    _check_text_length(chars, "messages", model)  # before the template renders: it only adds text
     add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
     try:
-        return model.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+        text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), "messages") from exc
+    _check_text_length(len(text), "messages", model)
+    # The template already writes any BOS it wants (Tokenizer.encode_chat, in two steps).
+    return model.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _check_text_length(chars: int, param: str, model: ServedModel) -> None:
+    """Refuse, without tokenizing, text too long to fit in max_prompt_tokens whatever its tokens."""
+    if chars > model.max_prompt_chars:
+        raise APIError(
+            400,
+            f"The prompt is too long: {chars} characters cannot fit in {model.max_prompt_tokens} tokens, the "
+            "longest prompt this server accepts.",
+            param,
+        )
 
 
 def _text_content(content: Any, index: int) -> str:
@@ -105,9 +134,11 @@ def _completion_prompt(prompt: str | list[Any], model: ServedModel) -> list[int]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
+        _check_text_length(len(prompt), "prompt", model)
         ids = model.tokenizer.encode(prompt) if prompt else []
     elif all(type(t) is int for t in prompt):
         ids = list(prompt)
+        _fitting(ids, "prompt", model)  # before looking at every id
     elif all(isinstance(p, str | list) for p in prompt):
         raise APIError(400, "only one prompt per request is supported", "prompt")
     else:
@@ -125,16 +156,22 @@ def _check_token_ids(ids: list[int], model: ServedModel, param: str) -> None:
 
 
 def _fitting(prompt: list[int], param: str, model: ServedModel) -> int:
-    """The prompt's length, once checked to leave room for at least one generated token."""
+    """The prompt's length, once checked against max_prompt_tokens (which leaves room for at least one
+    generated token)."""
+    if len(prompt) <= model.max_prompt_tokens:
+        return len(prompt)
     limit = model.max_model_len
-    if len(prompt) >= limit:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {limit} tokens, and your prompt has {len(prompt)} tokens: "
-            "it must be shorter than the context to leave room for at least one generated token.",
-            param,
+    if model.max_prompt_tokens < limit - 1:  # the server's own limit, stricter than the model's
+        message = (
+            f"This server accepts prompts of at most {model.max_prompt_tokens} tokens, and your prompt has "
+            f"{len(prompt)} tokens."
         )
-    return len(prompt)
+    else:
+        message = (
+            f"This model's maximum context length is {limit} tokens, and your prompt has {len(prompt)} tokens: "
+            "it must be shorter than the context to leave room for at least one generated token."
+        )
+    raise APIError(400, message, param)
 
 
 def _max_tokens(requested: int | None, param: str, prompt_len: int, model: ServedModel, default: int | None) -> int:
@@ -158,7 +195,14 @@ def _prepared(
     req: ChatCompletionRequest | CompletionRequest, prompt: list[int], max_tokens: int, model: ServedModel
 ) -> Prepared:
     stop_token_ids = list(req.stop_token_ids or [])
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise APIError(400, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(stop_token_ids)}", "stop_token_ids")
     _check_token_ids(stop_token_ids, model, "stop_token_ids")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if len(stop) > MAX_STOP_STRINGS:
+        raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
     sampling = Sampling(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -168,7 +212,6 @@ def _prepared(
         stop_token_ids=stop_token_ids,
         ignore_eos=bool(req.ignore_eos),
     )
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     return Prepared(
         prompt_token_ids=prompt,
         sampling=sampling,

@@ -23,13 +23,12 @@ from services.gateway.backend import Backend, BackendUnavailable, GenerationJob,
 from services.gateway.decoding import StrictJSON
 from services.gateway.disconnect import until_disconnect
 from services.gateway.draining import Drain
-from services.gateway.errors import APIError, ErrorBody, error_response, error_responses
+from services.gateway.errors import APIError, ErrorBody, error_response
 from services.gateway.generation import Generation, GenerationError
 from services.gateway.observe import RequestObserver
 from services.gateway.prepare import Prepared, prepare_chat, prepare_completion
 from services.gateway.responses import ResponseWriter, new_request_id
 from services.gateway.schemas import (
-    COMPLETION_ERRORS,
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -37,8 +36,6 @@ from services.gateway.schemas import (
     ModelCard,
     ModelList,
     Status,
-    StreamingOperation,
-    responses,
 )
 from services.gateway.served_model import ServedModel
 from shared.telemetry import metrics, tracing
@@ -46,14 +43,7 @@ from shared.telemetry import metrics, tracing
 AnyRequest = Request[Any, Any, Any]
 
 
-@post(
-    "/chat/completions",
-    dto=StrictJSON[ChatCompletionRequest],
-    return_dto=None,
-    status_code=200,
-    responses=responses(ChatCompletion, *COMPLETION_ERRORS),
-    operation_class=StreamingOperation,
-)
+@post("/chat/completions", dto=StrictJSON[ChatCompletionRequest], return_dto=None, status_code=200)
 async def chat_completions(
     data: JSONBody[ChatCompletionRequest],
     request: AnyRequest,
@@ -67,14 +57,7 @@ async def chat_completions(
     return await _complete(request, backend, model, prepare_chat(data, model), arrived, chat=True)
 
 
-@post(
-    "/completions",
-    dto=StrictJSON[CompletionRequest],
-    return_dto=None,
-    status_code=200,
-    responses=responses(Completion, *COMPLETION_ERRORS),
-    operation_class=StreamingOperation,
-)
+@post("/completions", dto=StrictJSON[CompletionRequest], return_dto=None, status_code=200)
 async def completions(
     data: JSONBody[CompletionRequest],
     request: AnyRequest,
@@ -109,7 +92,7 @@ async def _complete(
         operation, model.name, request_id, request.headers, arrived, prepared.sampling.max_tokens, prompt_tokens
     )
     job = GenerationJob(request_id, model.name, prepared.prompt_token_ids, prepared.sampling, observer.trace_context())
-    gen = Generation(backend, job, model.tokenizer, prepared.stop, observer)
+    gen = Generation(backend, job, model.tokenizer, prepared.stop, observer, log_prompts=model.log_prompts)
     writer = ResponseWriter(request_id, model.name, chat)
     try:
         await gen.open()
@@ -151,13 +134,13 @@ def _card(model: ServedModel) -> ModelCard:
     )
 
 
-@get("/models", responses=error_responses(401))
+@get("/models")
 async def list_models(model: NamedDependency[ServedModel]) -> ModelList:
     """The served model, with its context length (`max_model_len`)."""
     return ModelList(object="list", data=[_card(model)])
 
 
-@get("/models/{model_id:path}", responses=error_responses(400, 401, 404))
+@get("/models/{model_id:path}")
 async def retrieve_model(model_id: FromPath[str], model: NamedDependency[ServedModel]) -> ModelCard:
     if model_id.lstrip("/") != model.name:
         raise APIError(404, f"The model `{model_id.lstrip('/')}` does not exist", "model")
@@ -170,7 +153,7 @@ async def health() -> Status:
     return Status(status="ok")
 
 
-@get("/ready", responses=responses(Status, 503))
+@get("/ready")
 async def ready(
     backend: NamedDependency[Backend], drain: NamedDependency[Drain]
 ) -> Response[Status] | Response[ErrorBody]:
