@@ -23,12 +23,13 @@ from services.gateway.backend import Backend, BackendUnavailable, GenerationJob,
 from services.gateway.decoding import StrictJSON
 from services.gateway.disconnect import until_disconnect
 from services.gateway.draining import Drain
-from services.gateway.errors import APIError, ErrorBody, error_response
+from services.gateway.errors import APIError, ErrorBody, error_response, error_responses
 from services.gateway.generation import Generation, GenerationError
 from services.gateway.observe import RequestObserver
 from services.gateway.prepare import Prepared, prepare_chat, prepare_completion
 from services.gateway.responses import ResponseWriter, new_request_id
 from services.gateway.schemas import (
+    COMPLETION_ERRORS,
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -36,6 +37,8 @@ from services.gateway.schemas import (
     ModelCard,
     ModelList,
     Status,
+    StreamingOperation,
+    responses,
 )
 from services.gateway.served_model import ServedModel
 from shared.telemetry import metrics, tracing
@@ -43,7 +46,14 @@ from shared.telemetry import metrics, tracing
 AnyRequest = Request[Any, Any, Any]
 
 
-@post("/chat/completions", dto=StrictJSON[ChatCompletionRequest], return_dto=None, status_code=200)
+@post(
+    "/chat/completions",
+    dto=StrictJSON[ChatCompletionRequest],
+    return_dto=None,
+    status_code=200,
+    responses=responses(ChatCompletion, *COMPLETION_ERRORS),
+    operation_class=StreamingOperation,
+)
 async def chat_completions(
     data: JSONBody[ChatCompletionRequest],
     request: AnyRequest,
@@ -57,7 +67,14 @@ async def chat_completions(
     return await _complete(request, backend, model, prepare_chat(data, model), arrived, chat=True)
 
 
-@post("/completions", dto=StrictJSON[CompletionRequest], return_dto=None, status_code=200)
+@post(
+    "/completions",
+    dto=StrictJSON[CompletionRequest],
+    return_dto=None,
+    status_code=200,
+    responses=responses(Completion, *COMPLETION_ERRORS),
+    operation_class=StreamingOperation,
+)
 async def completions(
     data: JSONBody[CompletionRequest],
     request: AnyRequest,
@@ -134,13 +151,13 @@ def _card(model: ServedModel) -> ModelCard:
     )
 
 
-@get("/models")
+@get("/models", responses=error_responses(401))
 async def list_models(model: NamedDependency[ServedModel]) -> ModelList:
     """The served model, with its context length (`max_model_len`)."""
     return ModelList(object="list", data=[_card(model)])
 
 
-@get("/models/{model_id:path}")
+@get("/models/{model_id:path}", responses=error_responses(400, 401, 404))
 async def retrieve_model(model_id: FromPath[str], model: NamedDependency[ServedModel]) -> ModelCard:
     if model_id.lstrip("/") != model.name:
         raise APIError(404, f"The model `{model_id.lstrip('/')}` does not exist", "model")
@@ -153,7 +170,7 @@ async def health() -> Status:
     return Status(status="ok")
 
 
-@get("/ready")
+@get("/ready", responses=responses(Status, 503))
 async def ready(
     backend: NamedDependency[Backend], drain: NamedDependency[Drain]
 ) -> Response[Status] | Response[ErrorBody]:
