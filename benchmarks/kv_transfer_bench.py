@@ -48,6 +48,7 @@ from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
 
 HOST = "127.0.0.1"
 TIMEOUT_S = 120.0
+SECRET = b"kv-transfer-bench-secret"  # both sides sign and check tickets, as workers do
 TTFT_REPEATS = 3
 GO_TAG = 1  # raw gloo: "go" messages; payloads use GO_TAG + 1 + index of the prompt size
 
@@ -73,9 +74,7 @@ class BenchSource:
         self.buffers = BufferPool(1 << 30, "cpu")
         self.lent: dict[str, torch.Tensor] = {}
 
-    async def export_kv(self, request_id: str, ticket: str) -> KVExport:
-        if ticket != "bench":
-            raise PermissionError("wrong ticket")
+    async def export_kv(self, request_id: str) -> KVExport:
         if request_id in self.staged:
             return self.staged[request_id]
         kv = self.engine.export_kv(request_id, alloc=self.buffers.take)  # a copy, as a real pull makes
@@ -126,7 +125,7 @@ def prefill_main(conn, model_dir: str, sizes: list[int], repeats: int) -> None:
 
 
 async def serve(conn, source: BenchSource, raw_store: dist.TCPStore, timings: dict) -> None:
-    server = KvTransferServer(HOST, 0, source, timeout_s=TIMEOUT_S)
+    server = KvTransferServer(HOST, 0, source, secret=SECRET, timeout_s=TIMEOUT_S)
     address = await server.start()
     layout = dataclasses.asdict(source.layout)
     conn.send(dict(address=address, raw_port=raw_store.port, layout=layout, **timings))
@@ -142,11 +141,11 @@ def raw_sender(store: dist.TCPStore, payloads: list[torch.Tensor]) -> None:
     pair = Pair.join(Backend.GLOO, store, "raw", PREFILL_RANK, TIMEOUT_S, HOST)
     go = torch.zeros(2, dtype=torch.int64)
     while True:
-        pair.recv(go, GO_TAG)
+        pair.recv([go], GO_TAG)
         index = int(go[0])
         if index < 0:
             return
-        pair.send(payloads[index], GO_TAG + 1 + index)
+        pair.send([payloads[index]], GO_TAG + 1 + index)
 
 
 # ---- decode process (this one) ----------------------------------------------------------------------------
@@ -154,21 +153,21 @@ def raw_sender(store: dist.TCPStore, payloads: list[torch.Tensor]) -> None:
 
 def raw_pull(pair: Pair, index: int, out: torch.Tensor) -> float:
     t0 = time.perf_counter()
-    pair.send(torch.tensor([index, 0]), GO_TAG)
-    pair.recv(out, GO_TAG + 1 + index)
+    pair.send([torch.tensor([index, 0])], GO_TAG)
+    pair.recv([out], GO_TAG + 1 + index)
     return time.perf_counter() - t0
 
 
 async def measure(info: dict, sizes: list[int], repeats: int) -> list[dict]:
     layout = KVLayout(**info["layout"])
-    client = KvTransferClient("bench-decode", timeout_s=TIMEOUT_S)
+    client = KvTransferClient("bench-decode", secret=SECRET, timeout_s=TIMEOUT_S)
     store = dist.TCPStore(HOST, info["raw_port"], is_master=False)
     raw = await asyncio.to_thread(Pair.join, Backend.GLOO, store, "raw", DECODE_RANK, TIMEOUT_S, HOST)
     rows = []
     try:
         for index, n in enumerate(sizes):
             pulls = {"pull": f"kv-{n}", "pull_staged": f"staged-{n}"}
-            warm = {k: await client.pull(info["address"], rid, "bench", layout) for k, rid in pulls.items()}
+            warm = {k: await client.pull(info["address"], rid, layout) for k, rid in pulls.items()}
             raw_buffer = torch.empty_like(warm["pull"].blocks)
             raw_pull(raw, index, raw_buffer)
             assert all(torch.equal(kv.blocks, raw_buffer) for kv in warm.values()), "different bytes arrived"
@@ -179,14 +178,14 @@ async def measure(info: dict, sizes: list[int], repeats: int) -> list[dict]:
             for _ in range(repeats):
                 for key, rid in pulls.items():
                     t0 = time.perf_counter()
-                    kv = await client.pull(info["address"], rid, "bench", layout)
+                    kv = await client.pull(info["address"], rid, layout)
                     times[key].append(time.perf_counter() - t0)
                     client.recycle(kv)  # as a decode worker does once the KV is imported
                 times["raw"].append(await asyncio.to_thread(raw_pull, raw, index, raw_buffer))
                 times["clone"].append(median_s(raw_buffer.clone, 1))
             seconds = {k: statistics.median(v) for k, v in times.items()}
             rows.append(row(n, nbytes, seconds, info["ttft"][n], info["export"][n]))
-        await asyncio.to_thread(raw.send, torch.tensor([-1, 0]), GO_TAG)
+        await asyncio.to_thread(raw.send, [torch.tensor([-1, 0])], GO_TAG)
     finally:
         await client.close()
     return rows

@@ -2,11 +2,14 @@
 
 The prefill process (spawned) loads the tiny demo checkpoint, prefills on request with hold_kv, and
 answers state queries over a pipe; the pull itself goes over gRPC + a gloo pair, as between services.
+Both sides share SECRET, as a deployment's workers share the cluster secret. Refusals of bad tickets and
+malformed calls are tested in test_kv_security.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import socket
@@ -19,16 +22,18 @@ import torch
 
 from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
+from shared.kv.tickets import Tickets
 from shared.kv.transfer import EngineKvSource, FailureReason, KvTransferClient, KvTransferError, KvTransferServer
 from shared.kv.transfer.buffers import BufferPool
 from shared.kv.transfer.pair import DECODE_RANK, Backend, Pair, store_client
-from shared.kv.transfer.wire import announced_layout
+from shared.kv.transfer.wire import announced_layout, num_pieces, pieces
 from shared.model.demo import write_demo_checkpoint
 from shared.model.loader import load_model
 from shared.rpc import kv_transfer_pb2 as pb
 from shared.rpc import kv_transfer_pb2_grpc as pb_grpc
 
 TIMEOUT_S = 20.0
+SECRET = b"test-cluster-secret-0123456789"
 ENGINE_OPTS = dict(num_kv_blocks=48, max_model_len=512, max_num_batched_tokens=128)
 PREFILL = SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -52,11 +57,12 @@ def _prefill_main(conn: Connection, checkpoint: str) -> None:
 
 
 async def _prefill_serve(conn: Connection, checkpoint: str) -> None:
-    """Serve pulls; between them run the commands the test sends: ("prefill", id, prompt) → (first
-    tokens, ticket); ("state",) → block and server counts; ("stop",)."""
+    """Serve pulls; between them run the commands the test sends: ("prefill", id, prompt) → first tokens;
+    ("configure", chunk_bytes, fault_send_midway) → None; ("state",) → block and server counts; ("stop",)."""
     engine = Engine(EngineConfig(model=checkpoint, **ENGINE_OPTS))
     source = EngineKvSource(engine)
-    server = KvTransferServer("127.0.0.1", 0, source, timeout_s=TIMEOUT_S)
+    server = KvTransferServer("127.0.0.1", 0, source, secret=SECRET, timeout_s=TIMEOUT_S)
+    defaults = (server.chunk_bytes, server.fault_send_midway)
     conn.send(await server.start())
     try:
         while True:
@@ -66,7 +72,12 @@ async def _prefill_serve(conn: Connection, checkpoint: str) -> None:
             if op == "prefill":
                 rid, prompt = args
                 engine.add_request(rid, prompt, PREFILL, hold_kv=True)
-                conn.send((_run(engine), source.hold(rid)))
+                first = _run(engine)
+                source.hold(rid)
+                conn.send(first)
+            elif op == "configure":  # read by every pull from now on; None restores the defaults
+                server.chunk_bytes, server.fault_send_midway = defaults if args[0] is None else args
+                conn.send(None)
             elif op == "state":
                 try:
                     engine.check_integrity()
@@ -91,13 +102,21 @@ class PrefillProcess:
             raise TimeoutError(f"prefill process did not answer {command[0]!r}")
         return self.conn.recv()
 
-    def prefill(self, rid: str, prompt: list[int]) -> tuple[list[int], str]:
+    def prefill(self, rid: str, prompt: list[int]) -> list[int]:
         return self.call("prefill", rid, prompt)
 
-    def settled_state(self) -> dict:
-        """State once no KV is held any more (a release follows the send, so it may lag the recv)."""
+    @contextlib.contextmanager
+    def configured(self, chunk_bytes: int, fault_send_midway: bool = False):
+        self.call("configure", chunk_bytes, fault_send_midway)
+        try:
+            yield
+        finally:
+            self.call("configure", None)
+
+    def settled_state(self, held: tuple[str, ...] = ()) -> dict:
+        """State once only `held` is held (a release follows the send, so it may lag the recv)."""
         deadline = time.monotonic() + 10
-        while (state := self.call("state"))["held"] and time.monotonic() < deadline:
+        while sorted((state := self.call("state"))["held"]) != sorted(held) and time.monotonic() < deadline:
             time.sleep(0.02)
         return state
 
@@ -141,13 +160,19 @@ def _engine(checkpoint, model, **overrides) -> Engine:
     return Engine(EngineConfig(model=str(checkpoint), **(ENGINE_OPTS | overrides)), model)
 
 
-def _pull(address: str, worker: str, *pulls: tuple[str, str], layout) -> tuple[list, KvTransferClient]:
-    """Pull (request id, ticket)s concurrently with one new client; each result is a KVExport or the error."""
+def _client(worker: str, secret: bytes = SECRET) -> KvTransferClient:
+    return KvTransferClient(worker, secret=secret, timeout_s=TIMEOUT_S)
+
+
+def _pull(
+    address: str, worker: str, *request_ids: str, layout, secret: bytes = SECRET
+) -> tuple[list, KvTransferClient]:
+    """Pull request ids concurrently with one new client; each result is a KVExport or the error."""
 
     async def run():
-        client = KvTransferClient(worker, timeout_s=TIMEOUT_S)
+        client = _client(worker, secret)
         try:
-            coros = [client.pull(address, rid, ticket, layout) for rid, ticket in pulls]
+            coros = [client.pull(address, rid, layout) for rid in request_ids]
             return await asyncio.gather(*coros, return_exceptions=True), client
         finally:
             await client.close()
@@ -165,10 +190,10 @@ def test_pull_then_decode_matches_one_engine(prefill, checkpoint, model):
     whole.add_request("a", prompt, params)
     expected = _run(whole)
 
-    first, ticket = prefill.prefill("a", prompt)
+    first = prefill.prefill("a", prompt)
     assert prefill.call("state")["held"] == ["a"]
     decode = _engine(checkpoint, model, block_size=8, num_kv_blocks=96)  # blocks re-cut on import
-    (kv,), client = _pull(prefill.address, "decode-exact", ("a", ticket), layout=decode.layout)
+    (kv,), client = _pull(prefill.address, "decode-exact", "a", layout=decode.layout)
     assert not isinstance(kv, Exception), kv
     assert kv.num_tokens == len(prompt) and kv.layout.block_size == 16
     assert client.stats.bytes_received == kv.nbytes
@@ -181,19 +206,20 @@ def test_pull_then_decode_matches_one_engine(prefill, checkpoint, model):
     assert state["failed_sends"] == 0
 
 
-def test_wrong_ticket_keeps_kv_and_unknown_request_fails(prefill, checkpoint, model):
+def test_another_secret_is_denied_keeps_kv_and_unknown_request_fails(prefill, checkpoint, model):
     layout = _engine(checkpoint, model).layout
-    _, ticket = prefill.prefill("b", _prompt(40, seed=8))
-    (bad, unknown), _ = _pull(prefill.address, "decode-denied", ("b", "x" + ticket), ("nope", ticket), layout=layout)
-    assert isinstance(bad, KvTransferError) and bad.reason is FailureReason.DENIED
+    prefill.prefill("b", _prompt(40, seed=8))
+    (bad,), _ = _pull(prefill.address, "decode-denied", "b", layout=layout, secret=b"another-cluster-secret-42")
+    assert isinstance(bad, KvTransferError) and bad.reason is FailureReason.DENIED  # its Connect is refused
+    (unknown,), _ = _pull(prefill.address, "decode-denied", "nope", layout=layout)
     assert isinstance(unknown, KvTransferError) and unknown.reason is FailureReason.NOT_FOUND
     state = prefill.call("state")
     assert state["held"] == ["b"] and state["free"] < state["total"]  # the refused pull left the KV in place
 
-    (kv,), _ = _pull(prefill.address, "decode-denied", ("b", ticket), layout=layout)
+    (kv,), _ = _pull(prefill.address, "decode-denied", "b", layout=layout)
     assert kv.num_tokens == 40
     prefill.assert_all_free()
-    (again,), _ = _pull(prefill.address, "decode-denied", ("b", ticket), layout=layout)
+    (again,), _ = _pull(prefill.address, "decode-denied", "b", layout=layout)
     assert isinstance(again, KvTransferError) and again.reason is FailureReason.NOT_FOUND
 
 
@@ -203,15 +229,16 @@ def test_pulls_share_one_pair_and_keep_transfers_apart(prefill, checkpoint, mode
     # c0 and c1 fill the same number of blocks, so a tag mix-up would swap their data (and fail below)
     # rather than mismatch sizes (which gloo answers by aborting the receiving process).
     prompts = {"c0": _prompt(70, seed=1), "c1": _prompt(66, seed=2), "c2": _prompt(90, seed=3)}
-    tickets = {rid: prefill.prefill(rid, p)[1] for rid, p in prompts.items()}
+    for rid, p in prompts.items():
+        prefill.prefill(rid, p)
     pairs_before = prefill.call("state")["pairs_created"]
 
     async def run():
-        client = KvTransferClient("decode-shared", timeout_s=TIMEOUT_S)
+        client = _client("decode-shared")
         try:
-            pulls = [client.pull(prefill.address, rid, tickets[rid], local.layout) for rid in ("c0", "c1")]
+            pulls = [client.pull(prefill.address, rid, local.layout) for rid in ("c0", "c1")]
             kvs = await asyncio.gather(*pulls)
-            kvs.append(await client.pull(prefill.address, "c2", tickets["c2"], local.layout))
+            kvs.append(await client.pull(prefill.address, "c2", local.layout))
             return kvs, client.stats
         finally:
             await client.close()
@@ -234,14 +261,15 @@ def test_replaced_pair_is_renegotiated_transparently(prefill, checkpoint, model)
     """A pair the server no longer knows (here: replaced by a second client under the same worker id, as
     after a decode restart) is answered with ABORTED; the client forms a new pair and pulls once more."""
     layout = _engine(checkpoint, model).layout
-    tickets = {rid: prefill.prefill(rid, _prompt(20, seed=i))[1] for i, rid in enumerate(("f0", "f1", "f2"))}
+    for i, rid in enumerate(("f0", "f1", "f2")):
+        prefill.prefill(rid, _prompt(20, seed=i))
 
     async def run():
-        first, second = (KvTransferClient("decode-twin", timeout_s=TIMEOUT_S) for _ in range(2))
+        first, second = (_client("decode-twin") for _ in range(2))
         try:
-            await first.pull(prefill.address, "f0", tickets["f0"], layout)
-            await second.pull(prefill.address, "f1", tickets["f1"], layout)  # replaces first's pair
-            kv = await first.pull(prefill.address, "f2", tickets["f2"], layout)
+            await first.pull(prefill.address, "f0", layout)
+            await second.pull(prefill.address, "f1", layout)  # replaces first's pair
+            kv = await first.pull(prefill.address, "f2", layout)
             return kv, first.stats
         finally:
             await first.close()
@@ -255,19 +283,19 @@ def test_replaced_pair_is_renegotiated_transparently(prefill, checkpoint, model)
 
 def test_incompatible_layout_and_unreachable_worker_fail_clearly(prefill, checkpoint, model):
     layout = _engine(checkpoint, model).layout
-    _, ticket = prefill.prefill("d", _prompt(30, seed=9))
+    prefill.prefill("d", _prompt(30, seed=9))
     wider = dataclasses.replace(layout, num_kv_heads=layout.num_kv_heads * 2)
-    (mismatch,), _ = _pull(prefill.address, "decode-wider", ("d", ticket), layout=wider)
+    (mismatch,), _ = _pull(prefill.address, "decode-wider", "d", layout=wider)
     assert isinstance(mismatch, KvTransferError) and mismatch.reason is FailureReason.INCOMPATIBLE
     assert prefill.call("state")["held"] == ["d"]
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         nobody = f"127.0.0.1:{s.getsockname()[1]}"
-    (gone,), _ = _pull(nobody, "decode-lost", ("d", ticket), layout=layout)
+    (gone,), _ = _pull(nobody, "decode-lost", "d", layout=layout)
     assert isinstance(gone, KvTransferError) and gone.reason is FailureReason.UNAVAILABLE
 
-    (kv,), _ = _pull(prefill.address, "decode-ok", ("d", ticket), layout=layout)
+    (kv,), _ = _pull(prefill.address, "decode-ok", "d", layout=layout)
     assert kv.num_tokens == 30
     prefill.assert_all_free()
 
@@ -276,18 +304,21 @@ def test_a_peer_that_never_joins_stalls_no_other_pair(prefill, checkpoint, model
     """A decode worker that connects and then hangs holds the server's half-built pair until the timeout;
     meanwhile other decode workers must connect and pull as usual."""
     layout = _engine(checkpoint, model).layout
-    _, ticket = prefill.prefill("e", _prompt(30, seed=10))
+    prefill.prefill("e", _prompt(30, seed=10))
 
     async def run():
         channel = grpc.aio.insecure_channel(prefill.address)
         request = pb.ConnectRequest(
-            decode_worker_id="decode-ghost", backend=pb.BACKEND_GLOO, layout_fingerprint=layout.fingerprint
+            decode_worker_id="decode-ghost",
+            backend=pb.BACKEND_GLOO,
+            layout_fingerprint=layout.fingerprint,
+            ticket=Tickets(SECRET).mint("decode-ghost"),
         )
         ghost = await pb_grpc.KvTransferStub(channel).Connect(request)
-        client = KvTransferClient("decode-live", timeout_s=TIMEOUT_S)
+        client = _client("decode-live")
         try:
             t0 = time.monotonic()
-            kv = await client.pull(prefill.address, "e", ticket, layout)
+            kv = await client.pull(prefill.address, "e", layout)
             elapsed = time.monotonic() - t0
         finally:
             await client.close()
@@ -303,13 +334,75 @@ def test_a_peer_that_never_joins_stalls_no_other_pair(prefill, checkpoint, model
     prefill.assert_all_free()
 
 
+def test_chunked_pulls_arrive_whole_and_apart(prefill, checkpoint, model):
+    """Pieces of 4 KiB: a 70-token prompt's KV (40 KiB) moves in 10, a 45-token one in 6; two pulls at once
+    on one pair, so their pieces interleave under distinct tags."""
+    local = _engine(checkpoint, model)
+    prompts = {"k0": _prompt(70, seed=11), "k1": _prompt(45, seed=12)}
+    for rid, p in prompts.items():
+        prefill.prefill(rid, p)
+    with prefill.configured(chunk_bytes=4096):
+        kvs, client = _pull(prefill.address, "decode-chunks", *prompts, layout=local.layout)
+    assert client.stats.pulls == 2 and client.stats.connects == 1
+    prefill.assert_all_free()
+    for (rid, prompt), kv in zip(prompts.items(), kvs, strict=True):
+        assert not isinstance(kv, Exception), kv
+        local.add_request(rid, prompt, PREFILL, hold_kv=True)
+        _run(local)
+        flat = (t.blocks.flatten(2, 3)[:, :, : len(prompt)] for t in (kv, local.export_kv(rid)))
+        torch.testing.assert_close(*flat, rtol=1e-5, atol=1e-5)
+
+
+def test_a_send_that_fails_midway_frees_the_kv_and_the_next_pull_uses_a_new_pair(prefill, checkpoint, model):
+    """The injected fault: the server sends the first piece (none when the KV is one piece), then drops the
+    pair and frees the blocks. Closing its side of the group closes the connection, so the client's wait
+    for the remaining pieces fails at once instead of at its timeout; its next pull negotiates a new pair."""
+    layout = _engine(checkpoint, model).layout
+    for i, (rid, n) in enumerate({"m0": 70, "m1": 70, "m2": 40}.items()):
+        prefill.prefill(rid, _prompt(n, seed=13 + i))
+    failed_before = prefill.call("state")["failed_sends"]
+
+    async def run():
+        client = _client("decode-fault")
+        errors, waits = [], []
+        try:
+            for rid, chunk_bytes in (("m0", 4096), ("m1", 0)):  # ten pieces, first sent; one piece, none sent
+                with prefill.configured(chunk_bytes, fault_send_midway=True):
+                    t0 = time.monotonic()
+                    with pytest.raises(KvTransferError) as failed:
+                        await client.pull(prefill.address, rid, layout)
+                    waits.append(time.monotonic() - t0)
+                    errors.append(failed.value)
+            after_faults = prefill.settled_state(held=("m2",))  # the failed sends released m0 and m1
+            kv = await client.pull(prefill.address, "m2", layout)  # the fault is off again
+            return errors, waits, after_faults, kv, client.stats
+        finally:
+            await client.close()
+
+    errors, waits, after_faults, kv, stats = asyncio.run(run())
+    assert all(e.reason is FailureReason.UNAVAILABLE for e in errors), errors
+    assert max(waits) < TIMEOUT_S / 4, f"the client waited {waits} s for pieces that never came"
+    assert after_faults["held"] == ["m2"] and after_faults["integrity"] is None
+    assert after_faults["failed_sends"] - failed_before == 2
+    assert kv.num_tokens == 40
+    assert stats.connects == 3 and stats.pulls == 1  # a fresh pair after each failure
+    prefill.assert_all_free()
+
+
 def test_client_and_server_validate_their_settings():
     with pytest.raises(ValueError, match="backend"):
-        KvTransferClient("w", backend="carrier-pigeon")
+        KvTransferClient("w", secret=SECRET, backend="carrier-pigeon")
     with pytest.raises(ValueError, match="timeout"):
-        KvTransferClient("w", timeout_s=0)
+        KvTransferClient("w", secret=SECRET, timeout_s=0)
     with pytest.raises(ValueError, match="worker_id"):
-        KvTransferClient("")
+        KvTransferClient("", secret=SECRET)
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        KvTransferClient("w", secret=b"short")
+    source = EngineKvSource.__new__(EngineKvSource)  # never used: the constructor refuses first
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        KvTransferServer("127.0.0.1", 0, source, secret="")
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        KvTransferServer("127.0.0.1", 0, source, secret=SECRET, chunk_bytes=100)
 
 
 def test_recv_buffers_are_reused_once_given_back():
@@ -341,8 +434,23 @@ def test_announcement_must_fit_the_receivers_layout(checkpoint, model):
         dict(shape=[2, 2, 9, 8, 2]),
         dict(block_size=0, shape=[2, 2, 9, 0, 2, 16]),
         dict(num_tokens=0),
+        dict(num_tokens=70000, shape=[2, 2, 8750, 8, 2, 16], chunk_bytes=4),  # one element a piece: too many
     ]
     for change in bad:
         with pytest.raises(KvTransferError) as err:
             announced_layout(announce(**change), layout)
         assert err.value.reason is FailureReason.PROTOCOL, change
+
+
+def test_both_sides_cut_the_same_pieces():
+    kv = torch.arange(2 * 2 * 3 * 16 * 2 * 16, dtype=torch.float32).view(2, 2, 3, 16, 2, 16)  # 24 KiB
+    assert pieces(kv, 0) == [kv] and pieces(kv, kv.numel() * 4) == [kv]  # one piece: the tensor as is
+    for chunk_bytes in (1024, 1000, 4096, 5000, 3):
+        parts = pieces(kv, chunk_bytes)
+        assert len(parts) == num_pieces(kv.numel(), 4, chunk_bytes)
+        assert all(p.is_contiguous() and p.numel() * 4 <= max(chunk_bytes, 4) for p in parts)
+        assert torch.equal(torch.cat(parts), kv.view(-1))  # consecutive views, nothing lost or repeated
+        received = torch.empty_like(kv)
+        for mine, theirs in zip(pieces(received, chunk_bytes), parts, strict=True):
+            mine.copy_(theirs)  # what the recv of each piece does
+        assert torch.equal(received, kv)

@@ -1,10 +1,11 @@
 """Where each request's KV blocks live, in Redis, under a lease.
 
 Keys (this module names them all):
-    pd:kv:<request>    hash: the prefill worker holding the request's KV, its transfer address, the
-                       token count, layout fingerprint and pull ticket; expires with the lease
+    pd:kv:<request>    JSON: the prefill worker holding the request's KV, its transfer address, the
+                       token count and layout fingerprint; expires with the lease
 The prefill worker writes the entry when it holds the KV and deletes it when the blocks are freed (pulled,
-cancelled or lease expired). A decode worker that finds no entry recomputes the prompt.
+cancelled or lease expired). A decode worker that finds no entry recomputes the prompt. The entry grants
+nothing: a pull needs a ticket signed with the cluster secret (shared/kv/tickets.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ class KvLocation(msgspec.Struct, frozen=True):
     rpc_address: str  # host:port of the prefill worker's KvTransfer service
     num_tokens: int
     fingerprint: str  # KVLayout.fingerprint of the holder
-    ticket: str  # presented on the pull; proves the puller read this entry
 
 
 class KvRegistry:

@@ -17,14 +17,16 @@ BACKEND_GLOO: Backend
 BACKEND_NCCL: Backend
 
 class ConnectRequest(_message.Message):
-    __slots__ = ("decode_worker_id", "backend", "layout_fingerprint")
+    __slots__ = ("decode_worker_id", "backend", "layout_fingerprint", "ticket")
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     decode_worker_id: str
     backend: Backend
     layout_fingerprint: str
-    def __init__(self, decode_worker_id: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
+    ticket: str
+    def __init__(self, decode_worker_id: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., layout_fingerprint: _Optional[str] = ..., ticket: _Optional[str] = ...) -> None: ...
 
 class ConnectReply(_message.Message):
     __slots__ = ("store_host", "store_port", "pair_id")
@@ -51,15 +53,17 @@ class PullRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., ticket: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., pair_id: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PullReply(_message.Message):
-    __slots__ = ("num_tokens", "shape", "dtype", "block_size", "tag")
+    __slots__ = ("num_tokens", "shape", "dtype", "block_size", "tag", "chunk_bytes")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     block_size: int
     tag: int
-    def __init__(self, num_tokens: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tag: _Optional[int] = ...) -> None: ...
+    chunk_bytes: int
+    def __init__(self, num_tokens: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tag: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...

@@ -26,7 +26,10 @@ if _version_not_supported:
 
 
 class KvTransferStub:
-    """Served by every prefill worker; called by decode workers.
+    """Served by every prefill worker; called by decode workers. Every call carries a ticket the decode worker
+    signed with the cluster secret (shared/kv/tickets.py): UNAUTHENTICATED without one (or with a string that
+    is not a ticket), PERMISSION_DENIED for a forged, expired, another worker's or another request's ticket.
+    INVALID_ARGUMENT: an unreadable message, an empty or oversized id.
     """
 
     def __init__(self, channel):
@@ -48,7 +51,10 @@ class KvTransferStub:
 
 
 class KvTransferServicer:
-    """Served by every prefill worker; called by decode workers.
+    """Served by every prefill worker; called by decode workers. Every call carries a ticket the decode worker
+    signed with the cluster secret (shared/kv/tickets.py): UNAUTHENTICATED without one (or with a string that
+    is not a ticket), PERMISSION_DENIED for a forged, expired, another worker's or another request's ticket.
+    INVALID_ARGUMENT: an unreadable message, an empty or oversized id.
     """
 
     def Connect(self, request, context):
@@ -60,9 +66,10 @@ class KvTransferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Pull(self, request, context):
-        """Lease one request's KV and send it on the pair with the returned tag. The prefill side frees the
-        blocks when the send completes, fails or times out. NOT_FOUND: unknown request; PERMISSION_DENIED:
-        wrong ticket; FAILED_PRECONDITION: no such pair (connect again), layout mismatch, already pulling.
+        """Lease one request's KV and send it on the pair, in pieces, from the returned tag on. The prefill side
+        frees the blocks when the send completes, fails or times out. NOT_FOUND: unknown request; ABORTED: no
+        such pair of this worker (connect again); FAILED_PRECONDITION: layout mismatch; ALREADY_EXISTS:
+        already pulling. A refused pull leaves the KV held.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,7 +97,10 @@ def add_KvTransferServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KvTransfer:
-    """Served by every prefill worker; called by decode workers.
+    """Served by every prefill worker; called by decode workers. Every call carries a ticket the decode worker
+    signed with the cluster secret (shared/kv/tickets.py): UNAUTHENTICATED without one (or with a string that
+    is not a ticket), PERMISSION_DENIED for a forged, expired, another worker's or another request's ticket.
+    INVALID_ARGUMENT: an unreadable message, an empty or oversized id.
     """
 
     @staticmethod

@@ -1,10 +1,13 @@
 """Decode side of the KV transfer plane: pull a request's KV from the prefill worker that holds it.
 
 The first pull from an address negotiates a pair (Connect RPC, then both sides join a two-rank group);
-later pulls reuse it. A pull is one Pull RPC (the server exports, announces shape/dtype/tag and starts
-sending) and a recv into a buffer of the announced shape: new memory, or memory a caller handed back
-with `recycle` after importing an earlier pull. Blocking joins and recv waits run in this client's thread
-pool, so the decode loop keeps stepping while KV arrives. Every failure surfaces as KvTransferError.
+later pulls reuse it. A pull is one Pull RPC (the server exports, announces shape/dtype/tag/chunk size and
+starts sending) and the recv of its pieces into a buffer of the announced shape: new memory, or memory a
+caller handed back with `recycle` after importing an earlier pull. Each call carries a ticket this client
+mints with the cluster secret for its own worker id (shared/kv/tickets.py). Blocking joins and recv waits
+run in this client's thread pool, so the decode loop keeps stepping while KV arrives. Every failure
+surfaces as KvTransferError; one that may have left the pair mid-transfer closes and forgets it, so the
+next pull negotiates a fresh pair.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ import grpc
 
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVLayout
+from shared.kv.tickets import Tickets
 from shared.kv.transfer.buffers import BufferPool
 from shared.kv.transfer.errors import FailureReason, KvTransferError
 from shared.kv.transfer.pair import DECODE_RANK, Backend, Pair, check_backend, local_address_towards, store_client
-from shared.kv.transfer.wire import announced_layout
+from shared.kv.transfer.wire import announced_layout, pieces
 from shared.rpc import kv_transfer_pb2 as pb
 from shared.rpc import kv_transfer_pb2_grpc as pb_grpc
 from shared.telemetry import metrics, tracing
@@ -31,6 +35,8 @@ MAX_BLOCKING_THREADS = 32  # joins + recv waits at once; more queue for a free t
 # Pull answers given before any send starts: the pair is still clean after them.
 REFUSALS = frozenset(
     {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.UNAUTHENTICATED,
         grpc.StatusCode.NOT_FOUND,
         grpc.StatusCode.PERMISSION_DENIED,
         grpc.StatusCode.FAILED_PRECONDITION,
@@ -64,17 +70,22 @@ class KvTransferClient:
     def __init__(
         self,
         worker_id: str,
+        *,
+        secret: bytes | str,
         backend: Backend | str = "gloo",
         timeout_s: float = 30.0,
         device: str | None = None,
         recv_cache_bytes: int = 256 << 20,
         model_name: str = "",
     ) -> None:
+        """secret: the cluster secret (at least 16 bytes) this client signs its tickets with. timeout_s
+        bounds each RPC, forming a pair, and each transfer's receive."""
         if not worker_id:
             raise ValueError("worker_id must not be empty")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.worker_id = worker_id
+        self._tickets = Tickets(secret)
         self.backend = check_backend(backend)
         self.timeout_s = timeout_s
         self.model_name = model_name  # labels this client's spans and metrics
@@ -85,7 +96,7 @@ class KvTransferClient:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._connections: dict[str, asyncio.Task[_Connection]] = {}
 
-    async def pull(self, address: str, request_id: str, ticket: str, layout: KVLayout) -> KVExport:
+    async def pull(self, address: str, request_id: str, layout: KVLayout) -> KVExport:
         """Fetch the KV of `request_id` from the prefill worker at `address`; `layout` is the receiving
         engine's (block size may differ: the result carries the source's, `reblock` re-cuts). The prefill
         side frees its blocks once the bytes are out. Raises KvTransferError (see its `reason`).
@@ -98,9 +109,9 @@ class KvTransferClient:
         ) as span:
             try:
                 try:
-                    kv = await self._pull_once(address, request_id, ticket, layout)
+                    kv = await self._pull_once(address, request_id, layout)
                 except _StalePair:  # a new pair, once; a second stale answer propagates as UNAVAILABLE
-                    kv = await self._pull_once(address, request_id, ticket, layout)
+                    kv = await self._pull_once(address, request_id, layout)
             except KvTransferError as e:
                 metrics.KV_TRANSFER_FAILURES.labels(*labels, e.reason.value).inc()
                 span.set_attribute(tracing.KV_OUTCOME, f"failed: {e.reason.value}")
@@ -127,17 +138,19 @@ class KvTransferClient:
         """Drop every pair and channel. Pulls still in flight fail."""
         for task in self._connections.values():
             task.cancel()
+            if task.done() and not task.cancelled() and task.exception() is None:
+                task.result().pair.close()
         self._connections.clear()
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _pull_once(self, address: str, request_id: str, ticket: str, layout: KVLayout) -> KVExport:
+    async def _pull_once(self, address: str, request_id: str, layout: KVLayout) -> KVExport:
         conn = await self._connection(address, layout)
         request = pb.PullRequest(
             request_id=request_id,
-            ticket=ticket,
+            ticket=self._tickets.mint(self.worker_id, request_id),
             decode_worker_id=self.worker_id,
             pair_id=conn.pair.pair_id,
             layout_fingerprint=layout.fingerprint,
@@ -148,12 +161,13 @@ class KvTransferClient:
             try:
                 source = announced_layout(reply, layout)
                 buffer = self._buffers.take(tuple(reply.shape), layout.torch_dtype)
-                # The server is sending already: recv with the announced tag.
-                await asyncio.get_running_loop().run_in_executor(self._executor, conn.pair.recv, buffer, reply.tag)
+                # The server is sending already: the same pieces, from the announced tag on.
+                parts = pieces(buffer, reply.chunk_bytes)
+                await asyncio.get_running_loop().run_in_executor(self._executor, conn.pair.recv, parts, reply.tag)
             except KvTransferError:
-                self._forget(address, conn)  # dropping the pair fails the server's send: it frees the blocks
+                self._forget(address, conn)  # closing the pair fails the server's send: it frees the blocks
                 raise
-            except Exception as e:  # gloo: timeout or peer gone; the pair is closed
+            except Exception as e:  # gloo: timeout, peer gone (or its pair closed midway); the pair is dead
                 self._forget(address, conn)
                 raise _transfer_error(e, f"receiving {request_id!r} from {address}") from e
         self.stats.pulls += 1
@@ -192,7 +206,10 @@ class KvTransferClient:
             channel = self._channels[address] = grpc.aio.insecure_channel(address)
         stub = pb_grpc.KvTransferStub(channel)
         request = pb.ConnectRequest(
-            decode_worker_id=self.worker_id, backend=self.backend.wire, layout_fingerprint=layout.fingerprint
+            decode_worker_id=self.worker_id,
+            backend=self.backend.wire,
+            layout_fingerprint=layout.fingerprint,
+            ticket=self._tickets.mint(self.worker_id),
         )
         reply = await self._call(address, None, stub.Connect(request, timeout=self.timeout_s), "Connect")
         try:
@@ -209,6 +226,9 @@ class KvTransferClient:
         return Pair.join(self.backend, store, reply.pair_id, DECODE_RANK, self.timeout_s, local)
 
     def _forget(self, address: str, conn: _Connection) -> None:
+        """Stop using `conn`'s pair: the next pull from `address` negotiates a new one. Closing our side
+        (once no recv is in flight on it) closes the connection, which fails the server's pending sends."""
+        conn.pair.close()
         task = self._connections.get(address)
         if task is not None and task.done() and not task.cancelled() and task.exception() is None:
             if task.result() is conn:

@@ -3,16 +3,24 @@ and a decode worker (rank 1).
 
 A pair is set up once per (prefill worker, decode worker) and reused for every transfer between them. Its
 group is built directly on a PrefixStore of the prefill worker's TCPStore, never through
-`init_process_group`: a worker has many pairs and no global default group. Transfers in flight on one
-pair are told apart by tag. Every method here blocks; callers run them in worker threads.
+`init_process_group`: a worker has many pairs and no global default group. A transfer moves a list of
+pieces (see wire.pieces), piece i under tag first_tag + i; transfers in flight on one pair are told apart
+by their tags. Every method here blocks; callers run them in worker threads.
 
 After a failed or timed-out operation gloo closes the connection: a pair that failed once is dropped by
-both sides and a new one is negotiated.
+both sides and a new one is negotiated. `close()` destroys the group once no transfer is in flight on it
+(never under one: a gloo operation must not outlive its group), which closes its TCP connection, so the
+peer's pending operations fail at once ("Connection closed by peer") instead of at their timeout.
+gloo's own `abort()` / `shutdown()` do not close the connection (checked with torch 2.13).
 """
 
 from __future__ import annotations
 
 import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
 from datetime import timedelta
 from enum import StrEnum
 
@@ -78,10 +86,13 @@ class Pair:
 
     def __init__(self, pair_id: str, group: dist.ProcessGroup, rank: int, backend: Backend, timeout_s: float) -> None:
         self.pair_id = pair_id
-        self.group = group
         self.rank = rank
         self.backend = backend
-        self.timeout = timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self._group: dist.ProcessGroup | None = group  # None once closed and idle: the group is destroyed
+        self._lock = threading.Lock()
+        self._in_flight = 0  # transfers using the group now
+        self._closing = False
 
     @classmethod
     def join(
@@ -107,11 +118,61 @@ class Pair:
     def peer(self) -> int:
         return 1 - self.rank
 
-    def send(self, tensor: torch.Tensor, tag: int) -> None:
-        """Send a contiguous tensor to the peer; returns when it is out. Raises RuntimeError on timeout or
-        a lost peer (the pair is unusable afterwards)."""
-        self.group.send([tensor], self.peer, tag).wait(self.timeout)
+    def send(self, pieces: Sequence[torch.Tensor], first_tag: int) -> None:
+        """Send contiguous tensors to the peer, piece i with tag first_tag + i; returns when all are out.
+        Raises RuntimeError on timeout (timeout_s for the whole transfer), a lost peer (the pair is unusable
+        afterwards) or a closed pair."""
+        self._transfer(lambda group, piece, tag: group.send([piece], self.peer, tag), pieces, first_tag)
 
-    def recv(self, tensor: torch.Tensor, tag: int) -> None:
-        """Fill a contiguous tensor from the peer's send with the same tag. Raises like `send`."""
-        self.group.recv([tensor], self.peer, tag).wait(self.timeout)
+    def recv(self, pieces: Sequence[torch.Tensor], first_tag: int) -> None:
+        """Fill contiguous tensors from the peer's sends with the same tags. Raises like `send`."""
+        self._transfer(lambda group, piece, tag: group.recv([piece], self.peer, tag), pieces, first_tag)
+
+    def close(self) -> None:
+        """No new transfer on this pair; its group goes as soon as none is in flight (now, if idle)."""
+        with self._lock:
+            self._closing = True
+            doomed = self._detach_if_idle()
+        del doomed  # the last reference, dropped outside the lock: destroys the group, closes its sockets
+
+    def _transfer(self, post, pieces: Sequence[torch.Tensor], first_tag: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        with self._lock:
+            if self._closing:
+                raise RuntimeError(f"pair {self.pair_id!r} is closed")
+            self._in_flight += 1
+        # All pieces are posted at once (gloo moves them in order) and awaited against one deadline. No
+        # reference to a Work may outlive this call (not even from a traceback): a Work keeps the group's
+        # connection alive, and close() relies on destroying it.
+        pending: deque = deque()
+        try:
+            for i, piece in enumerate(pieces):
+                pending.append(post(self._group, piece, first_tag + i))
+            while pending:
+                pending.popleft().wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except BaseException:
+            _settle(pending)
+            raise
+        finally:
+            pending.clear()
+            with self._lock:
+                self._in_flight -= 1
+                doomed = self._detach_if_idle()
+            del doomed
+
+    def _detach_if_idle(self) -> dist.ProcessGroup | None:
+        """Under the lock: the group, taken off this pair, once it is closing and unused; else None."""
+        if not self._closing or self._in_flight:
+            return None
+        group, self._group = self._group, None
+        return group
+
+
+def _settle(works: deque) -> None:
+    """Wait out the operations still pending after one failed. gloo closed the pair on that failure, so
+    they fail at once; none may be left pending when its buffer (or the group) goes away."""
+    for work in works:
+        try:
+            work.wait(timedelta(milliseconds=1))
+        except Exception:
+            pass

@@ -3,12 +3,17 @@
 One TCPStore per server is the rendezvous of all its pairs (one per decode worker, each under its own key
 prefix). Threading: gRPC handlers run on the event loop; pair construction and send waits, which block,
 run in this server's thread pool, so the loop (and the engine steps it drives) keeps going.
+
+Every call is checked before it touches anything: readable message, ids present and of sane length,
+then a ticket signed with the cluster secret for this caller (and, on Pull, this request). A refused call
+changes nothing (the KV stays held), is logged with its reason (never the ticket) and counted in
+`pdserve:kv_transfer_failures_total`. Sends go out in pieces of at most `chunk_bytes`;
+`fault_send_midway` (tests only) stops each send after its first piece and drops the pair.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import socket
 import time
@@ -16,21 +21,39 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import grpc
 import torch.distributed as dist
+from google.protobuf.message import DecodeError
 
 from shared.engine.kv_export import KVExport
+from shared.kv.tickets import TicketError, TicketReason, Tickets
 from shared.kv.transfer.pair import PREFILL_RANK, Backend, Pair, check_backend, store_client
 from shared.kv.transfer.source import KvSource
-from shared.kv.transfer.wire import describe
+from shared.kv.transfer.wire import describe, num_pieces, pieces
 from shared.rpc import kv_transfer_pb2 as pb
-from shared.rpc import kv_transfer_pb2_grpc as pb_grpc
 from shared.telemetry import metrics, tracing
 
 log = logging.getLogger(__name__)
 MAX_BLOCKING_THREADS = 32  # joins + sends waiting at once; more queue for a free thread
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+DEFAULT_CHUNK_BYTES = 64 << 20  # KV of up to this size moves in one piece
+MIN_CHUNK_BYTES = 1024
+MAX_ID_CHARS = 512  # request, worker and pair ids; longer is refused as INVALID_ARGUMENT
+MAX_MESSAGE_BYTES = 64 << 10  # our requests are a few hundred bytes; gRPC refuses bigger ones itself
+MAX_TAG = (1 << 31) - 1
+SERVICE = pb.DESCRIPTOR.services_by_name["KvTransfer"].full_name
+# A refused ticket: no usable credential at all → UNAUTHENTICATED; a real one that does not grant this call
+# (or a signature that does not check out) → PERMISSION_DENIED.
+_TICKET_CODES = {
+    TicketReason.MISSING: grpc.StatusCode.UNAUTHENTICATED,
+    TicketReason.MALFORMED: grpc.StatusCode.UNAUTHENTICATED,
+}
+
+
+class InjectedFault(RuntimeError):
+    """The failure `fault_send_midway` makes: the send stopped after its first piece."""
 
 
 @dataclass
@@ -38,7 +61,8 @@ class ServerStats:
     pairs_created: int = 0  # Connect calls accepted: one process group each
     pulls: int = 0  # pulls accepted (export done, send started)
     bytes_sent: int = 0
-    failed_sends: int = 0
+    failed_sends: int = 0  # injected faults included
+    refused: int = 0  # calls refused for their ticket or as malformed
 
 
 @dataclass
@@ -48,7 +72,26 @@ class _Slot:
     worker_id: str
     pair_id: str
     joining: asyncio.Future[Pair]
-    tags: itertools.count  # per-pair transfer tags: 1, 2, ...
+    next_tag: int = 1
+
+    def reserve_tags(self, count: int) -> int:
+        """The first of `count` consecutive tags no transfer in flight on this pair uses."""
+        if self.next_tag + count > MAX_TAG:  # wrapping is safe: tags only need to differ in flight
+            self.next_tag = 1
+        first, self.next_tag = self.next_tag, self.next_tag + count
+        return first
+
+    def retire(self) -> None:
+        """Close the pair once it has formed (now if it has): transfers in flight on it end first."""
+        if self.joining.done():
+            _close_joined(self.joining)
+        else:
+            self.joining.add_done_callback(_close_joined)
+
+
+def _close_joined(joining: asyncio.Future[Pair]) -> None:
+    if not joining.cancelled() and joining.exception() is None:
+        joining.result().close()
 
 
 class KvTransferServer:
@@ -59,23 +102,34 @@ class KvTransferServer:
         host: str,
         port: int,
         source: KvSource,
+        *,
+        secret: bytes | str,
         backend: Backend | str = "gloo",
         timeout_s: float = 30.0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        fault_send_midway: bool = False,
         advertise_host: str | None = None,
         model_name: str = "",
     ) -> None:
-        """host/port: where gRPC binds (port 0: any free one). advertise_host: the name decode workers dial
-        for gRPC, the store and gloo (default: host, or this machine's FQDN when host is a wildcard).
-        timeout_s bounds a pair's forming and each send; a send that times out frees the KV all the same.
-        model_name labels this server's spans and metrics."""
+        """host/port: where gRPC binds (port 0: any free one). secret: the cluster secret tickets are
+        signed with (at least 16 bytes). advertise_host: the name decode workers dial for gRPC, the store
+        and gloo (default: host, or this machine's FQDN when host is a wildcard). timeout_s bounds a pair's
+        forming and each send; a send that times out frees the KV all the same. chunk_bytes: the largest
+        piece a send moves (0 = one piece). fault_send_midway: testing only, every send fails after its first
+        piece (see `_send`). model_name labels this server's spans and metrics."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if chunk_bytes != 0 and chunk_bytes < MIN_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be 0 (one piece) or at least {MIN_CHUNK_BYTES}, got {chunk_bytes}")
         self.host = host
         self.port = port
         self.source = source
         self.backend = check_backend(backend)
         self.timeout_s = timeout_s
+        self.chunk_bytes = chunk_bytes
+        self.fault_send_midway = fault_send_midway
         self.model_name = model_name
+        self._tickets = Tickets(secret)
         self.stats = ServerStats()
         # Where decode workers reach this machine, for the store and for gloo's listening socket.
         self.public_host = advertise_host or (socket.getfqdn() if host in WILDCARD_HOSTS else host)
@@ -91,8 +145,15 @@ class KvTransferServer:
         self._store = dist.TCPStore(
             self.public_host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.timeout_s)
         )
-        self._server = grpc.aio.server()
-        pb_grpc.add_KvTransferServicer_to_server(_Servicer(self), self._server)
+        self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        handlers = {
+            "Connect": _handler(self.connect, pb.ConnectRequest, pb.ConnectReply),
+            "Pull": _handler(self.pull, pb.PullRequest, pb.PullReply),
+        }
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        self._server.add_registered_method_handlers(SERVICE, handlers)
+        if self.fault_send_midway:
+            log.warning("KV transfer fault injection is on: every send stops after its first piece")
         self.port = self._server.add_insecure_port(f"{self.host}:{self.port}")
         await self._server.start()
         return f"{self.public_host}:{self.port}"
@@ -103,6 +164,8 @@ class KvTransferServer:
             await self._server.stop(grace_s)
         if self._sends:
             await asyncio.gather(*self._sends, return_exceptions=True)
+        for slot in self._pairs.values():
+            slot.retire()
         self._pairs.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._server = self._store = None
@@ -111,25 +174,33 @@ class KvTransferServer:
     def num_pairs(self) -> int:
         return len(self._pairs)
 
-    async def connect(self, request: pb.ConnectRequest, context: grpc.aio.ServicerContext) -> pb.ConnectReply:
-        if not request.decode_worker_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode_worker_id is empty")
+    async def connect(
+        self, request: pb.ConnectRequest | _Unreadable, context: grpc.aio.ServicerContext
+    ) -> pb.ConnectReply:
+        await self._check_shape(context, "Connect", request, "decode_worker_id")
+        worker = request.decode_worker_id
+        await self._authorize(context, "Connect", request.ticket, worker)
         backend = Backend.from_wire(request.backend)
+        if backend is None:
+            await self._refuse(context, "Connect", worker, f"unknown transfer backend {request.backend}")
         if backend is not self.backend:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this server transfers over {self.backend}")
         await self._check_fingerprint(request.layout_fingerprint, context)
-        worker = request.decode_worker_id
         pair_id = f"{worker}/{uuid.uuid4().hex[:12]}"
         joining = asyncio.get_running_loop().run_in_executor(self._executor, self._join, pair_id)
         # A reconnecting worker replaces its old pair: transfers still on it finish or fail on their own.
-        self._pairs[worker] = slot = _Slot(worker, pair_id, joining, itertools.count(1))
+        old = self._pairs.get(worker)
+        self._pairs[worker] = slot = _Slot(worker, pair_id, joining)
+        if old is not None:
+            old.retire()
         joining.add_done_callback(lambda f: self._on_joined(slot, f))
         self.stats.pairs_created += 1
         return pb.ConnectReply(store_host=self.public_host, store_port=self._store.port, pair_id=pair_id)
 
-    async def pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> pb.PullReply:
-        """Accept a pull: export, announce, start the send. The `send_kv` span (child of the puller's span,
-        from the gRPC metadata) covers export and send; the send task ends it."""
+    async def pull(self, request: pb.PullRequest | _Unreadable, context: grpc.aio.ServicerContext) -> pb.PullReply:
+        """Accept a pull: check, export, announce, start the send. The `send_kv` span (child of the puller's
+        span, from the gRPC metadata) covers export and send; the send task ends it."""
+        await self._check_shape(context, "Pull", request, "request_id", "decode_worker_id", "pair_id")
         metadata = dict(context.invocation_metadata() or ())
         span = tracing.start_span(
             f"{tracing.SEND_KV} {self.model_name}",
@@ -145,8 +216,9 @@ class KvTransferServer:
 
     async def _accept(self, request: pb.PullRequest, context: grpc.aio.ServicerContext, span) -> pb.PullReply:
         started = time.perf_counter()
-        rid = request.request_id
-        slot = self._pairs.get(request.decode_worker_id)
+        rid, worker = request.request_id, request.decode_worker_id
+        await self._authorize(context, "Pull", request.ticket, worker, rid)
+        slot = self._pairs.get(worker)
         if slot is None or slot.pair_id != request.pair_id:
             await context.abort(grpc.StatusCode.ABORTED, f"pair {request.pair_id!r} is not open here; connect again")
         await self._check_fingerprint(request.layout_fingerprint, context)
@@ -159,11 +231,10 @@ class KvTransferServer:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"pair {slot.pair_id!r} did not form: {e!r}")
         self._leased.add(rid)
         try:
-            kv = await self.source.export_kv(rid, request.ticket)
-        except (KeyError, PermissionError) as e:
+            kv = await self.source.export_kv(rid)
+        except KeyError as e:
             self._leased.discard(rid)
-            code = grpc.StatusCode.NOT_FOUND if isinstance(e, KeyError) else grpc.StatusCode.PERMISSION_DENIED
-            await context.abort(code, str(e.args[0]) if e.args else repr(e))
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]) if e.args else repr(e))
         except BaseException:
             self._leased.discard(rid)
             raise
@@ -174,12 +245,50 @@ class KvTransferServer:
                 tracing.KV_TOKENS: kv.num_tokens,
             }
         )
-        tag = next(slot.tags)
+        tag = slot.reserve_tags(num_pieces(kv.blocks.numel(), kv.blocks.element_size(), self.chunk_bytes))
         task = asyncio.create_task(self._send(slot, pair, kv, tag, rid, span, started))
         self._sends.add(task)
         task.add_done_callback(self._sends.discard)
         self.stats.pulls += 1
-        return describe(kv, tag)
+        return describe(kv, tag, self.chunk_bytes)
+
+    async def _check_shape(self, context: grpc.aio.ServicerContext, rpc: str, request: Any, *ids: str) -> None:
+        """INVALID_ARGUMENT for an unreadable message, or one whose id fields are empty or too long."""
+        if isinstance(request, _Unreadable):
+            await self._refuse(context, rpc, "?", f"the message is not a {request.kind}")
+        for name in ids:
+            value = getattr(request, name)
+            if not value or len(value) > MAX_ID_CHARS:
+                problem = "is empty" if not value else f"is longer than {MAX_ID_CHARS} characters"
+                await self._refuse(context, rpc, request.decode_worker_id or "?", f"{name} {problem}")
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, rpc: str, worker: str, why: str) -> None:
+        self.stats.refused += 1
+        metrics.KV_TRANSFER_FAILURES.labels(self.model_name, "prefill", "invalid_request").inc()
+        log.warning("refused %s from %s (worker %s): %s", rpc, context.peer(), _short(worker), why)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{rpc} refused: {why}")
+
+    async def _authorize(
+        self, context: grpc.aio.ServicerContext, rpc: str, ticket: str, worker: str, request_id: str | None = None
+    ) -> None:
+        """Pass if `ticket` lets `worker` make this call (pull `request_id`; None: connect); else refuse."""
+        try:
+            self._tickets.verify(ticket, worker, request_id)
+        except TicketError as e:
+            self.stats.refused += 1
+            metrics.KV_TRANSFER_FAILURES.labels(self.model_name, "prefill", f"ticket_{e.reason}").inc()
+            target = "" if request_id is None else f" of {_short(request_id)}"
+            log.warning(
+                "refused %s%s from %s (worker %s): ticket %s: %s",
+                rpc,
+                target,
+                context.peer(),
+                _short(worker),
+                e.reason,
+                e,
+            )
+            code = _TICKET_CODES.get(e.reason, grpc.StatusCode.PERMISSION_DENIED)
+            await context.abort(code, f"{rpc} refused, ticket {e.reason}: {e}")
 
     async def _joined(self, slot: _Slot) -> Pair:
         """The slot's pair; the decode side joins before it pulls, so the wait is normally over already."""
@@ -195,21 +304,32 @@ class KvTransferServer:
             )
 
     async def _send(self, slot: _Slot, pair: Pair, kv: KVExport, tag: int, rid: str, span, started: float) -> None:
-        """Send on the pair, then free the blocks whatever happened (pulled → freed)."""
+        """Send on the pair, piece by piece, then free the blocks whatever happened (pulled → freed).
+
+        A failed send drops the pair: gloo has closed it already after an error or timeout, and closing it
+        here too destroys the group once idle, so the receiver's pending recvs fail at once. An injected
+        fault sends the first piece (none when the KV is one piece, so the fault always bites) and fails."""
         labels = (self.model_name, "prefill")
         error = None
         try:
             # gloo sends host memory (a CUDA pool's export is copied down); NCCL sends from the GPU as is.
             blocks = (kv.blocks if self.backend is Backend.NCCL else kv.blocks.cpu()).contiguous()
-            await asyncio.get_running_loop().run_in_executor(self._executor, pair.send, blocks, tag)
+            parts = pieces(blocks, self.chunk_bytes)
+            run = asyncio.get_running_loop().run_in_executor
+            if self.fault_send_midway:
+                sent = parts[:1] if len(parts) > 1 else []
+                await run(self._executor, pair.send, sent, tag)
+                raise InjectedFault(f"injected fault: sent {len(sent)} of {len(parts)} pieces, then dropped the pair")
+            await run(self._executor, pair.send, parts, tag)
             self.stats.bytes_sent += kv.nbytes
             metrics.KV_TRANSFER_BYTES.labels(*labels).inc(kv.nbytes)
             metrics.KV_TRANSFER_SECONDS.labels(*labels).observe(time.perf_counter() - started)
-        except Exception as e:  # timeout or peer gone: gloo has closed the pair
+        except Exception as e:  # timeout, peer gone, pair closed under us, or the injected fault
             self.stats.failed_sends += 1
-            metrics.KV_TRANSFER_FAILURES.labels(*labels, "send_failed").inc()
+            reason = "fault_injected" if isinstance(e, InjectedFault) else "send_failed"
+            metrics.KV_TRANSFER_FAILURES.labels(*labels, reason).inc()
             error = f"send failed: {e!r}"
-            log.warning("KV send of %s to %s failed: %r", rid, slot.worker_id, e)
+            log.warning("KV send of %s to %s failed: %s", rid, slot.worker_id, e)
             self._drop(slot)
         finally:
             self._leased.discard(rid)
@@ -231,16 +351,32 @@ class KvTransferServer:
             self._drop(slot)
 
     def _drop(self, slot: _Slot) -> None:
+        """Forget the pair (a later Pull naming it gets ABORTED) and close it."""
         if self._pairs.get(slot.worker_id) is slot:
             del self._pairs[slot.worker_id]
+        slot.retire()
 
 
-class _Servicer(pb_grpc.KvTransferServicer):
-    def __init__(self, server: KvTransferServer) -> None:
-        self._server = server
+class _Unreadable:
+    """What a request that does not parse becomes: the handler refuses it with INVALID_ARGUMENT (gRPC itself
+    would answer INTERNAL and log a traceback)."""
 
-    async def Connect(self, request: pb.ConnectRequest, context: grpc.aio.ServicerContext) -> pb.ConnectReply:
-        return await self._server.connect(request, context)
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
 
-    async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> pb.PullReply:
-        return await self._server.pull(request, context)
+
+def _handler(method, request_type, reply_type) -> grpc.RpcMethodHandler:
+    def parse(raw: bytes):
+        try:
+            return request_type.FromString(raw)
+        except DecodeError:
+            return _Unreadable(request_type.__name__)
+
+    return grpc.unary_unary_rpc_method_handler(
+        method, request_deserializer=parse, response_serializer=reply_type.SerializeToString
+    )
+
+
+def _short(text: str, limit: int = 80) -> str:
+    """repr of an untrusted id, cut short: log lines stay one readable line."""
+    return repr(text if len(text) <= limit else text[:limit] + "…")

@@ -1,0 +1,379 @@
+"""Who may use the KV transfer plane: signed tickets, and calls sent straight to the server.
+
+Tickets first (mint / verify, every refusal reason), then a real KvTransferServer over an engine holding
+KV, called with raw gRPC: no ticket, a forged, expired, another worker's or another request's one, garbage
+bytes, empty and oversized fields, an unknown backend, a wrong fingerprint, an unknown request, a ticket
+replayed after its pull. Every call gets an error status; after each the server still serves a valid pull,
+the refused KV is still held and the pool passes check_integrity(). Server and puller share this process
+(the gloo pair joins over loopback as between two processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import random
+import time
+
+import grpc
+import pytest
+import torch
+from prometheus_client import REGISTRY
+
+from shared.engine.engine import Engine, EngineConfig
+from shared.engine.sampling import SamplingParams
+from shared.kv.tickets import MAX_TICKET_CHARS, TicketError, TicketReason, Tickets
+from shared.kv.transfer import EngineKvSource, FailureReason, KvTransferClient, KvTransferError, KvTransferServer
+from shared.kv.transfer.pair import DECODE_RANK, Backend, Pair, store_client
+from shared.kv.transfer.server import MAX_ID_CHARS, SERVICE
+from shared.kv.transfer.wire import pieces
+from shared.model.demo import write_demo_checkpoint
+from shared.model.loader import load_model
+from shared.rpc import kv_transfer_pb2 as pb
+from shared.rpc import kv_transfer_pb2_grpc as pb_grpc
+
+SECRET = b"security-test-cluster-secret"
+TICKETS = Tickets(SECRET)
+FORGER = Tickets(b"some-other-cluster-secret")
+TIMEOUT_S = 20.0
+ENGINE_OPTS = dict(num_kv_blocks=32, max_model_len=256, max_num_batched_tokens=128)
+MODEL_NAME = "security-test"
+Code = grpc.StatusCode
+
+
+# ---- tickets ----------------------------------------------------------------------------------------------
+
+
+def _reason(ticket: str, worker: str, request: str | None = None, **kwargs) -> TicketReason | None:
+    try:
+        TICKETS.verify(ticket, worker, request, **kwargs)
+    except TicketError as e:
+        assert ticket not in str(e) or not ticket, "a refusal must not repeat the ticket"
+        return e.reason
+    return None
+
+
+def test_a_ticket_grants_one_worker_one_request_until_it_expires():
+    now = time.time()
+    pull = TICKETS.mint("decode-a", "req-1", now=now)
+    connect = TICKETS.mint("decode-a", now=now)
+    assert _reason(pull, "decode-a", "req-1") is None and _reason(connect, "decode-a") is None
+    assert _reason(pull, "decode-b", "req-1") is TicketReason.WRONG_WORKER
+    assert _reason(pull, "decode-a", "req-2") is TicketReason.WRONG_REQUEST
+    assert _reason(pull, "decode-a") is TicketReason.WRONG_REQUEST  # a pull ticket does not connect
+    assert _reason(connect, "decode-a", "req-1") is TicketReason.WRONG_REQUEST  # nor the reverse
+    # Expiry: lifetime plus the skew allowance, measured on the verifier's clock.
+    life, skew = TICKETS.lifetime_s, TICKETS.skew_s
+    assert _reason(pull, "decode-a", "req-1", now=now + life + skew - 1) is None
+    assert _reason(pull, "decode-a", "req-1", now=now + life + skew + 1) is TicketReason.EXPIRED
+
+
+def test_forged_tampered_and_malformed_tickets_are_told_apart():
+    pull = TICKETS.mint("decode-a", "req-1")
+    version, claims, mac = pull.split(".")
+    other_claims = TICKETS.mint("decode-a", "req-2").split(".")[1]
+    cases = {
+        "": TicketReason.MISSING,
+        "not a ticket": TicketReason.MALFORMED,
+        f"v2.{claims}.{mac}": TicketReason.MALFORMED,
+        f"{version}.{claims}.{mac}=": TicketReason.MALFORMED,  # one spelling per ticket: no padding
+        f"{version}.{claims}.{mac}.x": TicketReason.MALFORMED,
+        f"{version}.{claims}.{mac[:-1]}é": TicketReason.MALFORMED,
+        "v1." + "A" * MAX_TICKET_CHARS: TicketReason.MALFORMED,
+        FORGER.mint("decode-a", "req-1"): TicketReason.FORGED,  # signed with another secret
+        f"{version}.{other_claims}.{mac}": TicketReason.FORGED,  # claims swapped under a real signature
+        f"{version}.{claims}.{mac[:-2]}AA": TicketReason.FORGED,
+    }
+    for ticket, reason in cases.items():
+        assert _reason(ticket, "decode-a", "req-1") is reason, ticket[:60]
+
+
+def test_tickets_need_a_real_secret_and_ids():
+    for short in (b"", b"x" * 15, "fifteen-chars!!", None):
+        with pytest.raises(ValueError, match="at least 16 bytes"):
+            Tickets(short)
+    assert Tickets("s" * 16).mint("w")  # a str secret is taken as UTF-8
+    with pytest.raises(ValueError):
+        TICKETS.mint("")
+    with pytest.raises(ValueError):
+        TICKETS.mint("w", "")
+
+
+# ---- a server holding KV ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_demo_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), arch="qwen3_moe", size="tiny")
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return load_model(checkpoint)
+
+
+@dataclasses.dataclass
+class Prefill:
+    engine: Engine
+    source: EngineKvSource
+    server: KvTransferServer
+    address: str
+    channel: grpc.aio.Channel
+
+    def hold(self, rid: str, tokens: int = 40) -> None:
+        prompt = torch.randint(0, 259, (tokens,), generator=torch.Generator().manual_seed(len(rid))).tolist()
+        self.engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0), hold_kv=True)
+        while self.engine.has_unfinished():
+            self.engine.step()
+        self.source.hold(rid)
+
+    def assert_holds(self, *rids: str) -> None:
+        """Exactly `rids` held, their blocks still allocated, and the pool consistent."""
+        self.engine.check_integrity()
+        assert sorted(self.source.held) == sorted(rids)
+        assert (self.engine.blocks.num_free == self.engine.blocks.num_blocks) == (not rids)
+
+    async def settle(self, *rids: str) -> None:
+        """Wait until only `rids` are held (a release follows the send, so it may lag the recv)."""
+        deadline = time.monotonic() + 10
+        while sorted(self.source.held) != sorted(rids) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self.assert_holds(*rids)
+
+    async def raw(self, method: str, payload: bytes) -> tuple[Code, str]:
+        """Call a method with raw bytes (no serializer on either side): its status code and details."""
+        try:
+            await self.channel.unary_unary(f"/{SERVICE}/{method}")(payload, timeout=TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details() or ""
+        return Code.OK, ""
+
+    async def call(self, method: str, **fields) -> tuple[Code, str]:
+        message = pb.PullRequest(**fields) if method == "Pull" else pb.ConnectRequest(**fields)
+        return await self.raw(method, message.SerializeToString())
+
+    def connect_fields(self, worker: str, **changes) -> dict:
+        fields = dict(
+            decode_worker_id=worker,
+            backend=pb.BACKEND_GLOO,
+            layout_fingerprint=self.engine.layout.fingerprint,
+            ticket=TICKETS.mint(worker),
+        )
+        return fields | changes
+
+    async def open_pair(self, worker: str) -> Pair:
+        """Connect as `worker` and join the pair's decode rank, as KvTransferClient does."""
+        reply = await pb_grpc.KvTransferStub(self.channel).Connect(pb.ConnectRequest(**self.connect_fields(worker)))
+        store = store_client(reply.store_host, reply.store_port, TIMEOUT_S)
+        return await asyncio.to_thread(
+            Pair.join, Backend.GLOO, store, reply.pair_id, DECODE_RANK, TIMEOUT_S, "127.0.0.1"
+        )
+
+    def pull_fields(self, rid: str, worker: str, pair: Pair, **changes) -> dict:
+        fields = dict(
+            request_id=rid,
+            decode_worker_id=worker,
+            pair_id=pair.pair_id,
+            layout_fingerprint=self.engine.layout.fingerprint,
+            ticket=TICKETS.mint(worker, rid),
+        )
+        return fields | changes
+
+    async def pull_with(self, client: KvTransferClient, rid: str) -> int:
+        kv = await client.pull(self.address, rid, self.engine.layout)
+        return kv.num_tokens
+
+
+@contextlib.asynccontextmanager
+async def serving(checkpoint, model):
+    engine = Engine(EngineConfig(model=str(checkpoint), **ENGINE_OPTS), model)
+    source = EngineKvSource(engine)
+    server = KvTransferServer(
+        "127.0.0.1", 0, source, secret=SECRET, timeout_s=TIMEOUT_S, chunk_bytes=4096, model_name=MODEL_NAME
+    )
+    address = await server.start()
+    channel = grpc.aio.insecure_channel(address)
+    try:
+        yield Prefill(engine, source, server, address, channel)
+    finally:
+        await channel.close()
+        await server.stop()
+
+
+def _client(worker: str, secret: bytes = SECRET) -> KvTransferClient:
+    return KvTransferClient(worker, secret=secret, timeout_s=TIMEOUT_S)
+
+
+def _refusals(reason: str) -> float:
+    labels = dict(model_name=MODEL_NAME, role="prefill", reason=reason)
+    return REGISTRY.get_sample_value("pdserve:kv_transfer_failures_total", labels) or 0.0
+
+
+# ---- pulls ------------------------------------------------------------------------------------------------
+
+
+def test_pulls_without_a_valid_ticket_are_refused_and_leave_the_kv_held(checkpoint, model, caplog):
+    caplog.set_level(logging.WARNING, logger="shared.kv.transfer.server")
+
+    async def run():
+        async with serving(checkpoint, model) as p:
+            p.hold("r")
+            pair = await p.open_pair("decode-a")
+            forged = FORGER.mint("decode-a", "r")
+            version, _, mac = TICKETS.mint("decode-a", "r").split(".")
+            tampered = ".".join((version, TICKETS.mint("decode-a", "other").split(".")[1], mac))
+            refusals = {  # ticket → (status, metric reason)
+                "": (Code.UNAUTHENTICATED, "ticket_missing"),
+                "letmein": (Code.UNAUTHENTICATED, "ticket_malformed"),
+                forged: (Code.PERMISSION_DENIED, "ticket_forged"),
+                tampered: (Code.PERMISSION_DENIED, "ticket_forged"),
+                TICKETS.mint("decode-a", "r", now=time.time() - 120): (Code.PERMISSION_DENIED, "ticket_expired"),
+                TICKETS.mint("decode-b", "r"): (Code.PERMISSION_DENIED, "ticket_wrong_worker"),
+                TICKETS.mint("decode-a", "other"): (Code.PERMISSION_DENIED, "ticket_wrong_request"),
+                TICKETS.mint("decode-a"): (Code.PERMISSION_DENIED, "ticket_wrong_request"),  # a connect ticket
+            }
+            for ticket, (code, reason) in refusals.items():
+                before = _refusals(reason)
+                got, details = await p.call("Pull", **p.pull_fields("r", "decode-a", pair, ticket=ticket))
+                assert got is code, (reason, got, details)
+                assert "refused" in details and _refusals(reason) == before + 1
+                p.assert_holds("r")
+            assert p.server.stats.refused == len(refusals) and p.server.stats.pulls == 0
+            # The log names the reason, never the ticket.
+            assert "ticket forged" in caplog.text and forged not in caplog.text and tampered not in caplog.text
+
+            # Valid tickets, other refusals: another worker's pair, another layout, a request not held.
+            got, _ = await p.call("Pull", **p.pull_fields("r", "decode-b", pair))
+            assert got is Code.ABORTED  # decode-b presents decode-a's pair
+            got, _ = await p.call("Pull", **p.pull_fields("r", "decode-a", pair, layout_fingerprint="wrong"))
+            assert got is Code.FAILED_PRECONDITION
+            got, _ = await p.call("Pull", **p.pull_fields("ghost", "decode-a", pair))
+            assert got is Code.NOT_FOUND
+            p.assert_holds("r")
+
+            # The right worker pulls with a valid ticket on its own pair, then replays that ticket.
+            fields = p.pull_fields("r", "decode-a", pair)
+            reply = pb.PullReply.FromString(
+                await p.channel.unary_unary(f"/{SERVICE}/Pull")(pb.PullRequest(**fields).SerializeToString())
+            )
+            received = torch.empty(tuple(reply.shape), dtype=p.engine.layout.torch_dtype)
+            await asyncio.to_thread(pair.recv, pieces(received, reply.chunk_bytes), reply.tag)
+            assert reply.num_tokens == 40 and len(pieces(received, reply.chunk_bytes)) > 1
+            await p.settle()
+            got, _ = await p.call("Pull", **fields)
+            assert got is Code.NOT_FOUND  # the replay finds nothing: the pull freed the KV
+            pair.close()
+            p.assert_holds()
+
+    asyncio.run(run())
+
+
+def test_connects_without_a_valid_ticket_open_no_pair(checkpoint, model):
+    async def run():
+        async with serving(checkpoint, model) as p:
+            p.hold("r")
+            refusals = {
+                "": Code.UNAUTHENTICATED,
+                "v1.x.y": Code.UNAUTHENTICATED,
+                FORGER.mint("decode-a"): Code.PERMISSION_DENIED,
+                TICKETS.mint("decode-a", now=time.time() - 120): Code.PERMISSION_DENIED,
+                TICKETS.mint("decode-b"): Code.PERMISSION_DENIED,
+                TICKETS.mint("decode-a", "r"): Code.PERMISSION_DENIED,  # a pull ticket does not connect
+            }
+            for ticket, code in refusals.items():
+                got, details = await p.call("Connect", **p.connect_fields("decode-a", ticket=ticket))
+                assert got is code, (ticket[:40], got, details)
+            # Valid tickets, but what the server cannot do.
+            bad_fields = [
+                (dict(backend=7), Code.INVALID_ARGUMENT),  # not a Backend value at all
+                (dict(backend=pb.BACKEND_UNSPECIFIED), Code.INVALID_ARGUMENT),
+                (dict(backend=pb.BACKEND_NCCL), Code.FAILED_PRECONDITION),
+                (dict(layout_fingerprint="another-model"), Code.FAILED_PRECONDITION),
+            ]
+            for changes, code in bad_fields:
+                got, details = await p.call("Connect", **p.connect_fields("decode-a", **changes))
+                assert got is code, (changes, got, details)
+            assert p.server.stats.pairs_created == 0 and p.server.num_pairs == 0
+            p.assert_holds("r")
+
+            client = _client("decode-a")
+            try:
+                assert await p.pull_with(client, "r") == 40
+            finally:
+                await client.close()
+            await p.settle()
+
+    asyncio.run(run())
+
+
+def test_a_client_with_another_secret_is_denied_and_the_right_one_pulls(checkpoint, model):
+    async def run():
+        async with serving(checkpoint, model) as p:
+            p.hold("r")
+            before = _refusals("ticket_forged")
+            impostor, honest = _client("decode-a", secret=b"some-other-cluster-secret"), _client("decode-a")
+            try:
+                with pytest.raises(KvTransferError) as denied:
+                    await p.pull_with(impostor, "r")
+                assert denied.value.reason is FailureReason.DENIED
+                assert _refusals("ticket_forged") == before + 1  # its Connect, refused before any pair
+                p.assert_holds("r")
+                assert await p.pull_with(honest, "r") == 40
+            finally:
+                await impostor.close()
+                await honest.close()
+            await p.settle()
+
+    asyncio.run(run())
+
+
+# ---- malformed calls --------------------------------------------------------------------------------------
+
+
+def test_malformed_calls_get_an_error_status_and_the_server_keeps_serving(checkpoint, model):
+    async def run():
+        async with serving(checkpoint, model) as p:
+            p.hold("r")
+            long_id = "x" * (MAX_ID_CHARS + 1)
+            calls = [  # (method, payload, expected status)
+                ("Pull", b"\xff\xfe garbage \x00\x01", Code.INVALID_ARGUMENT),
+                ("Connect", b"\xff\xfe garbage \x00\x01", Code.INVALID_ARGUMENT),
+                ("Pull", b"", Code.INVALID_ARGUMENT),  # parses as all fields empty
+                ("Connect", b"", Code.INVALID_ARGUMENT),
+                ("Pull", b"\x0a\x02\xff\xfe", Code.INVALID_ARGUMENT),  # request_id that is not UTF-8
+                ("Pull", pb.PullRequest(request_id=long_id, decode_worker_id="d", pair_id="p").SerializeToString(),
+                 Code.INVALID_ARGUMENT),
+                ("Connect", pb.ConnectRequest(decode_worker_id=long_id).SerializeToString(), Code.INVALID_ARGUMENT),
+                ("Pull", pb.PullRequest(request_id="r", decode_worker_id="d", pair_id="p",
+                                        ticket="v1." + "A" * 50_000).SerializeToString(), Code.UNAUTHENTICATED),
+                ("Pull", pb.PullRequest(request_id="r" * 200_000).SerializeToString(), Code.RESOURCE_EXHAUSTED),
+            ]  # fmt: skip
+            for method, payload, code in calls:
+                got, details = await p.raw(method, payload)
+                assert got is code, (method, payload[:20], got, details)
+            rng = random.Random(6)
+            for _ in range(100):  # random bytes: unreadable, or readable with empty ids or no ticket
+                payload = rng.randbytes(rng.randrange(1, 200))
+                for method in ("Pull", "Connect"):
+                    got, details = await p.raw(method, payload)
+                    assert got in (Code.INVALID_ARGUMENT, Code.UNAUTHENTICATED), (method, payload, got, details)
+            for path in (f"/{SERVICE}/Steal", "/pdserve.KvTransfer/Pull"):
+                try:
+                    await p.channel.unary_unary(path)(b"", timeout=TIMEOUT_S)
+                except grpc.aio.AioRpcError as e:
+                    assert e.code() is Code.UNIMPLEMENTED
+                else:
+                    pytest.fail(f"{path} answered")
+            assert p.server.stats.pairs_created == 0 and p.server.stats.pulls == 0
+            p.assert_holds("r")
+
+            client = _client("decode-a")
+            try:
+                assert await p.pull_with(client, "r") == 40
+            finally:
+                await client.close()
+            await p.settle()
+
+    asyncio.run(run())
