@@ -4,9 +4,19 @@ SIGTERM'd while streams are open (each stream completes, the gateway exits 0). P
 
 from __future__ import annotations
 
+import itertools
+import json
+import signal
+import subprocess
+import sys
+import threading
 import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
+import httpx
 import pytest
 from litestar.testing import TestClient
 from prometheus_client import REGISTRY
@@ -16,9 +26,14 @@ from services.gateway.admission import RETRY_AFTER_MAX_S, RETRY_AFTER_UNKNOWN_S,
 from services.gateway.backend import GenerationJob, Overloaded
 from services.gateway.draining import Drain
 from services.gateway.liveness import WorkerTable
+from services.launcher import Stack, StackSpec
 from shared.messages import Heartbeat, Sampling
 from shared.model.demo import write_demo_checkpoint
+from shared.procs import free_port
 from shared.settings import GatewaySettings
+from tests.e2e_support import kv_keys
+
+REPO = Path(__file__).resolve().parent.parent
 
 # ---- admission arithmetic ---------------------------------------------------------------------------
 
@@ -228,3 +243,230 @@ def test_drain_timeline():
     assert drain.left_s(112.0) == 8.0 and drain.left_s(130.0) == 0.0
     with pytest.raises(ValueError):
         Drain(0)
+
+
+# ---- real processes ---------------------------------------------------------------------------------
+
+
+def test_soak_briefly(model_dir, tmp_path):
+    """benchmarks/soak.py for 15 s: its report's shape, and nothing lost or left behind. Memory is not judged:
+    15 s are all warm-up for it (the prefill worker's oneDNN and allocator caches fill over ~30 s)."""
+    out = tmp_path / "soak.json"
+    cmd = [sys.executable, "benchmarks/soak.py", "--duration", "15", "--clients", "6", "--model", str(model_dir),
+           "--max-growth-mib", "100000", "--settle-s", "20", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    r = result["requests"]
+    assert r["lost"] == 0 and r["stop_mismatch"] == 0, r["examples"]
+    assert r["sent"] == r["completed"] + r["failed_cleanly"] + r["disconnected"] > 0
+    assert r["completed"] and r["disconnected"] and r["by_kind"]["stop"]["completed"]
+    assert r["rejected_429"] == r["failed_by_status"].get("429", 0)
+    assert set(result["rss"]) == {"gateway", "prefill-0", "decode-1", "nats", "redis"}
+    for m in result["rss"].values():
+        assert m["start_mib"] > 0 and m["end_mib"] > 0 and isinstance(m["slope_mib_per_min"], float)
+    assert result["leftover_keys"] == [] and result["ok"] and result["problems"] == []
+    assert [w["role"] for w in result["workers"].values()] == ["decode", "prefill"]
+    assert all(
+        w["integrity_error"] is None and w["free_blocks"] == w["total_blocks"] for w in result["workers"].values()
+    )
+
+
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir):
+    """1 prefill + 1 decode; each test below starts the gateway it needs (`gateway`)."""
+    spec = StackSpec(model=str(model_dir), port=free_port(), threads_per_worker=1)
+    st = Stack(spec)
+    try:
+        st.start(ready_timeout_s=180)
+    except Exception:
+        print(st.logs())
+        raise
+    yield st
+    st.stop()
+
+
+def gateway(stack: Stack, *args: str) -> subprocess.Popen:
+    """Replace the stack's gateway with one started with these extra flags; ready when it returns."""
+    old = stack.procs.get("gateway")
+    if old is not None and old.poll() is None:
+        old.terminate()
+        old.wait(timeout=30)
+    flags = ["--model", stack.spec.model, "--nats-url", stack.nats_url, "--redis-url", stack.redis_url]
+    proc = stack.spawn("gateway", ["gateway", "--port", str(stack.spec.port), "--host", stack.spec.host, *flags, *args])
+    stack.wait_ready(60)
+    return proc
+
+
+def body(i: int, stream: bool, max_tokens: int = MAX_TOKENS) -> dict:
+    prompt = f"request {i}: " + "tell me about disaggregated serving " * (3 + i % 5)
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: dict[str, str]
+    text: str = ""
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    done: bool = False  # streams: ended with [DONE]
+
+
+def read_answer(resp: httpx.Response, stream: bool) -> Answer:
+    if resp.status_code != 200:
+        return Answer(resp.status_code, dict(resp.headers), resp.read().decode())
+    if stream:
+        return parse_sse(resp.iter_lines())
+    whole = json.loads(resp.read())
+    choice, usage = whole["choices"][0], whole["usage"]
+    return Answer(200, dict(resp.headers), choice["text"], choice["finish_reason"], usage["completion_tokens"], True)
+
+
+def parse_sse(lines: Iterable[str]) -> Answer:
+    """A 200 stream's events: text, the finish reason of its last chunk, one chunk per token, [DONE] last."""
+    answer = Answer(200, {})
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: ") and not answer.done, line
+        payload = line[len("data: ") :]
+        if payload == "[DONE]":
+            answer.done = True
+            continue
+        chunk = json.loads(payload)
+        assert "error" not in chunk, chunk
+        answer.completion_tokens += 1
+        answer.text += chunk["choices"][0]["text"]
+        answer.finish_reason = chunk["choices"][0]["finish_reason"] or answer.finish_reason
+    return answer
+
+
+def post(url: str, i: int, stream: bool, start: threading.Barrier | None = None) -> Answer:
+    with httpx.Client(timeout=60) as client:
+        if start is not None:
+            start.wait()
+        with client.stream("POST", f"{url}/v1/completions", json=body(i, stream)) as resp:
+            return read_answer(resp, stream)
+
+
+def assert_complete(answer: Answer) -> None:
+    assert answer.status == 200 and answer.done, answer
+    assert answer.finish_reason == "length" and answer.completion_tokens == MAX_TOKENS, answer
+
+
+def wait_no_keys(redis_url: str, timeout_s: float = 15.0) -> list[bytes]:
+    deadline = time.monotonic() + timeout_s
+    while (keys := kv_keys(redis_url)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return keys
+
+
+def rejected_at(url: str, reason: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    for line in text.splitlines():
+        if line.startswith("pdserve:requests_rejected_total{") and f'reason="{reason}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.parametrize(
+    "reason, flags",
+    [("queue", ("--max-pending-requests", "2")), ("kv", ("--kv-overcommit", "0.000001"))],
+    ids=["queue-depth", "kv-capacity"],
+)
+def test_flood_gets_429s_and_every_admitted_request_completes(stack, reason, flags):
+    """24 requests at once against a small bound (kv: a limit of ~0 tokens, so a request is admitted only
+    alone; that needs the decode worker's heartbeat to report its capacity)."""
+    gateway(stack, *flags)
+    n = 24
+    start = threading.Barrier(n)
+    with ThreadPoolExecutor(n) as pool:
+        answers = list(pool.map(lambda i: post(stack.url, i, i % 2 == 0, start), range(n)))
+    refused = [a for a in answers if a.status == 429]
+    admitted = [a for a in answers if a.status == 200]
+    assert len(refused) + len(admitted) == n, [a for a in answers if a.status not in (200, 429)]
+    assert refused and admitted
+    for answer in admitted:
+        assert_complete(answer)
+    for answer in refused:
+        assert int(answer.headers["retry-after"]) >= 1
+        error = json.loads(answer.text)["error"]
+        assert error["type"] == "rate_limit_error" and error["code"] == 429 and "retry in" in error["message"]
+    assert rejected_at(stack.url, reason) == len(refused)
+    assert_complete(post(stack.url, 99, stream=True))  # the flood is over: served again
+    assert wait_no_keys(stack.redis_url) == []
+
+
+def test_sigterm_drains_open_streams_then_exits_0(stack):
+    gw = gateway(stack, "--drain-timeout-s", "30")
+    n = 4
+    first_chunk = [threading.Event() for _ in range(n)]
+
+    def stream(i: int) -> Answer:
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", f"{stack.url}/v1/completions", json=body(i, True)) as resp:
+                assert resp.status_code == 200
+                lines = resp.iter_lines()
+                head = next(line for line in lines if line)  # the first token's chunk
+                first_chunk[i].set()
+                return parse_sse(itertools.chain([head], lines))
+
+    decode = stack.procs["decode-1"]
+    with ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(stream, i) for i in range(n)]
+        assert all(e.wait(30) for e in first_chunk)
+        decode.send_signal(signal.SIGSTOP)  # the streams cannot end while the gateway is checked below
+        try:
+            gw.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while (ready := httpx.get(f"{stack.url}/ready")).status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert ready.status_code == 503 and ready.json()["error"]["message"].startswith("draining")
+            late = httpx.post(f"{stack.url}/v1/completions", json=body(9, False))
+            assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+            assert gw.poll() is None  # still serving its streams
+        finally:
+            decode.send_signal(signal.SIGCONT)
+        answers = [f.result() for f in futures]
+    for answer in answers:
+        assert_complete(answer)
+    assert gw.wait(timeout=30) == 0
+    assert wait_no_keys(stack.redis_url) == []
+
+
+def test_drain_timeout_ends_stragglers_with_an_error_and_exits_0(stack):
+    drain_s = 4.0
+    gw = gateway(stack, "--drain-timeout-s", str(drain_s))
+    n = 2
+    first_chunk = [threading.Event() for _ in range(n)]
+
+    def stream(i: int) -> list[str]:
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", f"{stack.url}/v1/completions", json=body(i, True)) as resp:
+                events = []
+                for line in resp.iter_lines():
+                    if line:
+                        events.append(line[len("data: ") :])
+                        first_chunk[i].set()
+                return events
+
+    decode = stack.procs["decode-1"]
+    with ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(stream, i) for i in range(n)]
+        assert all(e.wait(30) for e in first_chunk)
+        decode.send_signal(signal.SIGSTOP)  # the streams outlast the drain timeout
+        try:
+            gw.send_signal(signal.SIGTERM)
+            code = gw.wait(timeout=drain_s + 10)
+            ended = [f.result(timeout=10) for f in futures]
+        finally:
+            decode.send_signal(signal.SIGCONT)
+    assert code == 0
+    for events in ended:
+        *chunks, error, done = events
+        assert chunks and all("choices" in json.loads(c) for c in chunks)
+        assert json.loads(error)["error"]["message"] == "the gateway is shutting down" and done == "[DONE]"
