@@ -31,6 +31,8 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         raise APIError(400, f"invalid request: {exc}", _param_of(str(exc))) from exc
     except msgspec.DecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # msgspec's depth guard: arrays or objects nested thousands deep
+        raise APIError(400, "the request body nests arrays or objects too deeply") from exc
 
 
 def _param_of(message: str) -> str | None:

@@ -1,7 +1,8 @@
 """The OpenAI error shape, `{"error": {"message", "type", "param", "code"}}` with code = HTTP status, and
 the exception handlers that put every failure into it (litestar's own 404/405/413/400 included).
 
-Client mistakes are 4xx, always: the OpenAI SDK retries every 5xx.
+Client mistakes are 4xx, always: the OpenAI SDK retries every 5xx. `error_responses` declares the statuses a
+route can answer, in this shape, for the OpenAPI document (/schema): what the document says is what is sent.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
+from litestar.openapi.datastructures import ResponseSpec
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,26 @@ class ErrorDetail(msgspec.Struct):
 
 class ErrorBody(msgspec.Struct):
     error: ErrorDetail
+
+
+_MEANINGS = {
+    400: "Invalid request: the field at fault is named in `param`",
+    401: "Missing or invalid API key (only when the gateway has keys)",
+    404: "No such model",
+    413: "The request body is larger than the gateway's limit",
+    415: "The request body is not JSON (Content-Type)",
+    429: "Overloaded: retry after `Retry-After` seconds",
+    500: "The request failed inside the serving plane",
+    503: "No worker can serve the request now",
+    504: "The request ran past its deadline",
+}
+
+
+def error_responses(*statuses: int) -> dict[int, ResponseSpec]:
+    """OpenAPI `responses=` of a route: each status documented with the error shape."""
+    return {
+        status: ResponseSpec(ErrorBody, description=_MEANINGS[status], generate_examples=False) for status in statuses
+    }
 
 
 def error_body(status: int, message: str, param: str | None = None) -> ErrorBody:
