@@ -173,7 +173,10 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 def decode(data: bytes, kind: type[msgspec.Struct]):  # -> kind
     """Raises msgspec.ValidationError / DecodeError on malformed input."""
-    return msgspec.json.decode(data, type=kind)
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except RecursionError as exc:  # msgspec's guard against arrays / objects nested thousands deep
+        raise msgspec.DecodeError("JSON is nested too deeply") from exc
 
 
 def decode_or_drop(data: bytes, kind: type[msgspec.Struct], subject: str):  # -> kind | None

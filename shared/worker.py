@@ -22,6 +22,7 @@ from shared import bus
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import Engine, EngineConfig, RequestOutput
 from shared.engine.sampling import SamplingParams
+from shared.job_checks import job_refusal
 from shared.messages import (
     CANCEL_WILDCARD,
     Cancel,
@@ -225,6 +226,8 @@ class Worker:
         nothing to do: its attempt was cancelled (acked: done), or it is a redelivery of a job in hand (its
         newer message replaces the old one, which JetStream no longer tracks)."""
         job = decode(msg.data, kind)
+        if self.refused(msg, job):
+            return None
         if self.is_cancelled(job.request_id, job.attempt):
             log.info("dropping job %s: attempt %d was cancelled", job.request_id, job.attempt)
             asyncio.create_task(_settle(msg.ack()))
@@ -235,6 +238,19 @@ class Worker:
             log.info("job %s redelivered while in hand here; keeping the one running", job.key)
             return None
         return job
+
+    def refused(self, msg: Msg, job: PrefillJob | DecodeJob) -> bool:
+        """True for a job the engine must not see (shared/job_checks.py: it would fail on the engine thread):
+        terminated, with a warning naming why and an error event back where its reply subject allows."""
+        engine = self.engine.engine
+        refusal = job_refusal(job, engine.model.config.vocab_size, engine.max_model_len)
+        if refusal is None:
+            return False
+        log.warning("refusing job %.80r on %s: %s", job.request_id, msg.subject, refusal.reason)
+        if refusal.reply:
+            self.emit(job.reply_subject, error_event(job, refusal.reason, self.settings.worker_id))
+        asyncio.create_task(_settle(msg.term()))
+        return True
 
     def announce(self, job: PrefillJob | DecodeJob) -> None:
         """Tell the gateway this worker holds the request now."""

@@ -1,0 +1,333 @@
+"""Malformed messages sent straight onto the subjects the services read, bypassing the gateway: the job queues
+(pd.jobs.prefill / pd.jobs.decode), pd.cancel.*, pd.hb.* and a gateway's token subjects.
+
+Against a real stack (1 prefill + 1 decode worker on the tiny demo model, workers at a shorter context than
+the gateway's). After each batch: every process is alive, a normal request is answered as before, each
+dropped job has a worker log line naming why, a job with a valid reply subject got an error event back,
+JetStream holds no job (terminated, not redelivered), and the workers' heartbeats report sound block
+accounting. Below them, the pure checks of shared/job_checks.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import msgspec
+import nats
+import pytest
+
+from services.launcher import Stack, StackSpec
+from shared.job_checks import MIN_TEMPERATURE, job_problem, job_refusal, reply_subject_problem, sampling_problem
+from shared.messages import (
+    JOBS_STREAM,
+    DecodeJob,
+    PrefillJob,
+    Sampling,
+    TokenEvent,
+    encode,
+    prefill_subject,
+)
+from shared.model.demo import write_demo_checkpoint
+from shared.model.tokenizer import Tokenizer
+from shared.procs import free_port
+from tests.e2e_support import heartbeats
+
+MODEL = "demo"
+WORKER_CONTEXT = 256  # the workers' max_model_len; the gateway allows the checkpoint's 2048
+VOCAB = 259  # the tiny demo checkpoint's
+PROMPT = "The quick brown fox"
+REPLY = "pd.tokens.fuzz"  # the reply subjects of the jobs sent here: REPLY.<request id>
+GREEDY = Sampling(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+# ---- the pure checks ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompt", "sampling", "outputs", "fragment"),
+    [
+        ([], GREEDY, (), "the prompt is empty"),
+        ([1, -1], GREEDY, (), "prompt_token_ids[1] = -1 is outside the vocabulary [0, 259)"),
+        ([1, VOCAB], GREEDY, (), "prompt_token_ids[1] = 259"),
+        ([1], GREEDY, (5, 10**20), "output_token_ids[1] = 100000000000000000000"),
+        ([1] * 200, GREEDY, [1] * 56, "the prompt has 256 tokens; max_model_len is 256"),
+        ([1], Sampling(max_tokens=0), (), "max_tokens must be at least 1"),
+        ([1], Sampling(max_tokens=-3), (), "max_tokens must be at least 1"),
+        ([1], Sampling(max_tokens=4, temperature=-0.5), (), "temperature must be in [0, 100]"),
+        ([1], Sampling(max_tokens=4, temperature=float("inf")), (), "temperature must be in [0, 100]"),
+        ([1], Sampling(max_tokens=4, temperature=float("nan")), (), "temperature must be in [0, 100]"),
+        ([1], Sampling(max_tokens=4, temperature=1e-300), (), "too small to sample with"),
+        ([1], Sampling(max_tokens=4, top_p=0.0), (), "top_p must be in (0, 1]"),
+        ([1], Sampling(max_tokens=4, top_p=1.5), (), "top_p must be in (0, 1]"),
+        ([1], Sampling(max_tokens=4, top_k=0), (), "top_k must be at least 1"),
+        ([1], Sampling(max_tokens=4, stop_token_ids=[3, 999]), (), "stop_token_ids[1] = 999"),
+    ],
+)
+def test_job_problem_names_what_is_wrong(prompt, sampling, outputs, fragment):
+    problem = job_problem(prompt, sampling, VOCAB, WORKER_CONTEXT, outputs)
+    assert problem is not None and fragment in problem
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        GREEDY,
+        Sampling(max_tokens=10**30),  # runs until the context is full: not a problem
+        Sampling(max_tokens=1, temperature=MIN_TEMPERATURE, top_p=1e-9, top_k=10**12, seed=-(10**40)),
+        Sampling(max_tokens=1, temperature=100.0, stop_token_ids=[0, VOCAB - 1]),
+    ],
+)
+def test_runnable_jobs_pass(sampling):
+    assert job_problem([0, VOCAB - 1], sampling, VOCAB, WORKER_CONTEXT, (5,)) is None
+    assert job_problem([1] * 254, sampling, VOCAB, WORKER_CONTEXT, (1,)) is None  # 255 < 256: one more fits
+
+
+def test_tiny_temperatures_would_fail_inside_the_sampler():
+    """Why sampling_problem refuses 0 < temperature < MIN_TEMPERATURE: the engine's own sampler fails there
+    (on the engine thread, where a failure stops every request), and samples at the bound."""
+    import torch
+
+    from shared.engine.sampling import Sampler, SamplingParams
+
+    logits = torch.randn(1, VOCAB) * 10
+    with pytest.raises(RuntimeError):
+        Sampler(0).sample(logits, [SamplingParams(temperature=1e-300)], [0])
+    Sampler(0).sample(logits, [SamplingParams(temperature=MIN_TEMPERATURE)], [0])
+    assert sampling_problem(Sampling(max_tokens=1, temperature=1e-300), VOCAB) is not None
+
+
+@pytest.mark.parametrize(
+    ("subject", "valid"),
+    [
+        ("pd.tokens.gw-1.cmpl-abc_1", True),
+        ("pd.tokens.>", False),
+        ("pd.tokens.*.x", False),
+        ("pd.tokens.gw.x.y", False),
+        ("pd.tokens.gw.", False),
+        ("", False),
+        ("pd.jobs.prefill.demo", False),  # would feed token events into a job queue
+        ("pd.cancel.x", False),
+        ("pd.tokens.gw.a b", False),
+    ],
+)
+def test_reply_subjects(subject, valid):
+    assert (reply_subject_problem(subject) is None) == valid
+
+
+def test_refusal_says_whether_an_error_event_can_go_back():
+    ok = PrefillJob("r", MODEL, [1, 2], GREEDY, f"{REPLY}.r")
+    assert job_refusal(ok, VOCAB, WORKER_CONTEXT) is None
+    bad_tokens = msgspec.structs.replace(ok, prompt_token_ids=[VOCAB])
+    assert job_refusal(bad_tokens, VOCAB, WORKER_CONTEXT).reply
+    for bad_address in (
+        msgspec.structs.replace(bad_tokens, reply_subject="pd.tokens.>"),
+        msgspec.structs.replace(ok, request_id=""),
+        msgspec.structs.replace(ok, request_id="x" * 1000),
+    ):
+        refusal = job_refusal(bad_address, VOCAB, WORKER_CONTEXT)
+        assert refusal is not None and not refusal.reply
+    decode_job = DecodeJob("d", MODEL, [1], [VOCAB + 5], GREEDY, f"{REPLY}.d")
+    assert "output_token_ids[0]" in job_refusal(decode_job, VOCAB, WORKER_CONTEXT).reason
+
+
+# ---- a real stack -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_demo_checkpoint(tmp_path_factory.mktemp("model") / "demo", arch="qwen3_moe", size="tiny")
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir, tmp_path_factory):
+    spec = StackSpec(
+        model=str(model_dir),
+        port=free_port(),
+        prefill=1,
+        decode=1,
+        threads_per_worker=1,
+        worker_args=("--max-model-len", str(WORKER_CONTEXT)),
+    )
+    stack = Stack(spec, log_dir=str(tmp_path_factory.mktemp("logs")))
+    try:
+        stack.start(ready_timeout_s=180)
+    except Exception:
+        print(stack.logs())
+        raise
+    yield stack
+    stack.stop()
+
+
+def _complete(url: str, prompt: str | list[int] = PROMPT, **extra) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True} | extra
+    with httpx.Client(timeout=60) as client:
+        return client.post(f"{url}/v1/completions", json=body)
+
+
+@pytest.fixture(scope="module")
+def baseline(stack) -> str:
+    resp = _complete(stack.url)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(model_dir) -> list[int]:
+    return Tokenizer(model_dir).encode(PROMPT)
+
+
+def _worker_log(stack: Stack, role: str) -> str:
+    (path,) = stack.log_dir.glob(f"{role}-*.log")  # one worker of each role
+    return path.read_text(errors="replace")
+
+
+def _wait_for(what, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := what():
+            return value
+        time.sleep(0.1)
+    return what()
+
+
+class Bus:
+    """A NATS client on the stack's server, sending raw bytes and collecting the token events of REPLY.>."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.events: dict[str, list[TokenEvent]] = {}
+
+    async def __aenter__(self) -> Bus:
+        self.nc = await nats.connect(self.url)
+        self.js = self.nc.jetstream()
+        await self.nc.subscribe(f"{REPLY}.>", cb=self._on_event)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.nc.drain()
+
+    async def _on_event(self, msg) -> None:
+        event = msgspec.json.decode(msg.data, type=TokenEvent)
+        self.events.setdefault(event.request_id, []).append(event)
+
+    async def job(self, subject: str, payload: bytes | msgspec.Struct) -> None:
+        await self.js.publish(subject, payload if isinstance(payload, bytes) else encode(payload))
+
+    async def core(self, subject: str, payload: bytes | msgspec.Struct) -> None:
+        await self.nc.publish(subject, payload if isinstance(payload, bytes) else encode(payload))
+        await self.nc.flush()
+
+    async def final(self, request_id: str, timeout_s: float = 20.0) -> TokenEvent:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            done = [e for e in self.events.get(request_id, []) if e.finish_reason is not None]
+            if done:
+                return done[0]
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no final event for {request_id}: {self.events.get(request_id)}")
+
+    def tokens(self, request_id: str) -> list[int]:
+        """The request's tokens in output order (each position once)."""
+        by_seq = {e.seq + i: t for e in self.events.get(request_id, []) for i, t in enumerate(e.token_ids)}
+        return [by_seq[i] for i in range(len(by_seq))]
+
+    async def jetstream_is_empty(self, timeout_s: float = 10.0) -> str | None:
+        """None once every job has left the stream and no consumer waits for an ack; else what is left."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = await self.js.stream_info(JOBS_STREAM)
+            left = f"{info.state.messages} messages in {JOBS_STREAM}"
+            if info.state.messages == 0:
+                consumers = [await self.js.consumer_info(JOBS_STREAM, name) for name in await self._consumers()]
+                pending = {c.name: (c.num_pending, c.num_ack_pending) for c in consumers}
+                if all(p == (0, 0) for p in pending.values()):
+                    return None
+                left = f"pending / unacked per consumer: {pending}"
+            if time.monotonic() > deadline:
+                return left
+            await asyncio.sleep(0.1)
+
+    async def _consumers(self) -> list[str]:
+        return [c.name for c in await self.js.consumers_info(JOBS_STREAM)]
+
+
+def _assert_healthy(stack: Stack, baseline: str) -> None:
+    for name, proc in stack.procs.items():
+        assert proc.poll() is None, f"{name} exited with {proc.returncode}:\n{stack.logs()}"
+    resp = _complete(stack.url)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == baseline
+    beats = heartbeats(stack.nats_url, seconds=1.5)
+    assert {b.role for b in beats.values()} == {"prefill", "decode"}
+    assert all(b.integrity_error is None for b in beats.values()), beats
+
+
+def _prefill_job(request_id: str, prompt: list[int], sampling: Sampling = GREEDY, **kw) -> PrefillJob:
+    return PrefillJob(request_id, MODEL, prompt, sampling, kw.pop("reply_subject", f"{REPLY}.{request_id}"), **kw)
+
+
+MALFORMED = [
+    b"\x00\xff\xfe garbage",
+    b"not json at all",
+    b"[1, 2, 3]",
+    b'{"request_id": 5}',
+    b'{"request_id": "x", "model": "demo", "prompt_token_ids": "abc", "sampling": {}, "reply_subject": "s"}',
+    b'{"request_id": "x", "model": "demo", "prompt_token_ids": [1.5], "sampling": {"max_tokens": 1}, '
+    b'"reply_subject": "pd.tokens.fuzz.x"}',
+    b'{"request_id": "deep", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # deeper than decoders recurse
+    b"",
+]
+
+
+def test_malformed_and_bad_prefill_jobs(stack, baseline, prompt_ids):
+    subject = prefill_subject(MODEL)
+    # (request id, job, a fragment of the reason the worker logs and, for replyable ones, sends back)
+    semantic = [
+        ("empty", _prefill_job("empty", []), "the prompt is empty"),
+        ("negative", _prefill_job("negative", [1, -7, 2]), "prompt_token_ids[1] = -7 is outside"),
+        ("vocab", _prefill_job("vocab", [1, VOCAB]), f"prompt_token_ids[1] = {VOCAB} is outside"),
+        ("too-long", _prefill_job("too-long", [1] * (WORKER_CONTEXT + 10)), "max_model_len is 256"),
+        ("huge", _prefill_job("huge", [2] * 150_000), "max_model_len is 256"),  # ~450 kB of JSON
+        ("zero-max", _prefill_job("zero-max", prompt_ids, Sampling(max_tokens=0)), "max_tokens must be at least"),
+        ("cold", _prefill_job("cold", prompt_ids, Sampling(max_tokens=4, temperature=-1.0)), "temperature must"),
+        ("tiny-t", _prefill_job("tiny-t", prompt_ids, Sampling(max_tokens=4, temperature=1e-300)), "too small"),
+        ("top-p", _prefill_job("top-p", prompt_ids, Sampling(max_tokens=4, top_p=0.0)), "top_p must be"),
+        ("stop-ids", _prefill_job("stop-ids", prompt_ids, Sampling(max_tokens=4, stop_token_ids=[-1])), "stop_tok"),
+    ]
+    unanswerable = [
+        (_prefill_job("wild", prompt_ids, reply_subject="pd.tokens.>"), "is not a token subject"),
+        (_prefill_job("star", prompt_ids, reply_subject="pd.tokens.*.star"), "is not a token subject"),
+        (_prefill_job("into-queue", prompt_ids, reply_subject=subject), "is not a token subject"),
+        (_prefill_job("", prompt_ids, reply_subject=f"{REPLY}.x"), "request_id must have 1 to 256 characters"),
+    ]
+    enormous = _prefill_job("enormous", prompt_ids, Sampling(max_tokens=10**30, temperature=0.0, ignore_eos=True))
+    malformed_before = _worker_log(stack, "prefill").count("dropping malformed job")
+
+    async def scenario():
+        async with Bus(stack.nats_url) as bus:
+            for payload in MALFORMED:
+                await bus.job(subject, payload)
+            for _, job, _ in semantic:
+                await bus.job(subject, job)
+            for job, _ in unanswerable:
+                await bus.job(subject, job)
+            await bus.job(subject, enormous)  # a job like any other: it runs until the context is full
+            for request_id, _, reason in semantic:
+                event = await bus.final(request_id)
+                assert (event.finish_reason, event.status) == ("error", 400), event
+                assert reason in event.error
+            final = await bus.final("enormous", timeout_s=60)
+            assert final.finish_reason == "length" and len(bus.tokens("enormous")) == WORKER_CONTEXT - len(prompt_ids)
+            assert await bus.jetstream_is_empty() is None
+            assert not set(bus.events) & {"wild", "star", "into-queue", ""}
+
+    asyncio.run(scenario())
+    log = _wait_for(lambda: _worker_log(stack, "prefill"))
+    assert log.count("dropping malformed job") - malformed_before == len(MALFORMED), log[-5000:]
+    for request_id, _, reason in semantic:
+        assert f"refusing job {request_id!r} on {subject}: " in log and reason in log
+    for job, reason in unanswerable:
+        assert f"refusing job {job.request_id!r} on {subject}: " in log and reason in log
+    _assert_healthy(stack, baseline)
