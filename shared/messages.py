@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import re
 from enum import Enum
+from typing import Annotated
 
 import msgspec
 
@@ -113,6 +114,12 @@ class DecodeJob(msgspec.Struct, frozen=True):
         return attempt_key(self.request_id, self.attempt)
 
 
+# What a token event may carry (the gateway drops anything else as malformed): positions and attempts are never
+# negative, and token ids fit the u32 every tokenizer uses (decoding a negative id fails in the detokenizer).
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+_TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+
+
 class TokenEvent(msgspec.Struct, frozen=True):
     """New tokens of a request, or its end. `seq` is the output position of token_ids[0] (0 = the first
     generated token), whatever the attempt: the gateway delivers positions in order, drops positions it
@@ -126,9 +133,9 @@ class TokenEvent(msgspec.Struct, frozen=True):
     now waits in a job queue (the prefill worker published the decode job)."""
 
     request_id: str
-    attempt: int
-    seq: int
-    token_ids: list[int]
+    attempt: _Count
+    seq: _Count
+    token_ids: list[_TokenId]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     prompt_tokens: int = 0

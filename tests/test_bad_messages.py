@@ -11,6 +11,7 @@ accounting. Below them, the pure checks of shared/job_checks.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -22,10 +23,15 @@ from services.launcher import Stack, StackSpec
 from shared.job_checks import MIN_TEMPERATURE, job_problem, job_refusal, reply_subject_problem, sampling_problem
 from shared.messages import (
     JOBS_STREAM,
+    Cancel,
     DecodeJob,
+    Heartbeat,
     PrefillJob,
     Sampling,
     TokenEvent,
+    decode,
+    decode_or_drop,
+    decode_subject,
     encode,
     prefill_subject,
 )
@@ -132,6 +138,31 @@ def test_refusal_says_whether_an_error_event_can_go_back():
     assert "output_token_ids[0]" in job_refusal(decode_job, VOCAB, WORKER_CONTEXT).reason
 
 
+def test_deeply_nested_json_is_malformed_not_fatal():
+    """msgspec raises RecursionError past its nesting limit; it stopped a worker's job loop (which drops
+    DecodeError / ValidationError only)."""
+    deep = b'{"request_id": "x", "y": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(msgspec.DecodeError, match="nested too deeply"):
+        decode(deep, PrefillJob)
+    assert decode_or_drop(deep, Cancel, "pd.cancel.x") is None
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"seq": -1, "token_ids": [5]},
+        {"seq": 0, "token_ids": [-1]},
+        {"seq": 0, "token_ids": [2**64]},
+        {"seq": 0, "token_ids": [5], "attempt": -2},
+    ],
+)
+def test_token_events_with_impossible_values_are_malformed(event):
+    """A negative position or token id on a live request's subject broke its stream mid-body (the
+    detokenizer cannot decode a negative id): the gateway now drops such an event as malformed."""
+    payload = json.dumps({"request_id": "r", "attempt": 0} | event).encode()
+    assert decode_or_drop(payload, TokenEvent, "pd.tokens.gw.r") is None
+
+
 # ---- a real stack -----------------------------------------------------------------------------------------
 
 
@@ -229,9 +260,9 @@ class Bus:
         raise AssertionError(f"no final event for {request_id}: {self.events.get(request_id)}")
 
     def tokens(self, request_id: str) -> list[int]:
-        """The request's tokens in output order (each position once)."""
+        """The request's tokens in output order (each position once; a decode job's start after its first)."""
         by_seq = {e.seq + i: t for e in self.events.get(request_id, []) for i, t in enumerate(e.token_ids)}
-        return [by_seq[i] for i in range(len(by_seq))]
+        return [by_seq[i] for i in sorted(by_seq)]
 
     async def jetstream_is_empty(self, timeout_s: float = 10.0) -> str | None:
         """None once every job has left the stream and no consumer waits for an ack; else what is left."""
@@ -330,4 +361,127 @@ def test_malformed_and_bad_prefill_jobs(stack, baseline, prompt_ids):
         assert f"refusing job {request_id!r} on {subject}: " in log and reason in log
     for job, reason in unanswerable:
         assert f"refusing job {job.request_id!r} on {subject}: " in log and reason in log
+    _assert_healthy(stack, baseline)
+
+
+def test_malformed_and_bad_decode_jobs(stack, baseline, prompt_ids):
+    subject = decode_subject(MODEL)
+    malformed_before = _worker_log(stack, "decode").count("dropping malformed job")
+    refused = [
+        (DecodeJob("d-vocab", MODEL, prompt_ids, [VOCAB + 3], GREEDY, f"{REPLY}.d-vocab"), "output_token_ids[0]"),
+        (DecodeJob("d-neg", MODEL, [-1], [1], GREEDY, f"{REPLY}.d-neg"), "prompt_token_ids[0] = -1"),
+        (DecodeJob("d-empty", MODEL, [], [1], GREEDY, f"{REPLY}.d-empty"), "the prompt is empty"),
+        (DecodeJob("d-long", MODEL, [1] * 200, [1] * 60, GREEDY, f"{REPLY}.d-long"), "max_model_len is 256"),
+        (
+            DecodeJob("d-zero", MODEL, prompt_ids, [1], Sampling(max_tokens=0), f"{REPLY}.d-zero"),
+            "max_tokens must be at least 1",
+        ),
+    ]
+    wild = DecodeJob("d-wild", MODEL, prompt_ids, [1], GREEDY, "pd.tokens.*.d-wild")
+
+    async def scenario():
+        async with Bus(stack.nats_url) as bus:
+            # the reference: a well-formed prefill job sent the same way runs prefill, hand-off and decode
+            await bus.job(prefill_subject(MODEL), _prefill_job("ref", prompt_ids))
+            assert (await bus.final("ref")).finish_reason == "length"
+            reference = bus.tokens("ref")
+            assert len(reference) == GREEDY.max_tokens
+            for payload in MALFORMED:
+                await bus.job(subject, payload)
+            for job, _ in refused:
+                await bus.job(subject, job)
+            await bus.job(subject, wild)
+            # the prefill worker it names does not exist and no KV location is recorded: recomputed
+            ghost = DecodeJob(
+                "ghost", MODEL, prompt_ids, reference[:1], GREEDY, f"{REPLY}.ghost", prefill_worker="gone"
+            )
+            await bus.job(subject, ghost)
+            for job, reason in refused:
+                event = await bus.final(job.request_id)
+                assert (event.finish_reason, event.status) == ("error", 400) and reason in event.error, event
+            assert (await bus.final("ghost")).finish_reason == "length"
+            assert bus.tokens("ghost") == reference[1:]
+            assert await bus.jetstream_is_empty() is None
+            assert "d-wild" not in bus.events
+
+    asyncio.run(scenario())
+    log = _worker_log(stack, "decode")
+    assert log.count("dropping malformed job") - malformed_before == len(MALFORMED), log[-5000:]
+    for job, reason in [*refused, (wild, "is not a token subject")]:
+        assert f"refusing job {job.request_id!r} on {subject}: " in log and reason in log
+    assert "no KV location for ghost" in log
+    _assert_healthy(stack, baseline)
+
+
+def _malformed(payloads: list[bytes], kind: type[msgspec.Struct]) -> int:
+    """How many of `payloads` a reader of `kind` drops (some of MALFORMED are, say, valid Cancels)."""
+    return sum(decode_or_drop(p, kind, "test") is None for p in payloads)
+
+
+def _stream_text(url: str, max_tokens: int) -> str:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}) as resp:
+            assert resp.status_code == 200, resp.read()
+            raw = resp.read().decode()
+    events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
+    assert events[-1] == "[DONE]", raw[-1000:]
+    return "".join(c["choices"][0]["text"] for c in map(json.loads, events[:-1]) if c["choices"])
+
+
+def test_bad_cancels_heartbeats_and_token_events(stack, baseline):
+    long_run = 240  # tokens (of the workers' 256): the request still streams while the bad events arrive
+    expected = _complete(stack.url, max_tokens=long_run).json()["choices"][0]["text"]
+    drops_before = {role: _worker_log(stack, role).count("dropping malformed Cancel") for role in ("prefill", "decode")}
+    absurd = Heartbeat(
+        "absurd", "decode", MODEL, None, running=-1, free_blocks=-(10**9), total_blocks=-(10**9), block_size=-16
+    )
+    bad_events = [
+        *MALFORMED,
+        b'{"request_id": "x", "attempt": "one", "seq": 0, "token_ids": []}',
+        b'{"request_id": "x", "attempt": 0, "seq": 0, "token_ids": [18446744073709551616]}',
+    ]
+    streamed: list[str] = []
+
+    async def scenario():
+        async with Bus(stack.nats_url) as bus:
+            gateway_subjects: list[str] = []
+
+            async def seen(msg) -> None:
+                if not msg.subject.startswith(f"{REPLY}."):
+                    gateway_subjects.append(msg.subject)
+
+            await bus.nc.subscribe("pd.tokens.>", cb=seen)
+            live = asyncio.get_running_loop().run_in_executor(
+                None, lambda: streamed.append(_stream_text(stack.url, long_run))
+            )
+            while not gateway_subjects:
+                await asyncio.sleep(0.01)
+            live_subject = gateway_subjects[0]
+            live_id = live_subject.rsplit(".", 1)[1]  # the request id (ids are safe subject tokens)
+            # well-formed JSON, impossible values: a position before the first, token ids no vocabulary has
+            for seq, ids in ((-1, [-1] * 1000), (-(10**6), [2**64] * 10), (0, [-5])):
+                event = {"request_id": live_id, "attempt": 0, "seq": seq, "token_ids": ids}
+                await bus.core(live_subject, json.dumps(event).encode())
+            # the live request's token subject, and another request's of the same gateway
+            for subject in (live_subject, live_subject.rsplit(".", 1)[0] + ".nobody"):
+                for payload in bad_events:
+                    await bus.core(subject, payload)
+            for payload in MALFORMED:
+                await bus.core("pd.cancel.x", payload)
+                await bus.core("pd.hb.decode.fake", payload)
+            await bus.core("pd.cancel.nobody", Cancel("nobody"))
+            await bus.core("pd.cancel.long", Cancel("x" * 500_000))
+            await bus.core("pd.hb.decode.absurd", absurd)
+            await bus.core("pd.hb.nonsense.who", msgspec.structs.replace(absurd, worker_id="who", role="nonsense"))
+            await live
+
+    asyncio.run(scenario())
+    assert streamed == [expected]  # the bad events on its subject changed nothing
+    for role, before in drops_before.items():
+        log = _wait_for(lambda role=role: _worker_log(stack, role))
+        assert log.count("dropping malformed Cancel") - before == _malformed(MALFORMED, Cancel), log[-3000:]
+    gateway_log = (stack.log_dir / "gateway.log").read_text(errors="replace")
+    assert gateway_log.count("dropping malformed Heartbeat on pd.hb.decode.fake") == _malformed(MALFORMED, Heartbeat)
+    assert gateway_log.count("dropping malformed TokenEvent") >= 2 * _malformed(bad_events, TokenEvent)
     _assert_healthy(stack, baseline)
