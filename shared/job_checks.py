@@ -38,7 +38,7 @@ def job_refusal(job: PrefillJob | DecodeJob, vocab_size: int, max_model_len: int
     problem = request_id_problem(job.request_id) or reply_subject_problem(job.reply_subject)
     if problem is not None:
         return Refusal(problem, reply=False)
-    outputs = job.output_token_ids if isinstance(job, DecodeJob) else ()
+    outputs = job.output_token_ids
     problem = job_problem(job.prompt_token_ids, job.sampling, vocab_size, max_model_len, outputs)
     return None if problem is None else Refusal(problem, reply=True)
 

@@ -92,6 +92,9 @@ class PrefillJob(msgspec.Struct, frozen=True):
     reply_subject: str  # where token events go
     attempt: int = 0  # bumped on every re-dispatch; events of older attempts are dropped
     created_at: float = 0.0  # gateway's wall clock when the request arrived (queue-time metrics)
+    # Tokens already delivered (a request moved here after its worker died): prompt + these are recomputed and
+    # generation resumes after them; the first token this job produces is at position len(output_token_ids).
+    output_token_ids: list[int] = []
 
     @property
     def key(self) -> str:

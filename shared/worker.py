@@ -254,7 +254,7 @@ class Worker:
 
     def announce(self, job: PrefillJob | DecodeJob) -> None:
         """Tell the gateway this worker holds the request now."""
-        seq = len(job.output_token_ids) if isinstance(job, DecodeJob) else 0
+        seq = len(job.output_token_ids)
         self.emit(
             job.reply_subject, TokenEvent(job.request_id, job.attempt, seq, [], worker_id=self.settings.worker_id)
         )

@@ -62,9 +62,9 @@ def reference(model_dir):
     return {p: tok.decode(out) for p, out in zip(texts, outputs, strict=True)}
 
 
-def start(model_dir, prefill: int, decode: int, env: dict[str, str] | None = None, worker_args=()) -> Stack:
-    spec = StackSpec(model=str(model_dir), port=free_port(), prefill=prefill, decode=decode, threads_per_worker=1,
-                     env=FAST | (env or {}), worker_args=tuple(worker_args))  # fmt: skip
+def start(model_dir, prefill=0, decode=0, mixed=0, env: dict[str, str] | None = None, worker_args=()) -> Stack:
+    spec = StackSpec(model=str(model_dir), port=free_port(), prefill=prefill, decode=decode, mixed=mixed,
+                     threads_per_worker=1, env=FAST | (env or {}), worker_args=tuple(worker_args))  # fmt: skip
     stack = Stack(spec)
     try:
         return stack.start(ready_timeout_s=180)
@@ -90,6 +90,24 @@ def signal_worker(stack: Stack, name: str, sig: signal.Signals) -> None:
     stack.procs[name].send_signal(sig)
     if sig is signal.SIGKILL:
         stack.procs[name].wait(10)
+
+
+def respawn(stack: Stack, name: str, timeout_s: float = 120.0) -> None:
+    """Start a killed worker again and wait until it serves: its /metrics answers (the process is up) and its
+    first heartbeat reached the gateway (the killed one's last beat may still look live for a while)."""
+    stack.respawn(name)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{stack.metrics_ports[name]}/metrics", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} did not come back: {stack.logs()}")
+        time.sleep(0.2)
+    time.sleep(1.5)  # one heartbeat period and some
+    wait_ready(stack)
 
 
 def wait_ready(stack: Stack, timeout_s: float = 60.0) -> None:
@@ -157,12 +175,12 @@ def test_prefill_killed_after_first_token(model_dir, reference, policy):
         if policy == "fail":
             assert all(o.verdict == "failed_cleanly" and "kv_fallback" in o.error for o in outcomes)
             assert all(len(o.pieces) == 1 for o in outcomes)  # the first token, then the error
-        stack.respawn("prefill-0")
-        wait_ready(stack)
+        respawn(stack, "prefill-0")
         beats = settled(stack)["heartbeats"]
         decode = next(b for b in beats.values() if b.role == "decode")
         assert (decode.prefill_tokens > 0) == (policy == "recompute")  # it recomputed the prompts itself
-        assert stream_completion(stack.url, SHORT[0], MAX_TOKENS).text == reference[SHORT[0]]
+        after = stream_completion(stack.url, SHORT[0], MAX_TOKENS)
+        assert after.text == reference[SHORT[0]], (after.status, after.error, after.exception)
     finally:
         watch.close()
         stack.stop()
@@ -195,11 +213,28 @@ def test_decode_worker_dies_mid_stream(stack_1p2d, reference, sig):
     check(outcomes, reference, f"decode worker {'killed' if sig is signal.SIGKILL else 'hung'} mid-stream")
     assert gateway_metric(stack, "pdserve:request_migrations_total", phase="decode") > moved
     if sig is signal.SIGKILL:
-        stack.respawn(victim)
+        respawn(stack, victim)
     else:
         signal_worker(stack, victim, signal.SIGCONT)
-    wait_ready(stack)
+        wait_ready(stack)
     settled(stack)
+
+
+def test_colocated_worker_dies_mid_stream(model_dir, reference):
+    """The same move in a colocated deployment: a mixed worker is killed mid-stream and the other one
+    recomputes its requests' prompts and tokens so far and continues them."""
+    stack = start(model_dir, mixed=2)
+    watch = EventWatch(stack.nats_url)
+    try:
+        load = Load(stack.url, prompts(SHORT), MAX_TOKENS)
+        load.progress.wait(lambda p: min(p.counts) >= 3)
+        signal_worker(stack, busiest(stack, watch, "mixed"), signal.SIGKILL)
+        check(load.results(), reference, "mixed worker killed mid-stream")
+        assert gateway_metric(stack, "pdserve:request_migrations_total", phase="decode") >= 1
+        settled(stack)
+    finally:
+        watch.close()
+        stack.stop()
 
 
 @pytest.mark.parametrize("server", ["nats", "redis"])

@@ -6,9 +6,9 @@ A request's stream is registered before its job is published, so no event can ar
 Heartbeats (`pd.hb.>`) feed the live-worker table behind readiness and the 503 on dispatch.
 
 A watchdog moves requests whose worker died or stalled (request_stream.RequestUpdates.why_move): it cancels
-the old attempt (`Cancel.up_to_attempt`) and dispatches the next one — the prefill job again when no token
-was delivered yet, else a decode job carrying the prompt and every token delivered so far, which a decode
-worker recomputes and continues from. The client's stream goes on: positions already delivered are dropped.
+the old attempt (`Cancel.up_to_attempt`) and dispatches the next one to the prefill queue, carrying every
+token delivered so far: a prefill (or mixed) worker recomputes prompt + tokens, samples the next one and hands
+on as usual. The client's stream goes on: positions already delivered are dropped.
 While the gateway itself is cut off from NATS it judges nobody: heartbeats could not reach it.
 """
 
@@ -32,13 +32,11 @@ from shared import bus
 from shared.messages import (
     HEARTBEAT_WILDCARD,
     Cancel,
-    DecodeJob,
     Heartbeat,
     PrefillJob,
     TokenEvent,
     cancel_subject,
     decode_or_drop,
-    decode_subject,
     encode,
     prefill_subject,
     token_subject,
@@ -134,21 +132,10 @@ class NatsBackend:
             "request %s: %s; moving it on as attempt %d (%d tokens so far)", rid, why, attempt, stream.delivered
         )
         await self._nc.publish(cancel_subject(rid), encode(Cancel(rid, up_to_attempt=old)))
-        if stream.delivered == 0:
-            job, subject = msgspec.structs.replace(first, attempt=attempt), prefill_subject(first.model)
-        else:  # a decode worker recomputes prompt + tokens so far (no KV to pull) and goes on from there
-            job = DecodeJob(
-                request_id=rid,
-                model=first.model,
-                prompt_token_ids=first.prompt_token_ids,
-                output_token_ids=list(stream.tokens),
-                sampling=first.sampling,
-                reply_subject=first.reply_subject,
-                attempt=attempt,
-                prefill_worker=None,
-                created_at=first.created_at,
-            )
-            subject = decode_subject(first.model)
+        # Back to the prefill queue, with the tokens so far: recomputing them is prefill work (a decode worker
+        # doing it would stall its batch), and a prefill worker hands the KV on to decode as usual.
+        job = msgspec.structs.replace(first, attempt=attempt, output_token_ids=list(stream.tokens))
+        subject = prefill_subject(first.model)
         try:
             await self._js.publish(
                 subject, encode(job), timeout=PUBLISH_TIMEOUT_S, headers=stream.trace_headers or None

@@ -38,7 +38,10 @@ class MixedWorker(StreamingWorker):
         self.prefilling[job.key] = span
         try:
             params = sampling_params(job.sampling)
-            await self.engine.call(lambda e: e.add_request(job.key, job.prompt_token_ids, params))
+            outputs = job.output_token_ids  # a request moved here mid-stream resumes after them
+            await self.engine.call(
+                lambda e: e.add_request(job.key, job.prompt_token_ids, params, output_token_ids=outputs)
+            )
         except ValueError as exc:  # the gateway validates; this is a last line of defence
             del self.streams[job.key]
             del self.prefilling[job.key]

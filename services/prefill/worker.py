@@ -77,8 +77,12 @@ class PrefillWorker(Worker):
         # Registered before the engine sees it: the first token may reach the loop before this resumes.
         self.jobs[job.key] = (job, span)
         try:
-            params = sampling_params(job.sampling, max_tokens=1)
-            await self.engine.call(lambda e: e.add_request(job.key, job.prompt_token_ids, params, hold_kv=True))
+            # one token more than it has: a request moved here mid-stream resumes after its tokens so far
+            outputs = job.output_token_ids
+            params = sampling_params(job.sampling, max_tokens=len(outputs) + 1)
+            await self.engine.call(
+                lambda e: e.add_request(job.key, job.prompt_token_ids, params, hold_kv=True, output_token_ids=outputs)
+            )
         except ValueError as exc:
             del self.jobs[job.key]
             self.emit(job.reply_subject, error_event(job, str(exc), self.settings.worker_id))
@@ -107,13 +111,13 @@ class PrefillWorker(Worker):
     async def _hand_on(self, job: PrefillJob, out: RequestOutput) -> None:
         """Publish the first token; hold the KV and publish the decode job (or free it: nothing to decode)."""
         rid, key = job.request_id, job.key
-        token = out.new_token_ids[0]
-        finished = out.finish_reason is FinishReason.STOP or job.sampling.max_tokens == 1
+        token, position = out.new_token_ids[0], len(job.output_token_ids)
+        finished = out.finish_reason is FinishReason.STOP or out.num_output_tokens >= job.sampling.max_tokens
         reason = (out.finish_reason.value if out.finish_reason else "length") if finished else None
         event = TokenEvent(
             request_id=rid,
             attempt=job.attempt,
-            seq=0,
+            seq=position,
             token_ids=[token],
             finish_reason=reason,
             prompt_tokens=out.num_prompt_tokens,
@@ -140,7 +144,7 @@ class PrefillWorker(Worker):
             request_id=rid,
             model=job.model,
             prompt_token_ids=job.prompt_token_ids,
-            output_token_ids=[token],
+            output_token_ids=[*job.output_token_ids, token],
             sampling=job.sampling,
             reply_subject=job.reply_subject,
             attempt=job.attempt,
@@ -151,7 +155,7 @@ class PrefillWorker(Worker):
         with tracing.producer_span(subject, rid):
             await self.js.publish(subject, encode(decode_job), headers=tracing.carrier() or None)
         await self.ack(key)
-        queued = TokenEvent(rid, job.attempt, 1, [], worker_id=self.settings.worker_id, queued=True)
+        queued = TokenEvent(rid, job.attempt, position + 1, [], worker_id=self.settings.worker_id, queued=True)
         self.emit(job.reply_subject, queued)  # no worker holds the request until a decode worker takes it
         if holder is not None:
             asyncio.get_running_loop().call_later(self.settings.kv_lease_s, self._expire, key)
