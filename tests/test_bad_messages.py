@@ -345,10 +345,14 @@ def test_malformed_and_bad_prefill_jobs(stack, baseline, prompt_ids):
             for job, _ in unanswerable:
                 await bus.job(subject, job)
             await bus.job(subject, enormous)  # a job like any other: it runs until the context is full
+            # a good job under trace headers that are not W3C trace context
+            junk = {"traceparent": "00-zz-not-a-trace-01", "tracestate": "=" * 4000, "baggage": "\u00ff"}
+            await bus.js.publish(subject, encode(_prefill_job("junk-headers", prompt_ids)), headers=junk)
             for request_id, _, reason in semantic:
                 event = await bus.final(request_id)
                 assert (event.finish_reason, event.status) == ("error", 400), event
                 assert reason in event.error
+            assert (await bus.final("junk-headers")).finish_reason == "length"
             final = await bus.final("enormous", timeout_s=60)
             assert final.finish_reason == "length" and len(bus.tokens("enormous")) == WORKER_CONTEXT - len(prompt_ids)
             assert await bus.jetstream_is_empty() is None
