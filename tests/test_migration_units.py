@@ -115,6 +115,20 @@ def test_client_sees_every_position_once_across_a_move():
     assert asyncio.run(drain()) == [10, 11, 12, 13, 14]
 
 
+def test_a_second_taker_of_the_same_stage_is_ignored():
+    """A job redelivered while its first taker was hung: the first to announce keeps the stage, the other's
+    events are dropped (two differently sampled continuations must never interleave)."""
+    s = updates(Clock())
+    s.push(ev(0, [], worker="p0"))
+    s.push(ev(0, [5], worker="p0"))
+    s.push(ev(1, [], worker="d1"))  # d1 took the decode job (redelivered after d0 hung holding it)
+    s.push(ev(1, [], worker="d0"))  # d0 woke up and announced it too
+    s.push(ev(1, [66, 67], worker="d0"))
+    assert s.holder == "d1" and s.delivered == 1
+    s.push(ev(1, [6, 7], worker="d1", finish="length"))
+    assert s.tokens == [5, 6, 7]
+
+
 def test_cancel_covers_attempts_up_to_its_own():
     assert Cancel("r").covers(7)
     assert Cancel("r", up_to_attempt=1).covers(1) and not Cancel("r", up_to_attempt=1).covers(2)

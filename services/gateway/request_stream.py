@@ -64,6 +64,8 @@ class RequestUpdates:
         self._ended = False
         self._held_since = self._opened_at  # when the holder took the request
         self._tokens_at: float | None = None  # when the current attempt last delivered tokens
+        self._stage_takers: dict[tuple[int, int], str] = {}  # (attempt, first position) → the worker that took it
+        self._duplicates: set[tuple[int, str]] = set()  # (attempt, worker) running a stage another worker took
 
     @property
     def attempt(self) -> int:
@@ -89,6 +91,8 @@ class RequestUpdates:
 
     def push(self, event: TokenEvent) -> None:
         now = self._clock()
+        if self._is_duplicate_taker(event):
+            return
         updates = self._order.push(event)
         if updates:
             self._progress_at = now
@@ -103,6 +107,21 @@ class RequestUpdates:
         gap = self._order.gap()
         self._gap_since = None if gap is None else (self._gap_since or now)
         self._wakeup.set()
+
+    def _is_duplicate_taker(self, event: TokenEvent) -> bool:
+        """True for the events of a second worker running the same stage of the same attempt: JetStream
+        redelivers a job whose worker hung before announcing it, and that worker may wake up and run it too.
+        The first to announce a stage (its first position) keeps it; the other's events are dropped, so two
+        differently sampled continuations never interleave."""
+        who = (event.attempt, event.worker_id)
+        if who in self._duplicates:
+            return True
+        if event.worker_id and not event.token_ids and event.finish_reason is None and not event.queued:
+            first = self._stage_takers.setdefault((event.attempt, event.seq), event.worker_id)
+            if first != event.worker_id:
+                self._duplicates.add(who)
+                return True
+        return False
 
     def put(self, update: Update) -> None:
         """An update from the gateway itself (shutdown, a failed move)."""
