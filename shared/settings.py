@@ -153,6 +153,8 @@ class WorkerSettings(CommonSettings):
                 f"a {self.role} worker needs cluster_secret (PDSERVE_CLUSTER_SECRET or PDSERVE_CLUSTER_SECRET_FILE): "
                 "every prefill and decode worker shares it to sign and check KV pull tickets"
             )
+        if self.cluster_secret is not None and len(self.cluster_secret.encode()) < 16:
+            raise ValueError("cluster_secret must be at least 16 bytes (e.g. `openssl rand -base64 32`)")
 
 
 def from_env(cls: type, environ: dict[str, str] | None = None, **overrides: Any):
