@@ -79,7 +79,7 @@ KV_TRANSFER_FAILURES = Counter(f"{PREFIX}kv_transfer_failures", "Failed KV trans
 REQUEST_MIGRATIONS = Counter(
     f"{PREFIX}request_migrations",
     "Requests moved to another worker (their worker died or stalled), by the phase they were in.",
-    ("model_name", "phase"),
+    (*LABELS, "phase"),
 )
 MOE_EXPERT_TOKENS = Counter(
     f"{PREFIX}moe_expert_tokens", "Tokens routed to each expert (top-k counts each).", (*LABELS, "layer", "expert")
