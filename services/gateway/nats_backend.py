@@ -125,9 +125,8 @@ class NatsBackend:
             return
         old = stream.attempt
         attempt = stream.move_on()
-        metrics.REQUEST_MIGRATIONS.labels(
-            self.settings.served_model_name, "prefill" if not stream.delivered else "decode"
-        ).inc()
+        phase = "decode" if stream.delivered else "prefill"
+        metrics.REQUEST_MIGRATIONS.labels(self.settings.served_model_name, "gateway", phase).inc()
         log.warning(
             "request %s: %s; moving it on as attempt %d (%d tokens so far)", rid, why, attempt, stream.delivered
         )
