@@ -73,7 +73,7 @@ async def connect(settings: CommonSettings, name: str) -> NATS:
         log.info("%s: reconnected to NATS", name)
 
     async def on_error(exc: Exception) -> None:  # one line now and then, never a traceback per attempt
-        problems.report(_explain(exc))
+        problems.report(exc)
 
     login = f"as {user}" if user and password else "with a token" if user or password else "without credentials"
     tls_note = ", TLS" if tls else ""
@@ -103,24 +103,34 @@ _problems: dict[str, str] = {}  # client name → its current connection problem
 
 
 class _ProblemLog:
+    """One client's failed attempts: each distinct problem logged at most every REPEAT_LOG_S, and a refusal
+    (credentials, TLS) not displaced by the connection reset that follows it (the server hangs up after
+    refusing, and nats-py reports that too on some attempts)."""
+
     def __init__(self, name: str) -> None:
         self.name = name
-        self.last_logged = 0.0
-        self.repeats = 0
+        self.logged_at: dict[str, float] = {}  # problem → when it was last logged
+        self.repeats = 0  # failed attempts not logged since the last line
+        self.refused = False  # the current problem is a refusal
 
-    def report(self, problem: str) -> None:
+    def report(self, exc: Exception) -> None:
+        if self.refused and isinstance(exc, ConnectionResetError | BrokenPipeError | nats.errors.UnexpectedEOF):
+            self.repeats += 1
+            return
+        problem, self.refused = _explain(exc)
         now = time.monotonic()
-        if _problems.get(self.name) != problem or now - self.last_logged >= REPEAT_LOG_S:
+        if now - self.logged_at.get(problem, -REPEAT_LOG_S) >= REPEAT_LOG_S:
             again = f" ({self.repeats} more failed attempts since the last report)" if self.repeats else ""
             log.warning("%s: cannot connect to NATS: %s; retrying%s", self.name, problem, again)
-            self.last_logged, self.repeats = now, 0
+            self.logged_at[problem], self.repeats = now, 0
         else:
             self.repeats += 1
         _problems[self.name] = problem
 
     def solved(self) -> None:
         _problems.pop(self.name, None)
-        self.repeats = 0
+        self.logged_at.clear()
+        self.repeats, self.refused = 0, False
 
 
 def _servers_and_credentials(url: str) -> tuple[list[str], str | None, str | None]:
@@ -134,13 +144,17 @@ def _servers_and_credentials(url: str) -> tuple[list[str], str | None, str | Non
     return servers, user, password
 
 
-def _explain(exc: Exception) -> str:
+def _explain(exc: Exception) -> tuple[str, bool]:
+    """One line saying what went wrong and what to check; and whether the server refused us (credentials or
+    TLS), as opposed to being unreachable."""
     text = str(exc) or type(exc).__name__
     if isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in text.lower():
-        return f"the server refused the credentials ({text}): check PDSERVE_NATS_USER and PDSERVE_NATS_PASSWORD"
-    if isinstance(exc, ssl.SSLError):
-        return f"TLS failed ({text}): check PDSERVE_NATS_TLS_CA (and _CERT / _KEY where clients are verified)"
-    return f"{type(exc).__name__}: {text}"
+        hint = "check PDSERVE_NATS_USER and PDSERVE_NATS_PASSWORD"
+        return f"the server refused the credentials ({text}): {hint}", True
+    if isinstance(exc, ssl.SSLError) or "did not offer TLS" in text:
+        hint = "check PDSERVE_NATS_TLS_CA (and _CERT / _KEY where clients are verified)"
+        return f"TLS failed ({text}): {hint}", True
+    return f"{type(exc).__name__}: {text}", False
 
 
 async def ensure_jobs_stream(js: JetStreamContext) -> None:
