@@ -228,15 +228,15 @@ def _worker(args: argparse.Namespace) -> int:
     _observe(args.role, settings.worker_id, args.log_level, settings)
     worker_cls = _worker_class(args.role)
 
-    async def serve() -> None:
+    async def serve() -> bool:
         worker = worker_cls(settings)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.stop)
         await worker.run()
+        return worker.failure is None
 
-    asyncio.run(serve())
-    return 0
+    return 0 if asyncio.run(serve()) else 1  # 1: the engine failed (logged)
 
 
 def _worker_class(role: str):

@@ -16,9 +16,6 @@ from dataclasses import dataclass
 from shared.messages import DecodeJob, PrefillJob, Sampling
 
 MAX_TEMPERATURE = 100.0  # as shared.engine.sampling.SamplingParams
-# Below this (and above 0) logits / temperature overflow float32 to inf and softmax yields NaN: the sampler
-# fails. vLLM treats temperatures under 1e-5 as greedy; a job must say 0 for greedy.
-MIN_TEMPERATURE = 1e-5
 MAX_REQUEST_ID = 256  # characters: ids name log lines, spans and Redis keys
 # Where token events may go: a gateway's token subject, pd.tokens.<gateway>.<request> (shared/messages.py).
 # Anything else (a wildcard, a job or cancel subject, an empty string) would publish where no one listens
@@ -58,8 +55,6 @@ def sampling_problem(sampling: Sampling, vocab_size: int) -> str | None:
     t = sampling.temperature
     if not (math.isfinite(t) and 0.0 <= t <= MAX_TEMPERATURE):
         return f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {t}"
-    if 0.0 < t < MIN_TEMPERATURE:
-        return f"temperature {t} is too small to sample with (below {MIN_TEMPERATURE:g}): use 0 for greedy"
     if not (math.isfinite(sampling.top_p) and 0.0 < sampling.top_p <= 1.0):
         return f"top_p must be in (0, 1], got {sampling.top_p}"
     if sampling.top_k is not None and sampling.top_k < 1:

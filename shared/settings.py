@@ -31,14 +31,14 @@ class CommonSettings:
     configured by the standard OTEL_* variables."""
     # NATS and Redis credentials and TLS (the URLs may carry credentials too; these win).
     nats_user: str | None = None
-    nats_password: str | None = None
+    nats_password: str | None = field(default=None, repr=False)
     nats_tls_ca: str | None = None
     """CA bundle that verifies the NATS server's certificate; setting it (or a tls:// URL) turns TLS on."""
     nats_tls_cert: str | None = None
     """Client certificate and key, for servers that verify clients (mutual TLS)."""
     nats_tls_key: str | None = None
     redis_username: str | None = None
-    redis_password: str | None = None
+    redis_password: str | None = field(default=None, repr=False)
     redis_tls_ca: str | None = None
     """CA bundle that verifies the Redis server's certificate; setting it (or a rediss:// URL) turns TLS on."""
     redis_tls_cert: str | None = None
@@ -58,7 +58,7 @@ class GatewaySettings(CommonSettings):
     host: str = "0.0.0.0"
     port: int = 8000
     gateway_id: str = field(default_factory=lambda: _default_id("gw"))
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
     """Accepted `Authorization: Bearer` keys; empty = no authentication."""
     max_body_bytes: int = 4 << 20
     request_timeout_s: float = 600.0
@@ -116,7 +116,7 @@ class WorkerSettings(CommonSettings):
     """Prefill workers free a request's KV if no decode worker pulled it within this time."""
     transfer_backend: str = "gloo"
     """gloo (CPU) | nccl (both sides on CUDA)"""
-    cluster_secret: str | None = None
+    cluster_secret: str | None = field(default=None, repr=False)
     """Shared by every prefill and decode worker of a deployment: KV pull tickets are signed with it.
     Required for the prefill and decode roles (`pdserve up` generates one)."""
     kv_transfer_timeout_s: float = 30.0

@@ -109,7 +109,8 @@ class Worker:
         self.model_name = settings.served_model_name
         self.labels = (self.model_name, self.role)  # every metric's model_name, role
         self.metrics_port: int | None = None  # bound once run() starts the metrics server
-        self.engine = AsyncEngine(engine or build_engine(settings), self._outputs_ready)
+        self.engine = AsyncEngine(engine or build_engine(settings), self._outputs_ready, self._engine_failed)
+        self.failure: BaseException | None = None  # why the engine thread died; the worker then exits non-zero
         self.stopping = asyncio.Event()
         self.nc = None
         self.js = None
@@ -162,7 +163,14 @@ class Worker:
         )
 
     async def run(self) -> None:
-        self.nc = await bus.connect(self.settings, f"{self.role}-{self.settings.worker_id}")
+        connecting = asyncio.ensure_future(bus.connect(self.settings, f"{self.role}-{self.settings.worker_id}"))
+        stopped = asyncio.ensure_future(self.stopping.wait())
+        await asyncio.wait((connecting, stopped), return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not connecting.done():  # SIGTERM while NATS is unreachable (or refuses us): nothing to drain
+            connecting.cancel()
+            return
+        self.nc = connecting.result()
         self.js = self.nc.jetstream()
         await bus.ensure_jobs_stream(self.js)
         self.redis = redis_client(self.settings)
@@ -193,6 +201,13 @@ class Worker:
             with contextlib.suppress(Exception):
                 await self.nc.close()
             await self.redis.aclose()
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        """The engine thread died: stop at once (exit non-zero, heartbeats end), so that the gateway moves this
+        worker's requests elsewhere instead of waiting on an engine that will never step again."""
+        log.critical("the engine failed (%r); this worker stops so that its requests move to others", exc)
+        self.failure = exc
+        self.stopping.set()
 
     def stop(self) -> None:
         """SIGTERM / SIGINT: the first call drains, a second stops now."""
@@ -314,6 +329,9 @@ class Worker:
                     await self.handle_job(msg)
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     log.error("dropping malformed job on %s: %s", msg.subject, exc)
+                    await _settle(msg.term())
+                except Exception:  # a bug on one job must not end the loop that takes every later one
+                    log.exception("handling a job on %s failed; dropping it", msg.subject)
                     await _settle(msg.term())
 
     async def _cancel_received(self, msg: Msg) -> None:

@@ -20,7 +20,7 @@ import nats
 import pytest
 
 from services.launcher import Stack, StackSpec
-from shared.job_checks import MIN_TEMPERATURE, job_problem, job_refusal, reply_subject_problem, sampling_problem
+from shared.job_checks import job_problem, job_refusal, reply_subject_problem, sampling_problem
 from shared.messages import (
     JOBS_STREAM,
     Cancel,
@@ -64,7 +64,6 @@ GREEDY = Sampling(max_tokens=8, temperature=0.0, ignore_eos=True)
         ([1], Sampling(max_tokens=4, temperature=-0.5), (), "temperature must be in [0, 100]"),
         ([1], Sampling(max_tokens=4, temperature=float("inf")), (), "temperature must be in [0, 100]"),
         ([1], Sampling(max_tokens=4, temperature=float("nan")), (), "temperature must be in [0, 100]"),
-        ([1], Sampling(max_tokens=4, temperature=1e-300), (), "too small to sample with"),
         ([1], Sampling(max_tokens=4, top_p=0.0), (), "top_p must be in (0, 1]"),
         ([1], Sampling(max_tokens=4, top_p=1.5), (), "top_p must be in (0, 1]"),
         ([1], Sampling(max_tokens=4, top_k=0), (), "top_k must be at least 1"),
@@ -81,7 +80,7 @@ def test_job_problem_names_what_is_wrong(prompt, sampling, outputs, fragment):
     [
         GREEDY,
         Sampling(max_tokens=10**30),  # runs until the context is full: not a problem
-        Sampling(max_tokens=1, temperature=MIN_TEMPERATURE, top_p=1e-9, top_k=10**12, seed=-(10**40)),
+        Sampling(max_tokens=1, temperature=1e-300, top_p=1e-9, top_k=10**12, seed=-(10**40)),
         Sampling(max_tokens=1, temperature=100.0, stop_token_ids=[0, VOCAB - 1]),
     ],
 )
@@ -90,18 +89,19 @@ def test_runnable_jobs_pass(sampling):
     assert job_problem([1] * 254, sampling, VOCAB, WORKER_CONTEXT, (1,)) is None  # 255 < 256: one more fits
 
 
-def test_tiny_temperatures_would_fail_inside_the_sampler():
-    """Why sampling_problem refuses 0 < temperature < MIN_TEMPERATURE: the engine's own sampler fails there
-    (on the engine thread, where a failure stops every request), and samples at the bound."""
+def test_tiny_temperatures_sample_greedily():
+    """0 < temperature < GREEDY_BELOW is greedy (as in vLLM): dividing the logits by it would overflow and the
+    sampler would fail on the engine thread, where a failure stops every request."""
     import torch
 
-    from shared.engine.sampling import Sampler, SamplingParams
+    from shared.engine.sampling import GREEDY_BELOW, Sampler, SamplingParams
 
-    logits = torch.randn(1, VOCAB) * 10
-    with pytest.raises(RuntimeError):
-        Sampler(0).sample(logits, [SamplingParams(temperature=1e-300)], [0])
-    Sampler(0).sample(logits, [SamplingParams(temperature=MIN_TEMPERATURE)], [0])
-    assert sampling_problem(Sampling(max_tokens=1, temperature=1e-300), VOCAB) is not None
+    logits = torch.randn(2, VOCAB) * 10
+    greedy = logits.argmax(dim=-1).tolist()
+    tiny, zero = SamplingParams(temperature=1e-300), SamplingParams(temperature=0.0)
+    assert Sampler(0).sample(logits, [tiny, zero], [0, 0]) == greedy
+    assert Sampler(0).sample(logits[:1], [SamplingParams(temperature=GREEDY_BELOW)], [0])  # samples at the bound
+    assert sampling_problem(Sampling(max_tokens=1, temperature=1e-300), VOCAB) is None
 
 
 @pytest.mark.parametrize(
@@ -323,7 +323,6 @@ def test_malformed_and_bad_prefill_jobs(stack, baseline, prompt_ids):
         ("huge", _prefill_job("huge", [2] * 150_000), "max_model_len is 256"),  # ~450 kB of JSON
         ("zero-max", _prefill_job("zero-max", prompt_ids, Sampling(max_tokens=0)), "max_tokens must be at least"),
         ("cold", _prefill_job("cold", prompt_ids, Sampling(max_tokens=4, temperature=-1.0)), "temperature must"),
-        ("tiny-t", _prefill_job("tiny-t", prompt_ids, Sampling(max_tokens=4, temperature=1e-300)), "too small"),
         ("top-p", _prefill_job("top-p", prompt_ids, Sampling(max_tokens=4, top_p=0.0)), "top_p must be"),
         ("stop-ids", _prefill_job("stop-ids", prompt_ids, Sampling(max_tokens=4, stop_token_ids=[-1])), "stop_tok"),
     ]

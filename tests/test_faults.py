@@ -220,6 +220,33 @@ def test_decode_worker_dies_mid_stream(stack_1p2d, reference, sig):
     settled(stack)
 
 
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_worker_sigterm_drains(stack_1p2d, reference, role):
+    """SIGTERM is a clean exit, not a fault: the worker stops taking jobs, keeps beating (draining), finishes
+    what it holds — a decode worker its streams, a prefill worker its prompts and the KV it holds for pulls
+    — and exits 0; a replacement started then takes what is still queued (a rolling restart). Nothing moves,
+    nothing is recomputed, every stream completes."""
+    stack = stack_1p2d
+    moved = gateway_metric(stack, "pdserve:request_migrations_total")
+    watch = EventWatch(stack.nats_url)
+    try:
+        load = Load(stack.url, prompts(SHORT if role == "decode" else LONG), MAX_TOKENS)
+        if role == "decode":
+            load.progress.wait(lambda p: min(p.counts) >= 3)
+            victim = busiest(stack, watch, "decode")
+        else:
+            watch.wait_for(lambda w: w.taken_without_token("prefill-0"))
+            victim = "prefill-0"
+        signal_worker(stack, victim, signal.SIGTERM)
+        assert stack.procs[victim].wait(30) == 0
+        respawn(stack, victim)
+        check(load.results(), reference, f"{role} worker SIGTERM (drain)")
+    finally:
+        watch.close()
+    assert gateway_metric(stack, "pdserve:request_migrations_total") == moved
+    settled(stack)
+
+
 def test_colocated_worker_dies_mid_stream(model_dir, reference):
     """The same move in a colocated deployment: a mixed worker is killed mid-stream and the other one
     recomputes its requests' prompts and tokens so far and continues them."""

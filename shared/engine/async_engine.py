@@ -3,7 +3,9 @@
 The engine is single-threaded: only this thread touches it. The service's event loop asks for work with
 `call(fn)` (fn(engine) runs between two steps, its result comes back as an awaitable) and receives every
 step's outputs through `on_outputs`, called on the event loop. Steps run back to back while there is
-work, so NATS, gRPC and KV transfers on the loop never stop a running batch.
+work, so NATS, gRPC and KV transfers on the loop never stop a running batch. A step that raises ends the
+thread and is reported through `on_failure` (on the loop): the engine's state is unknown after it, so the
+service must stop rather than serve on without an engine.
 """
 
 from __future__ import annotations
@@ -22,9 +24,15 @@ T = TypeVar("T")
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, on_outputs: Callable[[list[RequestOutput]], None]) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        on_outputs: Callable[[list[RequestOutput]], None],
+        on_failure: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.engine = engine
         self._on_outputs = on_outputs
+        self._on_failure = on_failure
         self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future, asyncio.AbstractEventLoop]]
         self._commands = queue.SimpleQueue()
         self._stopped = threading.Event()
@@ -58,9 +66,11 @@ class AsyncEngine:
             if self.engine.has_unfinished():
                 try:
                     outputs = self.engine.step()
-                except Exception:  # a bug in one step must not kill the worker silently
-                    log.exception("engine step failed")
-                    raise
+                except Exception as exc:  # a bug in one step must not kill the worker silently
+                    log.exception("engine step failed; the engine thread stops")
+                    if self._on_failure is not None:
+                        self._loop.call_soon_threadsafe(self._on_failure, exc)
+                    return
                 if outputs:
                     self._loop.call_soon_threadsafe(self._on_outputs, outputs)
 

@@ -13,12 +13,14 @@ from dataclasses import dataclass
 import torch
 
 _SEED_STRIDE = 1_000_003  # distinct generator states per output position
+# Below this a temperature means greedy, as in vLLM: logits / t would overflow float32 and the softmax give NaN.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or anything below GREEDY_BELOW) = greedy
     top_p: float = 1.0
     top_k: int | None = None  # None = off
     seed: int | None = None
@@ -37,7 +39,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
 class Sampler:
