@@ -447,6 +447,28 @@ def test_compose_nats_requires_the_password(tmp_path):
         _stop(proc)
 
 
+@pytest.mark.parametrize("password", ["-starts-with-a-dash", "12-digits-then-a-dash", "12345", "true"])
+def test_compose_nats_takes_any_generated_password(tmp_path, password):
+    """secrets-init's passwords are token_urlsafe: one in 64 starts with `-`, and some start with digits then
+    `-`. nats-server parses an unquoted variable's value as configuration (an error, a number, a bool) and
+    exits; compose's command quotes it, so each of these logs in."""
+    secrets_dir = tmp_path / "secrets"
+    assert secrets_init.main([str(secrets_dir)], environ={"PDSERVE_NATS_PASSWORD": password}) == 0
+    port = free_port()
+    script = _shell_script("nats").replace(
+        "--config /etc/nats/pdserve.conf",
+        f"--config {ROOT / 'docker' / 'nats.conf'} -p {port} -m {free_port()} -sd {tmp_path / 'js'}",
+    )
+    proc = _run_infra("nats", script, secrets_dir, port)
+    try:
+        env = {"PDSERVE_NATS_URL": f"nats://127.0.0.1:{port}", "PDSERVE_NATS_USER": "pdserve"}
+        name = f"compose-nats-{password}"
+        settings = from_env(GatewaySettings, env | {"PDSERVE_NATS_PASSWORD": password})
+        assert asyncio.run(_nats_connects(settings, name)), bus.connection_problem(name)
+    finally:
+        _stop(proc)
+
+
 async def _nats_connects(settings, name: str) -> bool:
     try:
         nc = await asyncio.wait_for(bus.connect(settings, name), 1.0)
