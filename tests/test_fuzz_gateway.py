@@ -14,7 +14,11 @@ Below the fuzzing: one plain regression test for each bug it found, in the docum
 from __future__ import annotations
 
 import collections
+import time
+from collections.abc import Callable
+from typing import NamedTuple
 
+import jsonschema_rs
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -23,9 +27,12 @@ from schemathesis import GenerationMode
 from schemathesis.specs.openapi import checks as openapi_checks
 
 from services.gateway import create_app
-from services.gateway.backend import GenerationJob, Update
+from services.gateway.backend import GenerationJob, Overloaded, Update
+from services.gateway.draining import Drain
 from services.gateway.prepare import CHAT_ROLES
+from services.gateway.schemas import API_KEY_SCHEME, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from services.gateway.schemas import CHAT_ROLES as DOCUMENTED_ROLES
+from services.gateway.served_model import ServedModel
 from shared.job_checks import job_refusal
 from shared.messages import PrefillJob, decode, encode, token_subject
 from shared.model.demo import write_demo_checkpoint
@@ -34,6 +41,7 @@ from shared.worker import sampling_params
 from tests.test_gateway import MODEL, FakeBackend, FakeStream, settings_for
 
 EXAMPLES = 100  # per operation and generation mode: the whole file runs in well under a minute
+NEGATIVE_STATUSES = {400, 404, 413, 415}  # how schema-violating data is refused
 SEED = 20240611
 
 
@@ -77,7 +85,13 @@ def app(checkpoint, backend):
 def gateway_schema(app):
     # whole event streams (schemathesis cuts them at 20 events by default), to check how they end
     config = schemathesis.Config.from_dict(
-        {"seed": SEED, "generation": {"deterministic": True}, "max-stream-events": 10_000}
+        {
+            "seed": SEED,
+            "generation": {"deterministic": True},
+            "max-stream-events": 10_000,
+            # a body over the size limit is refused too (413): text over a declared length limit can be
+            "checks": {"negative_data_rejection": {"expected-statuses": sorted(NEGATIVE_STATUSES)}},
+        }
     )
     return schemathesis.openapi.from_asgi("/schema/openapi.json", app, config=config)
 
@@ -164,7 +178,7 @@ def test_fuzz(gateway_schema, operation, mode):
     print(f"{method} {path} {mode.value}: statuses {sorted(statuses.items())}")
     assert sum(statuses.values()) > 0
     if mode is GenerationMode.NEGATIVE:
-        assert set(statuses) <= {400, 404, 413, 415}
+        assert set(statuses) <= NEGATIVE_STATUSES
 
 
 def test_fuzz_without_the_api_key(checkpoint, backend):
@@ -186,6 +200,31 @@ def test_fuzz_without_the_api_key(checkpoint, backend):
         fuzz()
     assert {status for _, status in statuses} == {401}, statuses
     assert len({path for path, _ in statuses}) == 4
+
+
+def test_fuzz_with_the_api_key(checkpoint, backend):
+    """With API keys set and schemathesis given one for the declared bearer scheme, every /v1 operation serves
+    the key's requests, and the same requests without a key or with a wrong one are refused (ignored_auth)."""
+    key = "sk-fuzz-with-a-key"
+    app = create_app(settings_for(checkpoint, api_keys=(key,)), backend)
+    config = schemathesis.Config.from_dict({"auth": {"openapi": {API_KEY_SCHEME: {"bearer": key}}}})
+    schema = schemathesis.openapi.from_asgi("/schema/openapi.json", app, config=config)
+    statuses: collections.Counter[tuple[str, int]] = collections.Counter()
+    for method, path in [op for op in OPERATIONS if op[1].startswith("/v1/")]:
+
+        @given(case=schema[path][method].as_strategy(generation_mode=GenerationMode.POSITIVE).map(_as_clients_send))
+        @settings(
+            max_examples=10, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck)
+        )
+        def fuzz(case):
+            response = case.call()
+            statuses[(case.path, response.status_code)] += 1
+            case.validate_response(response, checks=[*CHECKS, openapi_checks.ignored_auth])
+
+        fuzz()
+    assert 401 not in {status for _, status in statuses}, statuses
+    served = {path for path, status in statuses if status == 200}  # ignored_auth probes only what was served
+    assert served >= {"/v1/chat/completions", "/v1/completions", "/v1/models"}, statuses
 
 
 # ---- regressions: one per bug the fuzzing found ----------------------------------------------------------
@@ -254,20 +293,21 @@ def test_what_prepare_refuses_is_documented(client):
     completion = schemas["CompletionRequest"]["properties"]
     assert completion["n"]["enum"] == [1, None] and completion["best_of"]["enum"] == [1, None]
     assert completion["echo"]["enum"] == [False, None] and completion["logprobs"]["enum"] == [None]
-    assert {"type": "string", "minLength": 1} in completion["prompt"]["oneOf"]
+    assert [f["minLength"] for f in completion["prompt"]["oneOf"] if f["type"] == "string"] == [1]
     assert schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
     for body in ({"prompt": "hi", "n": 2}, {"prompt": "hi", "echo": True}, {"prompt": ""}):
         assert client.post("/v1/completions", json=body).status_code == 400
 
 
-def test_a_job_a_worker_would_refuse_is_a_400(client, backend):
-    """A temperature of 1e-300 passes the gateway's range [0, 2] but fails inside the engine's sampler (NaN
-    probabilities, on the engine thread): workers refuse it (shared/job_checks.py) and the client gets a 400
-    with the reason."""
+def test_a_tiny_temperature_is_sampled_greedily(client, backend):
+    """A temperature of 1e-300 passes the gateway's range [0, 2] but failed inside the engine's sampler (NaN
+    probabilities, on the engine thread: a 500, then a worker's refusal): below 1e-5 the engine now samples
+    greedily, as vLLM does, and the client gets its completion."""
+    refused = len(backend.refused)
     resp = client.post("/v1/completions", json={"prompt": "hi", "temperature": 1e-300})
-    assert resp.status_code == 400, resp.text
-    assert "too small to sample with" in resp.json()["error"]["message"]
-    assert backend.refused[-1] == resp.json()["error"]["message"]
+    assert resp.status_code == 200, resp.text
+    assert len(backend.refused) == refused
+    assert sampling_params(backend.jobs[-1].sampling).greedy
 
 
 def test_a_text_part_without_text_is_named_so(client):
@@ -276,3 +316,164 @@ def test_a_text_part_without_text_is_named_so(client):
     resp = client.post("/v1/chat/completions", json=body)
     assert resp.status_code == 400
     assert resp.json()["error"]["message"] == "only text content is supported, got a text part without `text`"
+
+
+# ---- the document tells the limits, Retry-After, the 503s and the API key -------------------------------
+
+
+def _request_schema(document: dict, name: str) -> jsonschema_rs.Draft202012Validator:
+    return jsonschema_rs.Draft202012Validator(
+        {"$ref": f"#/components/schemas/{name}", "components": document["components"]}
+    )
+
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+def _completion(**fields) -> dict:
+    return {"prompt": "hi"} | fields
+
+
+def _chat(**fields) -> dict:
+    return {"messages": [{"role": "user", "content": "hi"}]} | fields
+
+
+def _message(**fields) -> dict:
+    return {"messages": [{"role": "user"} | fields]}
+
+
+def _fixed(n: int) -> Callable[[ServedModel], int]:
+    return lambda _: n
+
+
+def _last_token_id(model: ServedModel) -> int:
+    return model.vocab_size - 1
+
+
+def _prompt_tokens(model: ServedModel) -> int:
+    return model.max_prompt_tokens
+
+
+def _prompt_chars(model: ServedModel) -> int:
+    return model.max_prompt_chars
+
+
+def _generated_tokens(model: ServedModel) -> int:
+    return model.max_model_len - 1  # a prompt has at least one token
+
+
+class Limit(NamedTuple):
+    path: str
+    param: str  # the field the 400 names
+    bound: Callable[[ServedModel], int]
+    body: Callable[[int], dict]  # a request with n of what is limited
+    served_at_bound: bool = True  # False where a body at the bound may be refused all the same (tokens decide)
+
+
+LIMITS = {
+    "stop strings": Limit(COMPLETIONS, "stop", _fixed(MAX_STOP_STRINGS), lambda n: _completion(stop=["s"] * n)),
+    "a stop string": Limit(COMPLETIONS, "stop", _fixed(MAX_STOP_CHARS), lambda n: _completion(stop="s" * n)),
+    "a listed stop string": Limit(CHAT, "stop", _fixed(MAX_STOP_CHARS), lambda n: _chat(stop=["x", "s" * n])),
+    "stop token ids": Limit(
+        CHAT, "stop_token_ids", _fixed(MAX_STOP_TOKEN_IDS), lambda n: _chat(stop_token_ids=[1] * n)
+    ),
+    "a stop token id": Limit(COMPLETIONS, "stop_token_ids", _last_token_id, lambda n: _completion(stop_token_ids=[n])),
+    "prompt tokens": Limit(COMPLETIONS, "prompt", _prompt_tokens, lambda n: {"prompt": [1] * n}),
+    "a batch of one's tokens": Limit(COMPLETIONS, "prompt", _prompt_tokens, lambda n: {"prompt": [[1] * n]}),
+    "a prompt token id": Limit(COMPLETIONS, "prompt", _last_token_id, lambda n: {"prompt": [1, n]}),
+    "prompt text": Limit(COMPLETIONS, "prompt", _prompt_chars, lambda n: {"prompt": "a" * n}, False),
+    "max_tokens": Limit(COMPLETIONS, "max_tokens", _generated_tokens, lambda n: {"prompt": [1], "max_tokens": n}),
+    "max_completion_tokens": Limit(
+        CHAT, "max_completion_tokens", _generated_tokens, lambda n: _chat(max_completion_tokens=n), False
+    ),
+    "messages": Limit(CHAT, "messages", _prompt_tokens, lambda n: {"messages": [{"role": "user"}] * n}, False),
+    "a message's text": Limit(CHAT, "messages", _prompt_chars, lambda n: _message(content="a" * n), False),
+    "a message's name": Limit(CHAT, "messages", _prompt_chars, lambda n: _message(name="a" * n), False),
+    "a text part": Limit(
+        CHAT, "messages", _prompt_chars, lambda n: _message(content=[{"type": "text", "text": "a" * n}]), False
+    ),
+}
+
+
+@pytest.mark.parametrize("limit", LIMITS)
+def test_limits_are_documented_as_enforced(app, client, limit):
+    """The document declared none of the request limits (stop strings and ids, prompt and message lengths, token
+    ids, max_tokens): each is now declared where it applies, at exactly the value enforced. A body one over it
+    violates the document and is refused with a 400 naming the field; a body at it is valid."""
+    path, param, bound, body, served_at_bound = LIMITS[limit]
+    at, over = body(bound(app.state.model)), body(bound(app.state.model) + 1)
+    request = _request_schema(
+        _document(client), "CompletionRequest" if path == COMPLETIONS else "ChatCompletionRequest"
+    )
+    assert request.is_valid(at) and not request.is_valid(over)
+    resp = client.post(path, json=over)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text[:300]
+    if served_at_bound:
+        assert client.post(path, json=at).status_code == 200
+
+
+def test_the_body_limit_is_documented(client):
+    """413 said "the gateway's limit" without saying it."""
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        described = _document(client)["paths"][path]["post"]["responses"]["413"]["description"]
+        assert described.endswith(f"limit of {64 << 10} bytes")
+        resp = client.post(path, content=b" " * ((64 << 10) + 1), headers={"content-type": "application/json"})
+        assert resp.status_code == 413
+
+
+class OverloadedBackend(WorkerLikeBackend):
+    async def open(self, job):
+        raise Overloaded("the queue is full", retry_after_s=7)
+
+
+def _validated_call(app, path: str, body: dict):
+    """One request through schemathesis, its response checked against the document (headers included)."""
+    schema = schemathesis.openapi.from_asgi("/schema/openapi.json", app)
+    case = schema[path]["POST"].Case(body=body, media_type="application/json")
+    response = case.call()
+    case.validate_response(response, checks=[*CHECKS, openapi_checks.response_headers_conformance])
+    return response
+
+
+def test_retry_after_is_documented(checkpoint, backend):
+    """429 said "retry after `Retry-After` seconds" but declared no such header."""
+    app = create_app(settings_for(checkpoint), OverloadedBackend(backend.tokenizer, backend.vocab_size, 2048))
+    with TestClient(app) as client:
+        paths = _document(client)["paths"]
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", _chat())):
+        header = paths[path]["post"]["responses"]["429"]["headers"]["Retry-After"]
+        assert header["required"] and header["schema"] == {"type": "integer", "minimum": 1, "maximum": 60}
+        response = _validated_call(app, path, body)
+        assert response.status_code == 429 and response.headers["retry-after"] == ["7"]
+
+
+def test_both_503s_are_documented(checkpoint, backend, monkeypatch):
+    """The completion routes' 503 said only "no worker": a draining gateway answers it too."""
+    draining = Drain(30.0)
+    draining.begin(time.monotonic())
+    app = create_app(settings_for(checkpoint), backend, draining)
+    with TestClient(app) as client:
+        described = _document(client)["paths"]["/v1/completions"]["post"]["responses"]["503"]["description"]
+    assert "No worker" in described and "draining" in described
+    assert "draining" in _validated_call(app, "/v1/completions", {"prompt": "hi"}).json()["error"]["message"]
+    monkeypatch.setattr(backend, "unavailable", "no decode worker")
+    response = _validated_call(create_app(settings_for(checkpoint), backend), "/v1/chat/completions", _chat())
+    assert response.status_code == 503 and "no decode worker" in response.json()["error"]["message"]
+
+
+def test_the_api_key_is_documented(checkpoint, backend):
+    """The document did not say that /v1 takes `Authorization: Bearer <key>`: with keys set, every /v1
+    operation requires the bearer scheme, and nothing else does; without keys, nothing requires it."""
+    with TestClient(create_app(settings_for(checkpoint, api_keys=("sk-documented",)), backend)) as client:
+        keyed = _document(client)
+        assert client.get("/v1/models").status_code == 401
+    with TestClient(create_app(settings_for(checkpoint), backend)) as client:
+        open_ = _document(client)
+    for document in (keyed, open_):
+        scheme = document["components"]["securitySchemes"][API_KEY_SCHEME]
+        assert scheme["type"] == "http" and scheme["scheme"] == "bearer"
+        assert "security" not in document  # the probes need no key
+    for path, item in keyed["paths"].items():
+        for operation in item.values():
+            assert operation.get("security") == ([{API_KEY_SCHEME: []}] if path.startswith("/v1/") else None), path
+    assert all("security" not in op for item in open_["paths"].values() for op in item.values())

@@ -16,6 +16,7 @@ from litestar import Litestar, Router
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
+from litestar.openapi.spec import Components
 
 from services.gateway.backend import Backend
 from services.gateway.draining import Drain
@@ -23,6 +24,7 @@ from services.gateway.errors import EXCEPTION_HANDLERS
 from services.gateway.middleware import api_key_guard, echo_request_id
 from services.gateway.nats_backend import NatsBackend
 from services.gateway.routes import PROBE_ROUTES, V1_ROUTES
+from services.gateway.schemas import API_KEY_REQUIRED, SECURITY_SCHEMES, declare_limits
 from services.gateway.served_model import ServedModel
 from shared.settings import GatewaySettings
 
@@ -70,8 +72,9 @@ def create_app(settings: GatewaySettings, backend: Backend | None = None, drain:
         "/v1",
         route_handlers=V1_ROUTES,
         guards=[api_key_guard(settings.api_keys)] if settings.api_keys else None,
+        security=API_KEY_REQUIRED if settings.api_keys else None,  # what the guard asks for, in the document
     )
-    return Litestar(
+    app = Litestar(
         route_handlers=[v1, *PROBE_ROUTES],
         dependencies={
             "backend": Provide(_backend, sync_to_thread=False),
@@ -84,5 +87,12 @@ def create_app(settings: GatewaySettings, backend: Backend | None = None, drain:
         before_send=[echo_request_id],
         request_max_body_size=settings.max_body_bytes,
         logging_config=None,  # the process's own logging (format with trace ids, set by the CLI) stays as is
-        openapi_config=OpenAPIConfig(title="pdserve gateway", version="0.1.0", path="/schema"),
+        openapi_config=OpenAPIConfig(
+            title="pdserve gateway",
+            version="0.1.0",
+            path="/schema",
+            components=Components(security_schemes=SECURITY_SCHEMES),
+        ),
     )
+    declare_limits(app.openapi_schema, model, settings.max_body_bytes)  # builds the document now, once
+    return app

@@ -17,16 +17,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.errors import APIError
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.schemas import (  # the limits live with the schema, which declares them in /schema
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from services.gateway.served_model import ServedModel
 from shared.messages import Sampling
 from shared.model.tokenizer import ChatTemplateError
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256  # per stop string: the held-back check costs its length squared per generated token
-MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass(frozen=True)

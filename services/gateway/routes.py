@@ -33,11 +33,11 @@ from services.gateway.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
+    CompletionOperation,
     CompletionRequest,
     ModelCard,
     ModelList,
     Status,
-    StreamingOperation,
     responses,
 )
 from services.gateway.served_model import ServedModel
@@ -52,7 +52,7 @@ AnyRequest = Request[Any, Any, Any]
     return_dto=None,
     status_code=200,
     responses=responses(ChatCompletion, *COMPLETION_ERRORS),
-    operation_class=StreamingOperation,
+    operation_class=CompletionOperation,
 )
 async def chat_completions(
     data: JSONBody[ChatCompletionRequest],
@@ -73,7 +73,7 @@ async def chat_completions(
     return_dto=None,
     status_code=200,
     responses=responses(Completion, *COMPLETION_ERRORS),
-    operation_class=StreamingOperation,
+    operation_class=CompletionOperation,
 )
 async def completions(
     data: JSONBody[CompletionRequest],

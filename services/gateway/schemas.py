@@ -2,8 +2,10 @@
 
 Requests decode strictly (a string where a number belongs is a 400, not a guess); unknown fields are
 ignored because benchmark clients send extras. Fields are Optional where clients are known to send
-`null`. Ranges the schema can express are declared here (and so appear in /schema); the rest is
-checked in prepare.py. `responses` and `StreamingOperation` document what a route answers.
+`null`. Ranges and limits are declared here (and so appear in /schema/openapi.json); prepare.py enforces
+them, and the rest, with 400s naming the field. Limits that depend on the served model (prompt length, the
+vocabulary) differ between gateways: `declare_limits` writes them into each app's document. `responses` and
+`CompletionOperation` document what a route answers; `SECURITY_SCHEMES` how /v1 takes an API key.
 """
 
 from __future__ import annotations
@@ -13,10 +15,26 @@ from typing import Annotated, Any
 
 import msgspec
 from litestar.openapi.datastructures import ResponseSpec
-from litestar.openapi.spec import OpenAPIMediaType, OpenAPIType, Operation, Schema
+from litestar.openapi.spec import (
+    OpenAPI,
+    OpenAPIHeader,
+    OpenAPIMediaType,
+    OpenAPIType,
+    Operation,
+    Reference,
+    Schema,
+    SecurityScheme,
+)
 from msgspec import Meta
 
+from services.gateway.admission import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S
 from services.gateway.errors import error_responses
+from services.gateway.served_model import ServedModel
+
+# Limits on what any request may ask for (prepare.py refuses more with a 400 naming the field).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # per stop string: the held-back check costs its length squared per generated token
+MAX_STOP_TOKEN_IDS = 256
 
 
 def _documented(**schema: Any) -> Meta:
@@ -32,23 +50,34 @@ def _only(*values: Any) -> Meta:
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
-_PROMPT = {"type": "string", "minLength": 1}
+_NULL = {"type": "null"}
+_TOKEN_ID = {"type": "integer", "minimum": 0}  # and below the vocabulary size: declare_limits
+_STOP_STRING = {"type": "string", "maxLength": MAX_STOP_CHARS}
+
+
+def _prompt_forms(text: dict[str, Any], token_ids: dict[str, Any]) -> list[dict[str, Any]]:
+    return [text, token_ids, {"type": "array", "items": {"oneOf": [text, token_ids]}, "minItems": 1, "maxItems": 1}]
+
+
+def _stop_token_ids_forms(token_id: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"type": "array", "items": token_id, "maxItems": MAX_STOP_TOKEN_IDS}, _NULL]
+
 
 MaxTokens = Annotated[int, Meta(ge=1, description="tokens to generate at most")]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0, description="0 = greedy"), _documented(minimum=0.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0), _documented(exclusive_minimum=0.0)]
 TopK = Annotated[int, Meta(ge=-1, description="0 or -1 = off")]
-TokenIds = Annotated[list[int], _documented(items={"type": "integer", "minimum": 0})]
+# Annotated around the whole Optional: `oneOf` replaces what litestar would write, null included.
+Stop = Annotated[
+    str | list[str] | None,
+    _documented(one_of=[_STOP_STRING, {"type": "array", "items": _STOP_STRING, "maxItems": MAX_STOP_STRINGS}, _NULL]),
+]
+StopTokenIds = Annotated[list[int] | None, _documented(one_of=_stop_token_ids_forms(_TOKEN_ID))]
 Prompt = Annotated[
     str | list[Any],
     _documented(
         description="a string, token ids, or a one-element list of either",
-        one_of=[
-            _PROMPT,
-            _TOKEN_IDS,
-            {"type": "array", "items": {"oneOf": [_PROMPT, _TOKEN_IDS]}, "minItems": 1, "maxItems": 1},
-        ],
+        one_of=_prompt_forms({"type": "string", "minLength": 1}, {"type": "array", "items": _TOKEN_ID, "minItems": 1}),
     ),
 ]
 
@@ -74,8 +103,8 @@ class _Common(msgspec.Struct, kw_only=True):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: TokenIds | None = None
+    stop: Stop = None
+    stop_token_ids: StopTokenIds = None
     seed: int | None = None
     n: Annotated[int | None, _only(1)] = None
     stream: bool | None = None
@@ -196,14 +225,22 @@ def responses(success: Any, *errors: int) -> dict[int, ResponseSpec]:
 # what a completion route can answer besides 200 (401 only when the gateway has API keys)
 COMPLETION_ERRORS = (400, 401, 404, 413, 415, 429, 500, 503, 504)
 
+RETRY_AFTER = OpenAPIHeader(
+    schema=Schema(type=OpenAPIType.INTEGER, minimum=RETRY_AFTER_MIN_S, maximum=RETRY_AFTER_MAX_S),
+    required=True,
+    description="Whole seconds to wait before sending the request again",
+)
+
 
 @dataclass
-class StreamingOperation(Operation):
-    """An operation whose 200 is JSON, or server-sent events with `stream: true` (litestar documents one media
-    type per status; this adds the second)."""
+class CompletionOperation(Operation):
+    """A completion route's operation, with what litestar's `responses=` cannot say: a 200 that is JSON, or
+    server-sent events with `stream: true` (litestar documents one media type per status); the 429's
+    Retry-After header; both reasons for a 503."""
 
     def __post_init__(self) -> None:
-        ok = (self.responses or {}).get("200")
+        answers = self.responses or {}
+        ok = answers.get("200")
         if ok is not None and ok.content is not None:
             # an event stream's schema describes one event (how schemathesis and OpenAPI 3.2 read it)
             event = Schema(
@@ -217,3 +254,70 @@ class StreamingOperation(Operation):
                 },
             )
             ok.content["text/event-stream"] = OpenAPIMediaType(schema=event)
+        if (overloaded := answers.get("429")) is not None:
+            overloaded.headers = {"Retry-After": RETRY_AFTER}
+        if (unavailable := answers.get("503")) is not None:
+            unavailable.description = (
+                "No worker can serve the request now, or the gateway is draining (shutting down): send it again "
+                "later, or to another replica"
+            )
+
+
+# /v1 takes `Authorization: Bearer <key>` when the gateway has API keys (middleware.api_key_guard); the probes,
+# /metrics and /schema never do. The scheme is always declared; operations require it only with keys set.
+API_KEY_SCHEME = "api_key"
+SECURITY_SCHEMES: dict[str, SecurityScheme | Reference] = {
+    API_KEY_SCHEME: SecurityScheme(
+        type="http",
+        scheme="bearer",
+        description="One of the gateway's API keys (settings api_keys), as `Authorization: Bearer <key>`",
+    )
+}
+API_KEY_REQUIRED = [{API_KEY_SCHEME: []}]
+
+
+def declare_limits(document: OpenAPI, model: ServedModel, max_body_bytes: int) -> None:
+    """Write into one app's `document` the limits that depend on its model and settings, which the request
+    classes cannot carry (their schemas are the same for every app): the longest prompt in tokens and in
+    characters, the vocabulary, the context, the body size. prepare.py (litestar for the body) enforces each."""
+    schemas = document.components.schemas
+    token_id = {**_TOKEN_ID, "maximum": model.vocab_size - 1}
+    text = {"type": "string", "minLength": 1, "maxLength": model.max_prompt_chars}
+    token_ids = {"type": "array", "items": token_id, "minItems": 1, "maxItems": model.max_prompt_tokens}
+    completion = _properties(schemas["CompletionRequest"])
+    chat = _properties(schemas["ChatCompletionRequest"])
+    # new lists and dicts throughout: the annotations' own are shared by every app
+    _schema(completion["prompt"]).one_of = _prompt_forms(text, token_ids)
+    for request in (completion, chat):
+        _schema(request["stop_token_ids"]).one_of = _stop_token_ids_forms(token_id)
+        for field in ("max_tokens", "max_completion_tokens"):
+            if field in request:  # a prompt has at least one token
+                _schema(request[field]).maximum = model.max_model_len - 1  # beside litestar's minimum
+    messages = _schema(chat["messages"])
+    messages.max_items = model.max_prompt_tokens
+    messages.description = (
+        f"at most {model.max_prompt_tokens} messages, with at most {model.max_prompt_chars} characters of text in "
+        "all (names included, and the chat template's own text once rendered)"
+    )
+    message, part = _properties(schemas["ChatMessage"]), _properties(schemas["ContentPart"])
+    for field in (message["content"], message["name"], part["text"]):  # each is part of the text in all
+        _form(field, OpenAPIType.STRING).max_length = model.max_prompt_chars
+    for path in (document.paths or {}).values():
+        for operation in (path.get, path.post):
+            too_large = (operation.responses or {}).get("413") if operation is not None else None
+            if too_large is not None:
+                too_large.description = f"The request body is larger than the gateway's limit of {max_body_bytes} bytes"
+
+
+def _schema(schema: Schema | Reference) -> Schema:
+    assert isinstance(schema, Schema), schema
+    return schema
+
+
+def _properties(schema: Schema | Reference) -> dict[str, Schema | Reference]:
+    return _schema(schema).properties or {}
+
+
+def _form(schema: Schema | Reference, kind: OpenAPIType) -> Schema:
+    """The `kind` alternative of an Optional field's oneOf."""
+    return next(f for f in _schema(schema).one_of or () if isinstance(f, Schema) and f.type == kind)
