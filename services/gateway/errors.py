@@ -64,7 +64,7 @@ _MEANINGS = {
     415: "The request body is not JSON (Content-Type)",
     429: "Overloaded: retry after `Retry-After` seconds",
     500: "The request failed inside the serving plane",
-    503: "No worker can serve the request now",
+    503: "No worker can serve the request now, or the gateway is draining (shutting down)",
     504: "The request ran past its deadline",
 }
 
