@@ -5,7 +5,8 @@
 
 It runs the scenario tests themselves (pytest, CHAOS_REQUESTS streams each) and collects what every scenario
 recorded: requests sent, completed (full answer equal to the single-process engine's), failed cleanly (an
-OpenAI-shaped error) and lost (anything else). A scenario whose checks fail (a lost request, a leaked block or
+OpenAI-shaped error) and lost (anything else), and how many requests the gateway moved to another worker
+(pdserve:request_migrations_total). A scenario whose checks fail (a lost request, a leaked block or
 Redis key) fails its test: the exit status says so.
 """
 
@@ -37,14 +38,13 @@ def main() -> int:
         status = subprocess.run(cmd, env=env, cwd=ROOT).returncode
         rows = [line.rstrip("\n").split("\t") for line in report if line.strip()]
 
-    results = [
-        {"scenario": s, "sent": int(a), "completed": int(b), "failed_cleanly": int(c), "lost": int(d)}
-        for s, a, b, c, d in rows
-    ]
+    keys = ("sent", "completed", "failed_cleanly", "lost", "moved")
+    results = [{"scenario": row[0]} | dict(zip(keys, map(int, row[1:]), strict=True)) for row in rows]
     width = max([len(r["scenario"]) for r in results] + [8])
-    print(f"\n{'scenario':<{width}}  {'sent':>5} {'completed':>9} {'failed cleanly':>14} {'lost':>5}")
+    print(f"\n{'scenario':<{width}}  {'sent':>5} {'completed':>9} {'failed cleanly':>14} {'lost':>5} {'moved':>6}")
     for r in results:
-        print(f"{r['scenario']:<{width}}  {r['sent']:>5} {r['completed']:>9} {r['failed_cleanly']:>14} {r['lost']:>5}")
+        print(f"{r['scenario']:<{width}}  {r['sent']:>5} {r['completed']:>9} {r['failed_cleanly']:>14} {r['lost']:>5}"
+              f" {r['moved']:>6}")  # fmt: skip
     Path(args.json).write_text(json.dumps({"requests_per_scenario": args.requests, "pytest_status": status,
                                            "scenarios": results}, indent=2))  # fmt: skip
     print(f"\nwritten to {args.json}; pytest exit status {status}")

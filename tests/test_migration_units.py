@@ -95,6 +95,23 @@ def test_why_move_judges_the_holder_by_heartbeat_then_by_stall():
     assert s.why_move(beats.get, TTL, STALL) is None  # finished: nothing to move
 
 
+def test_a_stream_silent_since_nats_came_back_moves_after_a_ttl():
+    clock = Clock()
+    s = updates(clock)
+    beats = {"d0": clock.now}
+    s.push(ev(0, [5], worker="d0"))
+    clock.now += 1.0
+    reconnected = clock.now  # NATS was away; d0's events meanwhile were lost
+    clock.now += TTL - 0.1
+    beats["d0"] = clock.now
+    assert s.why_move(beats.get, TTL, STALL, reconnected) is None
+    clock.now += 0.2
+    beats["d0"] = clock.now
+    assert "since NATS came back" in s.why_move(beats.get, TTL, STALL, reconnected)
+    s.push(ev(1, [6], worker="d0"))  # a token after the reconnect: all is well
+    assert s.why_move(beats.get, TTL, STALL, reconnected) is None
+
+
 def test_client_sees_every_position_once_across_a_move():
     clock = Clock()
     s = updates(clock)

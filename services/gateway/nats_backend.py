@@ -98,16 +98,19 @@ class NatsBackend:
         """Every WATCH_INTERVAL_S: move the requests whose holder died or stalled."""
         ttl = self.settings.worker_ttl_s
         judge_from = time.monotonic() + ttl  # heartbeats need a ttl to arrive after (re)connecting
+        away, reconnected_at = False, None
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             now = time.monotonic()
             if self._connected() is None:
-                judge_from = now + ttl
+                judge_from, away = now + ttl, True
                 continue
+            if away:
+                away, reconnected_at = False, now
             if now < judge_from:
                 continue
             for stream in list(self._streams.values()):
-                why = stream.why_move(self.workers.last_seen, ttl, self.settings.stall_timeout_s)
+                why = stream.why_move(self.workers.last_seen, ttl, self.settings.stall_timeout_s, reconnected_at)
                 if why is not None:
                     try:
                         await self._move(stream, why)

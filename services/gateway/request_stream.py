@@ -128,20 +128,33 @@ class RequestUpdates:
         self._queue.put_nowait(update)
         self._wakeup.set()
 
-    def why_move(self, last_beat: Callable[[str], float | None], worker_ttl_s: float, stall_s: float) -> str | None:
+    def why_move(
+        self,
+        last_beat: Callable[[str], float | None],
+        worker_ttl_s: float,
+        stall_s: float,
+        reconnected_at: float | None = None,
+    ) -> str | None:
         """Why the request must move to another worker now, or None. Its holder is dead when no heartbeat
         came for worker_ttl_s (one never heard from gets worker_ttl_s from when it took the request); it has
-        stalled when, after this attempt delivered tokens, nothing more came for stall_s. (Before any token
-        of the attempt a long queue or prefill is normal: only the heartbeat and the first-token deadline
-        judge it.)"""
+        stalled when, after this attempt delivered tokens, nothing more came for stall_s — or for
+        worker_ttl_s since the gateway got back to NATS at `reconnected_at` (token events are core NATS:
+        those sent while it was away are lost, and a worker that streams sends one every step). Before any
+        token of the attempt a long queue or prefill is normal: only the heartbeat and the first-token
+        deadline judge it."""
         if self.finished or self.holder is None:
             return None
         now = self._clock()
         heard = max(last_beat(self.holder) or 0.0, self._held_since)
         if now - heard > worker_ttl_s:
             return f"worker {self.holder} sent no heartbeat for {now - heard:.1f} s"
-        if self._tokens_at is not None and now - max(self._tokens_at, self._held_since) > stall_s:
+        if self._tokens_at is None:
+            return None
+        last = max(self._tokens_at, self._held_since)
+        if now - last > stall_s:
             return f"worker {self.holder} produced no token for {stall_s:g} s"
+        if reconnected_at is not None and last < reconnected_at and now - reconnected_at > worker_ttl_s:
+            return f"no token from worker {self.holder} since NATS came back (events sent meanwhile are lost)"
         return None
 
     def move_on(self) -> int:
