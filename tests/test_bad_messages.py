@@ -14,6 +14,7 @@ import asyncio
 import json
 import time
 
+import grpc
 import httpx
 import msgspec
 import nats
@@ -21,6 +22,8 @@ import pytest
 
 from services.launcher import Stack, StackSpec
 from shared.job_checks import job_problem, job_refusal, reply_subject_problem, sampling_problem
+from shared.kv.tickets import Tickets
+from shared.kv.transfer.server import SERVICE
 from shared.messages import (
     JOBS_STREAM,
     Cancel,
@@ -38,6 +41,7 @@ from shared.messages import (
 from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from shared.procs import free_port
+from shared.rpc import kv_transfer_pb2 as pb
 from tests.e2e_support import heartbeats
 
 MODEL = "demo"
@@ -487,4 +491,49 @@ def test_bad_cancels_heartbeats_and_token_events(stack, baseline):
     gateway_log = (stack.log_dir / "gateway.log").read_text(errors="replace")
     assert gateway_log.count("dropping malformed Heartbeat on pd.hb.decode.fake") == _malformed(MALFORMED, Heartbeat)
     assert gateway_log.count("dropping malformed TokenEvent") >= 2 * _malformed(bad_events, TokenEvent)
+    _assert_healthy(stack, baseline)
+
+
+def test_bad_grpc_calls_to_the_prefill_worker(stack, baseline):
+    """Garbage and unauthorised calls straight to a running prefill worker's KV transfer service: each gets an
+    error status (never OK, never an internal error), the refusal is logged, and the worker serves on."""
+    (address,) = {b.rpc_address for b in heartbeats(stack.nats_url, seconds=1.5).values() if b.role == "prefill"}
+    ticket = Tickets(b"not the cluster secret, but long").mint("decode-x", "some-request")
+    calls = [
+        ("Pull", b"\x00\xff garbage that is no protobuf"),
+        ("Connect", b"\xff" * 64),
+        ("Pull", pb.PullRequest().SerializeToString()),  # empty: no ids, no ticket
+        ("Pull", pb.PullRequest(request_id="r" * 100_000, decode_worker_id="d").SerializeToString()),
+        (
+            "Pull",
+            pb.PullRequest(
+                request_id="some-request", decode_worker_id="decode-x", ticket=ticket, pair_id="p"
+            ).SerializeToString(),
+        ),  # fmt: skip
+        ("Connect", pb.ConnectRequest(decode_worker_id="decode-x", backend=7).SerializeToString()),
+        (
+            "Connect",
+            pb.ConnectRequest(
+                decode_worker_id="decode-x", backend=pb.BACKEND_GLOO, ticket="v1.forged.ticket"
+            ).SerializeToString(),
+        ),  # fmt: skip
+    ]
+
+    async def send_all() -> list[grpc.StatusCode]:
+        codes = []
+        async with grpc.aio.insecure_channel(address) as channel:
+            for method, payload in calls:
+                try:
+                    await channel.unary_unary(f"/{SERVICE}/{method}")(payload, timeout=10)
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as e:
+                    codes.append(e.code())
+        return codes
+
+    codes = asyncio.run(send_all())
+    assert grpc.StatusCode.OK not in codes, codes
+    assert not {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN} & set(codes), codes
+    assert _wait_for(lambda: _worker_log(stack, "prefill").count("refused") >= len(calls) - 2), _worker_log(
+        stack, "prefill"
+    )[-3000:]
     _assert_healthy(stack, baseline)
