@@ -143,18 +143,23 @@ def check(outcomes, reference, scenario: str, moved: float, may_fail: bool = Fal
     return counts
 
 
-def test_prefill_killed_before_first_token(model_dir, reference):
-    """The prefill worker holding requests dies before their first token: the gateway sees its heartbeat stop
-    and dispatches them again; the other prefill worker runs them; clients get full answers."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_prefill_worker_dies_before_first_token(model_dir, reference, sig):
+    """The prefill worker holding requests dies (SIGKILL) or hangs (SIGSTOP) before their first token: the
+    gateway sees its heartbeat stop and dispatches them again; the other prefill worker runs them; clients get
+    full answers. A hung worker woken up afterwards finds its attempts cancelled and frees their KV."""
     # a small token budget per step makes each long prompt take several steps: a window before its first token
     stack = start(model_dir, prefill=2, decode=1, worker_args=["--max-num-batched-tokens", "32"])
     watch = EventWatch(stack.nats_url)
+    what = "killed" if sig is signal.SIGKILL else "hung"
     try:
         load = Load(stack.url, prompts(LONG), MAX_TOKENS)
         watch.wait_for(lambda w: w.taken_without_token("prefill-0"))
-        signal_worker(stack, "prefill-0", signal.SIGKILL)  # prefill-0 is also its worker id's prefix
-        check(load.results(), reference, "prefill killed before first token", moves(stack))
+        signal_worker(stack, "prefill-0", sig)  # prefill-0 is also its worker id's prefix
+        check(load.results(), reference, f"prefill worker {what} before first token", moves(stack))
         assert gateway_metric(stack, "pdserve:request_migrations_total", phase="prefill") >= 1
+        if sig is signal.SIGSTOP:
+            signal_worker(stack, "prefill-0", signal.SIGCONT)
         settled(stack)
     finally:
         watch.close()
