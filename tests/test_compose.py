@@ -228,6 +228,17 @@ def test_workers_scale():
             assert key not in svc, f"{name}: {key} prevents --scale"
 
 
+def test_stop_waits_for_the_drain():
+    """SIGTERM makes the gateway and the workers finish what is in flight for up to drain_timeout_s; Docker
+    sends SIGKILL after stop_grace_period (10 s unless set), which must leave them that time."""
+    for name in PDSERVE_SERVICES - ONE_SHOT:
+        grace = SERVICES[name].get("stop_grace_period")
+        assert grace, f"{name}: Docker's default 10 s would SIGKILL a drain halfway"
+        cls = GatewaySettings if role(name) == "gateway" else WorkerSettings
+        settings = from_env(cls, environment(name), **({} if cls is GatewaySettings else {"role": role(name)}))
+        assert _seconds(grace) > settings.drain_timeout_s + 5, name
+
+
 def test_prefill_workers_advertise_a_reachable_address():
     for name in WORKERS:
         settings = from_env(WorkerSettings, environment(name), role=role(name))
