@@ -31,8 +31,9 @@ SECRETS = {
     "nats_password": lambda: secrets.token_urlsafe(32),
     "redis_password": lambda: secrets.token_urlsafe(32),
 }
-# Characters a password may hold: nats.conf substitutes it unquoted and the redis command line quotes it,
-# so neither quotes, backslashes, white space nor `$` may appear.
+# Characters a password may not hold: compose's nats and redis commands put it between double quotes (in
+# nats-server's environment, in redis-server's configuration), so no quote or backslash; white space, `$`
+# and the configuration languages' separators stay out too.
 UNSAFE = set("\"'\\$` \t\r\n#;,{}[]")
 
 
