@@ -8,7 +8,18 @@ import msgspec
 import nats
 from redis import Redis
 
+from services.launcher import Stack, StackSpec
 from shared.messages import HEARTBEAT_WILDCARD, Heartbeat
+
+
+def start_stack(spec: StackSpec, log_dir: str | None = None, ready_timeout_s: float = 180) -> Stack:
+    """A started stack; if it does not come up, its services' logs are printed before the error propagates."""
+    stack = Stack(spec, log_dir=log_dir)
+    try:
+        return stack.start(ready_timeout_s=ready_timeout_s)
+    except Exception:
+        print(stack.logs())
+        raise
 
 
 def heartbeats(nats_url: str, seconds: float = 2.5) -> dict[str, Heartbeat]:

@@ -42,7 +42,7 @@ from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from shared.procs import free_port
 from shared.rpc import kv_transfer_pb2 as pb
-from tests.e2e_support import heartbeats
+from tests.e2e_support import heartbeats, start_stack
 
 MODEL = "demo"
 WORKER_CONTEXT = 256  # the workers' max_model_len; the gateway allows the checkpoint's 2048
@@ -185,12 +185,7 @@ def stack(model_dir, tmp_path_factory):
         threads_per_worker=1,
         worker_args=("--max-model-len", str(WORKER_CONTEXT)),
     )
-    stack = Stack(spec, log_dir=str(tmp_path_factory.mktemp("logs")))
-    try:
-        stack.start(ready_timeout_s=180)
-    except Exception:
-        print(stack.logs())
-        raise
+    stack = start_stack(spec, log_dir=str(tmp_path_factory.mktemp("logs")))
     yield stack
     stack.stop()
 

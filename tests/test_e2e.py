@@ -18,7 +18,7 @@ from shared.engine.sampling import SamplingParams
 from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from shared.procs import free_port
-from tests.e2e_support import heartbeats, kv_keys
+from tests.e2e_support import heartbeats, kv_keys, start_stack
 
 PROMPTS = ["The quick brown fox", "héllo wörld, 世界", "a", "Tell me a story about disaggregation " * 6]
 MAX_TOKENS = 24
@@ -40,13 +40,7 @@ def reference(model_dir):
 
 
 def _stack(model_dir, **kw) -> Stack:
-    spec = StackSpec(model=str(model_dir), port=free_port(), threads_per_worker=1, **kw)
-    stack = Stack(spec)
-    try:
-        return stack.start(ready_timeout_s=180)
-    except Exception:
-        print(stack.logs())
-        raise
+    return start_stack(StackSpec(model=str(model_dir), port=free_port(), threads_per_worker=1, **kw))
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from shared.procs import free_port
 from tests.chaos import EventWatch, Load, gateway_metric, metric_total, settled, stream_completion, tally
+from tests.e2e_support import start_stack
 
 N = int(os.environ.get("CHAOS_REQUESTS", "6"))  # concurrent streams per scenario
 SHORT = ["The quick brown fox", "héllo wörld, 世界", "Tell me a story about disaggregation", "a b c d e f g"]
@@ -65,12 +66,7 @@ def reference(model_dir):
 def start(model_dir, prefill=0, decode=0, mixed=0, env: dict[str, str] | None = None, worker_args=()) -> Stack:
     spec = StackSpec(model=str(model_dir), port=free_port(), prefill=prefill, decode=decode, mixed=mixed,
                      threads_per_worker=1, env=FAST | (env or {}), worker_args=tuple(worker_args))  # fmt: skip
-    stack = Stack(spec)
-    try:
-        return stack.start(ready_timeout_s=180)
-    except Exception:
-        print(stack.logs())
-        raise
+    return start_stack(spec)
 
 
 def first(stack: Stack, role: str) -> str:

@@ -14,11 +14,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.launcher import Stack, StackSpec
+from services.launcher import StackSpec
 from shared.model.demo import write_demo_checkpoint
 from shared.procs import free_port
 from shared.telemetry import timeline
 from shared.telemetry.spanfile import read_spans
+from tests.e2e_support import start_stack
 from tests.otlp_receiver import OtlpReceiver
 
 MAX_TOKENS = 6
@@ -52,12 +53,7 @@ def stack(model_dir, receiver, span_file):
         "OTEL_BSP_SCHEDULE_DELAY": "100",  # ms: spans reach the receiver quickly
     }
     spec = StackSpec(model=str(model_dir), port=free_port(), threads_per_worker=1, env=env, trace_file=str(span_file))
-    stack = Stack(spec)
-    try:
-        stack.start(ready_timeout_s=180)
-    except Exception:
-        print(stack.logs())
-        raise
+    stack = start_stack(spec)
     yield stack
     stack.stop()
 

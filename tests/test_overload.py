@@ -31,7 +31,7 @@ from shared.messages import Heartbeat, Sampling
 from shared.model.demo import write_demo_checkpoint
 from shared.procs import free_port
 from shared.settings import GatewaySettings
-from tests.e2e_support import kv_keys
+from tests.e2e_support import kv_keys, start_stack
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -279,14 +279,9 @@ MAX_TOKENS = 16
 def stack(model_dir):
     """1 prefill + 1 decode; each test below starts the gateway it needs (`gateway`)."""
     spec = StackSpec(model=str(model_dir), port=free_port(), threads_per_worker=1)
-    st = Stack(spec)
-    try:
-        st.start(ready_timeout_s=180)
-    except Exception:
-        print(st.logs())
-        raise
-    yield st
-    st.stop()
+    stack = start_stack(spec)
+    yield stack
+    stack.stop()
 
 
 def gateway(stack: Stack, *args: str) -> subprocess.Popen:

@@ -23,13 +23,14 @@ from services.gateway.errors import APIError
 from services.gateway.prepare import MAX_STOP_CHARS, MAX_STOP_STRINGS, prepare_chat, prepare_completion
 from services.gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from services.gateway.served_model import ServedModel
-from services.launcher import Stack, StackSpec
+from services.launcher import StackSpec
 from shared import bus
 from shared.model.demo import write_demo_checkpoint
 from shared.procs import ServerTls, free_port, start_nats, start_redis
 from shared.redis_client import explain_redis_error, redis_client
 from shared.settings import CommonSettings, GatewaySettings, from_env
 from shared.urls import redact, split_credentials, with_credentials
+from tests.e2e_support import start_stack
 
 CONNECT_TIMEOUT_S = 1.5  # a refused client retries forever: give up on it after this long
 
@@ -277,12 +278,7 @@ MAX_PROMPT_TOKENS = 100
 def stack(model_dir):
     env = {"PDSERVE_MAX_BODY_BYTES": str(MAX_BODY), "PDSERVE_MAX_PROMPT_TOKENS": str(MAX_PROMPT_TOKENS)}
     spec = StackSpec(model=str(model_dir), port=free_port(), threads_per_worker=1, env=env)
-    stack = Stack(spec)
-    try:
-        stack.start(ready_timeout_s=180)
-    except Exception:
-        print(stack.logs())
-        raise
+    stack = start_stack(spec)
     yield stack
     stack.stop()
 
