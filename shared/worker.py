@@ -332,6 +332,7 @@ class Worker:
                     await _settle(msg.term())
                 except Exception:  # a bug on one job must not end the loop that takes every later one
                     log.exception("handling a job on %s failed; dropping it", msg.subject)
+                    self.unacked = {key: m for key, m in self.unacked.items() if m is not msg}
                     await _settle(msg.term())
 
     async def _cancel_received(self, msg: Msg) -> None:

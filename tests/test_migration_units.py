@@ -146,6 +146,18 @@ def test_a_second_taker_of_the_same_stage_is_ignored():
     assert s.tokens == [5, 6, 7]
 
 
+def test_a_request_given_up_is_watched_no_more():
+    clock = Clock()
+    s = updates(clock)
+    s.push(ev(0, [], worker="p0"))
+    clock.now += TTL + 1
+    assert s.why_move({}.get, TTL, STALL) is not None
+    s.give_up("moved too often", 502)
+    assert s.why_move({}.get, TTL, STALL) is None  # not reported again before the client reads the failure
+    update = asyncio.run(anext(s))
+    assert update.failed and update.status == 502 and update.error == "moved too often"
+
+
 def test_cancel_covers_attempts_up_to_its_own():
     assert Cancel("r").covers(7)
     assert Cancel("r", up_to_attempt=1).covers(1) and not Cancel("r", up_to_attempt=1).covers(2)

@@ -123,7 +123,7 @@ class NatsBackend:
         if stream.migrations >= self.settings.max_migrations or first is None:
             message = f"{why}; the request already moved {stream.migrations} times and was given up"
             log.warning("request %s: %s", rid, message)
-            stream.put(Update([], "error", message, status=502))
+            stream.give_up(message, 502)
             await self.cancel(rid)
             return
         old = stream.attempt
@@ -143,7 +143,7 @@ class NatsBackend:
                 subject, encode(job), timeout=PUBLISH_TIMEOUT_S, headers=stream.trace_headers or None
             )
         except Exception as exc:
-            stream.put(Update([], "error", f"{why}; moving the request failed ({type(exc).__name__}: {exc})", 503))
+            stream.give_up(f"{why}; moving the request failed ({type(exc).__name__}: {exc})", 503)
             await self.cancel(rid)
 
     async def _on_token(self, msg: Msg) -> None:

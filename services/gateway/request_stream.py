@@ -62,6 +62,7 @@ class RequestUpdates:
         self._progress_at: float | None = None  # when the last deliverable update arrived
         self._gap_since: float | None = None
         self._ended = False
+        self._given_up = False  # the gateway ended it (give_up); the client may not have read that yet
         self._held_since = self._opened_at  # when the holder took the request
         self._tokens_at: float | None = None  # when the current attempt last delivered tokens
         self._stage_takers: dict[tuple[int, int], str] = {}  # (attempt, first position) → the worker that took it
@@ -87,7 +88,7 @@ class RequestUpdates:
 
     @property
     def finished(self) -> bool:
-        return self._ended or self._order.finished
+        return self._ended or self._order.finished or self._given_up
 
     def push(self, event: TokenEvent) -> None:
         now = self._clock()
@@ -124,9 +125,14 @@ class RequestUpdates:
         return False
 
     def put(self, update: Update) -> None:
-        """An update from the gateway itself (shutdown, a failed move)."""
+        """An update from the gateway itself (shutdown)."""
         self._queue.put_nowait(update)
         self._wakeup.set()
+
+    def give_up(self, message: str, status: int) -> None:
+        """End the request with an error from the gateway (it could not be moved): nothing watches it more."""
+        self._given_up = True
+        self.put(Update([], "error", message, status=status))
 
     def why_move(
         self,
