@@ -149,8 +149,12 @@ class Stack:
             if f"PDSERVE_{plane}_URL" in self._infra_env:
                 inherited = {k: v for k, v in inherited.items() if not k.startswith(f"PDSERVE_{plane}_")}
         given = {"PDSERVE_NATS_URL": self.spec.nats_url, "PDSERVE_REDIS_URL": self.spec.redis_url}
+        # a secret file of the user's names the cluster's secret: ours would hide it (the variable wins the file)
+        own_secret = {"PDSERVE_CLUSTER_SECRET": self.cluster_secret}
+        if "PDSERVE_CLUSTER_SECRET_FILE" in inherited or "PDSERVE_CLUSTER_SECRET_FILE" in self.spec.env:
+            own_secret = {}
         return (
-            {"PDSERVE_CLUSTER_SECRET": self.cluster_secret}
+            own_secret
             | inherited
             | {k: v for k, v in given.items() if v is not None}
             | self._infra_env

@@ -31,6 +31,16 @@ log = logging.getLogger(__name__)
 REPEAT_LOG_S = 30.0  # the same connection problem is logged again at most this often
 
 
+def tls_context(settings: CommonSettings) -> ssl.SSLContext | None:
+    """The NATS client's TLS context (None: no TLS). Raises ValueError naming the variable when a CA,
+    certificate or key cannot be read — callers that connect in the background call it first, at start."""
+    servers, _, _ = _servers_and_credentials(settings.nats_url)
+    wants_tls = bool(settings.nats_tls_ca or settings.nats_tls_cert) or any(s.startswith("tls://") for s in servers)
+    if not wants_tls:
+        return None
+    return client_context("PDSERVE_NATS_TLS", settings.nats_tls_ca, settings.nats_tls_cert, settings.nats_tls_key)
+
+
 async def connect(settings: CommonSettings, name: str) -> NATS:
     """A client of settings.nats_url that reconnects forever: a NATS restart pauses services, it does not kill
     them. Credentials: settings.nats_user / nats_password, else the URL's (a password with no user, or a user
@@ -40,12 +50,7 @@ async def connect(settings: CommonSettings, name: str) -> NATS:
     answered by connection_problem(name)."""
     servers, user, password = _servers_and_credentials(settings.nats_url)
     user, password = settings.nats_user or user, settings.nats_password or password
-    wants_tls = bool(settings.nats_tls_ca or settings.nats_tls_cert) or any(s.startswith("tls://") for s in servers)
-    tls = (
-        client_context("PDSERVE_NATS_TLS", settings.nats_tls_ca, settings.nats_tls_cert, settings.nats_tls_key)
-        if wants_tls
-        else None
-    )
+    tls = tls_context(settings)
     problems = _ProblemLog(name)
     client = NATS()
 

@@ -46,6 +46,7 @@ HEARTBEAT_S = 1.0
 # ack_wait, a decode job published by a worker that was hung when its request moved on).
 CANCEL_MEMORY_S = 600.0
 MAX_REMEMBERED_CANCELS = 100_000
+TEARDOWN_TIMEOUT_S = 30.0
 
 
 def _integrity_error(engine: Engine) -> str | None:
@@ -123,6 +124,7 @@ class Worker:
         self.unacked: dict[str, Msg] = {}  # attempt key → its job's message, until acked or terminated
         self._cancelled: OrderedDict[str, tuple[int | None, float]] = OrderedDict()  # id → (up to attempt, when)
         self._integrity: str | None = None  # the engine's last integrity verdict (refreshed off the beat)
+        self._ack_wait_s = settings.job_ack_wait_s  # the job consumer's, once bound (_learn_ack_wait)
 
     # ---- to implement -----------------------------------------------------------------------------------
 
@@ -194,7 +196,10 @@ class Worker:
             for task in self._tasks:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
-            await self.teardown()
+            try:  # bounded: a teardown must not keep a failed worker from exiting
+                await asyncio.wait_for(self.teardown(), TEARDOWN_TIMEOUT_S)
+            except Exception as exc:
+                log.warning("teardown did not finish cleanly: %r", exc)
             await self.engine.stop()
             with contextlib.suppress(Exception):  # close, not drain: draining can wait ~30 s on a dead peer
                 await asyncio.wait_for(self.nc.flush(), 1.0)
@@ -247,11 +252,15 @@ class Worker:
             log.info("dropping job %s: attempt %d was cancelled", job.request_id, job.attempt)
             asyncio.create_task(_settle(msg.ack()))
             return None
-        duplicate = job.key in self.unacked
-        self.unacked[job.key] = msg
-        if duplicate:
+        if job.key in self.unacked:  # redelivered while in hand: its newer message is the one to settle
+            self.unacked[job.key] = msg
             log.info("job %s redelivered while in hand here; keeping the one running", job.key)
             return None
+        if job.key in self.engine.engine.requests:  # running here already (its ack was lost): done by this one
+            log.info("job %s redelivered while it runs here; acking the copy", job.key)
+            asyncio.create_task(_settle(msg.ack()))
+            return None
+        self.unacked[job.key] = msg
         return job
 
     def refused(self, msg: Msg, job: PrefillJob | DecodeJob) -> bool:
@@ -302,16 +311,35 @@ class Worker:
         ):
             self._cancelled.popitem(last=False)
 
+    async def _learn_ack_wait(self, consumer) -> None:
+        """The shared consumer keeps the ack_wait it was created with (JetStream does not change it when a worker
+        binds with another): progress is reported by the one in force."""
+        try:
+            ack_wait = (await consumer.consumer_info()).config.ack_wait
+        except Exception as exc:
+            log.warning("could not read the job consumer's ack_wait (%s); assuming job_ack_wait_s", exc)
+            return
+        if ack_wait and abs(ack_wait - self.settings.job_ack_wait_s) > 0.01:
+            log.warning(
+                "the job consumer's ack_wait is %g s, not job_ack_wait_s=%g s (it was created with it; delete the "
+                "consumer to change it): progress is reported by %g s",
+                ack_wait,
+                self.settings.job_ack_wait_s,
+                ack_wait,
+            )
+        self._ack_wait_s = ack_wait or self.settings.job_ack_wait_s
+
     async def _progress_reports(self) -> None:
         """Keep JetStream from redelivering the jobs in hand while this worker is alive."""
         while True:
-            await asyncio.sleep(self.settings.job_ack_wait_s / 3)
+            await asyncio.sleep(self._ack_wait_s / 3)
             for msg in list(self.unacked.values()):
                 with contextlib.suppress(Exception):
                     await msg.in_progress()
 
     async def _job_loop(self) -> None:
         consumer = await bus.job_consumer(self.js, self.job_subject(), ack_wait_s=self.settings.job_ack_wait_s)
+        await self._learn_ack_wait(consumer)
         while not self.stopping.is_set():
             if self.draining or not self.has_room():
                 await asyncio.sleep(0.005)

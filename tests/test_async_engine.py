@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from shared.engine.async_engine import AsyncEngine
+from shared.engine.async_engine import AsyncEngine, EngineFailed
 
 
 class BrokenEngine:
@@ -30,6 +30,19 @@ def test_a_failing_step_is_reported_and_ends_the_thread():
         return exc
 
     assert "inf" in str(asyncio.run(scenario()))
+
+
+def test_calls_after_a_failure_raise_instead_of_waiting():
+    async def scenario() -> None:
+        failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+        engine = AsyncEngine(BrokenEngine(), on_outputs=lambda _: None, on_failure=failed.set_result)
+        engine.start()
+        await asyncio.wait_for(failed, 10)
+        with pytest.raises(EngineFailed):
+            await asyncio.wait_for(engine.call(lambda e: "never"), 5)
+        await asyncio.wait_for(engine.stop(), 5)
+
+    asyncio.run(scenario())
 
 
 def test_calls_run_on_the_engine_thread_and_return_or_raise():

@@ -22,7 +22,7 @@ from litestar.testing import TestClient
 from prometheus_client import REGISTRY
 
 from services.gateway import create_app
-from services.gateway.admission import RETRY_AFTER_MAX_S, RETRY_AFTER_UNKNOWN_S, Admission, Load, admit
+from services.gateway.admission import RETRY_AFTER_MAX_S, RETRY_AFTER_UNKNOWN_S, Admission, Load
 from services.gateway.backend import GenerationJob, Overloaded
 from services.gateway.draining import Drain
 from services.gateway.liveness import WorkerTable
@@ -164,16 +164,16 @@ def _rejected(reason: str) -> float:
 
 
 def test_admit_hook_counts_rejections():
-    settings = GatewaySettings(max_pending_requests=1)
+    control = Admission(max_pending_requests=1, kv_overcommit=1.0)
     table = WorkerTable()
     table.record(beat("m", "mixed", blocks=4), now=time.monotonic())  # 64 tokens
     job = GenerationJob("r1", "demo", [1] * 10, Sampling(max_tokens=5))
-    admit(settings, table, {}, job)
+    control.admit(table, {}, job)
     before = _rejected("queue"), _rejected("kv")
     with pytest.raises(Overloaded):
-        admit(settings, table, {"r1": Req(10)}, GenerationJob("r2", "demo", [1], Sampling(max_tokens=5)))
+        control.admit(table, {"r1": Req(10)}, GenerationJob("r2", "demo", [1], Sampling(max_tokens=5)))
     with pytest.raises(Overloaded):
-        admit(settings, table, {"r1": running(50, 10)}, GenerationJob("r3", "demo", [1] * 5, Sampling(max_tokens=5)))
+        control.admit(table, {"r1": running(50, 10)}, GenerationJob("r3", "demo", [1] * 5, Sampling(max_tokens=5)))
     assert (_rejected("queue"), _rejected("kv")) == (before[0] + 1, before[1] + 1)
 
 
@@ -290,7 +290,7 @@ def gateway(stack: Stack, *args: str) -> subprocess.Popen:
     if old is not None and old.poll() is None:
         old.terminate()
         old.wait(timeout=30)
-    flags = ["--model", stack.spec.model, "--nats-url", stack.nats_url, "--redis-url", stack.redis_url]
+    flags = ["--model", stack.spec.model]  # NATS and Redis URLs and credentials come with spawn()'s environment
     proc = stack.spawn("gateway", ["gateway", "--port", str(stack.spec.port), "--host", stack.spec.host, *flags, *args])
     stack.wait_ready(60)
     return proc

@@ -99,12 +99,16 @@ class DecodeWorker(StreamingWorker):
                 span.set_attribute(tracing.KV_OUTCOME, "recompute")
                 metrics.PROMPT_TOKENS.labels(*self.labels).inc(len(prompt))  # this engine computes the prompt
             await self.ack(key)
-        except ValueError as exc:
-            self.streams.pop(key, None)
+        except Exception as exc:  # ValueError: the job was refused; anything else: a bug, answered as such
+            status = 400 if isinstance(exc, ValueError) else 500
+            if status == 500:
+                log.exception("admitting %s failed", key)
+            if self.streams.pop(key, None) is not None:
+                await self.engine.call(lambda e: e.abort(key))
             decode_span = self.decode_spans.pop(key, None)
             if decode_span is not None:
                 tracing.end_span(decode_span, error=str(exc))
-            self.emit(job.reply_subject, error_event(job, str(exc), self.settings.worker_id))
+            self.emit(job.reply_subject, error_event(job, str(exc), self.settings.worker_id, status=status))
             await self.term(key)
             tracing.mark_error(span, str(exc))
         finally:

@@ -27,7 +27,6 @@ from typing import Protocol
 
 from services.gateway.backend import GenerationJob, Overloaded
 from services.gateway.liveness import WorkerTable
-from shared.settings import GatewaySettings
 from shared.telemetry import metrics
 
 RETRY_AFTER_MIN_S = 1
@@ -141,21 +140,12 @@ class Admission:
             self._departures.append((now, gone))
         self._known = current
 
-
-_controllers: dict[str, Admission] = {}  # gateway id → its admission state (one backend per gateway)
-
-
-def admit(
-    settings: GatewaySettings, workers: WorkerTable, in_flight: Mapping[str, InFlight], job: GenerationJob
-) -> None:
-    """The NatsBackend's hook, called before it registers and dispatches `job`: returns, or raises Overloaded
-    (counted in pdserve:requests_rejected_total by reason)."""
-    control = _controllers.get(settings.gateway_id)
-    if control is None:
-        control = _controllers[settings.gateway_id] = Admission(settings.max_pending_requests, settings.kv_overcommit)
-    now = time.monotonic()
-    try:
-        control.check(job.request_id, len(job.prompt_token_ids), in_flight, workers.kv_capacity(job.model, now), now)
-    except Overloaded as exc:
-        metrics.REQUESTS_REJECTED.labels(job.model, "gateway", exc.reason).inc()
-        raise
+    def admit(self, workers: WorkerTable, in_flight: Mapping[str, InFlight], job: GenerationJob) -> None:
+        """The NatsBackend's hook, called before it registers and dispatches `job`: returns, or raises Overloaded
+        (counted in pdserve:requests_rejected_total by reason)."""
+        now = time.monotonic()
+        try:
+            self.check(job.request_id, len(job.prompt_token_ids), in_flight, workers.kv_capacity(job.model, now), now)
+        except Overloaded as exc:
+            metrics.REQUESTS_REJECTED.labels(job.model, "gateway", exc.reason).inc()
+            raise

@@ -24,7 +24,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from services.gateway.admission import admit
+from services.gateway.admission import Admission
 from services.gateway.backend import BackendUnavailable, GenerationJob, Update
 from services.gateway.liveness import WorkerTable
 from services.gateway.request_stream import Deadlines, RequestUpdates
@@ -59,7 +59,9 @@ class NatsBackend:
     def __init__(self, settings: GatewaySettings, gap_timeout_s: float = 5.0) -> None:
         self.settings = settings
         self.deadlines = Deadlines(settings.first_token_timeout_s, settings.request_timeout_s, gap_timeout_s)
+        bus.tls_context(settings)  # unreadable TLS files stop the gateway at start, not in the background task
         self.workers = WorkerTable(settings.worker_ttl_s)
+        self.admission = Admission(settings.max_pending_requests, settings.kv_overcommit)
         self._streams: dict[str, RequestUpdates] = {}  # request id → its stream, while the gateway listens
         self._nc: NATS | None = None  # set once connected and subscribed
         self._js: JetStreamContext | None = None
@@ -133,12 +135,12 @@ class NatsBackend:
         log.warning(
             "request %s: %s; moving it on as attempt %d (%d tokens so far)", rid, why, attempt, stream.delivered
         )
-        await self._nc.publish(cancel_subject(rid), encode(Cancel(rid, up_to_attempt=old)))
         # Back to the prefill queue, with the tokens so far: recomputing them is prefill work (a decode worker
         # doing it would stall its batch), and a prefill worker hands the KV on to decode as usual.
         job = msgspec.structs.replace(first, attempt=attempt, output_token_ids=list(stream.tokens))
         subject = prefill_subject(first.model)
-        try:
+        try:  # the stream is already on the new attempt: a failure here must end it, not leave it unwatched
+            await self._nc.publish(cancel_subject(rid), encode(Cancel(rid, up_to_attempt=old)))
             await self._js.publish(
                 subject, encode(job), timeout=PUBLISH_TIMEOUT_S, headers=stream.trace_headers or None
             )
@@ -171,7 +173,7 @@ class NatsBackend:
         ok, reason = self.workers.can_serve(job.model, time.monotonic())
         if not ok:
             raise BackendUnavailable(reason)
-        admit(self.settings, self.workers, self._streams, job)  # raises Overloaded (429) past the bounds
+        self.admission.admit(self.workers, self._streams, job)  # raises Overloaded (429) past the bounds
         if job.request_id in self._streams:
             raise ValueError(f"request id {job.request_id!r} is already in flight")
         prefill = PrefillJob(

@@ -42,10 +42,13 @@ class MixedWorker(StreamingWorker):
             await self.engine.call(
                 lambda e: e.add_request(job.key, job.prompt_token_ids, params, output_token_ids=outputs)
             )
-        except ValueError as exc:  # the gateway validates; this is a last line of defence
+        except Exception as exc:  # ValueError: refused (the gateway validates; a last line of defence); else a bug
+            status = 400 if isinstance(exc, ValueError) else 500
+            if status == 500:
+                log.exception("adding %s failed", job.key)
             del self.streams[job.key]
             del self.prefilling[job.key]
-            self.emit(job.reply_subject, error_event(job, str(exc), self.settings.worker_id))
+            self.emit(job.reply_subject, error_event(job, str(exc), self.settings.worker_id, status=status))
             await self.term(job.key)
             tracing.end_span(span, error=str(exc))
             return

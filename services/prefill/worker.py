@@ -83,9 +83,12 @@ class PrefillWorker(Worker):
             await self.engine.call(
                 lambda e: e.add_request(job.key, job.prompt_token_ids, params, hold_kv=True, output_token_ids=outputs)
             )
-        except ValueError as exc:
+        except Exception as exc:  # ValueError: the engine refused the job; anything else: a bug, answered as such
+            status = 400 if isinstance(exc, ValueError) else 500
+            if status == 500:
+                log.exception("adding %s failed", job.key)
             del self.jobs[job.key]
-            self.emit(job.reply_subject, error_event(job, str(exc), self.settings.worker_id))
+            self.emit(job.reply_subject, error_event(job, str(exc), self.settings.worker_id, status=status))
             await self.term(job.key)
             tracing.end_span(span, error=str(exc))
 

@@ -5,7 +5,8 @@ The engine is single-threaded: only this thread touches it. The service's event 
 step's outputs through `on_outputs`, called on the event loop. Steps run back to back while there is
 work, so NATS, gRPC and KV transfers on the loop never stop a running batch. A step that raises ends the
 thread and is reported through `on_failure` (on the loop): the engine's state is unknown after it, so the
-service must stop rather than serve on without an engine.
+service must stop rather than serve on without an engine. From then on every `call` — queued or new — raises
+EngineFailed at once instead of waiting for a thread that is gone.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class EngineFailed(RuntimeError):
+    """The engine thread died on a failed step; nothing more runs on it."""
+
+
 class AsyncEngine:
     def __init__(
         self,
@@ -36,6 +41,8 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future, asyncio.AbstractEventLoop]]
         self._commands = queue.SimpleQueue()
         self._stopped = threading.Event()
+        self._failure: BaseException | None = None
+        self._failing = threading.Lock()  # orders `call`'s check-and-queue against the thread's death
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -46,15 +53,18 @@ class AsyncEngine:
 
     async def stop(self) -> None:
         self._stopped.set()
-        self._commands.put((lambda e: None, self._loop.create_future(), self._loop))
-        if self._thread is not None:
+        if self._thread is not None and self._thread.is_alive():
+            self._commands.put((lambda e: None, self._loop.create_future(), self._loop))
             await asyncio.to_thread(self._thread.join, 10)
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
-        """Run fn(engine) on the engine thread between steps; raises what fn raised."""
+        """Run fn(engine) on the engine thread between steps; raises what fn raised, or EngineFailed."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._commands.put((fn, future, loop))
+        with self._failing:
+            if self._failure is not None:
+                raise EngineFailed(f"the engine failed: {self._failure!r}") from self._failure
+            self._commands.put((fn, future, loop))
         return await future
 
     def _run(self) -> None:
@@ -68,11 +78,24 @@ class AsyncEngine:
                     outputs = self.engine.step()
                 except Exception as exc:  # a bug in one step must not kill the worker silently
                     log.exception("engine step failed; the engine thread stops")
-                    if self._on_failure is not None:
-                        self._loop.call_soon_threadsafe(self._on_failure, exc)
+                    self._die(exc)
                     return
                 if outputs:
                     self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+
+    def _die(self, exc: BaseException) -> None:
+        """Answer every queued call with EngineFailed (and every later one: see `call`), then report."""
+        with self._failing:
+            self._failure = exc
+        error = EngineFailed(f"the engine failed: {exc!r}")
+        while True:
+            try:
+                _, future, loop = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            loop.call_soon_threadsafe(_settle, future, None, error)
+        if self._on_failure is not None:
+            self._loop.call_soon_threadsafe(self._on_failure, exc)
 
     def _drain(self, block: bool) -> None:
         try:
