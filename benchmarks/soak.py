@@ -46,15 +46,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import msgspec
-import nats
-from redis import Redis
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from services.launcher import Stack, StackSpec  # noqa: E402
-from shared.messages import HEARTBEAT_WILDCARD, Heartbeat  # noqa: E402
+from shared.cluster_state import wait_settled  # noqa: E402
+from shared.messages import Heartbeat  # noqa: E402
 from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
 from shared.procs import free_port  # noqa: E402
 
@@ -71,7 +69,6 @@ KINDS = {
 }
 STOP_PROMPTS = 6
 STOP_MAX_TOKENS = 48
-HEARTBEAT_LISTEN_S = 2.5
 
 
 def log(message: str) -> None:
@@ -371,49 +368,11 @@ def slope_per_min(points: list[tuple[float, float]]) -> float:
 # ---- after the load -------------------------------------------------------------------------------------
 
 
-def pd_keys(redis_url: str) -> list[str]:
-    client = Redis.from_url(redis_url)
-    try:
-        return sorted(k.decode() for k in client.scan_iter(match="pd:*"))
-    finally:
-        client.close()
-
-
-def heartbeats(nats_url: str) -> dict[str, Heartbeat]:
-    async def listen() -> dict[str, Heartbeat]:
-        nc = await nats.connect(nats_url)
-        seen: dict[str, Heartbeat] = {}
-
-        async def on_beat(msg) -> None:
-            beat = msgspec.json.decode(msg.data, type=Heartbeat)
-            seen[beat.worker_id] = beat
-
-        await nc.subscribe(HEARTBEAT_WILDCARD, cb=on_beat)
-        await asyncio.sleep(HEARTBEAT_LISTEN_S)
-        await nc.drain()
-        return seen
-
-    return asyncio.run(listen())
-
-
-def idle(beats: dict[str, Heartbeat]) -> bool:
-    return bool(beats) and all(b.free_blocks == b.total_blocks and not b.held_kv for b in beats.values())
-
-
-def settle(stack: Stack, timeout_s: float) -> tuple[list[str], dict[str, Heartbeat]]:
-    """Wait until no pd:* key is left and every worker's KV is free (leases may have to run out first)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        keys, beats = pd_keys(stack.redis_url), heartbeats(stack.nats_url)
-        if (not keys and idle(beats)) or time.monotonic() > deadline:
-            return keys, beats
-        time.sleep(1.0)
-
-
 # ---- main -----------------------------------------------------------------------------------------------
 
 
-def verdict(tally: Tally, rss: dict, keys: list[str], beats: dict[str, Heartbeat], args) -> list[str]:
+def verdict(tally: Tally, rss: dict, beats: dict[str, Heartbeat], leftover: list[str], args) -> list[str]:
+    """What went wrong; `leftover`: what the run left behind (shared/cluster_state.leftovers)."""
     problems = []
     if tally.outcomes["lost"]:
         problems.append(f"{tally.outcomes['lost']} request(s) lost")
@@ -424,16 +383,9 @@ def verdict(tally: Tally, rss: dict, keys: list[str], beats: dict[str, Heartbeat
             problems.append(f"{name}: RSS grew {r['growth_mib']} MiB (limit {args.max_growth_mib})")
         if r["fit_s"] >= args.min_fit_s and r["slope_mib_per_min"] > args.max_slope_mib_per_min:
             problems.append(f"{name}: RSS slope {r['slope_mib_per_min']} MiB/min (limit {args.max_slope_mib_per_min})")
-    if keys:
-        problems.append(f"{len(keys)} pd:* key(s) left: {keys[:5]}")
     if len(beats) != args.prefill + args.decode:
         problems.append(f"heartbeats from {len(beats)} workers, expected {args.prefill + args.decode}")
-    for worker, b in beats.items():
-        if b.integrity_error:
-            problems.append(f"{worker}: block accounting broken: {b.integrity_error}")
-        if b.free_blocks != b.total_blocks or b.held_kv:
-            problems.append(f"{worker}: {b.total_blocks - b.free_blocks} KV blocks still used, {b.held_kv} held")
-    return problems
+    return problems + leftover
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -469,12 +421,13 @@ def main(argv: list[str] | None = None) -> int:
         log(f"stack up at {stack.url}; {args.clients} clients for {args.duration:.0f} s")
         tally, phases = asyncio.run(drive(stack.url, args, sampler))
         sampler.stop()
-        keys, beats = settle(stack, args.settle_s)
+        # leases may have to run out before nothing is left behind
+        beats, keys, leftover = wait_settled(stack.nats_url, stack.redis_url, args.settle_s)
         exited = {name: proc.returncode for name, proc in stack.procs.items() if proc.poll() is not None}
     finally:
         stack.stop()
     rss = sampler.report()
-    problems = verdict(tally, rss, keys, beats, args)
+    problems = verdict(tally, rss, beats, leftover, args)
     if exited:
         problems.append(f"processes exited during the soak: {exited}")
     result = {

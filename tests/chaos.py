@@ -28,8 +28,8 @@ import msgspec
 import nats
 
 from services.launcher import Stack
+from shared.cluster_state import wait_settled
 from shared.messages import TokenEvent
-from tests.e2e_support import heartbeats, kv_keys
 
 CLIENT_TIMEOUT_S = 120.0
 
@@ -210,29 +210,12 @@ class EventWatch:
 
 
 def settled(stack: Stack, timeout_s: float = 60.0) -> dict[str, object]:
-    """Wait until every live worker is idle with sound block accounting and holds no KV, and Redis has no
-    `pd:*` key left (KV leases bound how long that takes); returns the last heartbeats and keys seen.
-    Raises AssertionError with what is still wrong."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        beats = heartbeats(stack.nats_url, seconds=1.2)
-        keys = kv_keys(stack.redis_url)
-        problems = [
-            f"{b.worker_id}: {what}"
-            for b in beats.values()
-            for what, bad in (
-                (f"integrity: {b.integrity_error}", b.integrity_error is not None),
-                (f"holds KV of {b.held_kv} requests", b.held_kv),
-                (f"{b.running} running, {b.waiting} waiting", b.running or b.waiting),
-                (f"{b.total_blocks - b.free_blocks} blocks in use", b.free_blocks != b.total_blocks),
-            )
-            if bad
-        ] + ([f"Redis keys left: {keys}"] if keys else [])
-        if not problems:
-            return {"heartbeats": beats, "keys": keys}
-        if time.monotonic() > deadline:
-            raise AssertionError("; ".join(problems))
-        time.sleep(0.5)
+    """Wait until the stack has left nothing behind (shared/cluster_state.py: idle workers with sound block
+    accounting and no KV held, no `pd:*` key; KV leases bound how long that takes); returns the last heartbeats
+    and keys seen. Raises AssertionError with what is still wrong."""
+    beats, keys, problems = wait_settled(stack.nats_url, stack.redis_url, timeout_s)
+    assert not problems, "; ".join(problems)
+    return {"heartbeats": beats, "keys": keys}
 
 
 def metric_total(text: str, name: str, **labels: str) -> float:

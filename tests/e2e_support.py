@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-
-import msgspec
-import nats
-from redis import Redis
-
 from services.launcher import Stack, StackSpec
-from shared.messages import HEARTBEAT_WILDCARD, Heartbeat
+from shared.cluster_state import heartbeats, kv_keys
+
+__all__ = ["heartbeats", "kv_keys", "start_stack"]
 
 
 def start_stack(spec: StackSpec, log_dir: str | None = None, ready_timeout_s: float = 180) -> Stack:
@@ -20,30 +16,3 @@ def start_stack(spec: StackSpec, log_dir: str | None = None, ready_timeout_s: fl
     except Exception:
         print(stack.logs())
         raise
-
-
-def heartbeats(nats_url: str, seconds: float = 2.5) -> dict[str, Heartbeat]:
-    """The latest heartbeat of every worker seen within `seconds`."""
-
-    async def collect() -> dict[str, Heartbeat]:
-        nc = await nats.connect(nats_url)
-        seen: dict[str, Heartbeat] = {}
-
-        async def on_msg(msg) -> None:
-            beat = msgspec.json.decode(msg.data, type=Heartbeat)
-            seen[beat.worker_id] = beat
-
-        await nc.subscribe(HEARTBEAT_WILDCARD, cb=on_msg)
-        await asyncio.sleep(seconds)
-        await nc.drain()
-        return seen
-
-    return asyncio.run(collect())
-
-
-def kv_keys(redis_url: str) -> list[bytes]:
-    client = Redis.from_url(redis_url)
-    try:
-        return list(client.scan_iter(match="pd:*"))
-    finally:
-        client.close()
