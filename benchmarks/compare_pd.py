@@ -510,6 +510,12 @@ def plot_all(data: dict, out: Path) -> list[Path]:
     def ok(run_: dict, kind: str) -> list[dict]:
         return [x for x in run_["records"] if x["success"] and x["kind"] == kind]
 
+    def save(fig, name: str, dpi: int = 120) -> None:
+        fig.tight_layout()
+        files.append(out / name)
+        fig.savefig(files[-1], dpi=dpi)
+        plt.close(fig)
+
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for kind, ax in zip(("stream", "long"), axes, strict=True):
         for mode in modes:
@@ -521,10 +527,7 @@ def plot_all(data: dict, out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"TTFT CDF at {top:g} stream req/s")
-    fig.tight_layout()
-    files.append(out / "ttft_cdf.png")
-    fig.savefig(files[-1], dpi=120)
-    plt.close(fig)
+    save(fig, "ttft_cdf.png")
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for mode in modes:
@@ -540,10 +543,7 @@ def plot_all(data: dict, out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f'"stream" requests at {top:g} stream req/s')
-    fig.tight_layout()
-    files.append(out / "tpot_cdf.png")
-    fig.savefig(files[-1], dpi=120)
-    plt.close(fig)
+    save(fig, "tpot_cdf.png")
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for mode in modes:
@@ -567,10 +567,7 @@ def plot_all(data: dict, out: Path) -> list[Path]:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    files.append(out / "goodput_vs_rate.png")
-    fig.savefig(files[-1], dpi=120)
-    plt.close(fig)
+    save(fig, "goodput_vs_rate.png")
 
     shown = [m for m in modes if m in at_top]
     fig, axes = plt.subplots(len(shown), 1, figsize=(13, 3.2 * len(shown)), sharex=True, sharey=True, squeeze=False)
@@ -595,10 +592,7 @@ def plot_all(data: dict, out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(loc="upper right", fontsize=8)
     axes[-1, 0].set_xlabel(f"time since the run's start (s), {top:g} stream req/s")
-    fig.tight_layout()
-    files.append(out / "tpot_over_time.png")
-    fig.savefig(files[-1], dpi=110)
-    plt.close(fig)
+    save(fig, "tpot_over_time.png", dpi=110)
     return files
 
 

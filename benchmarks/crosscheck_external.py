@@ -143,16 +143,22 @@ def _pcts(stat: dict, name: str, scale: float = 1.0) -> dict:
     return {f"{name}_p{p}": stat[f"p{p}"] * scale for p in PERCENTILES}
 
 
-def parse_bench(result_file: Path) -> dict:
-    s = json.loads(result_file.read_text())
-    out = {"completed": s["completed"], "failed": s["failed"], "duration_s": s["duration"]}
+def row(s: dict, duration_s: float) -> dict:
+    """One tool's numbers from a summary with vLLM's keys (`vllm bench serve` / `pdserve bench` result)."""
+    out = {"completed": s["completed"], "failed": s["failed"], "duration_s": duration_s}
     for name in ("ttft", "itl", "tpot", "e2el"):
         for p in PERCENTILES:
             out[f"{name}_p{p}"] = s[f"p{p}_{name}_ms"]
     out["out_tok_s"] = s["output_throughput"]
     out["mean_output_tokens"] = s["total_output_tokens"] / max(1, s["completed"])
     out["mean_prompt_tokens"] = s["total_input_tokens"] / max(1, s["completed"])
-    out["in_flight"] = s["mean_e2el_ms"] / 1000.0 * s["completed"] / s["duration"]  # mean requests in flight
+    out["in_flight"] = s["mean_e2el_ms"] / 1000.0 * s["completed"] / duration_s  # mean requests in flight
+    return out
+
+
+def parse_bench(result_file: Path) -> dict:
+    s = json.loads(result_file.read_text())
+    out = row(s, s["duration"])
     # (send time, TTFT) of each completed request in send order, to pair with the gateway's spans.
     sent = [(t, ttft) for t, ttft, err in zip(s["start_times"], s["ttfts"], s["errors"], strict=True) if not err]
     out["client_sends"] = sorted(sent)
@@ -235,14 +241,7 @@ def parse_aiperf_recomputed(out_dir: Path, tokenizer: Tokenizer) -> tuple[dict, 
     records, facts = aiperf_raw_records(out_dir)
     duration_s = facts["duration_s"]
     s = summarize(records, duration_s, percentiles=PERCENTILES)
-    out = {"completed": s["completed"], "failed": s["failed"], "duration_s": duration_s}
-    for name in ("ttft", "itl", "tpot", "e2el"):
-        for p in PERCENTILES:
-            out[f"{name}_p{p}"] = s[f"p{p}_{name}_ms"]
-    out["out_tok_s"] = s["output_throughput"]
-    out["mean_output_tokens"] = s["total_output_tokens"] / max(1, s["completed"])
-    out["mean_prompt_tokens"] = s["total_input_tokens"] / max(1, s["completed"])
-    out["in_flight"] = s["mean_e2el_ms"] / 1000.0 * s["completed"] / duration_s
+    out = row(s, duration_s)
     # What AIPerf would count as output tokens without --use-server-token-count: its tokenizer over the text.
     texts = facts.pop("texts")
     out["client_ttft_s"] = facts.pop("client_ttft_s")
