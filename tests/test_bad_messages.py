@@ -38,7 +38,6 @@ from shared.messages import (
     encode,
     prefill_subject,
 )
-from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from shared.procs import free_port
 from shared.rpc import kv_transfer_pb2 as pb
@@ -168,11 +167,6 @@ def test_token_events_with_impossible_values_are_malformed(event):
 
 
 # ---- a real stack -----------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("model") / "demo", arch="qwen3_moe", size="tiny")
 
 
 @pytest.fixture(scope="module")

@@ -15,18 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.launcher import Stack, StackSpec
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from shared.procs import free_port
 from tests.e2e_support import heartbeats, kv_keys, start_stack
 
 PROMPTS = ["The quick brown fox", "héllo wörld, 世界", "a", "Tell me a story about disaggregation " * 6]
 MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("model") / "demo", arch="qwen3_moe", size="tiny")
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ import pytest
 from services.launcher import Stack, StackSpec
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from shared.procs import free_port
 from tests.chaos import EventWatch, Load, gateway_metric, metric_total, settled, stream_completion, tally
@@ -45,11 +44,6 @@ REPORT = os.environ.get("CHAOS_REPORT")  # benchmarks/reliability.py: append eac
 
 def prompts(pool: list[str], n: int = N) -> list[str]:
     return [pool[i % len(pool)] for i in range(n)]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("model") / "demo", arch="qwen3_moe", size="tiny")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.launcher import StackSpec
-from shared.model.demo import write_demo_checkpoint
 from shared.procs import free_port
 from shared.telemetry import timeline
 from shared.telemetry.spanfile import read_spans
@@ -27,11 +26,6 @@ PUBLISH_PREFILL = "publish pd.jobs.prefill.demo"
 PROCESS_PREFILL = "process pd.jobs.prefill.demo"
 PUBLISH_DECODE = "publish pd.jobs.decode.demo"
 PROCESS_DECODE = "process pd.jobs.decode.demo"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("model") / "demo", arch="qwen3_moe", size="tiny")
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,6 @@ from services.gateway.draining import Drain
 from services.gateway.liveness import WorkerTable
 from services.launcher import Stack, StackSpec
 from shared.messages import Heartbeat, Sampling
-from shared.model.demo import write_demo_checkpoint
 from shared.procs import free_port
 from shared.settings import GatewaySettings
 from tests.e2e_support import kv_keys, start_stack
@@ -195,11 +194,6 @@ class OverloadedBackend:
 
     async def close(self) -> None:
         pass
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("model") / "demo", arch="qwen3_moe", size="tiny")
 
 
 @pytest.mark.parametrize("stream", [False, True])

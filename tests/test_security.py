@@ -25,7 +25,6 @@ from services.gateway.schemas import ChatCompletionRequest, ChatMessage, Complet
 from services.gateway.served_model import ServedModel
 from services.launcher import StackSpec
 from shared import bus
-from shared.model.demo import write_demo_checkpoint
 from shared.procs import ServerTls, free_port, start_nats, start_redis
 from shared.redis_client import explain_redis_error, redis_client
 from shared.settings import CommonSettings, GatewaySettings, from_env
@@ -33,11 +32,6 @@ from shared.urls import redact, split_credentials, with_credentials
 from tests.e2e_support import start_stack
 
 CONNECT_TIMEOUT_S = 1.5  # a refused client retries forever: give up on it after this long
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return write_demo_checkpoint(tmp_path_factory.mktemp("model") / "demo", arch="qwen3_moe", size="tiny")
 
 
 async def _connects(settings: CommonSettings, name: str) -> bool:
