@@ -30,6 +30,7 @@ import nats
 from services.launcher import Stack
 from shared.cluster_state import wait_settled
 from shared.messages import TokenEvent
+from tests.e2e_support import scraped_total
 
 CLIENT_TIMEOUT_S = 120.0
 
@@ -218,17 +219,5 @@ def settled(stack: Stack, timeout_s: float = 60.0) -> dict[str, object]:
     return {"heartbeats": beats, "keys": keys}
 
 
-def metric_total(text: str, name: str, **labels: str) -> float:
-    """The sum of a Prometheus counter's samples matching `labels` in an exposition text."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
-
-
 def gateway_metric(stack: Stack, name: str, **labels: str) -> float:
-    return metric_total(httpx.get(f"{stack.url}/metrics", timeout=10).text, name, **labels)
+    return scraped_total(f"{stack.url}/metrics", name, **labels)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from services.launcher import Stack, StackSpec
 from shared.cluster_state import heartbeats, kv_keys
 
-__all__ = ["heartbeats", "kv_keys", "start_stack"]
+__all__ = ["heartbeats", "kv_keys", "scraped_total", "start_stack"]
 
 
 def start_stack(spec: StackSpec, log_dir: str | None = None, ready_timeout_s: float = 180) -> Stack:
@@ -16,3 +19,14 @@ def start_stack(spec: StackSpec, log_dir: str | None = None, ready_timeout_s: fl
     except Exception:
         print(stack.logs())
         raise
+
+
+def scraped_total(url: str, name: str, **labels: str) -> float:
+    """The sum of one metric's samples whose labels include `labels`, scraped from a /metrics URL (parsed by
+    prometheus_client)."""
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total

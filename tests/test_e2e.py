@@ -10,14 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.launcher import Stack, StackSpec
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.model.tokenizer import Tokenizer
 from shared.procs import free_port
-from tests.e2e_support import heartbeats, kv_keys, start_stack
+from tests.e2e_support import heartbeats, kv_keys, scraped_total, start_stack
 
 PROMPTS = ["The quick brown fox", "héllo wörld, 世界", "a", "Tell me a story about disaggregation " * 6]
 MAX_TOKENS = 24
@@ -190,11 +189,7 @@ def test_tracing_off_by_default_and_quiet(stack_1p1d):
 
 def _generated_tokens(stack: Stack) -> float:
     """pdserve:generation_tokens_total summed over every worker's /metrics."""
-    total = 0.0
-    for url in stack.metrics_urls():
-        for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
-            total += sum(s.value for s in family.samples if s.name == "pdserve:generation_tokens_total")
-    return total
+    return sum(scraped_total(url, "pdserve:generation_tokens_total") for url in stack.metrics_urls())
 
 
 @pytest.mark.parametrize(

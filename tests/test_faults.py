@@ -23,8 +23,8 @@ from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.model.tokenizer import Tokenizer
 from shared.procs import free_port
-from tests.chaos import EventWatch, Load, gateway_metric, metric_total, settled, stream_completion, tally
-from tests.e2e_support import start_stack
+from tests.chaos import EventWatch, Load, gateway_metric, settled, stream_completion, tally
+from tests.e2e_support import scraped_total, start_stack
 
 N = int(os.environ.get("CHAOS_REQUESTS", "6"))  # concurrent streams per scenario
 SHORT = ["The quick brown fox", "héllo wörld, 世界", "Tell me a story about disaggregation", "a b c d e f g"]
@@ -302,7 +302,7 @@ def test_kv_transfer_fails_midway(model_dir, reference):
         check(outcomes, reference, "KV transfer fails midway", moves(stack))
         beats = settled(stack)["heartbeats"]
         assert next(b for b in beats.values() if b.role == "decode").prefill_tokens > 0
-        decode_metrics = httpx.get(f"http://127.0.0.1:{stack.metrics_ports[first(stack, 'decode')]}/metrics").text
-        assert metric_total(decode_metrics, "pdserve:kv_transfer_failures_total") >= 1
+        decode_metrics = f"http://127.0.0.1:{stack.metrics_ports[first(stack, 'decode')]}/metrics"
+        assert scraped_total(decode_metrics, "pdserve:kv_transfer_failures_total") >= 1
     finally:
         stack.stop()
