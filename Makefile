@@ -8,7 +8,7 @@ DEMO_MODEL ?= models/demo-tiny-qwen3_moe
 PORT ?= 8000
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install test lint serve bench clean redis-server
+.PHONY: install test test-unit test-integration test-e2e lint serve bench clean redis-server
 
 $(STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || test -x /usr/bin/redis-server || $(MAKE) --no-print-directory redis-server
@@ -27,8 +27,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Every tier (tests/unit, tests/integration, tests/e2e); each also runs alone (`make test-unit` in seconds).
 test: $(STAMP) lint
 	$(PY) -m pytest
+
+test-unit test-integration test-e2e: test-%: $(STAMP)
+	$(PY) -m pytest tests/$*
 
 $(DEMO_MODEL)/config.json: | $(STAMP)
 	$(VENV)/bin/pdserve demo-model $(DEMO_MODEL) --arch qwen3_moe --size tiny

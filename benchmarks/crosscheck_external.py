@@ -51,10 +51,10 @@ import httpx
 import numpy as np
 
 from services.bench.metrics import RequestRecord, summarize
-from services.launcher import Stack, StackSpec
+from services.local.infra import free_port
+from services.local.stack import Stack, StackSpec
 from shared.model.demo import ensure_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
-from shared.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_AIPERF = "/work/tools/aiperf/bin/aiperf"

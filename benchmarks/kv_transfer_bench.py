@@ -41,7 +41,7 @@ from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.kv_export import KVExport  # noqa: E402
 from shared.engine.kv_pool import KVLayout  # noqa: E402
 from shared.engine.sampling import SamplingParams  # noqa: E402
-from shared.kv.transfer import Backend, KvTransferClient, KvTransferServer  # noqa: E402
+from shared.kv.transfer import KvTransferClient, KvTransferServer, TransferBackend  # noqa: E402
 from shared.kv.transfer.buffers import BufferPool  # noqa: E402
 from shared.kv.transfer.pair import DECODE_RANK, PREFILL_RANK, Pair  # noqa: E402
 from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
@@ -138,7 +138,7 @@ async def serve(conn, source: BenchSource, raw_store: dist.TCPStore, timings: di
 
 def raw_sender(store: dist.TCPStore, payloads: list[torch.Tensor]) -> None:
     """Answer each "go" (index of a payload, or -1 to end) with that payload."""
-    pair = Pair.join(Backend.GLOO, store, "raw", PREFILL_RANK, TIMEOUT_S, HOST)
+    pair = Pair.join(TransferBackend.GLOO, store, "raw", PREFILL_RANK, TIMEOUT_S, HOST)
     go = torch.zeros(2, dtype=torch.int64)
     while True:
         pair.recv([go], GO_TAG)
@@ -162,7 +162,7 @@ async def measure(info: dict, sizes: list[int], repeats: int) -> list[dict]:
     layout = KVLayout(**info["layout"])
     client = KvTransferClient("bench-decode", secret=SECRET, timeout_s=TIMEOUT_S)
     store = dist.TCPStore(HOST, info["raw_port"], is_master=False)
-    raw = await asyncio.to_thread(Pair.join, Backend.GLOO, store, "raw", DECODE_RANK, TIMEOUT_S, HOST)
+    raw = await asyncio.to_thread(Pair.join, TransferBackend.GLOO, store, "raw", DECODE_RANK, TIMEOUT_S, HOST)
     rows = []
     try:
         for index, n in enumerate(sizes):

@@ -9,8 +9,8 @@ import sys
 import time
 
 from services.bench.cli import add_bench_command
+from services.trace.timeline import add_trace_command
 from shared.model.config import ARCHITECTURES
-from shared.telemetry.timeline import add_trace_command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,7 +256,7 @@ def _worker_class(role: str):
 def _up(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from services.launcher import Stack, StackSpec
+    from services.local.stack import Stack, StackSpec
     from shared.model.demo import ensure_demo_checkpoint
 
     model = args.model

@@ -27,8 +27,8 @@ import httpx
 import msgspec
 import nats
 
-from services.launcher import Stack
-from shared.cluster_state import wait_settled
+from services.local.cluster_state import wait_settled
+from services.local.stack import Stack
 from shared.messages import TokenEvent
 from tests.e2e_support import scraped_total
 
@@ -211,7 +211,7 @@ class EventWatch:
 
 
 def settled(stack: Stack, timeout_s: float = 60.0) -> dict[str, object]:
-    """Wait until the stack has left nothing behind (shared/cluster_state.py: idle workers with sound block
+    """Wait until the stack has left nothing behind (services/local/cluster_state.py: idle workers with sound block
     accounting and no KV held, no `pd:*` key; KV leases bound how long that takes); returns the last heartbeats
     and keys seen. Raises AssertionError with what is still wrong."""
     beats, keys, problems = wait_settled(stack.nats_url, stack.redis_url, timeout_s)

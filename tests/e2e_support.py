@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.launcher import Stack, StackSpec
-from shared.cluster_state import heartbeats, kv_keys
+from services.local.cluster_state import heartbeats, kv_keys
+from services.local.stack import Stack, StackSpec
 
 __all__ = ["heartbeats", "kv_keys", "scraped_total", "start_stack"]
 

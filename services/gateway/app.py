@@ -18,7 +18,7 @@ from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components
 
-from services.gateway.backend import Backend
+from services.gateway.backend import GatewayBackend
 from services.gateway.draining import Drain
 from services.gateway.errors import EXCEPTION_HANDLERS
 from services.gateway.middleware import api_key_guard, echo_request_id
@@ -29,7 +29,7 @@ from services.gateway.served_model import ServedModel
 from shared.settings import GatewaySettings
 
 
-def _backend(state: State) -> Backend:
+def _backend(state: State) -> GatewayBackend:
     return state.backend
 
 
@@ -41,7 +41,9 @@ def _drain(state: State) -> Drain:
     return state.drain
 
 
-def create_app(settings: GatewaySettings, backend: Backend | None = None, drain: Drain | None = None) -> Litestar:
+def create_app(
+    settings: GatewaySettings, backend: GatewayBackend | None = None, drain: Drain | None = None
+) -> Litestar:
     model = ServedModel.load(settings)  # fails fast on a wrong checkpoint path, before serving anything
     drain = drain or Drain(settings.drain_timeout_s)
 

@@ -72,7 +72,7 @@ class RequestStream(Protocol):
 
 
 @runtime_checkable  # litestar checks injected dependencies with isinstance
-class Backend(Protocol):
+class GatewayBackend(Protocol):
     async def open(self, job: GenerationJob) -> RequestStream:
         """Register the request's listener, then dispatch it (subscribe before dispatch, so no token
         is missed). Raises BackendUnavailable when it cannot be dispatched, Overloaded when admission

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from services.gateway.backend import Backend, GenerationJob, RequestStream, Update
+from services.gateway.backend import GatewayBackend, GenerationJob, RequestStream, Update
 from services.gateway.observe import RequestObserver
 from services.gateway.prompt_log import log_completion, log_prompt
 from services.gateway.textstream import TextAssembler
@@ -42,7 +42,7 @@ class Generation:
 
     def __init__(
         self,
-        backend: Backend,
+        backend: GatewayBackend,
         job: GenerationJob,
         tokenizer: Tokenizer,
         stop: tuple[str, ...],

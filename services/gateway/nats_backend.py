@@ -1,4 +1,4 @@
-"""The Backend over NATS: jobs out through JetStream, token events back on one wildcard subscription.
+"""The GatewayBackend over NATS: jobs out through JetStream, token events back on one wildcard subscription.
 
 One listener (`pd.tokens.<gateway>.>`) serves every request: it decodes each TokenEvent and routes it
 by request id to that request's RequestUpdates (request_stream.py: order, deadlines).

@@ -1,7 +1,7 @@
 """HTTP routes: the OpenAI-compatible API under /v1, plus /health and /ready.
 
 A completion request: decode strictly (decoding.py) → validate and tokenize (prepare.py) → dispatch
-(generation.py over the Backend) → one JSON body, or SSE events (sse.py). Every error before the first
+(generation.py over the GatewayBackend) → one JSON body, or SSE events (sse.py). Every error before the first
 streamed byte is a plain JSON error with its HTTP status, even with stream=true: among them 429 with
 `Retry-After` when admission refuses the request (admission.py), and 503 while the gateway drains
 (draining.py), when /ready says 503 too.
@@ -19,7 +19,7 @@ from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
 from services.gateway import sse
-from services.gateway.backend import Backend, BackendUnavailable, GenerationJob, Overloaded
+from services.gateway.backend import BackendUnavailable, GatewayBackend, GenerationJob, Overloaded
 from services.gateway.decoding import StrictJSON
 from services.gateway.disconnect import until_disconnect
 from services.gateway.draining import Drain
@@ -57,7 +57,7 @@ AnyRequest = Request[Any, Any, Any]
 async def chat_completions(
     data: JSONBody[ChatCompletionRequest],
     request: AnyRequest,
-    backend: NamedDependency[Backend],
+    backend: NamedDependency[GatewayBackend],
     model: NamedDependency[ServedModel],
     drain: NamedDependency[Drain],
 ) -> Response[ChatCompletion] | Stream:
@@ -78,7 +78,7 @@ async def chat_completions(
 async def completions(
     data: JSONBody[CompletionRequest],
     request: AnyRequest,
-    backend: NamedDependency[Backend],
+    backend: NamedDependency[GatewayBackend],
     model: NamedDependency[ServedModel],
     drain: NamedDependency[Drain],
 ) -> Response[Completion] | Stream:
@@ -96,7 +96,7 @@ def _refuse_while_draining(drain: Drain, model: ServedModel) -> None:
 
 async def _complete(
     request: AnyRequest,
-    backend: Backend,
+    backend: GatewayBackend,
     model: ServedModel,
     prepared: Prepared,
     arrived: tuple[float, float],
@@ -172,7 +172,7 @@ async def health() -> Status:
 
 @get("/ready", responses=responses(Status, 503))
 async def ready(
-    backend: NamedDependency[Backend], drain: NamedDependency[Drain]
+    backend: NamedDependency[GatewayBackend], drain: NamedDependency[Drain]
 ) -> Response[Status] | Response[ErrorBody]:
     """200 when NATS and Redis answer and live workers can serve the model; else 503 with the reason
     ("draining: ..." once the gateway is shutting down)."""

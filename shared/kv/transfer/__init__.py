@@ -6,12 +6,12 @@ gRPC (proto/kv_transfer.proto) negotiates; the bytes move over a two-rank torch.
 
 from shared.kv.transfer.client import ClientStats, KvTransferClient
 from shared.kv.transfer.errors import FailureReason, KvTransferError
-from shared.kv.transfer.pair import Backend
+from shared.kv.transfer.pair import TransferBackend
 from shared.kv.transfer.server import KvTransferServer, ServerStats
 from shared.kv.transfer.source import EngineKvSource, KvSource
 
 __all__ = [
-    "Backend",
+    "TransferBackend",
     "ClientStats",
     "EngineKvSource",
     "FailureReason",

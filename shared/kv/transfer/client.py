@@ -25,7 +25,14 @@ from shared.engine.kv_pool import KVLayout
 from shared.kv.tickets import Tickets
 from shared.kv.transfer.buffers import BufferPool
 from shared.kv.transfer.errors import FailureReason, KvTransferError
-from shared.kv.transfer.pair import DECODE_RANK, Backend, Pair, check_backend, local_address_towards, store_client
+from shared.kv.transfer.pair import (
+    DECODE_RANK,
+    Pair,
+    TransferBackend,
+    check_backend,
+    local_address_towards,
+    store_client,
+)
 from shared.kv.transfer.wire import announced_layout, pieces
 from shared.rpc import kv_transfer_pb2 as pb
 from shared.rpc import kv_transfer_pb2_grpc as pb_grpc
@@ -72,7 +79,7 @@ class KvTransferClient:
         worker_id: str,
         *,
         secret: bytes | str,
-        backend: Backend | str = "gloo",
+        backend: TransferBackend | str = "gloo",
         timeout_s: float = 30.0,
         device: str | None = None,
         recv_cache_bytes: int = 256 << 20,
@@ -222,7 +229,7 @@ class KvTransferClient:
     def _join(self, reply: pb.ConnectReply) -> Pair:
         """Blocking: reach the prefill worker's store, then build our rank of the pair's group."""
         store = store_client(reply.store_host, reply.store_port, self.timeout_s)
-        local = local_address_towards(reply.store_host) if self.backend is Backend.GLOO else None
+        local = local_address_towards(reply.store_host) if self.backend is TransferBackend.GLOO else None
         return Pair.join(self.backend, store, reply.pair_id, DECODE_RANK, self.timeout_s, local)
 
     def _forget(self, address: str, conn: _Connection) -> None:

@@ -33,37 +33,39 @@ PREFILL_RANK = 0
 DECODE_RANK = 1
 
 
-class Backend(StrEnum):
+class TransferBackend(StrEnum):
     GLOO = "gloo"  # CPU tensors over TCP
     NCCL = "nccl"  # CUDA tensors; not exercised on CPU-only machines
 
     @property
     def device(self) -> str:
         """Where buffers must live for this backend."""
-        return "cuda" if self is Backend.NCCL else "cpu"
+        return "cuda" if self is TransferBackend.NCCL else "cpu"
 
     @property
     def tagged(self) -> bool:
         """Whether send/recv match by tag. NCCL ignores tags and matches in issue order, so the client
         runs one transfer at a time per NCCL pair."""
-        return self is Backend.GLOO
+        return self is TransferBackend.GLOO
 
     @property
     def wire(self) -> pb.Backend.ValueType:
-        return pb.BACKEND_NCCL if self is Backend.NCCL else pb.BACKEND_GLOO
+        return pb.BACKEND_NCCL if self is TransferBackend.NCCL else pb.BACKEND_GLOO
 
     @classmethod
-    def from_wire(cls, value: pb.Backend.ValueType) -> Backend | None:
+    def from_wire(cls, value: pb.Backend.ValueType) -> TransferBackend | None:
         return {pb.BACKEND_GLOO: cls.GLOO, pb.BACKEND_NCCL: cls.NCCL}.get(value)
 
 
-def check_backend(backend: Backend | str) -> Backend:
+def check_backend(backend: TransferBackend | str) -> TransferBackend:
     """The backend named; ValueError for an unknown one, or NCCL where CUDA or NCCL is missing."""
     try:
-        checked = Backend(backend)
+        checked = TransferBackend(backend)
     except ValueError:
-        raise ValueError(f"unknown KV transfer backend {backend!r}; one of {[b.value for b in Backend]}") from None
-    if checked is Backend.NCCL and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise ValueError(
+            f"unknown KV transfer backend {backend!r}; one of {[b.value for b in TransferBackend]}"
+        ) from None
+    if checked is TransferBackend.NCCL and not (torch.cuda.is_available() and dist.is_nccl_available()):
         raise ValueError("the nccl backend needs CUDA and a torch built with NCCL")
     return checked
 
@@ -84,7 +86,9 @@ def store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
 class Pair:
     """A two-rank process group plus the rank this process holds in it."""
 
-    def __init__(self, pair_id: str, group: dist.ProcessGroup, rank: int, backend: Backend, timeout_s: float) -> None:
+    def __init__(
+        self, pair_id: str, group: dist.ProcessGroup, rank: int, backend: TransferBackend, timeout_s: float
+    ) -> None:
         self.pair_id = pair_id
         self.rank = rank
         self.backend = backend
@@ -96,13 +100,19 @@ class Pair:
 
     @classmethod
     def join(
-        cls, backend: Backend, store: dist.Store, pair_id: str, rank: int, timeout_s: float, local_host: str | None
+        cls,
+        backend: TransferBackend,
+        store: dist.Store,
+        pair_id: str,
+        rank: int,
+        timeout_s: float,
+        local_host: str | None,
     ) -> Pair:
         """Build the group; blocks until the other rank joins (or raises after timeout_s). local_host: the
         address gloo listens on (None = the default interface for this machine's hostname)."""
         prefixed = dist.PrefixStore(pair_id, store)
         timeout = timedelta(seconds=timeout_s)
-        if backend is Backend.NCCL:
+        if backend is TransferBackend.NCCL:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             group = dist.ProcessGroupNCCL(prefixed, rank, 2, options)

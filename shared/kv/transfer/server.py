@@ -29,7 +29,7 @@ from google.protobuf.message import DecodeError
 
 from shared.engine.kv_export import KVExport
 from shared.kv.tickets import TicketError, TicketReason, Tickets
-from shared.kv.transfer.pair import PREFILL_RANK, Backend, Pair, check_backend, store_client
+from shared.kv.transfer.pair import PREFILL_RANK, Pair, TransferBackend, check_backend, store_client
 from shared.kv.transfer.source import KvSource
 from shared.kv.transfer.wire import describe, num_pieces, pieces
 from shared.rpc import kv_transfer_pb2 as pb
@@ -104,7 +104,7 @@ class KvTransferServer:
         source: KvSource,
         *,
         secret: bytes | str,
-        backend: Backend | str = "gloo",
+        backend: TransferBackend | str = "gloo",
         timeout_s: float = 30.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         fault_send_midway: bool = False,
@@ -180,7 +180,7 @@ class KvTransferServer:
         await self._check_shape(context, "Connect", request, "decode_worker_id")
         worker = request.decode_worker_id
         await self._authorize(context, "Connect", request.ticket, worker)
-        backend = Backend.from_wire(request.backend)
+        backend = TransferBackend.from_wire(request.backend)
         if backend is None:
             await self._refuse(context, "Connect", worker, f"unknown transfer backend {request.backend}")
         if backend is not self.backend:
@@ -313,7 +313,7 @@ class KvTransferServer:
         error = None
         try:
             # gloo sends host memory (a CUDA pool's export is copied down); NCCL sends from the GPU as is.
-            blocks = (kv.blocks if self.backend is Backend.NCCL else kv.blocks.cpu()).contiguous()
+            blocks = (kv.blocks if self.backend is TransferBackend.NCCL else kv.blocks.cpu()).contiguous()
             parts = pieces(blocks, self.chunk_bytes)
             run = asyncio.get_running_loop().run_in_executor
             if self.fault_send_midway:

@@ -23,9 +23,9 @@ from services.gateway.errors import APIError
 from services.gateway.prepare import MAX_STOP_CHARS, MAX_STOP_STRINGS, prepare_chat, prepare_completion
 from services.gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from services.gateway.served_model import ServedModel
-from services.launcher import StackSpec
+from services.local.infra import ServerTls, free_port, start_nats, start_redis
+from services.local.stack import StackSpec
 from shared import bus
-from shared.procs import ServerTls, free_port, start_nats, start_redis
 from shared.redis_client import explain_redis_error, redis_client
 from shared.settings import CommonSettings, GatewaySettings, from_env
 from shared.urls import redact, split_credentials, with_credentials

@@ -27,14 +27,14 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import choose_encoder
 
 from services.cli import main as cli_main
+from services.local.infra import free_port, wait_for_port
 from shared import bus
-from shared.procs import free_port, wait_for_port
 from shared.redis_client import explain_redis_error, redis_client
 from shared.settings import GatewaySettings, WorkerSettings, from_env
 from shared.telemetry import metrics
 from shared.telemetry.tracing import exporters_wanted
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
 SERVICES: dict[str, dict] = COMPOSE["services"]
 BUILDERS = [name for name, svc in SERVICES.items() if "build" in svc]
@@ -866,8 +866,8 @@ def test_healthcheck_gateway(healthcheck, monkeypatch):
 def test_healthcheck_worker_heartbeats(healthcheck, monkeypatch):
     import nats
 
+    from services.local.infra import start_nats
     from shared.messages import Heartbeat, encode, heartbeat_subject
-    from shared.procs import start_nats
 
     server = start_nats()
     monkeypatch.setenv("PDSERVE_NATS_URL", server.url)
@@ -904,7 +904,7 @@ def test_healthcheck_worker_heartbeats(healthcheck, monkeypatch):
 def test_healthcheck_logs_in_as_the_services_do(healthcheck, monkeypatch, tmp_path, capsys):
     """Credentials from the same PDSERVE_* settings (here the _FILE form compose uses); a wrong password is
     unhealthy, with the reason."""
-    from shared.procs import start_nats
+    from services.local.infra import start_nats
 
     server = start_nats(user="pdserve", password="right-one")
     password_file = tmp_path / "nats_password"

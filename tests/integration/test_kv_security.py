@@ -26,7 +26,7 @@ from shared.engine.engine import Engine, EngineConfig
 from shared.engine.sampling import SamplingParams
 from shared.kv.tickets import MAX_TICKET_CHARS, TicketError, TicketReason, Tickets
 from shared.kv.transfer import EngineKvSource, FailureReason, KvTransferClient, KvTransferError, KvTransferServer
-from shared.kv.transfer.pair import DECODE_RANK, Backend, Pair, store_client
+from shared.kv.transfer.pair import DECODE_RANK, Pair, TransferBackend, store_client
 from shared.kv.transfer.server import MAX_ID_CHARS, SERVICE
 from shared.kv.transfer.wire import pieces
 from shared.model.demo import write_demo_checkpoint
@@ -168,7 +168,7 @@ class Prefill:
         reply = await pb_grpc.KvTransferStub(self.channel).Connect(pb.ConnectRequest(**self.connect_fields(worker)))
         store = store_client(reply.store_host, reply.store_port, TIMEOUT_S)
         return await asyncio.to_thread(
-            Pair.join, Backend.GLOO, store, reply.pair_id, DECODE_RANK, TIMEOUT_S, "127.0.0.1"
+            Pair.join, TransferBackend.GLOO, store, reply.pair_id, DECODE_RANK, TIMEOUT_S, "127.0.0.1"
         )
 
     def pull_fields(self, rid: str, worker: str, pair: Pair, **changes) -> dict:
@@ -287,7 +287,7 @@ def test_connects_without_a_valid_ticket_open_no_pair(checkpoint, model):
                 assert got is code, (ticket[:40], got, details)
             # Valid tickets, but what the server cannot do.
             bad_fields = [
-                (dict(backend=7), Code.INVALID_ARGUMENT),  # not a Backend value at all
+                (dict(backend=7), Code.INVALID_ARGUMENT),  # not a TransferBackend value at all
                 (dict(backend=pb.BACKEND_UNSPECIFIED), Code.INVALID_ARGUMENT),
                 (dict(backend=pb.BACKEND_NCCL), Code.FAILED_PRECONDITION),
                 (dict(layout_fingerprint="another-model"), Code.FAILED_PRECONDITION),

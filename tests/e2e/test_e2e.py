@@ -11,11 +11,11 @@ import httpx
 import openai
 import pytest
 
-from services.launcher import Stack, StackSpec
+from services.local.infra import free_port
+from services.local.stack import Stack, StackSpec
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.model.tokenizer import Tokenizer
-from shared.procs import free_port
 from tests.e2e_support import heartbeats, kv_keys, scraped_total, start_stack
 
 PROMPTS = ["The quick brown fox", "héllo wörld, 世界", "a", "Tell me a story about disaggregation " * 6]

@@ -14,9 +14,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from shared.telemetry import timeline
-from shared.telemetry.spanfile import JsonLinesSpanExporter, read_spans
-from shared.telemetry.timeline import (
+from services.trace import timeline
+from services.trace.timeline import (
     Phase,
     add_trace_command,
     list_requests,
@@ -26,6 +25,7 @@ from shared.telemetry.timeline import (
     render_text,
     summarize,
 )
+from shared.telemetry.spanfile import JsonLinesSpanExporter, read_spans
 
 T0 = 1_760_000_000_000_000_000  # ns
 MS = 1_000_000

@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.procs import ServerProcess, free_port, start_nats, start_redis
+from services.local.infra import ServerProcess, free_port, start_nats, start_redis
 from shared.urls import split_credentials
 
 

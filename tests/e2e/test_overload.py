@@ -26,13 +26,13 @@ from services.gateway.admission import RETRY_AFTER_MAX_S, RETRY_AFTER_UNKNOWN_S,
 from services.gateway.backend import GenerationJob, Overloaded
 from services.gateway.draining import Drain
 from services.gateway.liveness import WorkerTable
-from services.launcher import Stack, StackSpec
+from services.local.infra import free_port
+from services.local.stack import Stack, StackSpec
 from shared.messages import Heartbeat, Sampling
-from shared.procs import free_port
 from shared.settings import GatewaySettings
 from tests.e2e_support import kv_keys, start_stack
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # ---- admission arithmetic ---------------------------------------------------------------------------
 

@@ -20,7 +20,8 @@ import msgspec
 import nats
 import pytest
 
-from services.launcher import Stack, StackSpec
+from services.local.infra import free_port
+from services.local.stack import Stack, StackSpec
 from shared.job_checks import job_problem, job_refusal, reply_subject_problem, sampling_problem
 from shared.kv.tickets import Tickets
 from shared.kv.transfer.server import SERVICE
@@ -39,7 +40,6 @@ from shared.messages import (
     prefill_subject,
 )
 from shared.model.tokenizer import Tokenizer
-from shared.procs import free_port
 from shared.rpc import kv_transfer_pb2 as pb
 from tests.e2e_support import heartbeats, start_stack
 

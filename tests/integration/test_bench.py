@@ -25,10 +25,10 @@ from services.bench.metrics import RequestRecord, summarize
 from services.bench.prompts import PromptMaker
 from services.bench.report import format_table
 from services.bench.runner import BenchConfig, schedule
-from services.launcher import Stack, StackSpec
+from services.local.infra import free_port
+from services.local.stack import Stack, StackSpec
 from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
-from shared.procs import free_port
 
 VLLM_KEYS = [
     "duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",

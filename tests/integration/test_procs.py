@@ -1,4 +1,4 @@
-"""shared.procs: the local nats-server / redis-server helpers, restarted for real."""
+"""services.local.infra: the local nats-server / redis-server helpers, restarted for real."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import nats
 import pytest
 from redis.asyncio import Redis
 
-from shared.procs import start_nats, start_redis
+from services.local.infra import start_nats, start_redis
 
 
 @pytest.mark.parametrize("kill", [False, True], ids=["sigterm", "sigkill"])

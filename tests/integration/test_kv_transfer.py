@@ -25,7 +25,7 @@ from shared.engine.sampling import SamplingParams
 from shared.kv.tickets import Tickets
 from shared.kv.transfer import EngineKvSource, FailureReason, KvTransferClient, KvTransferError, KvTransferServer
 from shared.kv.transfer.buffers import BufferPool
-from shared.kv.transfer.pair import DECODE_RANK, Backend, Pair, store_client
+from shared.kv.transfer.pair import DECODE_RANK, Pair, TransferBackend, store_client
 from shared.kv.transfer.wire import announced_layout, num_pieces, pieces
 from shared.model.demo import write_demo_checkpoint
 from shared.model.loader import load_model
@@ -324,7 +324,9 @@ def test_a_peer_that_never_joins_stalls_no_other_pair(prefill, checkpoint, model
             await client.close()
         # The ghost joins after all: the server's join ends now rather than at its timeout.
         store = store_client(ghost.store_host, ghost.store_port, TIMEOUT_S)
-        await asyncio.to_thread(Pair.join, Backend.GLOO, store, ghost.pair_id, DECODE_RANK, TIMEOUT_S, "127.0.0.1")
+        await asyncio.to_thread(
+            Pair.join, TransferBackend.GLOO, store, ghost.pair_id, DECODE_RANK, TIMEOUT_S, "127.0.0.1"
+        )
         await channel.close()
         return kv, elapsed
 

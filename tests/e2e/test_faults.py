@@ -18,11 +18,11 @@ from collections import Counter
 import httpx
 import pytest
 
-from services.launcher import Stack, StackSpec
+from services.local.infra import free_port
+from services.local.stack import Stack, StackSpec
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.model.tokenizer import Tokenizer
-from shared.procs import free_port
 from tests.chaos import EventWatch, Load, gateway_metric, settled, stream_completion, tally
 from tests.e2e_support import scraped_total, start_stack
 

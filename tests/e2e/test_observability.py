@@ -14,9 +14,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.launcher import StackSpec
-from shared.procs import free_port
-from shared.telemetry import timeline
+from services.local.infra import free_port
+from services.local.stack import StackSpec
+from services.trace import timeline
 from shared.telemetry.spanfile import read_spans
 from tests.e2e_support import start_stack
 from tests.otlp_receiver import OtlpReceiver
