@@ -9,18 +9,13 @@ configured differently from the gateway (a shorter max_model_len). Pure function
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.messages import DecodeJob, PrefillJob, Sampling
+from shared.messages import TOKENS, DecodeJob, PrefillJob, Sampling
 
 MAX_TEMPERATURE = 100.0  # as shared.engine.sampling.SamplingParams
 MAX_REQUEST_ID = 256  # characters: ids name log lines, spans and Redis keys
-# Where token events may go: a gateway's token subject, pd.tokens.<gateway>.<request> (shared/messages.py).
-# Anything else (a wildcard, a job or cancel subject, an empty string) would publish where no one listens
-# for token events, or into another service's input.
-_REPLY_SUBJECT = re.compile(r"pd\.tokens\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+")
 
 
 @dataclass(frozen=True)
@@ -41,8 +36,10 @@ def job_refusal(job: PrefillJob | DecodeJob, vocab_size: int, max_model_len: int
 
 
 def reply_subject_problem(subject: str) -> str | None:
-    """Why token events cannot be sent to `subject`, or None when it is a token subject."""
-    if _REPLY_SUBJECT.fullmatch(subject) is None:
+    """Why token events cannot be sent to `subject`, or None when it is a token subject. Anything else (a
+    wildcard, a job or cancel subject, an empty string) would publish where no one listens for token events, or
+    into another service's input."""
+    if not TOKENS.matches(subject):
         return f"reply_subject {subject[:80]!r} is not a token subject pd.tokens.<gateway>.<request>"
     return None
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
-from enum import Enum
+from enum import StrEnum
 from typing import Annotated
 
 import msgspec
@@ -23,9 +23,6 @@ import msgspec
 _log = logging.getLogger(__name__)
 
 JOBS_STREAM = "PD_JOBS"
-JOBS_SUBJECTS = "pd.jobs.>"
-CANCEL_WILDCARD = "pd.cancel.*"
-HEARTBEAT_WILDCARD = "pd.hb.>"
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
@@ -35,29 +32,84 @@ def subject_token(name: str) -> str:
     return _UNSAFE.sub("_", name) or "_"
 
 
+class Subject:
+    """One subject of the grammar above, e.g. Subject("pd.tokens.{gateway}.{request}"): `make` fills every
+    placeholder with a safe token, `wildcard` leaves the unnamed ones open, `matches` / `parse` read one back.
+    Every subject pdserve publishes to or listens on is made by one of the templates below."""
+
+    def __init__(self, template: str) -> None:
+        self.template = template
+        self.names = tuple(re.findall(r"{(\w+)}", template))
+        pattern = re.escape(template)
+        for name in self.names:
+            pattern = pattern.replace(re.escape(f"{{{name}}}"), f"(?P<{name}>[A-Za-z0-9_-]+)")
+        self._regex = re.compile(pattern)
+
+    def make(self, **tokens: str) -> str:
+        if set(tokens) != set(self.names):
+            raise ValueError(f"{self.template} needs {self.names}, got {sorted(tokens)}")
+        return self.template.format(**{k: subject_token(str(v)) for k, v in tokens.items()})
+
+    def wildcard(self, **tokens: str) -> str:
+        """The subject with the given tokens filled and the rest open: `*` each, or one `>` for a trailing run."""
+        parts = self.template.split(".")
+        for i, part in enumerate(parts):
+            if part.startswith("{"):
+                name = part[1:-1]
+                if name in tokens:
+                    parts[i] = subject_token(str(tokens[name]))
+                elif all(p.startswith("{") and p[1:-1] not in tokens for p in parts[i:]):
+                    return ".".join([*parts[:i], ">"])
+                else:
+                    parts[i] = "*"
+        return ".".join(parts)
+
+    def matches(self, subject: str) -> bool:
+        return self._regex.fullmatch(subject) is not None
+
+    def parse(self, subject: str) -> dict[str, str] | None:
+        """The tokens of a subject of this template, or None for any other subject."""
+        m = self._regex.fullmatch(subject)
+        return None if m is None else m.groupdict()
+
+    def __str__(self) -> str:
+        return self.template
+
+
+PREFILL_JOBS = Subject("pd.jobs.prefill.{model}")
+DECODE_JOBS = Subject("pd.jobs.decode.{model}")
+TOKENS = Subject("pd.tokens.{gateway}.{request}")
+CANCELS = Subject("pd.cancel.{request}")
+HEARTBEATS = Subject("pd.hb.{role}.{worker}")
+
+JOBS_SUBJECTS = "pd.jobs.>"  # the jobs stream holds both queues
+CANCEL_WILDCARD = CANCELS.wildcard()
+HEARTBEAT_WILDCARD = HEARTBEATS.wildcard()
+
+
 def prefill_subject(model: str) -> str:
-    return f"pd.jobs.prefill.{subject_token(model)}"
+    return PREFILL_JOBS.make(model=model)
 
 
 def decode_subject(model: str) -> str:
-    return f"pd.jobs.decode.{subject_token(model)}"
+    return DECODE_JOBS.make(model=model)
 
 
 def token_subject(gateway_id: str, request_id: str) -> str:
-    return f"pd.tokens.{subject_token(gateway_id)}.{subject_token(request_id)}"
+    return TOKENS.make(gateway=gateway_id, request=request_id)
 
 
 def token_wildcard(gateway_id: str) -> str:
     """Every token subject of one gateway (it subscribes once and routes by request id)."""
-    return f"pd.tokens.{subject_token(gateway_id)}.>"
+    return TOKENS.wildcard(gateway=gateway_id)
 
 
 def cancel_subject(request_id: str) -> str:
-    return f"pd.cancel.{subject_token(request_id)}"
+    return CANCELS.make(request=request_id)
 
 
 def heartbeat_subject(role: str, worker_id: str) -> str:
-    return f"pd.hb.{role}.{subject_token(worker_id)}"
+    return HEARTBEATS.make(role=role, worker=worker_id)
 
 
 def attempt_key(request_id: str, attempt: int) -> str:
@@ -66,7 +118,7 @@ def attempt_key(request_id: str, attempt: int) -> str:
     return request_id if attempt == 0 else f"{request_id}~{attempt}"
 
 
-class Role(Enum):
+class Role(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
     MIXED = "mixed"
@@ -121,30 +173,111 @@ class DecodeJob(msgspec.Struct, frozen=True):
 # negative, and token ids fit the u32 every tokenizer uses (decoding a negative id fails in the detokenizer).
 _Count = Annotated[int, msgspec.Meta(ge=0)]
 _TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+_HttpStatus = Annotated[int, msgspec.Meta(ge=400, lt=600)]
+
+
+class EventKind(StrEnum):
+    """What a token event says. A worker that takes a job says TAKEN at once; TOKENS and FINISHED carry output;
+    QUEUED hands the request to a job queue (the prefill worker published its decode job); FAILED ends it."""
+
+    TAKEN = "taken"
+    TOKENS = "tokens"
+    QUEUED = "queued"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+class FinishReason(StrEnum):
+    """Why a request ended, as its last event says: STOP / LENGTH end a FINISHED event, ERROR / ABORT a FAILED one.
+    (The engine has its own enum; the wire's is this one, so the gateway never imports the engine.)"""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+_KINDS_WITHOUT_OUTPUT = (EventKind.TAKEN, EventKind.QUEUED)
+_NORMAL_ENDS = (FinishReason.STOP, FinishReason.LENGTH)
 
 
 class TokenEvent(msgspec.Struct, frozen=True):
-    """New tokens of a request, or its end. `seq` is the output position of token_ids[0] (0 = the first
-    generated token), whatever the attempt: the gateway delivers positions in order, drops positions it
-    already delivered (duplicates after a re-dispatch) and holds back early ones (two publishers: the
-    prefill worker sends position 0, a decode worker the rest). Events of an attempt older than the
-    newest one seen are stale and dropped. A final event carries finish_reason (and no or more tokens).
+    """One event of a request, to the gateway that owns it; `kind` says which (build one with the constructors
+    below). `seq` is the output position of token_ids[0] (0 = the first generated token), whatever the attempt:
+    the gateway delivers positions in order, drops positions it already delivered (duplicates after a
+    re-dispatch) and holds back early ones (two publishers: the prefill worker sends position 0, a decode worker
+    the rest). Events of an attempt older than the newest one seen are stale and dropped.
 
-    Events also say who is responsible for the request's progress, so that the gateway can move it when
-    that worker dies: a worker that takes a job says so at once (an event with no tokens, seq = the next
-    position); every event of `worker_id` makes it the holder, until one with `queued` says the request
-    now waits in a job queue (the prefill worker published the decode job)."""
+    Events also say who is responsible for the request's progress, so that the gateway can move it when that
+    worker dies: every event of `worker_id` makes it the holder, until a QUEUED one says the request waits in a
+    job queue. A TAKEN / QUEUED event's seq is the next position. Decoding checks that the fields fit the kind
+    (a malformed event is dropped, never guessed at)."""
 
     request_id: str
     attempt: _Count
     seq: _Count
-    token_ids: list[_TokenId]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    error: str | None = None
-    prompt_tokens: int = 0
+    kind: EventKind
+    token_ids: list[_TokenId] = []
+    finish_reason: FinishReason | None = None  # FINISHED: stop | length; FAILED: error | abort
+    error: str | None = None  # FAILED: what went wrong
+    prompt_tokens: _Count = 0
     worker_id: str = ""
-    status: int = 500  # with an error: the HTTP status it means (400 = the request itself was refused)
-    queued: bool = False  # after this event no worker holds the request: it waits in a job queue
+    status: _HttpStatus = 500  # FAILED: the HTTP status it means (400 = the request itself was refused)
+
+    def __post_init__(self) -> None:
+        kind = self.kind
+        if kind in _KINDS_WITHOUT_OUTPUT and (self.token_ids or self.finish_reason or self.error):
+            raise ValueError(f"a {kind} event carries no tokens, finish_reason or error")
+        if kind is EventKind.TOKENS and (not self.token_ids or self.finish_reason or self.error):
+            raise ValueError("a tokens event carries tokens and no finish_reason or error")
+        if kind is EventKind.FINISHED and self.finish_reason not in _NORMAL_ENDS:
+            raise ValueError("a finished event ends with finish_reason stop or length")
+        if kind is EventKind.FAILED and (self.finish_reason in _NORMAL_ENDS or self.token_ids):
+            raise ValueError("a failed event ends with finish_reason error or abort, without tokens")
+
+    @classmethod
+    def taken(cls, request_id: str, attempt: int, seq: int, worker_id: str) -> TokenEvent:
+        """`worker_id` took the request's job: it holds the request from now on."""
+        return cls(request_id, attempt, seq, EventKind.TAKEN, worker_id=worker_id)
+
+    @classmethod
+    def tokens(
+        cls, request_id: str, attempt: int, seq: int, token_ids: list[int], worker_id: str = "", prompt_tokens: int = 0
+    ) -> TokenEvent:
+        return cls(
+            request_id, attempt, seq, EventKind.TOKENS, token_ids, prompt_tokens=prompt_tokens, worker_id=worker_id
+        )
+
+    @classmethod
+    def finished(
+        cls,
+        request_id: str,
+        attempt: int,
+        seq: int,
+        token_ids: list[int],
+        reason: FinishReason,
+        worker_id: str = "",
+        prompt_tokens: int = 0,
+    ) -> TokenEvent:
+        """The request's last tokens (maybe none) and why it ended."""
+        return cls(request_id, attempt, seq, EventKind.FINISHED, token_ids, reason, None, prompt_tokens, worker_id)
+
+    @classmethod
+    def queued(cls, request_id: str, attempt: int, seq: int, worker_id: str) -> TokenEvent:
+        """No worker holds the request any more: it waits in a job queue for its next stage."""
+        return cls(request_id, attempt, seq, EventKind.QUEUED, worker_id=worker_id)
+
+    @classmethod
+    def failed(
+        cls,
+        request_id: str,
+        attempt: int,
+        error: str,
+        status: int = 500,
+        worker_id: str = "",
+        reason: FinishReason = FinishReason.ERROR,
+    ) -> TokenEvent:
+        return cls(request_id, attempt, 0, EventKind.FAILED, [], reason, error, 0, worker_id, status)
 
 
 class Cancel(msgspec.Struct, frozen=True):
@@ -157,7 +290,7 @@ class Cancel(msgspec.Struct, frozen=True):
 
 class Heartbeat(msgspec.Struct, frozen=True):
     worker_id: str
-    role: str
+    role: Role
     model: str
     rpc_address: str | None  # prefill workers: where decode workers pull KV from
     running: int = 0

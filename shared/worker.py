@@ -21,14 +21,17 @@ from redis.asyncio import Redis
 from shared import bus
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import Engine, EngineConfig, RequestOutput
+from shared.engine.request import FinishReason as EngineFinishReason
 from shared.engine.sampling import SamplingParams
 from shared.job_checks import job_refusal
 from shared.messages import (
     CANCEL_WILDCARD,
     Cancel,
     DecodeJob,
+    FinishReason,
     Heartbeat,
     PrefillJob,
+    Role,
     Sampling,
     TokenEvent,
     decode,
@@ -103,7 +106,7 @@ class Worker:
     ack_wait, so JetStream redelivers it only when this worker is dead or hung. A taken job is announced
     to the gateway at once (an event with no tokens): from then on this worker holds the request."""
 
-    role = "mixed"
+    role = Role.MIXED
 
     def __init__(self, settings: WorkerSettings, engine: Engine | None = None) -> None:
         self.settings = settings
@@ -279,9 +282,7 @@ class Worker:
     def announce(self, job: PrefillJob | DecodeJob) -> None:
         """Tell the gateway this worker holds the request now."""
         seq = len(job.output_token_ids)
-        self.emit(
-            job.reply_subject, TokenEvent(job.request_id, job.attempt, seq, [], worker_id=self.settings.worker_id)
-        )
+        self.emit(job.reply_subject, TokenEvent.taken(job.request_id, job.attempt, seq, self.settings.worker_id))
 
     async def ack(self, key: str) -> None:
         msg = self.unacked.pop(key, None)
@@ -498,30 +499,25 @@ class StreamingWorker(Worker):
 
 
 def token_event(request_id: str, attempt: int, out: RequestOutput, worker_id: str) -> TokenEvent:
-    return TokenEvent(
-        request_id=request_id,
-        attempt=attempt,
-        seq=out.num_output_tokens - len(out.new_token_ids),
-        token_ids=out.new_token_ids,
-        finish_reason=out.finish_reason.value if out.finished and out.finish_reason else None,
-        prompt_tokens=out.num_prompt_tokens,
-        worker_id=worker_id,
-    )
+    """The wire event of one engine output: its new tokens, and the end when it finished."""
+    seq = out.num_output_tokens - len(out.new_token_ids)
+    if out.finished:
+        reason = wire_finish_reason(out.finish_reason)
+        return TokenEvent.finished(
+            request_id, attempt, seq, out.new_token_ids, reason, worker_id, out.num_prompt_tokens
+        )
+    return TokenEvent.tokens(request_id, attempt, seq, out.new_token_ids, worker_id, out.num_prompt_tokens)
+
+
+def wire_finish_reason(reason: EngineFinishReason | None) -> FinishReason:
+    """The engine's reason as the wire says it; a finished output without one ran out of length."""
+    return FinishReason(reason.value) if reason is not None else FinishReason.LENGTH
 
 
 def error_event(job: PrefillJob | DecodeJob, message: str, worker_id: str, status: int = 400) -> TokenEvent:
     """The request was refused (by default as a client mistake the gateway could not see, e.g. a worker
     with a shorter max_model_len)."""
-    return TokenEvent(
-        request_id=job.request_id,
-        attempt=job.attempt,
-        seq=0,
-        token_ids=[],
-        finish_reason="error",
-        error=message,
-        status=status,
-        worker_id=worker_id,
-    )
+    return TokenEvent.failed(job.request_id, job.attempt, message, status, worker_id)
 
 
 async def _settle(ack) -> None:

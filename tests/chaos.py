@@ -29,7 +29,7 @@ import nats
 
 from services.local.cluster_state import wait_settled
 from services.local.stack import Stack
-from shared.messages import TokenEvent
+from shared.messages import EventKind, TokenEvent
 from tests.e2e_support import scraped_total
 
 CLIENT_TIMEOUT_S = 120.0
@@ -181,8 +181,8 @@ class EventWatch:
         """Requests a worker announced (took) and has published no token for yet."""
         with self._lock:
             events = list(self.events)
-        taken = {e.request_id for e in events if e.worker_id.startswith(worker_prefix) and not e.token_ids}
-        tokened = {e.request_id for e in events if e.token_ids or e.finish_reason}
+        taken = {e.request_id for e in events if e.worker_id.startswith(worker_prefix) and e.kind is EventKind.TAKEN}
+        tokened = {e.request_id for e in events if e.kind in (EventKind.TOKENS, EventKind.FINISHED, EventKind.FAILED)}
         return taken - tokened
 
     def holders(self) -> dict[str, str]:

@@ -20,7 +20,7 @@ from shared.engine.block_manager import NoFreeBlocksError
 from shared.kv.registry import KvRegistry
 from shared.kv.transfer.client import KvTransferClient
 from shared.kv.transfer.errors import KvTransferError
-from shared.messages import Cancel, DecodeJob, decode_subject
+from shared.messages import Cancel, DecodeJob, Role, decode_subject
 from shared.telemetry import metrics, tracing
 from shared.worker import StreamingWorker, error_event, sampling_params
 
@@ -29,7 +29,7 @@ MAX_CONCURRENT_PULLS = 4
 
 
 class DecodeWorker(StreamingWorker):
-    role = "decode"
+    role = Role.DECODE
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

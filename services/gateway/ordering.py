@@ -6,7 +6,7 @@ shared.messages.TokenEvent:
   - an event of an attempt older than the newest seen is stale: dropped;
   - positions below `delivered` were already sent: dropped (an event straddling it is trimmed);
   - an event starting past `delivered` waits in `_early` until the gap is filled;
-  - a failed final event ("error" / "abort") ends the request at once, whatever its position.
+  - a FAILED event ends the request at once, whatever its position.
 When the gateway moves a request to another worker it starts a newer attempt itself (`move_on`): from then
 on the old attempt's events are stale. `tokens` are the ids delivered so far (what the new attempt resumes
 from). State is pure (no I/O, no clock): NatsBackend feeds it from its one token listener.
@@ -15,10 +15,12 @@ from). State is pure (no I/O, no clock): NatsBackend feeds it from its one token
 from __future__ import annotations
 
 from services.gateway.backend import Update
-from shared.messages import TokenEvent
+from shared.messages import EventKind, FinishReason, TokenEvent
 
-_DEFAULT_ERROR = {"error": "a worker failed the request", "abort": "the request was aborted upstream"}
-_FAILED = tuple(_DEFAULT_ERROR)
+_DEFAULT_ERROR = {
+    FinishReason.ERROR: "a worker failed the request",
+    FinishReason.ABORT: "the request was aborted upstream",
+}
 
 
 class TokenOrder:
@@ -37,14 +39,15 @@ class TokenOrder:
             self.attempt = event.attempt
             # early events of the older attempt may never be followed by the tokens between
             self._early = {s: e for s, e in self._early.items() if e.attempt == event.attempt}
-        if event.finish_reason in _FAILED:
+        if event.kind is EventKind.FAILED:
             self.finished = True
             self._early.clear()
-            message = event.error or _DEFAULT_ERROR[event.finish_reason]
-            return [Update([], event.finish_reason, message, status=event.status)]
+            reason = event.finish_reason or FinishReason.ERROR
+            message = event.error or _DEFAULT_ERROR[reason]
+            return [Update([], reason.value, message, status=event.status)]
         if event.seq > self.delivered:
             held = self._early.get(event.seq)
-            if held is None or len(event.token_ids) >= len(held.token_ids) or event.finish_reason:
+            if held is None or len(event.token_ids) >= len(held.token_ids) or event.kind is EventKind.FINISHED:
                 self._early[event.seq] = event
             return []
         updates = [self._take(event)]
@@ -68,16 +71,17 @@ class TokenOrder:
         fresh = event.token_ids[self.delivered - event.seq :]
         self.delivered += len(fresh)
         self.tokens.extend(fresh)
-        if event.finish_reason is not None:
+        reason = event.finish_reason.value if event.kind is EventKind.FINISHED and event.finish_reason else None
+        if reason is not None:
             self.finished = True
             self._early.clear()
-        return Update(list(fresh), event.finish_reason)
+        return Update(list(fresh), reason)
 
     def _next_early(self) -> TokenEvent | None:
         for seq in sorted(self._early):
             if seq > self.delivered:
                 return None
             event = self._early.pop(seq)
-            if seq + len(event.token_ids) > self.delivered or event.finish_reason is not None:
+            if seq + len(event.token_ids) > self.delivered or event.kind is EventKind.FINISHED:
                 return event
         return None

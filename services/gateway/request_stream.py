@@ -1,8 +1,8 @@
 """One request's updates on the NATS side: events in (from the backend's one listener), ordered updates out,
 who holds the request now, and the deadlines that keep a lost worker or a lost event from hanging the client.
 
-Holder: the worker responsible for the request's next event (TokenEvent: a worker announces a job it takes;
-every event makes its worker the holder, until one marked `queued` hands the request to a job queue).
+Holder: the worker responsible for the request's next event (TokenEvent: a worker announces a job it takes with
+a TAKEN event; every event makes its worker the holder, until a QUEUED one hands the request to a job queue).
 NatsBackend's watchdog asks `why_move` and, when the holder died or stalled, moves the request on to a
 new attempt (`move_on`): prompt + tokens so far go to another worker, the old attempt's events are stale.
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from services.gateway.backend import Update
 from services.gateway.ordering import TokenOrder
-from shared.messages import PrefillJob, TokenEvent
+from shared.messages import EventKind, PrefillJob, TokenEvent
 
 
 @dataclass(frozen=True)
@@ -99,9 +99,10 @@ class RequestUpdates:
             self._progress_at = now
             self._tokens_at = now
         if event.attempt == self._order.attempt and event.worker_id:
-            if not event.queued and event.worker_id != self.holder:
+            queued = event.kind is EventKind.QUEUED
+            if not queued and event.worker_id != self.holder:
                 self.holder, self._held_since = event.worker_id, now
-            elif event.queued and event.worker_id == self.holder:  # a later stage's taker may have spoken first
+            elif queued and event.worker_id == self.holder:  # a later stage's taker may have spoken first
                 self.holder = None
         for update in updates:
             self._queue.put_nowait(update)
@@ -117,7 +118,7 @@ class RequestUpdates:
         who = (event.attempt, event.worker_id)
         if who in self._duplicates:
             return True
-        if event.worker_id and not event.token_ids and event.finish_reason is None and not event.queued:
+        if event.worker_id and event.kind is EventKind.TAKEN:
             first = self._stage_takers.setdefault((event.attempt, event.seq), event.worker_id)
             if first != event.worker_id:
                 self._duplicates.add(who)

@@ -10,7 +10,7 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import Span
 
 from shared.engine.engine import RequestOutput
-from shared.messages import Cancel, PrefillJob, prefill_subject
+from shared.messages import Cancel, PrefillJob, Role, prefill_subject
 from shared.telemetry import tracing
 from shared.worker import StreamingWorker, error_event, sampling_params
 
@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 
 class MixedWorker(StreamingWorker):
-    role = "mixed"
+    role = Role.MIXED
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

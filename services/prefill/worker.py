@@ -21,15 +21,15 @@ from shared.engine.request import FinishReason
 from shared.kv.registry import KvLocation, KvRegistry
 from shared.kv.transfer.server import KvTransferServer
 from shared.kv.transfer.source import EngineKvSource
-from shared.messages import Cancel, DecodeJob, PrefillJob, TokenEvent, decode_subject, encode, prefill_subject
+from shared.messages import Cancel, DecodeJob, PrefillJob, Role, TokenEvent, decode_subject, encode, prefill_subject
 from shared.telemetry import metrics, tracing
-from shared.worker import Worker, error_event, sampling_params
+from shared.worker import Worker, error_event, sampling_params, wire_finish_reason
 
 log = logging.getLogger(__name__)
 
 
 class PrefillWorker(Worker):
-    role = "prefill"
+    role = Role.PREFILL
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -116,16 +116,12 @@ class PrefillWorker(Worker):
         rid, key = job.request_id, job.key
         token, position = out.new_token_ids[0], len(job.output_token_ids)
         finished = out.finish_reason is FinishReason.STOP or out.num_output_tokens >= job.sampling.max_tokens
-        reason = (out.finish_reason.value if out.finish_reason else "length") if finished else None
-        event = TokenEvent(
-            request_id=rid,
-            attempt=job.attempt,
-            seq=position,
-            token_ids=[token],
-            finish_reason=reason,
-            prompt_tokens=out.num_prompt_tokens,
-            worker_id=self.settings.worker_id,
-        )
+        worker, prompt_tokens = self.settings.worker_id, out.num_prompt_tokens
+        if finished:
+            reason = wire_finish_reason(out.finish_reason)
+            event = TokenEvent.finished(rid, job.attempt, position, [token], reason, worker, prompt_tokens)
+        else:
+            event = TokenEvent.tokens(rid, job.attempt, position, [token], worker, prompt_tokens)
         self.emit(job.reply_subject, event)
         if finished or self.is_cancelled(rid, job.attempt):  # nothing left to decode here
             await self.engine.call(lambda e: e.release_kv(key))
@@ -158,7 +154,7 @@ class PrefillWorker(Worker):
         with tracing.producer_span(subject, rid):
             await self.js.publish(subject, encode(decode_job), headers=tracing.carrier() or None)
         await self.ack(key)
-        queued = TokenEvent(rid, job.attempt, position + 1, [], worker_id=self.settings.worker_id, queued=True)
+        queued = TokenEvent.queued(rid, job.attempt, position + 1, self.settings.worker_id)
         self.emit(job.reply_subject, queued)  # no worker holds the request until a decode worker takes it
         if holder is not None:
             asyncio.get_running_loop().call_later(self.settings.kv_lease_s, self._expire, key)

@@ -19,14 +19,19 @@ from services.gateway.schemas import CompletionRequest
 from services.gateway.served_model import ServedModel
 from services.gateway.textstream import TextAssembler
 from shared.engine.sampling import SamplingParams
-from shared.messages import Heartbeat, TokenEvent
+from shared.messages import FinishReason, Heartbeat, TokenEvent
 from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
 
 
 def ev(seq: int, tokens: list[int], attempt: int = 0, finish: str | None = None, error: str | None = None):
-    return TokenEvent("r1", attempt, seq, tokens, finish_reason=finish, error=error)
+    """Shorthand: tokens, finished ("stop" / "length") or failed ("error" / "abort") by `finish`."""
+    if finish in ("error", "abort"):
+        return TokenEvent.failed("r1", attempt, error or "", reason=FinishReason(finish))
+    if finish is not None:
+        return TokenEvent.finished("r1", attempt, seq, tokens, FinishReason(finish))
+    return TokenEvent.tokens("r1", attempt, seq, tokens)
 
 
 def feed(order: TokenOrder, *events: TokenEvent) -> list[Update]:

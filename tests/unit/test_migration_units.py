@@ -10,13 +10,20 @@ import pytest
 
 from services.gateway.ordering import TokenOrder
 from services.gateway.request_stream import Deadlines, RequestUpdates
-from shared.messages import Cancel, PrefillJob, Sampling, TokenEvent, attempt_key
+from shared.messages import Cancel, FinishReason, PrefillJob, Sampling, TokenEvent, attempt_key
 
 TTL, STALL = 2.0, 10.0
 
 
 def ev(seq, tokens, worker="", attempt=0, finish=None, queued=False) -> TokenEvent:
-    return TokenEvent("r", attempt, seq, tokens, finish_reason=finish, worker_id=worker, queued=queued)
+    """Shorthand: queued, taken (no tokens), tokens or finished (`finish`) by its arguments."""
+    if queued:
+        return TokenEvent.queued("r", attempt, seq, worker)
+    if finish is not None:
+        return TokenEvent.finished("r", attempt, seq, tokens, FinishReason(finish), worker)
+    if not tokens:
+        return TokenEvent.taken("r", attempt, seq, worker)
+    return TokenEvent.tokens("r", attempt, seq, tokens, worker)
 
 
 class Clock:
