@@ -11,10 +11,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
+import msgspec
 
 from shared.messages import TOKENS, DecodeJob, PrefillJob, Sampling
 
-MAX_TEMPERATURE = 100.0  # as shared.engine.sampling.SamplingParams
+Job = TypeVar("Job", PrefillJob, DecodeJob)
+
 MAX_REQUEST_ID = 256  # characters: ids name log lines, spans and Redis keys
 
 
@@ -45,18 +49,58 @@ def reply_subject_problem(subject: str) -> str | None:
 
 
 def sampling_problem(sampling: Sampling, vocab_size: int) -> str | None:
-    """Why the engine cannot sample with these parameters, or None (the ranges of SamplingParams, and the
-    values that would fail inside the sampler)."""
-    if sampling.max_tokens < 1:
-        return f"max_tokens must be at least 1, got {sampling.max_tokens}"
-    t = sampling.temperature
-    if not (math.isfinite(t) and 0.0 <= t <= MAX_TEMPERATURE):
-        return f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {t}"
-    if not (math.isfinite(sampling.top_p) and 0.0 < sampling.top_p <= 1.0):
-        return f"top_p must be in (0, 1], got {sampling.top_p}"
-    if sampling.top_k is not None and sampling.top_k < 1:
-        return f"top_k must be at least 1 (or null for off), got {sampling.top_k}"
+    """Why the engine cannot sample with these parameters, or None: the ranges the wire declares
+    (shared/messages.py), checked on a struct built in a process (decoding checks them on one from the wire),
+    and stop ids inside the vocabulary."""
+    for field in _SAMPLING_FIELDS:
+        problem = _range_problem(field.name, getattr(sampling, field.name), field.type)
+        if problem is not None:
+            return problem
     return _token_ids_problem(sampling.stop_token_ids, "stop_token_ids", vocab_size)
+
+
+def _range_problem(name: str, value: object, kind: msgspec.inspect.Type) -> str | None:
+    """Why `value` is outside the bounds its field type declares, worded for a person; None when inside."""
+    optional = isinstance(kind, msgspec.inspect.UnionType)
+    if optional:
+        if value is None:
+            return None
+        kind = next(t for t in kind.types if not isinstance(t, msgspec.inspect.NoneType))
+    if not isinstance(kind, msgspec.inspect.IntType | msgspec.inspect.FloatType) or not isinstance(value, int | float):
+        return None
+    low, high = _bound(kind, "gt", "ge"), _bound(kind, "lt", "le")
+    if _within(value, low, high):
+        return None
+    off = " (or null for off)" if optional else ""
+    if high is None and low is not None:
+        return f"{name} must be {'above' if low[1] else 'at least'} {low[0]:g}{off}, got {value}"
+    lo = "(" if low is None or low[1] else "["
+    hi = ")" if high is None or high[1] else "]"
+    lo_value = "-inf" if low is None else f"{low[0]:g}"
+    hi_value = "inf" if high is None else f"{high[0]:g}"
+    return f"{name} must be in {lo}{lo_value}, {hi_value}{hi}{off}, got {value}"
+
+
+def _within(value: float, low: tuple[float, bool] | None, high: tuple[float, bool] | None) -> bool:
+    if not math.isfinite(value):
+        return False
+    if low is not None and (value <= low[0] if low[1] else value < low[0]):
+        return False
+    return high is None or (value < high[0] if high[1] else value <= high[0])
+
+
+def _bound(
+    kind: msgspec.inspect.IntType | msgspec.inspect.FloatType, strict: str, loose: str
+) -> tuple[float, bool] | None:
+    """(bound, strict) of one side of a numeric constraint, or None when that side is open."""
+    if getattr(kind, strict) is not None:
+        return getattr(kind, strict), True
+    if getattr(kind, loose) is not None:
+        return getattr(kind, loose), False
+    return None
+
+
+_SAMPLING_FIELDS = msgspec.inspect.type_info(Sampling).fields
 
 
 def job_problem(
@@ -94,3 +138,29 @@ def _token_ids_problem(ids: Sequence[int], name: str, vocab_size: int) -> str | 
         if not 0 <= token < vocab_size:
             return f"{name}[{position}] = {token} is outside the vocabulary [0, {vocab_size})"
     return None
+
+
+def undecodable_job_refusal(data: bytes, kind: type[Job]) -> tuple[Job, Refusal] | None:
+    """A job whose sampling is out of the ranges the wire declares (e.g. a temperature of -1) fails to decode as
+    `kind`. When that is all that is wrong with it and it says where to answer, this is the refusal to send there,
+    with the job as it would be with a stand-in sampling (its request id, attempt and reply subject are real).
+    None for anything else (wrong types, missing fields: malformed, nothing to answer)."""
+    try:
+        fields = msgspec.json.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    sampling = fields.get("sampling") if isinstance(fields, dict) else None
+    if not isinstance(sampling, dict):
+        return None
+    problem = next(
+        (p for f in _SAMPLING_FIELDS if (p := _range_problem(f.name, sampling.get(f.name, f.default), f.type))), None
+    )
+    if problem is None:
+        return None
+    try:  # everything but the sampling must be sound
+        job = msgspec.convert(fields | {"sampling": {"max_tokens": 1}}, kind)
+    except msgspec.ValidationError:
+        return None
+    if request_id_problem(job.request_id) or reply_subject_problem(job.reply_subject):
+        return None
+    return job, Refusal(problem, reply=True)

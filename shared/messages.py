@@ -124,13 +124,22 @@ class Role(StrEnum):
     MIXED = "mixed"
 
 
+# The sampling ranges, declared here once: decoding a job enforces them, the workers' job checks
+# (shared/job_checks.py) word their refusals from them, and the gateway's request schemas reuse them.
+MAX_TEMPERATURE = 100.0  # as shared.engine.sampling.SamplingParams
+MaxTokens = Annotated[int, msgspec.Meta(ge=1)]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, msgspec.Meta(ge=1)]  # None = off
+
+
 class Sampling(msgspec.Struct, frozen=True):
     """The wire form of shared.engine.sampling.SamplingParams (validated by the gateway)."""
 
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
+    max_tokens: MaxTokens
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK | None = None
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False

@@ -23,7 +23,7 @@ from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import Engine, EngineConfig, RequestOutput
 from shared.engine.request import FinishReason as EngineFinishReason
 from shared.engine.sampling import SamplingParams
-from shared.job_checks import job_refusal
+from shared.job_checks import job_refusal, undecodable_job_refusal
 from shared.messages import (
     CANCEL_WILDCARD,
     Cancel,
@@ -248,7 +248,12 @@ class Worker:
         """Decode a job message (raises on a malformed one) and register it in hand; None when there is
         nothing to do: its attempt was cancelled (acked: done), or it is a redelivery of a job in hand (its
         newer message replaces the old one, which JetStream no longer tracks)."""
-        job = decode(msg.data, kind)
+        try:
+            job = decode(msg.data, kind)
+        except msgspec.ValidationError:  # out of the wire's ranges: refused when it says where to answer
+            if self.refused_undecodable(msg, kind):
+                return None
+            raise  # malformed: the job loop drops it
         if self.refused(msg, job):
             return None
         if self.is_cancelled(job.request_id, job.attempt):
@@ -276,6 +281,18 @@ class Worker:
         log.warning("refusing job %.80r on %s: %s", job.request_id, msg.subject, refusal.reason)
         if refusal.reply:
             self.emit(job.reply_subject, error_event(job, refusal.reason, self.settings.worker_id))
+        asyncio.create_task(_settle(msg.term()))
+        return True
+
+    def refused_undecodable(self, msg: Msg, kind: type[PrefillJob] | type[DecodeJob]) -> bool:
+        """True for a job that failed validation (e.g. a temperature of -1) but names a request and a token
+        subject: terminated, with a warning and an error event back, as `refused` does for a decoded one."""
+        answer = undecodable_job_refusal(msg.data, kind)
+        if answer is None:
+            return False
+        job, refusal = answer
+        log.warning("refusing job %.80r on %s: %s", job.request_id, msg.subject, refusal.reason)
+        self.emit(job.reply_subject, error_event(job, refusal.reason, self.settings.worker_id))
         asyncio.create_task(_settle(msg.term()))
         return True
 

@@ -30,6 +30,7 @@ from msgspec import Meta
 from services.gateway.admission import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S
 from services.gateway.errors import error_responses
 from services.gateway.served_model import ServedModel
+from shared import messages as wire
 
 # Limits on what any request may ask for (prepare.py refuses more with a 400 naming the field).
 MAX_STOP_STRINGS = 16
@@ -63,9 +64,11 @@ def _stop_token_ids_forms(token_id: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"type": "array", "items": token_id, "maxItems": MAX_STOP_TOKEN_IDS}, _NULL]
 
 
-MaxTokens = Annotated[int, Meta(ge=1, description="tokens to generate at most")]
+# The wire's ranges (shared/messages.py) where the API's are the same; OpenAI's temperature range is narrower than
+# the engine's, and its top_k has an "off" value (0 or -1) where the wire has null.
+MaxTokens = Annotated[wire.MaxTokens, Meta(description="tokens to generate at most")]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0, description="0 = greedy"), _documented(minimum=0.0)]
-TopP = Annotated[float, Meta(gt=0.0, le=1.0), _documented(exclusive_minimum=0.0)]
+TopP = Annotated[wire.TopP, _documented(exclusive_minimum=0.0)]
 TopK = Annotated[int, Meta(ge=-1, description="0 or -1 = off")]
 # Annotated around the whole Optional: `oneOf` replaces what litestar would write, null included.
 Stop = Annotated[
