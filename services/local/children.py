@@ -78,3 +78,13 @@ def descendants(pid: int) -> list[int]:
             found += kids
             todo += kids
     return found
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie (an orphan's zombie waits for whoever adopted it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

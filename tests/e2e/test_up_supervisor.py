@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from services.local.children import descendants
+from services.local.children import descendants, running
 from services.local.infra import free_port
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
@@ -43,15 +43,6 @@ FAST = {  # a dead worker is noticed in seconds (as in test_faults)
 }
 PROMPT = "Tell me a story about disaggregation"
 MAX_TOKENS = 160
-
-
-def alive(pid: int) -> bool:
-    """Running: exists and is not a zombie (an orphan's zombie waits for whoever adopted it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def port_free(port: int) -> bool:
@@ -139,7 +130,7 @@ class Up:
     def kill_all(self) -> None:
         """Test cleanup: whatever is left, killed."""
         for pid in [self.pid, *self.seen, *descendants(self.pid)]:
-            if alive(pid):
+            if running(pid):
                 os.kill(pid, signal.SIGKILL)
         self.shell.wait(30)
 
@@ -158,8 +149,8 @@ def launch(tmp_path, model_dir):
 
 
 def assert_all_gone(up: Up, timeout_s: float) -> None:
-    wait_until(lambda: not any(alive(pid) for pid in up.seen | {up.pid}), timeout_s, "every process gone")
-    left = [pid for pid in up.seen if alive(pid)]
+    wait_until(lambda: not any(running(pid) for pid in up.seen | {up.pid}), timeout_s, "every process gone")
+    left = [pid for pid in up.seen if running(pid)]
     assert not left
     assert port_free(up.port)
 
