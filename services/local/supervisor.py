@@ -105,9 +105,6 @@ class Supervisor:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def restarts(self, service: str) -> int:
-        return self.records[service].restarts if service in self.records else 0
-
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.signals += 1  # only counts: the loop (or Stack.stop's abort) acts on it
 
