@@ -183,6 +183,14 @@ def _add_service_commands(sub) -> None:
     up.add_argument("--redis-url", help="use this Redis instead of starting one")
     up.add_argument("--threads-per-worker", type=int, default=1)
     up.add_argument("--trace-file", help="every service appends its spans here (read with `pdserve trace`)")
+    up.add_argument("--drain-timeout-s", type=float, help="on SIGTERM / Ctrl-C: how long services drain (default 60)")
+    up.add_argument("--log-dir", help="each service's output in <dir>/<service>.log (default: this terminal)")
+    up.add_argument(
+        "--supervisor-metrics-port",
+        type=int,
+        default=0,
+        help="port of the supervisor's /metrics (restart counts; default: any free one, printed)",
+    )
     up.set_defaults(func=_up)
 
 
@@ -254,14 +262,16 @@ def _worker_class(role: str):
 
 
 def _up(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from services.local.stack import Stack, StackSpec
+    from services.local.supervisor import Supervisor
     from shared.model.demo import ensure_demo_checkpoint
+    from shared.settings import CommonSettings, from_env
 
     model = args.model
     if model is None:
         model = str(ensure_demo_checkpoint("models/demo-tiny-qwen3_moe"))
+    # every service drains this long on SIGTERM; the supervisor waits that (and a grace) before SIGKILL
+    drain_env = {} if args.drain_timeout_s is None else {"PDSERVE_DRAIN_TIMEOUT_S": str(args.drain_timeout_s)}
     spec = StackSpec(
         model=model,
         port=args.port,
@@ -272,26 +282,32 @@ def _up(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         threads_per_worker=args.threads_per_worker,
         trace_file=args.trace_file,
+        env=drain_env,
     )
-    stack = Stack(spec, quiet=False)
-    try:
-        stack.start()
-        name = Path(model).name
-        print(f"\npdserve is ready at {stack.url}/v1  (model {name!r}; Ctrl-C stops everything)")
+    drain_s = from_env(CommonSettings, drain_timeout_s=args.drain_timeout_s).drain_timeout_s
+    stack = Stack(spec, log_dir=args.log_dir, quiet=args.log_dir is not None)
+    supervisor = Supervisor(stack, drain_s, metrics_port=args.supervisor_metrics_port, on_ready=_print_ready(args))
+    return supervisor.run()
+
+
+def _print_ready(args: argparse.Namespace):
+    from pathlib import Path
+
+    def announce(supervisor) -> None:
+        stack = supervisor.stack
+        name = Path(stack.spec.model).name
+        print(f"\npdserve is ready at {stack.url}/v1  (model {name!r}; Ctrl-C or SIGTERM stops everything)")
         print(f"  curl {stack.url}/v1/chat/completions -H 'Content-Type: application/json' \\")
         print(f'    -d \'{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello"}}]}}\'')
         print(f"  metrics: {stack.url}/metrics (gateway), " + ", ".join(stack.metrics_urls()))
+        print(f"  supervisor: {supervisor.metrics_url} (pdserve:supervisor_restarts_total per service)")
+        if args.log_dir:
+            print(f"  logs: {stack.log_dir}/<service>.log")
         if args.trace_file:
             print(f"  spans: {args.trace_file} (pdserve trace {args.trace_file})")
         print(flush=True)
-        while all(p.poll() is None for p in stack.procs.values()):
-            time.sleep(0.5)
-        print("a service exited; stopping the stack", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        stack.stop()
+
+    return announce
 
 
 if __name__ == "__main__":

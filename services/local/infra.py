@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.local.children import popen_options
 from shared.urls import with_credentials
 
 
@@ -98,8 +99,9 @@ class ServerProcess:
 
 
 def _spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    """The server, stopping when this process dies (children.popen_options)."""
     with open(log_path, "ab") as log:  # the child keeps its own descriptor
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, **popen_options())
 
 
 def _start(

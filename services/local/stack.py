@@ -19,9 +19,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.local.children import popen_options
 from services.local.infra import ServerProcess, free_port, start_nats, start_redis
 from shared.urls import split_credentials
 
@@ -73,6 +75,7 @@ class Stack:
         self.spec = spec
         self.quiet = quiet
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdserve-logs-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.infra: list[ServerProcess] = []
         self.procs: dict[str, subprocess.Popen] = {}
         self._log_files: list = []
@@ -91,6 +94,18 @@ class Stack:
         return f"http://{self.spec.host}:{self.spec.port}"
 
     def start(self, ready_timeout_s: float = 120.0) -> Stack:
+        """launch(), then wait_ready(): a stack that serves, or an error (and everything it started stopped)."""
+        self.launch()
+        try:
+            self.wait_ready(ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def launch(self) -> None:
+        """Start the private servers, the workers and the gateway, without waiting for them to be ready (the
+        supervisor waits its own way). Stops what it started if any start fails."""
         try:
             if self.nats_url is None:
                 user, password = "pdserve", secrets.token_urlsafe(24)
@@ -110,16 +125,12 @@ class Stack:
                 name = f"{role}-{i}"
                 self.metrics_ports[name] = port = free_port(self.spec.host)
                 flags = ["--worker-id", f"{name}-{os.getpid()}", "--metrics-port", str(port)]
-                proc = self.spawn(name, [role, *flags, *self._worker_flags(role)])
-                if role in spec.cpu_affinity:  # before the interpreter has started any thread
-                    os.sched_setaffinity(proc.pid, spec.cpu_affinity[role])
+                self.spawn(name, [role, *flags, *self._worker_flags(role)])
             self.spawn("gateway", ["gateway", "--port", str(self.spec.port), "--host", self.spec.host,
                                    *self._common_flags(), *self.spec.gateway_args])  # fmt: skip
-            self.wait_ready(ready_timeout_s)
         except BaseException:
             self.stop()
             raise
-        return self
 
     def _common_flags(self) -> list[str]:
         flags = ["--model", self.spec.model]
@@ -163,17 +174,24 @@ class Stack:
         )
 
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        """Start `pdserve <args>` as a child named `name` (logs in log_dir/name.log unless not quiet), with
-        service_env() and then `env`."""
-        out = open(self.log_dir / f"{name}.log", "ab") if self.quiet else None  # closed in stop()
+        """Start `pdserve <args>` as a child named `name` (logs in log_path(name) unless not quiet), with
+        service_env() and then `env`; a worker of a role in spec.cpu_affinity is pinned to its CPUs. The child
+        has its own process group and stops when this process dies (children.popen_options)."""
+        out = open(self.log_path(name), "ab") if self.quiet else None  # closed in stop()
         if out is not None:
             self._log_files.append(out)
         self._spawned[name] = (args, env)
         env = self.service_env() | (env or {})
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", *args], stdout=out, stderr=subprocess.STDOUT
-                                if out else None, env=env)  # fmt: skip
+                                if out else None, env=env, **popen_options())  # fmt: skip
+        if (role := args[0]) in self.spec.cpu_affinity:  # before the interpreter has started any thread
+            os.sched_setaffinity(proc.pid, self.spec.cpu_affinity[role])
         self.procs[name] = proc
         return proc
+
+    def log_path(self, name: str) -> Path | None:
+        """Where service `name` writes its output; None when it goes to this process's own (not quiet)."""
+        return self.log_dir / f"{name}.log" if self.quiet else None
 
     def respawn(self, name: str) -> subprocess.Popen:
         """Start service `name` again as it was first started (after it died or was killed)."""
@@ -182,33 +200,42 @@ class Stack:
         return self.spawn(name, *self._spawned[name])
 
     def wait_ready(self, timeout_s: float) -> None:
+        """Until the gateway's /ready answers 200; raises if a service exits or time runs out first."""
         deadline = time.monotonic() + timeout_s
         last = "no answer"
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited with code {proc.returncode}; see {self.log_dir}/{name}.log")
-            try:
-                with urllib.request.urlopen(f"{self.url}/ready", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except urllib.error.HTTPError as exc:
-                last = exc.read().decode(errors="replace")[:200]
-            except OSError as exc:
-                last = str(exc)
+            ready, last = self.probe_ready()
+            if ready:
+                return
             time.sleep(0.2)
         raise TimeoutError(f"stack not ready after {timeout_s}s: {last}; logs in {self.log_dir}")
 
-    def stop(self, timeout_s: float = 15.0) -> None:
+    def probe_ready(self) -> tuple[bool, str]:
+        """One look at the gateway's /ready: whether it answered 200, and what it said otherwise."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/ready", timeout=2) as resp:
+                return resp.status == 200, f"HTTP {resp.status}"
+        except urllib.error.HTTPError as exc:
+            return False, exc.read().decode(errors="replace")[:200]
+        except OSError as exc:
+            return False, str(exc)
+
+    def stop(self, timeout_s: float = 15.0, abort: Callable[[], bool] = lambda: False) -> None:
+        """SIGTERM to every service (they drain), SIGKILL to those still running after `timeout_s` or as soon
+        as `abort()` says so (a second signal to the supervisor); then the private servers stop."""
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in self.procs.values()) and time.monotonic() < deadline and not abort():
+            time.sleep(0.05)
         for name, proc in self.procs.items():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                print(f"pdserve: {name} did not stop within {timeout_s}s of SIGTERM; killing it", file=sys.stderr)
+            if proc.poll() is None:
+                why = "at once (asked to)" if abort() else f"after {timeout_s}s of draining"
+                print(f"pdserve: {name} still running {why}; killing it", file=sys.stderr)
                 proc.kill()
                 proc.wait()
         for server in reversed(self.infra):

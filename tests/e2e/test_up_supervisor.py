@@ -1,0 +1,236 @@
+"""`pdserve up` as users run it: the real command in the background of a shell script (so SIGINT arrives
+ignored, as it does from any script's `... &`), signalled and killed for real, its children counted from /proc.
+
+  - SIGTERM / SIGINT to it: every process it started is gone within the drain time, the port is free, the
+    services drained (they logged it) and it exits 0;
+  - SIGKILL to it: its children notice (parent-death signal) and exit within seconds;
+  - SIGKILL to its only decode worker mid-stream: a replacement serves, the stream completes token for token
+    as the single-process engine writes it, the restart is counted; redis-server killed: restarted too;
+  - a worker that cannot start: after five quick exits it stops the stack naming the worker and its log.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from services.local.children import descendants, running
+from services.local.infra import free_port
+from shared.engine.engine import Engine
+from shared.engine.sampling import SamplingParams
+from shared.model.tokenizer import Tokenizer
+from tests.chaos import Outcome, Progress, stream_completion
+from tests.e2e_support import scraped_total
+
+DRAIN_S = 3.0
+STOP_BOUND_S = DRAIN_S + 5.0 + 4.0  # the supervisor's drain + grace, and some slack for a loaded machine
+FAST = {  # a dead worker is noticed in seconds (as in test_faults)
+    "PDSERVE_WORKER_TTL_S": "2",
+    "PDSERVE_STALL_TIMEOUT_S": "10",
+    "PDSERVE_KV_LEASE_S": "4",
+    "PDSERVE_KV_TRANSFER_TIMEOUT_S": "5",
+    "PDSERVE_JOB_ACK_WAIT_S": "6",
+}
+PROMPT = "Tell me a story about disaggregation"
+MAX_TOKENS = 160
+
+
+def port_free(port: int) -> bool:
+    """Nothing listens on it: a server could bind it now (SO_REUSEADDR, as servers do: connections of the
+    stopped one may linger in TIME_WAIT)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> float:
+    """Seconds it took `predicate` to hold; fails the test after `timeout_s`."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            pytest.fail(f"{what}: not within {timeout_s:g} s")
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+class Up:
+    """`pdserve up` started in the background of `bash -c` (SIGINT ignored, as from a script); bash stays to
+    reap it and report its exit status. Output in tmp/up.txt, each service's log in tmp/logs/."""
+
+    def __init__(self, tmp: Path, model_dir: Path, *flags: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.out = tmp / "up.txt"
+        self.log_dir = tmp / "logs"
+        cmd = [sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), "--port", str(self.port),
+               "--threads-per-worker", "1", "--drain-timeout-s", str(DRAIN_S), "--log-dir", str(self.log_dir),
+               *flags]  # fmt: skip
+        script = f'{shlex.join(cmd)} > {shlex.quote(str(self.out))} 2>&1 & echo $!; wait $!; echo "rc=$?"'
+        self.shell = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True,
+                                      env=os.environ | FAST | (env or {}), start_new_session=True)  # fmt: skip
+        self.pid = int(self.shell.stdout.readline())
+        self.seen: set[int] = set()  # every process seen below pdserve up
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        return self.out.read_text(errors="replace") if self.out.exists() else ""
+
+    def children(self) -> list[int]:
+        kids = descendants(self.pid)
+        self.seen |= set(kids)
+        return kids
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "pdserve is ready" not in self.output():
+            if self.shell.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"pdserve up did not get ready:\n{self.output()[-4000:]}")
+            time.sleep(0.3)
+        self.children()
+
+    def pid_of(self, what: str) -> int | None:
+        """The pid of its child `pdserve <what>` (a role) or `<what>` (a binary: redis-server); None if none."""
+        for pid in self.children():
+            try:
+                command = Path(f"/proc/{pid}/comm").read_text().strip()  # redis-server rewrites its argv
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if command == what or args[2:4] == [b"services.cli", what.encode()]:
+                return pid
+        return None
+
+    def supervisor_metrics(self) -> str:
+        return re.search(r"supervisor: (\S+/metrics)", self.output()).group(1)
+
+    def exit_status(self, timeout_s: float) -> int:
+        """pdserve up's exit status as bash reports it."""
+        try:
+            out, _ = self.shell.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"pdserve up still running after {timeout_s:g} s:\n{self.output()[-3000:]}")
+        return int(re.search(r"rc=(\d+)", out).group(1))
+
+    def kill_all(self) -> None:
+        """Test cleanup: whatever is left, killed."""
+        for pid in [self.pid, *self.seen, *descendants(self.pid)]:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+        self.shell.wait(30)
+
+
+@pytest.fixture
+def launch(tmp_path, model_dir):
+    started: list[Up] = []
+
+    def start(*flags: str, env: dict[str, str] | None = None) -> Up:
+        started.append(Up(tmp_path, model_dir, *flags, env=env))
+        return started[-1]
+
+    yield start
+    for up in started:
+        up.kill_all()
+
+
+def assert_all_gone(up: Up, timeout_s: float) -> None:
+    wait_until(lambda: not any(running(pid) for pid in up.seen | {up.pid}), timeout_s, "every process gone")
+    left = [pid for pid in up.seen if running(pid)]
+    assert not left
+    assert port_free(up.port)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint-from-a-script"])
+def test_a_signal_stops_everything_it_started(launch, sig):
+    up = launch("--mixed", "1")
+    up.wait_ready()
+    assert len(up.seen) >= 4, up.seen  # nats-server, redis-server, the worker, the gateway
+    os.kill(up.pid, sig)
+    assert up.exit_status(STOP_BOUND_S) == 0, up.output()
+    assert_all_gone(up, 2.0)
+    # drained, not killed: each service logged its drain and none needed SIGKILL
+    assert "drained: nothing in flight" in (up.log_dir / "gateway.log").read_text()
+    assert "draining: taking no new jobs" in (up.log_dir / "mixed-0.log").read_text()
+    assert "killing it" not in up.output()
+
+
+def test_its_children_exit_when_it_is_killed(launch):
+    up = launch("--mixed", "1")
+    up.wait_ready()
+    assert len(up.seen) >= 4, up.seen
+    os.kill(up.pid, signal.SIGKILL)
+    assert up.exit_status(10) == 128 + signal.SIGKILL
+    assert_all_gone(up, STOP_BOUND_S)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> str:
+    tok = Tokenizer(model_dir)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    [out] = Engine.from_dir(model_dir, max_model_len=2048).generate([tok.encode(PROMPT)], params)
+    return tok.decode(out)
+
+
+def test_a_dead_worker_is_replaced_while_the_rest_serves(launch, reference):
+    up = launch("--prefill", "1", "--decode", "1")
+    up.wait_ready()
+    metrics = up.supervisor_metrics()
+    victim = up.pid_of("decode")
+    progress = Progress(1)
+    result: list[Outcome] = []
+    streamer = threading.Thread(target=lambda: result.append(stream_completion(up.url, PROMPT, MAX_TOKENS,
+                                                                               progress)))  # fmt: skip
+    streamer.start()
+    progress.wait(lambda p: p.counts[0] >= 8)
+    assert not progress.ended[0]  # mid-stream at the kill
+    os.kill(victim, signal.SIGKILL)
+    took = wait_until(lambda: up.pid_of("decode") not in (None, victim), 10, "a new decode worker")
+    streamer.join(150)
+    [outcome] = result
+    assert outcome.verdict == "completed", outcome
+    assert outcome.text == reference  # no token repeated or missing across the replacement
+    assert took < 5
+    assert scraped_total(metrics, "pdserve:supervisor_restarts_total", service="decode-1") == 1
+    assert scraped_total(metrics, "pdserve:supervisor_restarts_total") == 1  # nothing else restarted
+    assert "decode-1 exited (killed by SIGKILL)" in up.output()
+
+    # redis-server dies: restarted on its port, and the stack serves again
+    os.kill(up.pid_of("redis-server"), signal.SIGKILL)
+    wait_until(lambda: scraped_total(metrics, "pdserve:supervisor_restarts_total", service="redis") == 1, 20,
+               "redis restarted")  # fmt: skip
+    again = stream_completion(up.url, PROMPT, MAX_TOKENS)
+    assert again.verdict == "completed" and again.text == reference, again
+    os.kill(up.pid, signal.SIGTERM)
+    assert up.exit_status(STOP_BOUND_S) == 0
+    assert_all_gone(up, 2.0)
+
+
+def test_a_crash_looping_worker_stops_the_stack(launch):
+    up = launch("--mixed", "1", env={"PDSERVE_BLOCK_SIZE": "not-a-number"})  # the worker exits at once (2)
+    deadline = time.monotonic() + 150
+    while up.shell.poll() is None and time.monotonic() < deadline:
+        up.children()  # every process it starts, for the check that none is left
+        time.sleep(0.2)
+    assert up.exit_status(5) == 1
+    out = up.output()
+    log = up.log_dir / "mixed-0.log"
+    assert "mixed-0 exited (exit code 2)" in out and f"5 exits within 60 s. Its log: {log}" in out, out
+    assert "stopping the stack" in out
+    assert re.findall(r"mixed-0 exited .* restarting it in ([\d.]+) s", out) == ["0.5", "1", "2", "4"]
+    assert "PDSERVE_BLOCK_SIZE" in log.read_text()  # the log named holds the reason
+    assert_all_gone(up, 2.0)
