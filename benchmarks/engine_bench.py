@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere, installed or not
 
+from shared.engine.config import SchedulerConfig  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.sampling import SamplingParams  # noqa: E402
 from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
@@ -66,8 +67,10 @@ class PdserveRunner:
         self.engine = Engine.from_dir(
             model_dir,
             # every batch of prompts fits one step: a prefill is one batched forward, as in transformers
-            max_num_batched_tokens=max(prefill_batch * PREFILL_LEN, decode_batch * DECODE_PROMPT),
-            max_num_seqs=max(prefill_batch, decode_batch),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max(prefill_batch * PREFILL_LEN, decode_batch * DECODE_PROMPT),
+                max_num_seqs=max(prefill_batch, decode_batch),
+            ),
             max_model_len=PREFILL_LEN + DECODE_TOKENS + 1,
             num_kv_blocks=blocks,  # enough that nothing is ever preempted
             block_size=BLOCK_SIZE,

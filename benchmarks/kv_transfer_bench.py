@@ -37,6 +37,7 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere, installed or not
 
+from shared.engine.config import SchedulerConfig  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.kv_export import KVExport  # noqa: E402
 from shared.engine.kv_pool import KVLayout  # noqa: E402
@@ -105,7 +106,9 @@ def median_s(fn, repeats: int) -> float:
 
 def prefill_main(conn, model_dir: str, sizes: list[int], repeats: int) -> None:
     torch.manual_seed(0)
-    engine = Engine.from_dir(model_dir, max_num_batched_tokens=max(sizes), num_kv_blocks=-(-2 * sum(sizes) // 16))
+    engine = Engine.from_dir(
+        model_dir, scheduler=SchedulerConfig(max_num_batched_tokens=max(sizes)), num_kv_blocks=-(-2 * sum(sizes) // 16)
+    )
     timings: dict[str, dict[int, float]] = {"ttft": {}, "export": {}}
     staged = {}
     for n in sizes:

@@ -61,15 +61,11 @@ def _demo_model(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
-
     from shared.engine.engine import Engine
     from shared.engine.sampling import SamplingParams
     from shared.model.detokenizer import IncrementalDetokenizer
     from shared.model.tokenizer import Tokenizer
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -84,7 +80,7 @@ def _generate(args: argparse.Namespace) -> int:
         if args.chat
         else tokenizer.encode(args.prompt)
     )
-    engine = Engine.from_dir(args.model, dtype=args.dtype)
+    engine = Engine.from_dir(args.model, dtype=args.dtype, threads=args.threads)
     detok = IncrementalDetokenizer(tokenizer)
     engine.add_request("cli", prompt_ids, params)
     start = time.perf_counter()
@@ -122,13 +118,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory (env PDSERVE_MODEL)")
-    p.add_argument("--model-name", help="name clients use in the model field (default: directory name)")
-    p.add_argument("--nats-url")
-    p.add_argument("--redis-url")
-    p.add_argument("--log-level", default="INFO")
-    p.add_argument("--trace-file", help="also append this service's spans to this JSON-lines file")
+def _add_service_flags(p: argparse.ArgumentParser, settings_cls: type, skip: tuple[str, ...] = ()) -> None:
+    """The settings' own flags (shared/settings.py declares them), and the log level."""
+    from shared.config_fields import add_flags
+
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    add_flags(p, settings_cls, skip)
 
 
 def _observe(service: str, instance: str, level: str, settings) -> None:
@@ -143,34 +138,15 @@ def _observe(service: str, instance: str, level: str, settings) -> None:
 
 
 def _add_service_commands(sub) -> None:
+    from shared.settings import GatewaySettings, WorkerSettings
+
     gw = sub.add_parser("gateway", help="the OpenAI-compatible REST gateway")
-    _add_common(gw)
-    gw.add_argument("--host")
-    gw.add_argument("--port", type=int)
-    gw.add_argument("--api-keys", help="comma-separated keys for Authorization: Bearer (default: none)")
-    gw.add_argument("--max-pending-requests", type=int, help="429 past this many requests awaiting a first token")
-    gw.add_argument("--kv-overcommit", type=float, help="429 past this multiple of the live decode KV capacity")
-    gw.add_argument("--drain-timeout-s", type=float, help="on SIGTERM: finish in-flight requests for at most this long")
+    _add_service_flags(gw, GatewaySettings)
     gw.set_defaults(func=_gateway)
 
     for role in ("prefill", "decode", "mixed"):
         w = sub.add_parser(role, help=f"a {role} worker")
-        _add_common(w)
-        w.add_argument("--worker-id")
-        w.add_argument("--threads", type=int, help="torch intra-op threads")
-        w.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-        w.add_argument("--block-size", type=int)
-        w.add_argument("--kv-cache-bytes", type=int)
-        w.add_argument("--max-num-seqs", type=int)
-        w.add_argument("--max-num-batched-tokens", type=int)
-        w.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false", default=None)
-        w.add_argument("--max-model-len", type=int)
-        w.add_argument("--rpc-host", help="address the KV transfer server binds and advertises")
-        w.add_argument("--rpc-port", type=int)
-        w.add_argument("--advertise-host", help="host decode workers dial for KV pulls (default: rpc host)")
-        w.add_argument("--kv-lease-s", type=float)
-        w.add_argument("--metrics-host", help="where /metrics is served (default 127.0.0.1)")
-        w.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default: any free one, logged)")
+        _add_service_flags(w, WorkerSettings, skip=("role",))  # the subcommand is the role
         w.set_defaults(func=_worker, role=role)
 
     up = sub.add_parser("up", help="start NATS, Redis, the gateway and workers locally")
@@ -194,21 +170,14 @@ def _add_service_commands(sub) -> None:
     up.set_defaults(func=_up)
 
 
-def _overrides(args: argparse.Namespace, names: list[str]) -> dict:
-    return {n: getattr(args, n, None) for n in names}
-
-
 def _gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
     from services.gateway.app import create_app
     from services.gateway.draining import Drain, DrainingServer
-    from shared.settings import GatewaySettings, from_env
+    from shared.settings import GatewaySettings, from_args
 
-    keys = tuple(k for k in (args.api_keys or "").split(",") if k) or None
-    names = ["model", "model_name", "nats_url", "redis_url", "host", "port", "trace_file", "max_pending_requests",
-             "kv_overcommit", "drain_timeout_s"]  # fmt: skip
-    settings = from_env(GatewaySettings, api_keys=keys, **_overrides(args, names))
+    settings = from_args(GatewaySettings, args)
     _observe("gateway", settings.gateway_id, args.log_level, settings)
     drain = Drain(settings.drain_timeout_s)  # SIGTERM: /ready 503, new requests 503, in-flight ones finish
     config = uvicorn.Config(
@@ -226,13 +195,9 @@ def _worker(args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
-    from shared.settings import WorkerSettings, from_env
+    from shared.settings import WorkerSettings, from_args
 
-    names = ["model", "model_name", "nats_url", "redis_url", "worker_id", "threads", "dtype", "block_size",
-             "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
-             "max_model_len", "rpc_host", "rpc_port", "advertise_host", "kv_lease_s", "metrics_host",
-             "metrics_port", "trace_file"]  # fmt: skip
-    settings = from_env(WorkerSettings, role=args.role, **_overrides(args, names))
+    settings = from_args(WorkerSettings, args)  # the role: the subcommand's default
     _observe(args.role, settings.worker_id, args.log_level, settings)
     worker_cls = _worker_class(args.role)
 

@@ -13,14 +13,13 @@ from collections import OrderedDict
 
 import msgspec
 import nats.errors
-import torch
 from nats.aio.msg import Msg
 from opentelemetry.trace import Span
 from redis.asyncio import Redis
 
 from shared import bus
 from shared.engine.async_engine import AsyncEngine
-from shared.engine.engine import Engine, EngineConfig, RequestOutput
+from shared.engine.engine import Engine, RequestOutput
 from shared.engine.request import FinishReason as EngineFinishReason
 from shared.engine.sampling import SamplingParams
 from shared.job_checks import job_refusal, undecodable_job_refusal
@@ -79,21 +78,7 @@ def sampling_params(s: Sampling, max_tokens: int | None = None) -> SamplingParam
 
 
 def build_engine(settings: WorkerSettings) -> Engine:
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
-    return Engine(
-        EngineConfig(
-            model=settings.model,
-            dtype=settings.dtype,
-            device=settings.device,
-            block_size=settings.block_size,
-            kv_cache_bytes=settings.kv_cache_bytes,
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            enable_chunked_prefill=settings.enable_chunked_prefill,
-            max_model_len=settings.max_model_len,
-        )
-    )
+    return Engine(settings.engine)
 
 
 class Worker:
@@ -162,8 +147,8 @@ class Worker:
         job another worker could start now is not hoarded here."""
         e = self.engine.engine
         return (
-            e.num_running + e.num_waiting < e.config.max_num_seqs
-            and e.num_waiting_tokens < e.config.max_num_batched_tokens
+            e.num_running + e.num_waiting < e.config.scheduler.max_num_seqs
+            and e.num_waiting_tokens < e.config.scheduler.max_num_batched_tokens
             and e.blocks.usage < 0.9
         )
 

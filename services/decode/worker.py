@@ -41,12 +41,12 @@ class DecodeWorker(StreamingWorker):
         return decode_subject(self.model_name)
 
     async def setup(self) -> None:
-        self.registry = KvRegistry(self.redis, self.settings.kv_lease_s)
+        self.registry = KvRegistry(self.redis, self.settings.kv.lease_s)
         self.client = KvTransferClient(
             self.settings.worker_id,
             secret=self.settings.cluster_secret,
-            backend=self.settings.transfer_backend,
-            timeout_s=self.settings.kv_transfer_timeout_s,
+            backend=self.settings.kv.backend,
+            timeout_s=self.settings.kv.timeout_s,
             model_name=self.model_name,
         )
 
@@ -78,7 +78,7 @@ class DecodeWorker(StreamingWorker):
             if key not in self.admitting:  # cancelled during the pull
                 await self.ack(key)
                 return
-            if failure is not None and self.settings.kv_fallback == "fail":
+            if failure is not None and self.settings.kv.fallback == "fail":
                 message = f"the request's KV could not be had ({failure}) and kv_fallback is 'fail'"
                 self.emit(job.reply_subject, error_event(job, message, self.settings.worker_id, status=502))
                 span.set_attribute(tracing.KV_OUTCOME, "failed")

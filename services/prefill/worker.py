@@ -47,17 +47,17 @@ class PrefillWorker(Worker):
         return len(self.source.held)
 
     async def setup(self) -> None:
-        self.registry = KvRegistry(self.redis, self.settings.kv_lease_s)
+        self.registry = KvRegistry(self.redis, self.settings.kv.lease_s)
         self.server = KvTransferServer(
-            self.settings.rpc_host,
-            self.settings.rpc_port,
+            self.settings.kv.rpc_host,
+            self.settings.kv.rpc_port,
             source=self.source,
             secret=self.settings.cluster_secret,
-            backend=self.settings.transfer_backend,
-            timeout_s=self.settings.kv_transfer_timeout_s,
-            chunk_bytes=self.settings.kv_chunk_bytes,
-            fault_send_midway=self.settings.fault_kv_send_midway,
-            advertise_host=self.settings.advertise_host,
+            backend=self.settings.kv.backend,
+            timeout_s=self.settings.kv.timeout_s,
+            chunk_bytes=self.settings.kv.chunk_bytes,
+            fault_send_midway=self.settings.kv.fault_send_midway,
+            advertise_host=self.settings.kv.advertise_host,
             model_name=self.model_name,
         )
         self.rpc_address = await self.server.start()
@@ -157,7 +157,7 @@ class PrefillWorker(Worker):
         queued = TokenEvent.queued(rid, job.attempt, position + 1, self.settings.worker_id)
         self.emit(job.reply_subject, queued)  # no worker holds the request until a decode worker takes it
         if holder is not None:
-            asyncio.get_running_loop().call_later(self.settings.kv_lease_s, self._expire, key)
+            asyncio.get_running_loop().call_later(self.settings.kv.lease_s, self._expire, key)
 
     def _expire(self, key: str) -> None:
         if key in self.source.held and not self.source.is_sending(key):

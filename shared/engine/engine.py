@@ -13,35 +13,16 @@ from pathlib import Path
 import torch
 
 from shared.engine.block_manager import BlockManager, NoFreeBlocksError
+from shared.engine.config import EngineConfig
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVLayout, KVPool
 from shared.engine.request import FinishReason, Request, RequestStatus
 from shared.engine.runner import ModelRunner
 from shared.engine.sampling import Sampler, SamplingParams
-from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.engine.scheduler import Scheduler
 from shared.model.linear import can_prepack, prepack
 from shared.model.loader import load_model
 from shared.model.transformer import CausalLM
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str  # checkpoint directory
-    dtype: str | None = None  # None = the checkpoint's own
-    device: str = "cpu"
-    block_size: int = 16
-    kv_cache_bytes: int = 256 << 20  # memory budget the KV pool is cut from
-    num_kv_blocks: int | None = None  # overrides the budget (tests)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    enable_chunked_prefill: bool = True
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    seed: int | None = None  # for requests without a seed of their own
-    prepack_weights: bool = True  # oneDNN-packed matmul weights on CPU (faster; a second copy of them)
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
 
 
 @dataclass(frozen=True)
@@ -68,6 +49,8 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
         self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
         self.model = model or load_model(config.model, dtype=config.dtype, device=config.device)
         mc = self.model.config
         dtype = next(self.model.parameters()).dtype
@@ -87,16 +70,7 @@ class Engine:
                 f"the KV pool holds {self.pool.num_blocks * config.block_size} tokens, less than one request "
                 f"of max_model_len {self.max_model_len}: raise kv_cache_bytes or lower max_model_len"
             )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                max_model_len=self.max_model_len,
-            ),
-            self.blocks,
-            eos_token_ids=mc.eos_token_ids,
-        )
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, eos_token_ids=mc.eos_token_ids)
         self.runner = ModelRunner(self.model, self.pool, Sampler(config.seed))
         self.requests: dict[str, Request] = {}  # live, or finished and holding KV
         self.stats = EngineStats()
@@ -268,8 +242,8 @@ class Engine:
                 f"KV covers {kv.num_tokens} tokens; expected prompt + output - 1 = "
                 f"{len(prompt_token_ids) + len(output_token_ids) - 1}"
             )
-        if len(self.scheduler.running) >= self.config.max_num_seqs:
-            raise NoFreeBlocksError(f"{self.config.max_num_seqs} requests already running")
+        if len(self.scheduler.running) >= self.config.scheduler.max_num_seqs:
+            raise NoFreeBlocksError(f"{self.config.scheduler.max_num_seqs} requests already running")
         blocks = self.blocks.allocate(self.blocks.blocks_for(kv.num_tokens))
         self.pool.write(blocks, kv.reblock(self.layout.block_size))
         req = Request(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids))

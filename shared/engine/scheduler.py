@@ -18,24 +18,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from shared.engine.block_manager import BlockManager
+from shared.engine.config import SchedulerConfig
 from shared.engine.request import FinishReason, Request, RequestStatus
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64  # requests holding KV and running at once
-    max_num_batched_tokens: int = 512  # tokens through the model per step
-    enable_chunked_prefill: bool = True
-    max_model_len: int = 4096  # prompt + output tokens of one request
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                "without chunked prefill a whole prompt must fit in one step: "
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) < max_model_len ({self.max_model_len})"
-            )
 
 
 @dataclass(frozen=True)
@@ -67,8 +51,17 @@ class StepResult:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, config: SchedulerConfig, blocks: BlockManager, max_model_len: int, eos_token_ids: tuple[int, ...] = ()
+    ) -> None:
+        """`max_model_len`: prompt + output tokens of one request (the engine resolves it from the model)."""
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                "without chunked prefill a whole prompt must fit in one step: "
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) < max_model_len ({max_model_len})"
+            )
         self.config = config
+        self.max_model_len = max_model_len
         self.blocks = blocks
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
@@ -213,7 +206,7 @@ class Scheduler:
         p = req.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return FinishReason.STOP
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

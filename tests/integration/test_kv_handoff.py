@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from shared.engine.block_manager import NoFreeBlocksError
-from shared.engine.engine import Engine, EngineConfig
+from shared.engine.config import EngineConfig, SchedulerConfig
+from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.model.demo import write_demo_checkpoint
 from shared.model.loader import load_model
@@ -26,7 +27,7 @@ def model(checkpoint):
 
 def _engine(checkpoint, model, **overrides) -> Engine:
     """An engine sharing the already loaded weights (each engine has its own KV pool and scheduler)."""
-    opts = dict(num_kv_blocks=48, max_model_len=512, max_num_batched_tokens=64) | overrides
+    opts = dict(num_kv_blocks=48, max_model_len=512, scheduler=SchedulerConfig(max_num_batched_tokens=64)) | overrides
     return Engine(EngineConfig(model=str(checkpoint), **opts), model)
 
 
@@ -114,7 +115,7 @@ def test_import_rejects_bad_input_and_takes_nothing(checkpoint, model):
 
 
 def test_export_requires_finished_prefill_and_abort_frees_held_blocks(checkpoint, model):
-    engine = _engine(checkpoint, model, max_num_batched_tokens=32)
+    engine = _engine(checkpoint, model, scheduler=SchedulerConfig(max_num_batched_tokens=32))
     engine.add_request("r", PROMPT, SamplingParams(max_tokens=1, temperature=0.0), hold_kv=True)
     with pytest.raises(ValueError, match="prefill"):
         engine.export_kv("r")
@@ -134,7 +135,7 @@ def test_export_requires_finished_prefill_and_abort_frees_held_blocks(checkpoint
 
 def test_waiting_tokens_shrink_as_prompts_are_scheduled(checkpoint, model):
     """What a worker's admission reads (from another thread) to keep one step's worth of prompts queued."""
-    engine = _engine(checkpoint, model, max_num_batched_tokens=64)
+    engine = _engine(checkpoint, model, scheduler=SchedulerConfig(max_num_batched_tokens=64))
     params = SamplingParams(max_tokens=2, temperature=0.0)
     engine.add_request("a", list(range(1, 41)), params)
     engine.add_request("b", list(range(1, 31)), params)

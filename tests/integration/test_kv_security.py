@@ -22,7 +22,8 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from shared.engine.engine import Engine, EngineConfig
+from shared.engine.config import EngineConfig, SchedulerConfig
+from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.kv.tickets import MAX_TICKET_CHARS, TicketError, TicketReason, Tickets
 from shared.kv.transfer import EngineKvSource, FailureReason, KvTransferClient, KvTransferError, KvTransferServer
@@ -38,7 +39,7 @@ SECRET = b"security-test-cluster-secret"
 TICKETS = Tickets(SECRET)
 FORGER = Tickets(b"some-other-cluster-secret")
 TIMEOUT_S = 20.0
-ENGINE_OPTS = dict(num_kv_blocks=32, max_model_len=256, max_num_batched_tokens=128)
+ENGINE_OPTS = dict(num_kv_blocks=32, max_model_len=256, scheduler=SchedulerConfig(max_num_batched_tokens=128))
 MODEL_NAME = "security-test"
 Code = grpc.StatusCode
 

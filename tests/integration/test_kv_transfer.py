@@ -20,7 +20,8 @@ import grpc
 import pytest
 import torch
 
-from shared.engine.engine import Engine, EngineConfig
+from shared.engine.config import EngineConfig, SchedulerConfig
+from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.kv.tickets import Tickets
 from shared.kv.transfer import EngineKvSource, FailureReason, KvTransferClient, KvTransferError, KvTransferServer
@@ -34,7 +35,7 @@ from shared.rpc import kv_transfer_pb2_grpc as pb_grpc
 
 TIMEOUT_S = 20.0
 SECRET = b"test-cluster-secret-0123456789"
-ENGINE_OPTS = dict(num_kv_blocks=48, max_model_len=512, max_num_batched_tokens=128)
+ENGINE_OPTS = dict(num_kv_blocks=48, max_model_len=512, scheduler=SchedulerConfig(max_num_batched_tokens=128))
 PREFILL = SamplingParams(max_tokens=1, temperature=0.0)
 
 

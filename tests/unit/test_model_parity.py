@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from shared.engine.config import SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.model.config import ARCHITECTURES
@@ -41,7 +42,7 @@ def _prompts(vocab: int) -> list[list[int]]:
 def test_greedy_generation_matches_transformers(checkpoint, reference, prepack):
     engine = Engine.from_dir(
         checkpoint,
-        max_num_batched_tokens=PREFILL_BUDGET,
+        scheduler=SchedulerConfig(max_num_batched_tokens=PREFILL_BUDGET),
         num_kv_blocks=64,
         max_model_len=512,
         prepack_weights=prepack,

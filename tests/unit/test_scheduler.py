@@ -24,10 +24,11 @@ def make_scheduler(
     num_blocks: int = 64,
     block_size: int = 4,
     eos: tuple[int, ...] = (EOS,),
+    max_model_len: int = 4096,
     **config,
 ) -> tuple[Scheduler, BlockManager]:
     blocks = BlockManager(num_blocks, block_size)
-    return Scheduler(SchedulerConfig(**config), blocks, eos_token_ids=eos), blocks
+    return Scheduler(SchedulerConfig(**config), blocks, max_model_len, eos_token_ids=eos), blocks
 
 
 def make_request(rid: str, prompt_len: int, hold_kv: bool = False, **params) -> Request:
@@ -74,7 +75,6 @@ def run_to_completion(sched: Scheduler, max_steps: int = 1000, **kw) -> int:
         {"max_num_seqs": 0},
         {"max_num_batched_tokens": 0},
         {"max_num_batched_tokens": -1},
-        {"enable_chunked_prefill": False, "max_num_batched_tokens": 100, "max_model_len": 101},
     ],
 )
 def test_scheduler_config_validation(kwargs):
@@ -82,9 +82,14 @@ def test_scheduler_config_validation(kwargs):
         SchedulerConfig(**kwargs)
 
 
+def test_non_chunked_budget_must_hold_a_whole_prompt():
+    with pytest.raises(ValueError, match="whole prompt must fit"):
+        make_scheduler(enable_chunked_prefill=False, max_num_batched_tokens=100, max_model_len=101)
+
+
 def test_scheduler_config_non_chunked_budget_equal_to_model_len_is_fine():
-    cfg = SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=64)
-    assert cfg.max_num_batched_tokens == 64
+    sched, _ = make_scheduler(enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=64)
+    assert sched.config.max_num_batched_tokens == 64 and sched.max_model_len == 64
 
 
 def test_request_token_slice_spans_prompt_and_output():

@@ -1,0 +1,64 @@
+"""The engine's configuration: what one engine is built from. Plain frozen dataclasses (no torch here), a
+docstring per field: the worker's settings nest them, and their environment names, flags and help come from
+these declarations (shared/config_fields.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Dtype(StrEnum):
+    """Weight and KV dtypes the model loader knows (shared/model/loader.py DTYPES)."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching policy (shared/engine/scheduler.py)."""
+
+    max_num_seqs: int = 64
+    """Requests holding KV and running at once."""
+    max_num_batched_tokens: int = 512
+    """Tokens through the model per step (the prefill chunk budget)."""
+    enable_chunked_prefill: bool = True
+    """Cut long prompts to fit the step's budget, sharing steps with decodes; without it a whole prompt runs
+    in one step (max_num_batched_tokens must then hold max_model_len)."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    """Checkpoint directory (Hugging Face layout)."""
+    dtype: Dtype | None = None
+    """Weight and KV dtype; None = the checkpoint's own."""
+    device: str = "cpu"
+    """torch device of the model and the KV pool (cpu, cuda, cuda:1)."""
+    threads: int | None = None
+    """torch intra-op threads (process-wide: the engine sets them when built); None = torch's default."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_bytes: int = 256 << 20
+    """Memory budget the KV pool is cut from."""
+    num_kv_blocks: int | None = None
+    """KV blocks in the pool, instead of the kv_cache_bytes budget (tests)."""
+    max_model_len: int | None = None
+    """Prompt + output tokens of one request; None = the model's max_position_embeddings."""
+    seed: int | None = None
+    """Sampling seed of requests without a seed of their own."""
+    prepack_weights: bool = True
+    """oneDNN-packed matmul weights on CPU (faster; a second copy of them)."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.dtype is not None and self.dtype not in tuple(Dtype):
+            raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(Dtype)}")
