@@ -324,10 +324,11 @@ def test_a_failed_redis_write_means_not_held(caplog):
     assert "decode will recompute" in caplog.text
 
 
-def test_a_cancel_during_the_redis_write_leaves_no_entry():
+@pytest.mark.parametrize("put_fails", [False, True])
+def test_a_cancel_during_the_redis_write_leaves_no_entry_and_frees_once(put_fails):
     async def run():
         held, blocks, registry = _held()
-        registry.put_gate = asyncio.Event()
+        registry.put_gate, registry.fail_put = asyncio.Event(), put_fails
         holding = asyncio.create_task(_hold(held, blocks, "r#0"))
         await _settle()
         assert held.state("r#0") is HeldState.HELD  # counted (and cancellable) from the start
