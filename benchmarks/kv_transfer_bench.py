@@ -13,7 +13,8 @@ median of a few runs), holds the KV and serves KvTransfer on 127.0.0.1. This pro
 - raw gloo: the same bytes between the same two processes on a second two-rank gloo group: we send a
   16-byte "go", the prefill side answers with a preallocated tensor; timed from the go to the recv's end;
 - clone: `tensor.clone()` of a tensor of the same size in this process (memory-copy bound).
-The bench source never frees the KV (its release is a no-op), so each repeat pulls the same blocks again.
+The bench source never frees the KV (its end_send only takes back the copy's buffer), so each repeat
+pulls the same blocks again.
 Repeats alternate pull / raw / clone; each figure is the median, after one warm-up of each.
 """
 
@@ -71,18 +72,21 @@ class BenchSource:
         self.engine = engine
         self.layout = engine.layout
         self.staged = staged
-        # As the prefill worker (EngineKvSource) does: exports copy into buffers reused across pulls.
+        # As the prefill worker (EngineKvBlocks) does: exports copy into buffers reused across pulls.
         self.buffers = BufferPool(1 << 30, "cpu")
         self.lent: dict[str, torch.Tensor] = {}
 
-    async def export_kv(self, request_id: str) -> KVExport:
+    def is_sending(self, request_id: str) -> bool:
+        return False  # the bench pulls one request at a time
+
+    async def begin_send(self, request_id: str) -> KVExport:
         if request_id in self.staged:
             return self.staged[request_id]
         kv = self.engine.export_kv(request_id, alloc=self.buffers.take)  # a copy, as a real pull makes
         self.lent[request_id] = kv.blocks
         return kv
 
-    async def release_kv(self, request_id: str) -> None:
+    async def end_send(self, request_id: str, ok: bool) -> None:
         if request_id in self.lent:  # the send is over; the KV itself stays held for the next repeat
             self.buffers.give_back(self.lent.pop(request_id))
 

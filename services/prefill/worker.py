@@ -18,9 +18,10 @@ from opentelemetry.trace import Span
 
 from shared.engine.engine import RequestOutput
 from shared.engine.request import FinishReason
+from shared.kv.held import HeldKv
 from shared.kv.registry import KvLocation, KvRegistry
 from shared.kv.transfer.server import KvTransferServer
-from shared.kv.transfer.source import EngineKvSource
+from shared.kv.transfer.source import EngineKvBlocks
 from shared.messages import Cancel, DecodeJob, PrefillJob, Role, TokenEvent, decode_subject, encode, prefill_subject
 from shared.telemetry import metrics, tracing
 from shared.worker import Worker, error_event, sampling_params, wire_finish_reason
@@ -34,24 +35,24 @@ class PrefillWorker(Worker):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.jobs: dict[str, tuple[PrefillJob, Span]] = {}  # prefilling, by attempt key; the job's process span
-        self.holding: dict[str, PrefillJob] = {}  # KV held for a pull, by attempt key
-        # Held KV behind pull tickets; the transfer server exports and releases through it.
-        self.source = EngineKvSource(self.engine.engine, call=self.engine.call, on_release=self._released)
-        self.registry: KvRegistry | None = None
+        # KV held for a pull, by attempt key (state, lease timer, Redis entry); built once Redis is connected
+        self.held: HeldKv | None = None
         self.server: KvTransferServer | None = None
 
     def job_subject(self) -> str:
         return prefill_subject(self.model_name)
 
     def held_kv_count(self) -> int:
-        return len(self.source.held)
+        return 0 if self.held is None else self.held.count()
 
     async def setup(self) -> None:
-        self.registry = KvRegistry(self.redis, self.settings.kv.lease_s)
+        lease_s = self.settings.kv.lease_s
+        blocks = EngineKvBlocks(self.engine.engine, call=self.engine.call)
+        self.held = HeldKv(blocks, lease_s, registry=KvRegistry(self.redis, lease_s))
         self.server = KvTransferServer(
             self.settings.kv.rpc_host,
             self.settings.kv.rpc_port,
-            source=self.source,
+            source=self.held,
             secret=self.settings.cluster_secret,
             backend=self.settings.kv.backend,
             timeout_s=self.settings.kv.timeout_s,
@@ -65,8 +66,8 @@ class PrefillWorker(Worker):
     async def teardown(self) -> None:
         if self.server is not None:
             await self.server.stop()
-        for request_id in self.source.held:
-            await self.source.release_kv(request_id)
+        if self.held is not None:  # after the server's stop: no send is left in flight
+            await self.held.release_all()
 
     async def handle_job(self, msg: Msg) -> None:
         job = self.take(msg, PrefillJob)
@@ -107,7 +108,7 @@ class PrefillWorker(Worker):
             except Exception as exc:  # NATS away: the job stays unacked, so JetStream hands it out again
                 log.warning("handing %s on to decode failed (%s); freeing its KV", job.key, exc)
                 tracing.mark_error(span, str(exc))
-                await self.source.release_kv(job.key)
+                await self.held.release(job.key)
                 await self.engine.call(lambda e: e.release_kv(job.key))
                 self.unacked.pop(job.key, None)
 
@@ -127,18 +128,10 @@ class PrefillWorker(Worker):
             await self.engine.call(lambda e: e.release_kv(key))
             await self.ack(key)
             return
-        self.source.hold(key)
-        self.holding[key] = job
-        fingerprint = self.source.layout.fingerprint
-        holder: str | None = self.settings.worker_id
-        try:
-            await self.registry.put(
-                KvLocation(key, self.settings.worker_id, self.rpc_address, out.num_prompt_tokens, fingerprint)
-            )
-        except Exception as exc:  # Redis unreachable: no decode worker could find the KV, so do not hold it
-            log.warning("could not record the KV location of %s (%s); decode will recompute", key, exc)
-            await self.source.release_kv(key)
-            holder = None
+        worker = self.settings.worker_id
+        location = KvLocation(key, worker, self.rpc_address, out.num_prompt_tokens, self.held.layout.fingerprint)
+        # False: Redis unreachable, so no decode worker could find the KV: it is freed and decode recomputes
+        holder = worker if await self.held.hold(key, rid, job.attempt, location) else None
         decode_job = DecodeJob(
             request_id=rid,
             model=job.model,
@@ -156,20 +149,6 @@ class PrefillWorker(Worker):
         await self.ack(key)
         queued = TokenEvent.queued(rid, job.attempt, position + 1, self.settings.worker_id)
         self.emit(job.reply_subject, queued)  # no worker holds the request until a decode worker takes it
-        if holder is not None:
-            asyncio.get_running_loop().call_later(self.settings.kv.lease_s, self._expire, key)
-
-    def _expire(self, key: str) -> None:
-        if key in self.source.held and not self.source.is_sending(key):
-            log.warning("KV lease of %s expired before any pull; freeing its blocks", key)
-            asyncio.create_task(self.source.release_kv(key))
-
-    async def _released(self, key: str) -> None:
-        self.holding.pop(key, None)
-        try:
-            await self.registry.delete(key)
-        except Exception as exc:  # the entry's TTL removes it anyway
-            log.warning("could not delete the KV location of %s: %s", key, exc)
 
     async def on_cancel(self, cancel: Cancel) -> None:
         for key, (job, span) in list(self.jobs.items()):
@@ -178,6 +157,5 @@ class PrefillWorker(Worker):
                 await self.engine.call(lambda e, key=key: e.abort(key))
                 await self.ack(key)  # the client is gone or the request moved on: this job is done
                 tracing.end_span(span, error="cancelled")
-        for key, job in list(self.holding.items()):
-            if job.request_id == cancel.request_id and cancel.covers(job.attempt) and not self.source.is_sending(key):
-                await self.source.release_kv(key)
+        if self.held is not None:  # KV being sent is freed when its send ends
+            await self.held.cancel(cancel.request_id, cancel.covers)

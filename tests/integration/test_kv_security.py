@@ -25,8 +25,9 @@ from prometheus_client import REGISTRY
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
+from shared.kv.held import HeldKv
 from shared.kv.tickets import MAX_TICKET_CHARS, TicketError, TicketReason, Tickets
-from shared.kv.transfer import EngineKvSource, FailureReason, KvTransferClient, KvTransferError, KvTransferServer
+from shared.kv.transfer import EngineKvBlocks, FailureReason, KvTransferClient, KvTransferError, KvTransferServer
 from shared.kv.transfer.pair import DECODE_RANK, Pair, TransferBackend, store_client
 from shared.kv.transfer.server import MAX_ID_CHARS, SERVICE
 from shared.kv.transfer.wire import pieces
@@ -39,6 +40,7 @@ SECRET = b"security-test-cluster-secret"
 TICKETS = Tickets(SECRET)
 FORGER = Tickets(b"some-other-cluster-secret")
 TIMEOUT_S = 20.0
+LEASE_S = 600.0  # held KV outlives every test here: only pulls free it
 ENGINE_OPTS = dict(num_kv_blocks=32, max_model_len=256, scheduler=SchedulerConfig(max_num_batched_tokens=128))
 MODEL_NAME = "security-test"
 Code = grpc.StatusCode
@@ -118,28 +120,28 @@ def model(checkpoint):
 @dataclasses.dataclass
 class Prefill:
     engine: Engine
-    source: EngineKvSource
+    source: HeldKv
     server: KvTransferServer
     address: str
     channel: grpc.aio.Channel
 
-    def hold(self, rid: str, tokens: int = 40) -> None:
+    async def hold(self, rid: str, tokens: int = 40) -> None:
         prompt = torch.randint(0, 259, (tokens,), generator=torch.Generator().manual_seed(len(rid))).tolist()
         self.engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0), hold_kv=True)
         while self.engine.has_unfinished():
             self.engine.step()
-        self.source.hold(rid)
+        assert await self.source.hold(rid, rid, 0)
 
     def assert_holds(self, *rids: str) -> None:
         """Exactly `rids` held, their blocks still allocated, and the pool consistent."""
         self.engine.check_integrity()
-        assert sorted(self.source.held) == sorted(rids)
+        assert sorted(self.source.keys()) == sorted(rids)
         assert (self.engine.blocks.num_free == self.engine.blocks.num_blocks) == (not rids)
 
     async def settle(self, *rids: str) -> None:
         """Wait until only `rids` are held (a release follows the send, so it may lag the recv)."""
         deadline = time.monotonic() + 10
-        while sorted(self.source.held) != sorted(rids) and time.monotonic() < deadline:
+        while sorted(self.source.keys()) != sorted(rids) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         self.assert_holds(*rids)
 
@@ -190,7 +192,7 @@ class Prefill:
 @contextlib.asynccontextmanager
 async def serving(checkpoint, model):
     engine = Engine(EngineConfig(model=str(checkpoint), **ENGINE_OPTS), model)
-    source = EngineKvSource(engine)
+    source = HeldKv(EngineKvBlocks(engine), lease_s=LEASE_S)
     server = KvTransferServer(
         "127.0.0.1", 0, source, secret=SECRET, timeout_s=TIMEOUT_S, chunk_bytes=4096, model_name=MODEL_NAME
     )
@@ -220,7 +222,7 @@ def test_pulls_without_a_valid_ticket_are_refused_and_leave_the_kv_held(checkpoi
 
     async def run():
         async with serving(checkpoint, model) as p:
-            p.hold("r")
+            await p.hold("r")
             pair = await p.open_pair("decode-a")
             forged = FORGER.mint("decode-a", "r")
             version, _, mac = TICKETS.mint("decode-a", "r").split(".")
@@ -274,7 +276,7 @@ def test_pulls_without_a_valid_ticket_are_refused_and_leave_the_kv_held(checkpoi
 def test_connects_without_a_valid_ticket_open_no_pair(checkpoint, model):
     async def run():
         async with serving(checkpoint, model) as p:
-            p.hold("r")
+            await p.hold("r")
             refusals = {
                 "": Code.UNAUTHENTICATED,
                 "v1.x.y": Code.UNAUTHENTICATED,
@@ -312,7 +314,7 @@ def test_connects_without_a_valid_ticket_open_no_pair(checkpoint, model):
 def test_a_client_with_another_secret_is_denied_and_the_right_one_pulls(checkpoint, model):
     async def run():
         async with serving(checkpoint, model) as p:
-            p.hold("r")
+            await p.hold("r")
             before = _refusals("ticket_forged")
             impostor, honest = _client("decode-a", secret=b"some-other-cluster-secret"), _client("decode-a")
             try:
@@ -336,7 +338,7 @@ def test_a_client_with_another_secret_is_denied_and_the_right_one_pulls(checkpoi
 def test_malformed_calls_get_an_error_status_and_the_server_keeps_serving(checkpoint, model):
     async def run():
         async with serving(checkpoint, model) as p:
-            p.hold("r")
+            await p.hold("r")
             long_id = "x" * (MAX_ID_CHARS + 1)
             calls = [  # (method, payload, expected status)
                 ("Pull", b"\xff\xfe garbage \x00\x01", Code.INVALID_ARGUMENT),

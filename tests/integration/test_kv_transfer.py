@@ -23,8 +23,9 @@ import torch
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
+from shared.kv.held import HeldKv
 from shared.kv.tickets import Tickets
-from shared.kv.transfer import EngineKvSource, FailureReason, KvTransferClient, KvTransferError, KvTransferServer
+from shared.kv.transfer import EngineKvBlocks, FailureReason, KvTransferClient, KvTransferError, KvTransferServer
 from shared.kv.transfer.buffers import BufferPool
 from shared.kv.transfer.pair import DECODE_RANK, Pair, TransferBackend, store_client
 from shared.kv.transfer.wire import announced_layout, num_pieces, pieces
@@ -34,6 +35,7 @@ from shared.rpc import kv_transfer_pb2 as pb
 from shared.rpc import kv_transfer_pb2_grpc as pb_grpc
 
 TIMEOUT_S = 20.0
+LEASE_S = 600.0  # held KV outlives every test here: only pulls free it
 SECRET = b"test-cluster-secret-0123456789"
 ENGINE_OPTS = dict(num_kv_blocks=48, max_model_len=512, scheduler=SchedulerConfig(max_num_batched_tokens=128))
 PREFILL = SamplingParams(max_tokens=1, temperature=0.0)
@@ -61,7 +63,7 @@ async def _prefill_serve(conn: Connection, checkpoint: str) -> None:
     """Serve pulls; between them run the commands the test sends: ("prefill", id, prompt) → first tokens;
     ("configure", chunk_bytes, fault_send_midway) → None; ("state",) → block and server counts; ("stop",)."""
     engine = Engine(EngineConfig(model=checkpoint, **ENGINE_OPTS))
-    source = EngineKvSource(engine)
+    source = HeldKv(EngineKvBlocks(engine), lease_s=LEASE_S)
     server = KvTransferServer("127.0.0.1", 0, source, secret=SECRET, timeout_s=TIMEOUT_S)
     defaults = (server.chunk_bytes, server.fault_send_midway)
     conn.send(await server.start())
@@ -74,7 +76,7 @@ async def _prefill_serve(conn: Connection, checkpoint: str) -> None:
                 rid, prompt = args
                 engine.add_request(rid, prompt, PREFILL, hold_kv=True)
                 first = _run(engine)
-                source.hold(rid)
+                await source.hold(rid, rid, 0)
                 conn.send(first)
             elif op == "configure":  # read by every pull from now on; None restores the defaults
                 server.chunk_bytes, server.fault_send_midway = defaults if args[0] is None else args
@@ -86,7 +88,7 @@ async def _prefill_serve(conn: Connection, checkpoint: str) -> None:
                 except AssertionError as e:
                     integrity = str(e)
                 free, total = engine.blocks.num_free, engine.blocks.num_blocks
-                conn.send(dict(free=free, total=total, held=source.held, integrity=integrity, **vars(server.stats)))
+                conn.send(dict(free=free, total=total, held=source.keys(), integrity=integrity, **vars(server.stats)))
     finally:
         await server.stop()
 
@@ -401,7 +403,7 @@ def test_client_and_server_validate_their_settings():
         KvTransferClient("", secret=SECRET)
     with pytest.raises(ValueError, match="at least 16 bytes"):
         KvTransferClient("w", secret=b"short")
-    source = EngineKvSource.__new__(EngineKvSource)  # never used: the constructor refuses first
+    source = HeldKv.__new__(HeldKv)  # never used: the constructor refuses first
     with pytest.raises(ValueError, match="at least 16 bytes"):
         KvTransferServer("127.0.0.1", 0, source, secret="")
     with pytest.raises(ValueError, match="chunk_bytes"):

@@ -8,13 +8,15 @@ from shared.kv.transfer.client import ClientStats, KvTransferClient
 from shared.kv.transfer.errors import FailureReason, KvTransferError
 from shared.kv.transfer.pair import TransferBackend
 from shared.kv.transfer.server import KvTransferServer, ServerStats
-from shared.kv.transfer.source import EngineKvSource, KvSource
+from shared.kv.transfer.source import AlreadySending, EngineKvBlocks, KvBlocks, KvSource
 
 __all__ = [
     "TransferBackend",
     "ClientStats",
-    "EngineKvSource",
+    "AlreadySending",
+    "EngineKvBlocks",
     "FailureReason",
+    "KvBlocks",
     "KvSource",
     "KvTransferClient",
     "KvTransferError",

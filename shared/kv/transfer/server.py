@@ -30,7 +30,7 @@ from google.protobuf.message import DecodeError
 from shared.engine.kv_export import KVExport
 from shared.kv.tickets import TicketError, TicketReason, Tickets
 from shared.kv.transfer.pair import PREFILL_RANK, Pair, TransferBackend, check_backend, store_client
-from shared.kv.transfer.source import KvSource
+from shared.kv.transfer.source import AlreadySending, KvSource
 from shared.kv.transfer.wire import describe, num_pieces, pieces
 from shared.rpc import kv_transfer_pb2 as pb
 from shared.telemetry import metrics, tracing
@@ -135,7 +135,6 @@ class KvTransferServer:
         self.public_host = advertise_host or (socket.getfqdn() if host in WILDCARD_HOSTS else host)
         self._executor = ThreadPoolExecutor(MAX_BLOCKING_THREADS, thread_name_prefix="kv-send")
         self._pairs: dict[str, _Slot] = {}  # by decode worker id
-        self._leased: set[str] = set()  # request ids between an accepted Pull and their release
         self._sends: set[asyncio.Task[None]] = set()
         self._store: dist.TCPStore | None = None
         self._server: grpc.aio.Server | None = None
@@ -222,22 +221,19 @@ class KvTransferServer:
         if slot is None or slot.pair_id != request.pair_id:
             await context.abort(grpc.StatusCode.ABORTED, f"pair {request.pair_id!r} is not open here; connect again")
         await self._check_fingerprint(request.layout_fingerprint, context)
-        if rid in self._leased:
+        if self.source.is_sending(rid):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already being pulled")
         try:
             pair = await self._joined(slot)
         except Exception as e:  # the join failed or hangs: this pair is no good
             self._drop(slot)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"pair {slot.pair_id!r} did not form: {e!r}")
-        self._leased.add(rid)
-        try:
-            kv = await self.source.export_kv(rid)
+        try:  # from here until the send task's end_send, the source counts the request as sending
+            kv = await self.source.begin_send(rid)
         except KeyError as e:
-            self._leased.discard(rid)
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]) if e.args else repr(e))
-        except BaseException:
-            self._leased.discard(rid)
-            raise
+        except AlreadySending as e:  # a second pull got past the check above during the join
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         span.set_attributes(
             {
                 tracing.KV_EXPORT_TIME: time.perf_counter() - started,
@@ -304,7 +300,7 @@ class KvTransferServer:
             )
 
     async def _send(self, slot: _Slot, pair: Pair, kv: KVExport, tag: int, rid: str, span, started: float) -> None:
-        """Send on the pair, piece by piece, then free the blocks whatever happened (pulled → freed).
+        """Send on the pair, piece by piece, then end the send whatever happened (the source frees the blocks).
 
         A failed send drops the pair: gloo has closed it already after an error or timeout, and closing it
         here too destroys the group once idle, so the receiver's pending recvs fail at once. An injected
@@ -332,11 +328,10 @@ class KvTransferServer:
             log.warning("KV send of %s to %s failed: %s", rid, slot.worker_id, e)
             self._drop(slot)
         finally:
-            self._leased.discard(rid)
             try:
-                await self.source.release_kv(rid)
+                await self.source.end_send(rid, ok=error is None)
             except Exception:
-                log.exception("releasing the KV of %s failed", rid)
+                log.exception("ending the send of %s failed", rid)
             span.set_attribute(tracing.KV_DURATION, time.perf_counter() - started)
             tracing.end_span(span, error=error)
 

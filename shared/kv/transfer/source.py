@@ -1,9 +1,11 @@
-"""What the transfer server needs from a prefill worker (`KvSource`), and the plain engine-backed one.
+"""The two halves of held KV as the transfer plane sees it.
 
-Ownership: a request whose KV a source holds is *prefilled*; once its location is published it is
-*leased* (the holder's lease timer frees it if nobody pulls); `export_kv` + the send make it *pulled*;
-`release_kv` after the send makes it *freed*. docs/kv_transfer.md has the whole table. Who may pull is not
-the source's business: the transfer server checks the puller's ticket before it asks for an export.
+- `KvSource`: what the transfer server asks of a prefill worker: is a send of this request in flight, start
+  one (a copy of its KV to send), end it. `shared.kv.held.HeldKv` is the prefill worker's; it owns the
+  hand-off state (held → sending → freed), its lease timer and its Redis entry.
+- `KvBlocks` / `EngineKvBlocks`: what `HeldKv` asks of the engine: export a copy of a request's blocks,
+  free them. No state of the hand-off lives here, only which staging buffer each export lent.
+Who may pull is not the source's business: the transfer server checks the puller's ticket before it asks.
 """
 
 from __future__ import annotations
@@ -20,83 +22,84 @@ from shared.engine.kv_pool import KVLayout
 from shared.kv.transfer.buffers import BufferPool
 
 
+class AlreadySending(Exception):
+    """`begin_send` of a request whose send is in flight (the server answers ALREADY_EXISTS)."""
+
+
 class KvSource(Protocol):
-    """Held KV, lent out to pulls the server accepted. Both methods run on the server's event loop."""
+    """Held KV, lent out to pulls the server accepted. Every method runs on the server's event loop."""
 
     @property
     def layout(self) -> KVLayout:
         """The layout of every export; pairs and pulls with another fingerprint are refused."""
         ...
 
+    def is_sending(self, request_id: str) -> bool:
+        """A send of the request is in flight (between `begin_send` and `end_send`)."""
+        ...
+
+    async def begin_send(self, request_id: str) -> KVExport:
+        """A copy of the request's KV to send; its blocks stay held until `end_send`. Raises KeyError for a
+        request it does not hold, AlreadySending for one being sent. A raise leaves nothing to end."""
+        ...
+
+    async def end_send(self, request_id: str, ok: bool) -> None:
+        """The send that `begin_send` started is over (sent, or failed: ok=False); called exactly once per
+        successful `begin_send`. What becomes of the blocks is the source's call (HeldKv frees them)."""
+        ...
+
+
+class KvBlocks(Protocol):
+    """A request's KV blocks in one engine, as the holder of the request sees them."""
+
+    @property
+    def layout(self) -> KVLayout: ...
+
     async def export_kv(self, request_id: str) -> KVExport:
-        """A copy of the request's KV; the blocks stay held. Raises KeyError for a request it does not hold."""
+        """A copy of the request's KV; the blocks stay allocated."""
         ...
 
     async def release_kv(self, request_id: str) -> None:
-        """Free the request's blocks. Called once after every accepted pull, sent or not; must be a no-op
-        for a request already freed (a lease that expired or a cancel got there first)."""
+        """Free the request's blocks (and whatever its export borrowed). Called once per held request."""
         ...
 
 
-class EngineKvSource:
-    """A KvSource over one Engine's held requests (added with hold_kv=True and registered with `hold`).
+class EngineKvBlocks:
+    """KvBlocks over one Engine's requests added with hold_kv=True.
 
     `call(fn)` runs fn(engine) where the engine lives: pass the worker's `AsyncEngine.call` when a thread
     steps the engine; the default runs it inline (tests and benchmarks that step on the loop). Exports copy
-    into reused buffers (no first-touch page faults), each returned when its request is released, which
-    the transfer server does only after the send. `on_release(request_id)` runs after the blocks are freed
-    (the prefill worker deletes the Redis entry there).
+    into reused buffers (no first-touch page faults), each given back when its request is released, which
+    `HeldKv` does only after the send.
     """
 
     def __init__(
         self,
         engine: Engine,
         call: Callable[[Callable[[Engine], Any]], Awaitable[Any]] | None = None,
-        on_release: Callable[[str], Awaitable[None]] | None = None,
         buffer_bytes: int = 256 << 20,
     ) -> None:
         self.engine = engine
         self._call = call or _inline(engine)
-        self._on_release = on_release
-        self._held: set[str] = set()
         self._buffers = BufferPool(buffer_bytes, str(engine.pool.tensor.device))
         self._buffers_lock = threading.Lock()  # taken on the engine's thread, given back on the loop
-        self._exported: dict[str, torch.Tensor] = {}  # request id → the buffer its send reads
+        self._lent: dict[str, torch.Tensor] = {}  # request id → the buffer its export copied into
 
     @property
     def layout(self) -> KVLayout:
         return self.engine.layout
 
-    def hold(self, request_id: str) -> None:
-        """Register a finished request holding its KV: pullable from now until `release_kv`."""
-        self._held.add(request_id)
-
-    @property
-    def held(self) -> list[str]:
-        return list(self._held)
-
-    def is_sending(self, request_id: str) -> bool:
-        """An export of it is out: only the transfer server's release may free it now."""
-        return request_id in self._exported
-
     async def export_kv(self, request_id: str) -> KVExport:
-        if request_id not in self._held:
-            raise KeyError(f"no KV held for request {request_id!r}")
         kv = await self._call(lambda e: e.export_kv(request_id, alloc=self._take))
-        self._exported[request_id] = kv.blocks
+        self._lent[request_id] = kv.blocks
         return kv
 
     async def release_kv(self, request_id: str) -> None:
-        if request_id not in self._held:
-            return
-        self._held.discard(request_id)
         await self._call(lambda e: e.release_kv(request_id))
-        exported = self._exported.pop(request_id, None)
-        if exported is not None:
+        lent = self._lent.pop(request_id, None)
+        if lent is not None:
             with self._buffers_lock:
-                self._buffers.give_back(exported)
-        if self._on_release is not None:
-            await self._on_release(request_id)
+                self._buffers.give_back(lent)
 
     def _take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         with self._buffers_lock:

@@ -1,0 +1,233 @@
+"""Every request's KV a prefill worker holds for a pull: one record per attempt key, HELD → SENDING → FREED.
+
+`HeldKv` is the only owner of that hand-off. Per key it keeps the state, the lease timer and the Redis
+location entry, and it releases the engine's blocks exactly once. The prefill worker calls `hold`,
+`cancel`, `release` and `release_all`; the transfer server calls `begin_send` / `end_send` (as its
+`KvSource`). The lease timer and the Redis entry's TTL are both `lease_s`, both started by `hold`.
+
+States (blocks owner; lease timer; Redis entry → exits):
+- HELD: this worker, blocks pinned in the engine; timer running; entry written (TTL = lease).
+  → SENDING on an accepted pull (begin_send); → FREED on lease expiry, cancel, release, release_all.
+- SENDING: the send (a copy of the blocks is on the wire; the blocks stay pinned); timer running, but its
+  expiry, a cancel or a release only mark the record: the blocks are freed when the send ends; entry kept.
+  → FREED on end_send (sent or failed) or release_all; → HELD if the export raised (nothing was sent),
+  straight on to FREED if the record was marked meanwhile.
+- FREED: the engine (its blocks released exactly once); timer cancelled; entry deleted (its TTL if the delete
+  fails). No record is left: `state` answers FREED for any key it does not hold.
+
+A failed send frees the blocks (as a pulled one does): the puller's copy is unusable and its pair dropped,
+so decode recomputes; only a send that never started (the export raised) goes back to HELD.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from shared.engine.kv_export import KVExport
+from shared.engine.kv_pool import KVLayout
+from shared.kv.registry import KvLocation
+from shared.kv.transfer.source import AlreadySending, KvBlocks
+
+log = logging.getLogger(__name__)
+
+
+class HeldState(enum.Enum):
+    HELD = "held"  # pinned, waiting for a pull
+    SENDING = "sending"  # a pull's send is in flight
+    FREED = "freed"  # released (or never held here): no record
+
+
+class Freed(enum.Enum):
+    """Why a record's blocks were freed (logs and `HeldKv.freed`)."""
+
+    PULLED = "pulled"
+    SEND_FAILED = "send_failed"
+    LEASE_EXPIRED = "lease_expired"
+    CANCELLED = "cancelled"  # a Cancel or the worker's own release
+    NOT_RECORDED = "not_recorded"  # the Redis entry could not be written: nobody could find the KV
+    SHUTDOWN = "shutdown"
+
+
+class Locations(Protocol):
+    """Where held KV is announced (KvRegistry: Redis, entries expiring with the lease)."""
+
+    async def put(self, loc: KvLocation) -> None: ...
+
+    async def delete(self, request_id: str) -> None: ...
+
+
+@dataclass
+class _Record:
+    key: str
+    request_id: str
+    attempt: int
+    timer: asyncio.TimerHandle | None  # None once the lease has run out (or the record is freed)
+    state: HeldState = HeldState.HELD
+    free_after_send: Freed | None = None  # set while SENDING by lease expiry, cancel or release
+
+
+class HeldKv:
+    """The prefill worker's held KV (see the module's table). Methods run on the event loop."""
+
+    def __init__(self, blocks: KvBlocks, lease_s: float, registry: Locations | None = None) -> None:
+        """blocks: the engine side (export, free). lease_s: how long KV waits for a pull. registry: where
+        `hold` writes each location and the free deletes it; None = nobody looks KV up (tests, benchmarks)."""
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be positive, got {lease_s}")
+        self.blocks = blocks
+        self.lease_s = lease_s
+        self.registry = registry
+        self.freed: Counter[Freed] = Counter()  # records freed so far, by why
+        self._records: dict[str, _Record] = {}  # HELD or SENDING, by attempt key
+        self._freeing: set[asyncio.Task[None]] = set()  # frees started from a callback
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.blocks.layout
+
+    def state(self, key: str) -> HeldState:
+        record = self._records.get(key)
+        return HeldState.FREED if record is None else record.state
+
+    def count(self) -> int:
+        """Requests held or being sent (the heartbeat's `held_kv`)."""
+        return len(self._records)
+
+    def keys(self) -> list[str]:
+        return list(self._records)
+
+    def is_sending(self, key: str) -> bool:
+        return self.state(key) is HeldState.SENDING
+
+    # ---- the prefill worker's side -------------------------------------------------------------------------
+
+    async def hold(self, key: str, request_id: str, attempt: int, location: KvLocation | None = None) -> bool:
+        """Take over a finished request's pinned blocks: HELD, lease timer armed, `location` written to the
+        registry. False when that write fails (logged; the blocks are freed at once: no decode worker could
+        find them, it recomputes) or a cancel freed the key meanwhile. Raises ValueError for a key held already."""
+        if key in self._records:
+            raise ValueError(f"KV of {key!r} is held already")
+        if self.registry is not None and location is None:
+            raise ValueError("a HeldKv with a registry needs the location to write")
+        timer = asyncio.get_running_loop().call_later(self.lease_s, self._lease_expired, key)
+        record = self._records[key] = _Record(key, request_id, attempt, timer)
+        if self.registry is None or location is None:
+            return True
+        try:
+            await self.registry.put(location)
+        except Exception as exc:  # Redis unreachable
+            log.warning("could not record the KV location of %s (%s); decode will recompute", key, exc)
+            await self._free(key, Freed.NOT_RECORDED)
+            return False
+        if self._records.get(key) is not record:  # cancelled during the write: its delete may have come first
+            await self._delete_entry(key)
+            return False
+        return True
+
+    async def release(self, key: str, why: Freed = Freed.CANCELLED) -> None:
+        """Free a HELD key now; a SENDING one when its send ends. No-op for a key not held."""
+        record = self._records.get(key)
+        if record is None:
+            return
+        if record.state is HeldState.SENDING:
+            record.free_after_send = record.free_after_send or why
+            return
+        await self._free(key, why)
+
+    async def cancel(self, request_id: str, covers: Callable[[int], bool]) -> int:
+        """`release` every key of `request_id` whose attempt `covers` accepts; how many it found."""
+        found = [r.key for r in self._records.values() if r.request_id == request_id and covers(r.attempt)]
+        for key in found:
+            await self.release(key, Freed.CANCELLED)
+        return len(found)
+
+    async def release_all(self) -> None:
+        """Free every record now, SENDING ones too (teardown, after the transfer server stopped: its stop
+        waits for the sends in flight, so none is left mid-send), and wait for frees already started."""
+        for key in list(self._records):
+            await self._free(key, Freed.SHUTDOWN)
+        if self._freeing:
+            await asyncio.gather(*self._freeing, return_exceptions=True)
+
+    # ---- the transfer server's side (KvSource) -------------------------------------------------------------
+
+    async def begin_send(self, key: str) -> KVExport:
+        """HELD → SENDING and a copy of the KV to send. KeyError: not held; AlreadySending: in flight. If the
+        export raises, nothing was sent: back to HELD (or freed, if the lease ran out or a cancel came)."""
+        record = self._records.get(key)
+        if record is None:
+            raise KeyError(f"no KV held for request {key!r}")
+        if record.state is HeldState.SENDING:
+            raise AlreadySending(f"request {key!r} is already being pulled")
+        record.state = HeldState.SENDING
+        try:
+            return await self.blocks.export_kv(key)
+        except BaseException:
+            if self._records.get(key) is record:  # not freed by release_all meanwhile
+                record.state = HeldState.HELD
+                if record.free_after_send is not None:
+                    self._free_soon(key, record.free_after_send)
+            raise
+
+    async def end_send(self, key: str, ok: bool) -> None:
+        """The send is over: free the blocks whatever its outcome (a no-op if release_all got there first)."""
+        if self.is_sending(key):
+            await self._free(key, Freed.PULLED if ok else Freed.SEND_FAILED)
+
+    # ---- freeing ---------------------------------------------------------------------------------------------
+
+    def _lease_expired(self, key: str) -> None:
+        record = self._records.get(key)
+        if record is None:
+            return
+        record.timer = None
+        if record.state is HeldState.SENDING:  # the send owns the blocks: they are freed when it ends
+            log.info("KV lease of %s expired during its send; freeing it when the send ends", key)
+            record.free_after_send = record.free_after_send or Freed.LEASE_EXPIRED
+            return
+        log.warning("KV lease of %s expired before any pull; freeing its blocks", key)
+        self._free_soon(key, Freed.LEASE_EXPIRED)
+
+    def _take(self, key: str, why: Freed) -> bool:
+        """Forget the record (so nothing else frees it) and stop its timer; False if there was none."""
+        record = self._records.pop(key, None)
+        if record is None:
+            return False
+        if record.timer is not None:
+            record.timer.cancel()
+        self.freed[why] += 1
+        return True
+
+    async def _free(self, key: str, why: Freed) -> None:
+        if self._take(key, why):
+            await self._release(key, why)
+
+    def _free_soon(self, key: str, why: Freed) -> None:
+        """`_free` from a callback: the record goes now, the engine and Redis calls run in a task."""
+        if self._take(key, why):
+            task = asyncio.create_task(self._release(key, why))
+            self._freeing.add(task)
+            task.add_done_callback(self._freeing.discard)
+
+    async def _release(self, key: str, why: Freed) -> None:
+        """The engine's blocks, then the Redis entry; failures are logged (the entry's TTL removes it)."""
+        log.debug("freeing the KV of %s (%s)", key, why.value)
+        try:
+            await self.blocks.release_kv(key)
+        except Exception:
+            log.exception("releasing the KV of %s failed", key)
+        await self._delete_entry(key)
+
+    async def _delete_entry(self, key: str) -> None:
+        if self.registry is None:
+            return
+        try:
+            await self.registry.delete(key)
+        except Exception as exc:  # the entry's TTL removes it anyway
+            log.warning("could not delete the KV location of %s: %s", key, exc)
