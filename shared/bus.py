@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import nats
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
@@ -67,8 +67,8 @@ async def connect(settings: CommonSettings, name: str) -> NATS:
     auth: dict[str, Any] = {}
     if user is not None and password is not None:
         auth = {"user": guarded(user), "password": guarded(password)}
-    elif user is not None or password is not None:
-        auth = {"token": guarded(user or password)}
+    elif (token := user or password) is not None:
+        auth = {"token": guarded(token)}
 
     async def on_disconnect() -> None:
         log.warning("%s: disconnected from NATS", name)
@@ -87,7 +87,8 @@ async def connect(settings: CommonSettings, name: str) -> NATS:
         servers,
         name=name,
         max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
+        # nats-py annotates int, but only ever sleeps for it or adds it to a time: half a second works
+        reconnect_time_wait=0.5,  # pyright: ignore[reportArgumentType]
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
         error_cb=on_error,

@@ -30,7 +30,7 @@ def add_bench_command(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "bench",
         help="load an OpenAI-compatible server and report TTFT/TPOT/ITL/E2EL, throughput and goodput",
-        description=__doc__.split("\n\n")[0],
+        description=(__doc__ or "").split("\n\n")[0],  # None under python -OO
     )
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is accepted)")
     p.add_argument("--model", help="model name to request, or a checkpoint directory (then it is also the "

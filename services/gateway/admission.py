@@ -36,11 +36,17 @@ RATE_WINDOW_S = 30.0  # departures older than this do not count towards the rate
 
 
 class InFlight(Protocol):
-    """What admission reads of one open request (RequestUpdates in the NatsBackend)."""
+    """What admission reads of one open request (RequestUpdates in the NatsBackend). Read-only properties: an
+    implementation may hold them as attributes or compute them."""
 
-    prompt_tokens: int
-    delivered: int  # output tokens delivered to the client so far
-    first_token_seen: bool
+    @property
+    def prompt_tokens(self) -> int: ...
+
+    @property
+    def delivered(self) -> int: ...  # output tokens delivered to the client so far
+
+    @property
+    def first_token_seen(self) -> bool: ...
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from litestar.dto import MsgspecDTO
 from services.gateway.errors import APIError
 
 T = TypeVar("T")
+RequestT = TypeVar("RequestT", bound=msgspec.Struct)  # what litestar's MsgspecDTO accepts (a request schema)
 
 _AT = re.compile(r" - at `\$\.?(?P<path>.*)`$")
 _MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
@@ -51,7 +52,7 @@ def check_content_type(content_type: str | None) -> None:
         raise APIError(415, f"Content-Type must be application/json, got {content_type!r}")
 
 
-class StrictJSON(MsgspecDTO[T]):
+class StrictJSON(MsgspecDTO[RequestT]):
     """Use as `dto=StrictJSON[Schema], return_dto=None` on a handler taking `data: Schema`."""
 
     def decode_bytes(self, value: bytes) -> Any:

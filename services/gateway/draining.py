@@ -106,5 +106,6 @@ class DrainingServer(uvicorn.Server):
             await self.drain.expire()
         else:
             log.info("drained: nothing in flight; shutting down")
-        self.config.timeout_graceful_shutdown = max(1.0, self.drain.left_s(time.monotonic()))
+        # uvicorn annotates this int but only passes it to asyncio.wait_for, where seconds may be fractional
+        self.config.timeout_graceful_shutdown = max(1.0, self.drain.left_s(time.monotonic()))  # pyright: ignore[reportAttributeAccessIssue]
         self.should_exit = True

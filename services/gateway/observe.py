@@ -12,6 +12,7 @@ import time
 from collections.abc import Mapping
 
 from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
 
 from shared.telemetry import metrics, tracing
 
@@ -80,7 +81,7 @@ class RequestObserver:
         m.REQUESTS_RUNNING.labels(*self.labels).dec()
         m.REQUEST_SUCCESS.labels(*self.labels, finish_reason).inc()
         m.GENERATION_TOKENS.labels(*self.labels).inc(completion_tokens)
-        attributes: dict[str, object] = {
+        attributes: dict[str, AttributeValue] = {
             tracing.GEN_AI_USAGE_OUTPUT_TOKENS: completion_tokens,
             tracing.GEN_AI_RESPONSE_FINISH_REASONS: (finish_reason,),
             "http.response.status_code": status,

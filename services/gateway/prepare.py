@@ -86,8 +86,8 @@ def _chat_prompt(req: ChatCompletionRequest, model: ServedModel) -> list[int]:
     if not req.messages:
         raise APIError(400, "messages must contain at least one message", "messages")
     if len(req.messages) > model.max_prompt_tokens:
-        message = f"too many messages: {len(req.messages)}, for prompts of at most {model.max_prompt_tokens} tokens"
-        raise APIError(400, message, "messages")
+        reason = f"too many messages: {len(req.messages)}, for prompts of at most {model.max_prompt_tokens} tokens"
+        raise APIError(400, reason, "messages")
     messages: list[dict[str, Any]] = []
     chars = 0
     for i, m in enumerate(req.messages):

@@ -19,6 +19,7 @@ from litestar.openapi.spec import (
     OpenAPI,
     OpenAPIHeader,
     OpenAPIMediaType,
+    OpenAPIResponse,
     OpenAPIType,
     Operation,
     Reference,
@@ -242,7 +243,8 @@ class CompletionOperation(Operation):
     Retry-After header; both reasons for a 503."""
 
     def __post_init__(self) -> None:
-        answers = self.responses or {}
+        # litestar writes each of these from error_responses / the route: an OpenAPIResponse, never a Reference
+        answers = {status: _response(r) for status, r in (self.responses or {}).items()}
         ok = answers.get("200")
         if ok is not None and ok.content is not None:
             # an event stream's schema describes one event (how schemathesis and OpenAPI 3.2 read it)
@@ -258,7 +260,8 @@ class CompletionOperation(Operation):
             )
             ok.content["text/event-stream"] = OpenAPIMediaType(schema=event)
         if (overloaded := answers.get("429")) is not None:
-            overloaded.headers = {"Retry-After": RETRY_AFTER}
+            headers: dict[str, OpenAPIHeader | Reference] = {"Retry-After": RETRY_AFTER}
+            overloaded.headers = headers
         if (unavailable := answers.get("503")) is not None:
             unavailable.description = (
                 "No worker can serve the request now, or the gateway is draining (shutting down): send it again "
@@ -290,9 +293,9 @@ def declare_limits(document: OpenAPI, model: ServedModel, max_body_bytes: int) -
     completion = _properties(schemas["CompletionRequest"])
     chat = _properties(schemas["ChatCompletionRequest"])
     # new lists and dicts throughout: the annotations' own are shared by every app
-    _schema(completion["prompt"]).one_of = _prompt_forms(text, token_ids)
+    _set_one_of(completion["prompt"], _prompt_forms(text, token_ids))
     for request in (completion, chat):
-        _schema(request["stop_token_ids"]).one_of = _stop_token_ids_forms(token_id)
+        _set_one_of(request["stop_token_ids"], _stop_token_ids_forms(token_id))
         for field in ("max_tokens", "max_completion_tokens"):
             if field in request:  # a prompt has at least one token
                 _schema(request[field]).maximum = model.max_model_len - 1  # beside litestar's minimum
@@ -312,9 +315,20 @@ def declare_limits(document: OpenAPI, model: ServedModel, max_body_bytes: int) -
                 too_large.description = f"The request body is larger than the gateway's limit of {max_body_bytes} bytes"
 
 
+def _response(response: OpenAPIResponse | Reference) -> OpenAPIResponse:
+    assert isinstance(response, OpenAPIResponse), response
+    return response
+
+
 def _schema(schema: Schema | Reference) -> Schema:
     assert isinstance(schema, Schema), schema
     return schema
+
+
+def _set_one_of(schema: Schema | Reference, forms: list[dict[str, Any]]) -> None:
+    """Replace `schema`'s oneOf by raw JSON Schema `forms`, which litestar writes into the document as they are
+    (as it does those of _documented); its annotation names only Schema and Reference."""
+    _schema(schema).one_of = forms  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _properties(schema: Schema | Reference) -> dict[str, Schema | Reference]:

@@ -31,7 +31,8 @@ def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with code {proc.returncode} before listening")
+            program = proc.args[0] if isinstance(proc.args, list | tuple) else proc.args  # argv, or one string
+            raise RuntimeError(f"{program} exited with code {proc.returncode} before listening")
         with socket.socket() as s:
             if s.connect_ex((host, port)) == 0:
                 return

@@ -147,7 +147,7 @@ def _read_traces(path: str | os.PathLike) -> dict[str, list[dict]]:
     if p.is_dir():
         raise ValueError(f"{p} is a directory, not a span file")
     traces: dict[str, list[dict]] = {}
-    seen: set[tuple[str, str]] = set()
+    seen: set[tuple[str, object]] = set()  # (trace id, span id as written, maybe missing)
     for record in read_spans(p):
         trace_id, span_id = record.get("trace_id"), record.get("span_id")
         if not isinstance(trace_id, str) or not isinstance(record.get("start_ns"), int):
@@ -362,7 +362,7 @@ def summarize(spans: Sequence[dict]) -> Summary:
     ttft = _number(attr(GEN_AI_TTFT, root))
     ttft_estimated = False
     first_token = next((e for e in (root or {}).get("events") or [] if e.get("name") == "first_token"), None)
-    if ttft is None and first_token is not None and isinstance(first_token.get("time_ns"), int):
+    if ttft is None and root is not None and first_token is not None and isinstance(first_token.get("time_ns"), int):
         ttft = (first_token["time_ns"] - root["start_ns"]) / 1e9  # the gateway's event: the real thing
     if ttft is None and prefill is not None and start is not None:
         ttft, ttft_estimated = (prefill["end_ns"] - start) / 1e9, True
@@ -595,6 +595,7 @@ def render_png(spans: Sequence[dict], out_path: str | os.PathLike) -> Path:
     phases shaded behind; written with matplotlib's Agg canvas (no display, no pyplot state)."""
     if not spans:
         raise ValueError("no spans to draw")
+    from matplotlib.artist import Artist
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -654,7 +655,9 @@ def render_png(spans: Sequence[dict], out_path: str | os.PathLike) -> Path:
     ttft = f"{'~' if summary.ttft_estimated else ''}{fmt_ms(summary.ttft_s * 1e3)} ms" if summary.ttft_s else "?"
     e2e = f"{fmt_ms(summary.e2e_s * 1e3)} ms" if summary.e2e_s else "?"
     ax.set_title(f"{summary.request_id or summary.trace_id}  -  TTFT {ttft}, e2e {e2e}", fontsize=11)
-    handles = [Patch(facecolor=c, edgecolor="black", linewidth=0.4, label=s) for s, c in services_seen.items()]
+    handles: list[Artist] = [
+        Patch(facecolor=c, edgecolor="black", linewidth=0.4, label=s) for s, c in services_seen.items()
+    ]
     if summary.ttft_s is not None and root is not None:
         handles.append(Line2D([], [], color="#C44E52", linestyle="--", linewidth=1, label="first token"))
     handles += [
@@ -676,7 +679,7 @@ def add_trace_command(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "trace",
         help="one request's timeline from a span file (pdserve up --trace-file)",
-        description=__doc__.split("\n\n")[0],
+        description=(__doc__ or "").split("\n\n")[0],  # None under python -OO
     )
     p.add_argument("spans_file", help="the JSON-lines span file that pdserve up --trace-file wrote")
     which = p.add_mutually_exclusive_group()

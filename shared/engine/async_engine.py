@@ -44,17 +44,19 @@ class AsyncEngine:
         self._failure: BaseException | None = None
         self._failing = threading.Lock()  # orders `call`'s check-and-queue against the thread's death
         self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        """Start the engine thread; outputs and the failure report go to the running loop."""
+        self._thread = threading.Thread(
+            target=self._run, args=(asyncio.get_running_loop(),), name="engine", daemon=True
+        )
         self._thread.start()
 
     async def stop(self) -> None:
         self._stopped.set()
         if self._thread is not None and self._thread.is_alive():
-            self._commands.put((lambda e: None, self._loop.create_future(), self._loop))
+            loop = asyncio.get_running_loop()
+            self._commands.put((lambda e: None, loop.create_future(), loop))  # wakes a blocked _drain
             await asyncio.to_thread(self._thread.join, 10)
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
@@ -67,7 +69,7 @@ class AsyncEngine:
             self._commands.put((fn, future, loop))
         return await future
 
-    def _run(self) -> None:
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
         while not self._stopped.is_set():
             busy = self.engine.has_unfinished()
             self._drain(block=not busy)
@@ -78,24 +80,24 @@ class AsyncEngine:
                     outputs = self.engine.step()
                 except Exception as exc:  # a bug in one step must not kill the worker silently
                     log.exception("engine step failed; the engine thread stops")
-                    self._die(exc)
+                    self._die(exc, loop)
                     return
                 if outputs:
-                    self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+                    loop.call_soon_threadsafe(self._on_outputs, outputs)
 
-    def _die(self, exc: BaseException) -> None:
+    def _die(self, exc: BaseException, loop: asyncio.AbstractEventLoop) -> None:
         """Answer every queued call with EngineFailed (and every later one: see `call`), then report."""
         with self._failing:
             self._failure = exc
         error = EngineFailed(f"the engine failed: {exc!r}")
         while True:
             try:
-                _, future, loop = self._commands.get_nowait()
+                _, future, caller_loop = self._commands.get_nowait()
             except queue.Empty:
                 break
-            loop.call_soon_threadsafe(_settle, future, None, error)
+            caller_loop.call_soon_threadsafe(_settle, future, None, error)
         if self._on_failure is not None:
-            self._loop.call_soon_threadsafe(self._on_failure, exc)
+            loop.call_soon_threadsafe(self._on_failure, exc)
 
     def _drain(self, block: bool) -> None:
         try:

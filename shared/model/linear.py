@@ -9,6 +9,8 @@ parameters stay (loading, the reference MoE path and tests use them), at the cos
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,6 +31,13 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_BATCH_HINT)
+
+
+@runtime_checkable
+class Prepackable(Protocol):
+    """A module that packs its own matmul weights: PackedWeights, or one with its own layout (moe.Experts)."""
+
+    def prepack(self) -> None: ...
 
 
 class PackedWeights:
@@ -59,7 +68,7 @@ def prepack(model: nn.Module) -> int:
     model.__dict__["prepacked"] = True
     count = 0
     for module in model.modules():
-        if hasattr(module, "prepack"):
+        if isinstance(module, Prepackable):
             module.prepack()
             count += 1
     return count

@@ -12,6 +12,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 from safetensors import safe_open
@@ -51,6 +52,13 @@ PROGRESS_BYTES = 1 << 30
 
 class CheckpointError(ValueError):
     """The checkpoint directory is incomplete or does not match its config."""
+
+
+@runtime_checkable
+class _Sharded(Protocol):
+    """A module whose parameters are filled from pieces of several checkpoint tensors."""
+
+    def checkpoint_shards(self) -> dict[str, tuple[str, tuple]]: ...
 
 
 @dataclass(frozen=True)
@@ -144,7 +152,7 @@ def checkpoint_targets(model: CausalLM) -> dict[str, _Target]:
     """Checkpoint tensor name (canonical spelling) → the parameter slice it loads into."""
     targets: dict[str, _Target] = {}
     for prefix, module in model.named_modules():
-        shards = module.checkpoint_shards() if hasattr(module, "checkpoint_shards") else {}
+        shards = _shards(module)
         covered = {param for param, _ in shards.values()}
         for suffix, (param, index) in shards.items():
             targets[_join(prefix, suffix)] = _Target(getattr(module, param), index)
@@ -152,6 +160,10 @@ def checkpoint_targets(model: CausalLM) -> dict[str, _Target]:
             if name not in covered:
                 targets[_join(prefix, name)] = _Target(param, ())
     return targets
+
+
+def _shards(module: torch.nn.Module) -> dict[str, tuple[str, tuple]]:
+    return module.checkpoint_shards() if isinstance(module, _Sharded) else {}
 
 
 def _join(prefix: str, name: str) -> str:

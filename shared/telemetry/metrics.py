@@ -103,7 +103,7 @@ class _MetricsHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, *args) -> None:  # one line per scrape would drown the worker's log
+    def log_message(self, format: str, *args: object) -> None:  # one line per scrape would drown the worker's log
         pass
 
 

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
+from opentelemetry.util.types import AttributeValue
 
 from shared.telemetry.spanfile import JsonLinesSpanExporter
 
@@ -181,15 +183,22 @@ def install_log_trace_ids() -> None:
     previous = logging.getLogRecordFactory()
     if getattr(previous, "adds_trace_ids", False):
         return
+    logging.setLogRecordFactory(_TraceIdRecordFactory(previous))
 
-    def factory(*args, **kwargs) -> logging.LogRecord:
-        record = previous(*args, **kwargs)
+
+class _TraceIdRecordFactory:
+    """A log record factory: `previous`'s records, with `trace` set."""
+
+    adds_trace_ids = True  # what install_log_trace_ids looks for, to wrap only once
+
+    def __init__(self, previous: Callable[..., logging.LogRecord]) -> None:
+        self.previous = previous
+
+    def __call__(self, *args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = self.previous(*args, **kwargs)
         trace_id = current_trace_id()
         record.trace = f" trace={trace_id}" if trace_id else ""
         return record
-
-    factory.adds_trace_ids = True
-    logging.setLogRecordFactory(factory)
 
 
 use_span = trace.use_span  # `with use_span(span, end_on_exit=...)`: make a span current in a block
@@ -216,7 +225,7 @@ def start_span(
     parent: Context | trace.Span | None = None,
     start_s: float | None = None,
     kind: trace.SpanKind = trace.SpanKind.INTERNAL,
-    attributes: Mapping[str, object] | None = None,
+    attributes: Mapping[str, AttributeValue] | None = None,
 ) -> trace.Span:
     """A span under `parent` (a context, or a span of this process), started at wall time `start_s`
     (default now). Phase timestamps come from the engine thread, so spans take explicit times."""
@@ -237,8 +246,12 @@ def end_span(span: trace.Span, end_s: float | None = None, error: str | None = N
     span.end(end_time=None if end_s is None else _ns(end_s))
 
 
-def _messaging(operation: str, subject: str, request_id: str, **extra: object) -> dict[str, object]:
-    attributes = {MESSAGING_SYSTEM: "nats", MESSAGING_OPERATION: operation, MESSAGING_DESTINATION: subject}
+def _messaging(operation: str, subject: str, request_id: str, **extra: AttributeValue) -> dict[str, AttributeValue]:
+    attributes: dict[str, AttributeValue] = {
+        MESSAGING_SYSTEM: "nats",
+        MESSAGING_OPERATION: operation,
+        MESSAGING_DESTINATION: subject,
+    }
     return attributes | {REQUEST_ID: request_id} | extra
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -49,3 +52,15 @@ def test_generate_reports_bad_input(demo_dir, tmp_path, capsys):
     assert "tokenizer.json" in capsys.readouterr().err
     assert main(["generate", "--model", str(demo_dir), "--max-tokens", "0", "x"]) == 2
     assert "max_tokens" in capsys.readouterr().err
+
+
+def test_parser_builds_without_docstrings():
+    """`python -OO` (or PYTHONOPTIMIZE=2) strips docstrings; the bench and trace commands take their
+    descriptions from their module's, and building the parser used to fail on None.split."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for command in ("bench", "trace"):
+        done = subprocess.run(
+            [sys.executable, "-OO", "-m", "services.cli", command, "--help"], env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        assert f"pdserve {command}" in done.stdout

@@ -11,7 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from shared.model.config import UnsupportedModelError
 from shared.model.demo import write_demo_checkpoint
+from shared.model.linear import PackedWeights, can_prepack, prepack
 from shared.model.loader import CheckpointError, load_model
+from shared.model.moe import Experts
 from shared.model.tokenizer import ChatTemplateError, Tokenizer
 
 
@@ -71,6 +73,20 @@ def test_parameters_hold_the_checkpoint_tensors(qwen3_moe_ckpt):
         assert torch.equal(params[f"{pre}.mlp.experts.down"][e], raw[f"{pre}.mlp.experts.{e}.down_proj.weight"])
     assert torch.equal(params["model.embed_tokens.weight"], raw["model.embed_tokens.weight"])
     assert torch.equal(params["lm_head.weight"], raw["lm_head.weight"])
+
+
+@pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.float32), reason="oneDNN not available")
+def test_prepack_packs_every_module_with_matmul_weights(qwen3_moe_ckpt):
+    model = load_model(qwen3_moe_ckpt)
+    packed_weights = [m for m in model.modules() if isinstance(m, PackedWeights) and m.LINEAR_WEIGHTS]
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    assert packed_weights and experts
+    assert prepack(model) == len([m for m in model.modules() if isinstance(m, PackedWeights)]) + len(experts)
+    for module in packed_weights:
+        assert all(module.w(name).is_mkldnn for name in module.LINEAR_WEIGHTS), type(module).__name__
+    for module in experts:
+        assert all(w.is_mkldnn for e in range(module.num_experts) for w in module.expert_weights(e))
+    assert prepack(model) == 0  # once per model
 
 
 def test_mixtral_checkpoint_names_map_to_experts(tmp_path):

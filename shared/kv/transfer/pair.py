@@ -23,11 +23,20 @@ from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from shared.rpc import kv_transfer_pb2 as pb
+
+if TYPE_CHECKING:
+    # What ProcessGroupGloo/NCCL derive from: a pair's group is one, not a dist.ProcessGroup (torch.distributed's
+    # own `Backend` is the enum of backend names).
+    from torch._C._distributed_c10d import Backend as C10dGroup
+
+# torch.distributed re-exports its C++ stores (Store, TCPStore, PrefixStore) without marking them public.
+# pyright: reportPrivateImportUsage=false
 
 PREFILL_RANK = 0
 DECODE_RANK = 1
@@ -49,11 +58,11 @@ class TransferBackend(StrEnum):
         return self is TransferBackend.GLOO
 
     @property
-    def wire(self) -> pb.Backend.ValueType:
+    def wire(self) -> pb.Backend:
         return pb.BACKEND_NCCL if self is TransferBackend.NCCL else pb.BACKEND_GLOO
 
     @classmethod
-    def from_wire(cls, value: pb.Backend.ValueType) -> TransferBackend | None:
+    def from_wire(cls, value: pb.Backend) -> TransferBackend | None:
         return {pb.BACKEND_GLOO: cls.GLOO, pb.BACKEND_NCCL: cls.NCCL}.get(value)
 
 
@@ -86,14 +95,12 @@ def store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
 class Pair:
     """A two-rank process group plus the rank this process holds in it."""
 
-    def __init__(
-        self, pair_id: str, group: dist.ProcessGroup, rank: int, backend: TransferBackend, timeout_s: float
-    ) -> None:
+    def __init__(self, pair_id: str, group: C10dGroup, rank: int, backend: TransferBackend, timeout_s: float) -> None:
         self.pair_id = pair_id
         self.rank = rank
         self.backend = backend
         self.timeout_s = timeout_s
-        self._group: dist.ProcessGroup | None = group  # None once closed and idle: the group is destroyed
+        self._group: C10dGroup | None = group  # None once closed and idle: the group is destroyed
         self._lock = threading.Lock()
         self._in_flight = 0  # transfers using the group now
         self._closing = False
@@ -117,7 +124,8 @@ class Pair:
             options._timeout = timeout
             group = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
         else:
-            options = dist.ProcessGroupGloo._Options()
+            # gloo's own options (with _devices); torch's stub declares only the generic Options
+            options = dist.ProcessGroupGloo._Options()  # pyright: ignore[reportAttributeAccessIssue]
             options._timeout = timeout
             gloo = dist.ProcessGroupGloo
             options._devices = [gloo.create_device(hostname=local_host) if local_host else gloo.create_default_device()]
@@ -170,7 +178,7 @@ class Pair:
                 doomed = self._detach_if_idle()
             del doomed
 
-    def _detach_if_idle(self) -> dist.ProcessGroup | None:
+    def _detach_if_idle(self) -> C10dGroup | None:
         """Under the lock: the group, taken off this pair, once it is closing and unused; else None."""
         if not self._closing or self._in_flight:
             return None
