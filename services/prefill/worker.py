@@ -6,6 +6,8 @@ job, tell the gateway the request is queued for decode. The blocks stay pinned u
 pull completes (the transfer server releases them), the lease expires or the attempt is cancelled.
 Ownership of a request's blocks: prefilling (engine) → held (this worker, lease running) → pulled → freed.
 Everything inside the worker is keyed by the job's attempt key (engine request, held KV, Redis entry).
+A job's ledger entry: PREFILLING (in the engine) → HANDING_ON (first token out; `_hand_off` owns it) →
+forgotten once the decode job is published and the prefill job acked; the held KV is tracked apart.
 """
 
 from __future__ import annotations
@@ -14,16 +16,16 @@ import asyncio
 import logging
 
 from nats.aio.msg import Msg
-from opentelemetry.trace import Span
 
 from shared.engine.engine import RequestOutput
 from shared.engine.request import FinishReason
 from shared.kv.registry import KvLocation, KvRegistry
 from shared.kv.transfer.server import KvTransferServer
 from shared.kv.transfer.source import EngineKvSource
-from shared.messages import Cancel, DecodeJob, PrefillJob, TokenEvent, decode_subject, encode, prefill_subject
+from shared.messages import Cancel, DecodeJob, PrefillJob, decode_subject, encode, prefill_subject
 from shared.telemetry import metrics, tracing
-from shared.worker import Worker, error_event, sampling_params
+from shared.worker import Entry, Phase, Worker, sampling_params, spans
+from shared.worker.events import first_token_event, queued_event
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +35,6 @@ class PrefillWorker(Worker):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.jobs: dict[str, tuple[PrefillJob, Span]] = {}  # prefilling, by attempt key; the job's process span
         self.holding: dict[str, PrefillJob] = {}  # KV held for a pull, by attempt key
         # Held KV behind pull tickets; the transfer server exports and releases through it.
         self.source = EngineKvSource(self.engine.engine, call=self.engine.call, on_release=self._released)
@@ -69,13 +70,11 @@ class PrefillWorker(Worker):
             await self.source.release_kv(request_id)
 
     async def handle_job(self, msg: Msg) -> None:
-        job = self.take(msg, PrefillJob)
-        if job is None:
-            return
-        self.announce(job)
-        span = self.process_span(msg, job.request_id)
         # Registered before the engine sees it: the first token may reach the loop before this resumes.
-        self.jobs[job.key] = (job, span)
+        entry = await self.take(msg, PrefillJob, Phase.PREFILLING)
+        if entry is None:
+            return
+        job = entry.job
         try:
             # one token more than it has: a request moved here mid-stream resumes after its tokens so far
             outputs = job.output_token_ids
@@ -84,24 +83,20 @@ class PrefillWorker(Worker):
                 lambda e: e.add_request(job.key, job.prompt_token_ids, params, hold_kv=True, output_token_ids=outputs)
             )
         except Exception as exc:  # ValueError: the engine refused the job; anything else: a bug, answered as such
-            status = 400 if isinstance(exc, ValueError) else 500
-            if status == 500:
-                log.exception("adding %s failed", job.key)
-            del self.jobs[job.key]
-            self.emit(job.reply_subject, error_event(job, str(exc), self.settings.worker_id, status=status))
-            await self.term(job.key)
-            tracing.end_span(span, error=str(exc))
+            await self.fail(entry, exc)
 
     def handle_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            entry = self.jobs.pop(out.request_id, None)
-            if entry is not None:
-                asyncio.create_task(self._hand_off(*entry, out))
+            entry = self.ledger.get(out.request_id)
+            if entry is not None and entry.phase is Phase.PREFILLING:
+                entry.phase = Phase.HANDING_ON
+                asyncio.create_task(self._hand_off(entry, out))
 
-    async def _hand_off(self, job: PrefillJob, span: Span, out: RequestOutput) -> None:
-        self.record_prefill(job, out, span)
+    async def _hand_off(self, entry: Entry, out: RequestOutput) -> None:
+        job, span = entry.job, entry.span
+        spans.record_prefill(job, out, span, self.labels)
         metrics.GENERATION_TOKENS.labels(*self.labels).inc(len(out.new_token_ids))
-        with tracing.use_span(span, end_on_exit=True):  # log lines and the decode publish join its trace
+        with tracing.use_span(span):  # log lines and the decode publish join its trace
             try:
                 await self._hand_on(job, out)
             except Exception as exc:  # NATS away: the job stays unacked, so JetStream hands it out again
@@ -109,27 +104,20 @@ class PrefillWorker(Worker):
                 tracing.mark_error(span, str(exc))
                 await self.source.release_kv(job.key)
                 await self.engine.call(lambda e: e.release_kv(job.key))
-                self.unacked.pop(job.key, None)
+                self.ledger.pop(job.key)
+        spans.end_once(span)
 
     async def _hand_on(self, job: PrefillJob, out: RequestOutput) -> None:
         """Publish the first token; hold the KV and publish the decode job (or free it: nothing to decode)."""
         rid, key = job.request_id, job.key
-        token, position = out.new_token_ids[0], len(job.output_token_ids)
+        token = out.new_token_ids[0]
         finished = out.finish_reason is FinishReason.STOP or out.num_output_tokens >= job.sampling.max_tokens
         reason = (out.finish_reason.value if out.finish_reason else "length") if finished else None
-        event = TokenEvent(
-            request_id=rid,
-            attempt=job.attempt,
-            seq=position,
-            token_ids=[token],
-            finish_reason=reason,
-            prompt_tokens=out.num_prompt_tokens,
-            worker_id=self.settings.worker_id,
-        )
-        self.emit(job.reply_subject, event)
+        worker_id = self.settings.worker_id
+        self.emit(job.reply_subject, first_token_event(job, token, reason, out.num_prompt_tokens, worker_id))
         if finished or self.is_cancelled(rid, job.attempt):  # nothing left to decode here
             await self.engine.call(lambda e: e.release_kv(key))
-            await self.ack(key)
+            self.ledger.finish(key)
             return
         self.source.hold(key)
         self.holding[key] = job
@@ -157,9 +145,8 @@ class PrefillWorker(Worker):
         subject = decode_subject(self.model_name)
         with tracing.producer_span(subject, rid):
             await self.js.publish(subject, encode(decode_job), headers=tracing.carrier() or None)
-        await self.ack(key)
-        queued = TokenEvent(rid, job.attempt, position + 1, [], worker_id=self.settings.worker_id, queued=True)
-        self.emit(job.reply_subject, queued)  # no worker holds the request until a decode worker takes it
+        self.ledger.finish(key)
+        self.emit(job.reply_subject, queued_event(job, worker_id))  # no worker holds it until a decode worker does
         if holder is not None:
             asyncio.get_running_loop().call_later(self.settings.kv_lease_s, self._expire, key)
 
@@ -176,12 +163,11 @@ class PrefillWorker(Worker):
             log.warning("could not delete the KV location of %s: %s", key, exc)
 
     async def on_cancel(self, cancel: Cancel) -> None:
-        for key, (job, span) in list(self.jobs.items()):
-            if job.request_id == cancel.request_id and cancel.covers(job.attempt):
-                del self.jobs[key]
-                await self.engine.call(lambda e, key=key: e.abort(key))
-                await self.ack(key)  # the client is gone or the request moved on: this job is done
-                tracing.end_span(span, error="cancelled")
+        await super().on_cancel(cancel)  # the jobs in hand
+        await self._drop_held(cancel)
+
+    async def _drop_held(self, cancel: Cancel) -> None:
+        """Free the KV this worker holds for an attempt `cancel` covers (unless a pull is sending it now)."""
         for key, job in list(self.holding.items()):
             if job.request_id == cancel.request_id and cancel.covers(job.attempt) and not self.source.is_sending(key):
                 await self.source.release_kv(key)
