@@ -13,7 +13,7 @@ from services.mixed.worker import MixedWorker
 from shared.engine.engine import Engine
 from shared.messages import Cancel, PrefillJob, Sampling, TokenEvent, encode
 from shared.settings import WorkerSettings
-from shared.worker import JobLedger, Phase
+from shared.worker import JobLedger, Phase, sampling_params
 from shared.worker.cancels import CancelMemory
 
 
@@ -157,12 +157,9 @@ def test_the_engine_thread_publishes_a_snapshot_before_a_call_returns(worker):
     async def scenario():
         worker.engine.start()
         try:
-            params = dataclasses.replace(worker.load)  # the snapshot before: no request
-            assert params.requests == frozenset()
-            from shared.worker import sampling_params
-
-            sp = sampling_params(job().sampling)
-            await worker.engine.call(lambda e: e.add_request("x", [1, 2, 3], sp))
+            assert worker.load.requests == frozenset()  # the snapshot taken at construction
+            params = sampling_params(job().sampling)
+            await worker.engine.call(lambda e: e.add_request("x", [1, 2, 3], params))
             assert "x" in worker.load.requests  # published on the engine thread before the call's result
             await worker.engine.call(lambda e: e.abort("x"))
             assert "x" not in worker.load.requests and worker.load.free_blocks == worker.load.total_blocks
