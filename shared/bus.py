@@ -17,10 +17,10 @@ from typing import Any
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
-from shared.messages import JOBS_STREAM, JOBS_SUBJECTS
+from shared.messages import CANCEL_RETENTION_S, CANCEL_WILDCARD, CANCELS_STREAM, JOBS_STREAM, JOBS_SUBJECTS
 from shared.settings import CommonSettings
 from shared.tls import client_context
 from shared.urls import redact, split_credentials
@@ -176,6 +176,31 @@ async def ensure_jobs_stream(js: JetStreamContext) -> None:
         await js.add_stream(config)
     except BadRequestError:
         await js.update_stream(config)
+
+
+async def ensure_cancels_stream(js: JetStreamContext) -> None:
+    """Create the cancels stream if missing (idempotent). Cancels are kept (limits retention, CANCEL_RETENTION_S)
+    so that a worker that was disconnected when one was published still reads it after reconnecting; every
+    worker reads every cancel (shared/worker/cancel_feed.py), so nothing is removed on delivery."""
+    config = StreamConfig(
+        name=CANCELS_STREAM,
+        subjects=[CANCEL_WILDCARD],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,  # survives a NATS restart, as the sequence numbers workers resume from do
+        max_age=CANCEL_RETENTION_S,
+        max_msgs=100_000,
+        discard=DiscardPolicy.OLD,
+    )
+    try:
+        await js.add_stream(config)
+    except BadRequestError:
+        await js.update_stream(config)
+
+
+async def ensure_streams(js: JetStreamContext) -> None:
+    """Every stream the services use: jobs and cancels."""
+    await ensure_jobs_stream(js)
+    await ensure_cancels_stream(js)
 
 
 async def job_consumer(

@@ -7,7 +7,8 @@ Subjects:
     pd.jobs.prefill.<model>           JetStream work queue: prompts waiting for a prefill worker
     pd.jobs.decode.<model>            JetStream work queue: prefilled requests waiting for a decode worker
     pd.tokens.<gateway>.<request>     core NATS: token events for one request, to the gateway that owns it
-    pd.cancel.<request>               core NATS: stop a request everywhere (client went away)
+    pd.cancel.<request>               JetStream (stream PD_CANCELS, kept CANCEL_RETENTION_S): stop a request
+                                      everywhere (client went away, request moved on)
     pd.hb.<role>.<worker>             core NATS: worker heartbeats (readiness, load)
 """
 
@@ -23,6 +24,8 @@ import msgspec
 _log = logging.getLogger(__name__)
 
 JOBS_STREAM = "PD_JOBS"
+CANCELS_STREAM = "PD_CANCELS"
+CANCEL_RETENTION_S = 600.0  # as long as workers remember a cancel: an older one would be forgotten anyway
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 

@@ -6,6 +6,9 @@ Pulls run as tasks on the event loop while the engine thread keeps stepping the 
 KV cannot be had (no location, transfer failed), the request is recomputed from its prompt and the tokens
 so far (kv_fallback `recompute`), or fails with a clear error (`fail`). A job with nothing to pull (moved
 here from a worker that died) and one with no room to import its KV are always recomputed.
+
+A request's entry: PULLING (its KV pull in flight, owned by `_admit`) → RUNNING (in the engine) → forgotten
+with its last token.
 """
 
 from __future__ import annotations
@@ -14,15 +17,14 @@ import asyncio
 import logging
 
 from nats.aio.msg import Msg
-from opentelemetry.trace import Span
 
 from shared.engine.block_manager import NoFreeBlocksError
 from shared.kv.registry import KvRegistry
 from shared.kv.transfer.client import KvTransferClient
 from shared.kv.transfer.errors import KvTransferError
-from shared.messages import Cancel, DecodeJob, Role, decode_subject
+from shared.messages import DecodeJob, Role, decode_subject
 from shared.telemetry import metrics, tracing
-from shared.worker import StreamingWorker, error_event, sampling_params
+from shared.worker import Entry, Phase, StreamingWorker, error_event, sampling_params, spans
 
 log = logging.getLogger(__name__)
 MAX_CONCURRENT_PULLS = 4
@@ -33,7 +35,6 @@ class DecodeWorker(StreamingWorker):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.admitting: dict[str, DecodeJob] = {}  # pulls in flight, by attempt key
         self.registry: KvRegistry | None = None
         self.client: KvTransferClient | None = None
 
@@ -55,39 +56,36 @@ class DecodeWorker(StreamingWorker):
             await self.client.close()
 
     def has_room(self) -> bool:
-        return super().has_room() and len(self.admitting) < MAX_CONCURRENT_PULLS
+        return super().has_room() and self.ledger.count(Phase.PULLING) < MAX_CONCURRENT_PULLS
 
     async def handle_job(self, msg: Msg) -> None:
-        job = self.take(msg, DecodeJob)
-        if job is None:
-            return
-        self.announce(job)
-        span = self.process_span(msg, job.request_id)
-        self.admitting[job.key] = job
-        asyncio.create_task(self._admit_traced(job, span))
+        entry = await self.take(msg, DecodeJob, Phase.PULLING)
+        if entry is not None:
+            asyncio.create_task(self._admit_traced(entry))
 
-    async def _admit_traced(self, job: DecodeJob, span: Span) -> None:
-        with tracing.use_span(span, end_on_exit=True):  # the pull's span and log lines join the request's trace
-            await self._admit(job, span)
+    async def _admit_traced(self, entry: Entry) -> None:
+        with tracing.use_span(entry.span):  # the pull's span and log lines join the request's trace
+            await self._admit(entry)
+        spans.end_once(entry.span)
 
-    async def _admit(self, job: DecodeJob, span: Span) -> None:
-        key = job.key
+    async def _admit(self, entry: Entry) -> None:
+        job, key, span = entry.job, entry.key, entry.span
         try:
             params = sampling_params(job.sampling)
             kv, failure = await self._pull(job)
-            if key not in self.admitting:  # cancelled during the pull
-                await self.ack(key)
+            if entry.cancelled:  # during the pull
+                self.ledger.finish(key)
                 return
             if failure is not None and self.settings.kv.fallback == "fail":
                 message = f"the request's KV could not be had ({failure}) and kv_fallback is 'fail'"
                 self.emit(job.reply_subject, error_event(job, message, self.settings.worker_id, status=502))
                 span.set_attribute(tracing.KV_OUTCOME, "failed")
-                await self.ack(key)  # answered: the job is done
+                self.ledger.finish(key)  # answered: the job is done
                 return
             prompt, outputs = job.prompt_token_ids, job.output_token_ids
-            # Registered before the engine sees it: its first outputs may reach the loop before this resumes.
-            self.streams[key] = job
-            self.start_decode_span(job, span)
+            # Running before the engine sees it: its first outputs may reach the loop before this resumes.
+            entry.phase = Phase.RUNNING
+            self.start_decode_span(entry, span)
             try:
                 if kv is None:
                     raise NoFreeBlocksError("no KV to import")
@@ -98,21 +96,9 @@ class DecodeWorker(StreamingWorker):
                 await self.engine.call(lambda e: e.add_request(key, prompt, params, output_token_ids=outputs))
                 span.set_attribute(tracing.KV_OUTCOME, "recompute")
                 metrics.PROMPT_TOKENS.labels(*self.labels).inc(len(prompt))  # this engine computes the prompt
-            await self.ack(key)
+            await self.ledger.ack(key)
         except Exception as exc:  # ValueError: the job was refused; anything else: a bug, answered as such
-            status = 400 if isinstance(exc, ValueError) else 500
-            if status == 500:
-                log.exception("admitting %s failed", key)
-            if self.streams.pop(key, None) is not None:
-                await self.engine.call(lambda e: e.abort(key))
-            decode_span = self.decode_spans.pop(key, None)
-            if decode_span is not None:
-                tracing.end_span(decode_span, error=str(exc))
-            self.emit(job.reply_subject, error_event(job, str(exc), self.settings.worker_id, status=status))
-            await self.term(key)
-            tracing.mark_error(span, str(exc))
-        finally:
-            self.admitting.pop(key, None)
+            await self.fail(entry, exc)
 
     async def _pull(self, job: DecodeJob):  # -> (KVExport | None, why the KV could not be had | None)
         """The job's KV from the prefill worker that holds it; (None, None) when there is nothing to pull."""
@@ -132,9 +118,3 @@ class DecodeWorker(StreamingWorker):
         except KvTransferError as exc:
             log.warning("KV pull of %s from %s failed (%s)", key, loc.worker_id, exc)
             return None, f"pulling it from {loc.worker_id} failed: {exc}"
-
-    async def on_cancel(self, cancel: Cancel) -> None:
-        for key, job in list(self.admitting.items()):
-            if job.request_id == cancel.request_id and cancel.covers(job.attempt):
-                del self.admitting[key]  # a pull in flight: _admit sees it and drops the request
-        await super().on_cancel(cancel)

@@ -85,7 +85,7 @@ class NatsBackend:
         js = nc.jetstream()
         while True:
             try:
-                await bus.ensure_jobs_stream(js)
+                await bus.ensure_streams(js)
                 break
             except Exception as exc:  # JetStream not ready yet (server starting): keep trying
                 log.warning("jobs stream setup failed (%s); retrying", exc)
@@ -140,7 +140,8 @@ class NatsBackend:
         job = msgspec.structs.replace(first, attempt=attempt, output_token_ids=list(stream.tokens))
         subject = prefill_subject(first.model)
         try:  # the stream is already on the new attempt: a failure here must end it, not leave it unwatched
-            await self._nc.publish(cancel_subject(rid), encode(Cancel(rid, up_to_attempt=old)))
+            cancel = encode(Cancel(rid, up_to_attempt=old))
+            await self._js.publish(cancel_subject(rid), cancel, timeout=PUBLISH_TIMEOUT_S)
             await self._js.publish(
                 subject, encode(job), timeout=PUBLISH_TIMEOUT_S, headers=stream.trace_headers or None
             )
@@ -202,11 +203,10 @@ class NatsBackend:
         return stream
 
     async def cancel(self, request_id: str) -> None:
-        nc = self._connected()
-        if nc is None:
+        if self._connected() is None or self._js is None:
             return
-        try:
-            await nc.publish(cancel_subject(request_id), encode(Cancel(request_id)))
+        try:  # into the cancels stream: a worker disconnected now reads it when it is back (shared/bus.py)
+            await self._js.publish(cancel_subject(request_id), encode(Cancel(request_id)), timeout=PUBLISH_TIMEOUT_S)
         except Exception as exc:
             log.warning("could not publish the cancel of %s: %s", request_id, exc)
 

@@ -7,6 +7,10 @@ work, so NATS, gRPC and KV transfers on the loop never stop a running batch. A s
 thread and is reported through `on_failure` (on the loop): the engine's state is unknown after it, so the
 service must stop rather than serve on without an engine. From then on every `call` — queued or new — raises
 EngineFailed at once instead of waiting for a thread that is gone.
+
+`on_state(engine)`, when given, runs on the engine thread whenever the engine may have changed: at start, after
+each call's fn (before its result reaches the caller) and after each step (before its outputs do). A service
+takes immutable snapshots there, so that its loop never reads the engine's counters while this thread changes them.
 """
 
 from __future__ import annotations
@@ -34,10 +38,12 @@ class AsyncEngine:
         engine: Engine,
         on_outputs: Callable[[list[RequestOutput]], None],
         on_failure: Callable[[BaseException], None] | None = None,
+        on_state: Callable[[Engine], None] | None = None,
     ) -> None:
         self.engine = engine
         self._on_outputs = on_outputs
         self._on_failure = on_failure
+        self._on_state = on_state
         self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future, asyncio.AbstractEventLoop]]
         self._commands = queue.SimpleQueue()
         self._stopped = threading.Event()
@@ -47,6 +53,7 @@ class AsyncEngine:
 
     def start(self) -> None:
         """Start the engine thread; outputs and the failure report go to the running loop."""
+        self._state_changed()
         self._thread = threading.Thread(
             target=self._run, args=(asyncio.get_running_loop(),), name="engine", daemon=True
         )
@@ -82,8 +89,17 @@ class AsyncEngine:
                     log.exception("engine step failed; the engine thread stops")
                     self._die(exc, loop)
                     return
+                self._state_changed()
                 if outputs:
                     loop.call_soon_threadsafe(self._on_outputs, outputs)
+
+    def _state_changed(self) -> None:
+        if self._on_state is None:
+            return
+        try:
+            self._on_state(self.engine)
+        except Exception:  # a broken observer must not stop the engine
+            log.exception("on_state failed")
 
     def _die(self, exc: BaseException, loop: asyncio.AbstractEventLoop) -> None:
         """Answer every queued call with EngineFailed (and every later one: see `call`), then report."""
@@ -110,6 +126,7 @@ class AsyncEngine:
                 result, error = fn(self.engine), None
             except Exception as exc:  # returned to the caller, not fatal to the engine
                 result, error = None, exc
+            self._state_changed()
             loop.call_soon_threadsafe(_settle, future, result, error)
             try:
                 item = self._commands.get_nowait()

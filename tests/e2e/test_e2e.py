@@ -4,6 +4,7 @@ processes (started by the same launcher as `pdserve up`), driven over HTTP."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -149,6 +150,7 @@ def test_openai_client(stack_1p1d, model_dir, reference):
 
 
 def test_client_disconnect_frees_kv_everywhere(stack_1p1d):
+    generated_before = _generated_tokens(stack_1p1d)
     body = {"model": "demo", "prompt": "cancel me", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", f"{stack_1p1d.url}/v1/completions", json=body) as resp:
@@ -166,6 +168,41 @@ def test_client_disconnect_frees_kv_everywhere(stack_1p1d):
             break
     assert idle, beats
     assert kv_keys(stack_1p1d.redis_url) == []
+    # the cancel stopped generation: ignore_eos would have run all 1000 tokens otherwise
+    generated = _generated_tokens(stack_1p1d) - generated_before
+    assert generated < 500, f"{generated} tokens generated after the client left at the 7th line"
+
+
+def test_cancel_frees_the_kv_a_prefill_worker_holds(model_dir):
+    """The client leaves while the prefill worker holds the request's KV for a decode worker that is paused (so
+    nobody pulls it): the cancel frees the blocks and the Redis entry well before the KV lease would."""
+    stack = _stack(model_dir, prefill=1, decode=1)
+    (decode,) = (proc for name, proc in stack.procs.items() if name.startswith("decode"))
+    try:
+        decode.send_signal(signal.SIGSTOP)
+        body = {"model": "demo", "prompt": "hold me", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", f"{stack.url}/v1/completions", json=body) as resp:
+                lines = resp.iter_lines()  # kept: a closed line iterator closes the connection (a disconnect)
+                next(line for line in lines if line.startswith("data:"))  # the first token: prefilled
+                held = _prefill_beat(stack, lambda b: b.held_kv == 1)
+                assert held.held_kv == 1 and held.free_blocks < held.total_blocks, held
+                assert len(kv_keys(stack.redis_url)) == 1
+        freed = _prefill_beat(stack, lambda b: b.held_kv == 0 and b.free_blocks == b.total_blocks, timeout_s=10)
+        assert freed.held_kv == 0 and freed.free_blocks == freed.total_blocks, freed  # the lease is 30 s
+        assert kv_keys(stack.redis_url) == []
+    finally:
+        decode.send_signal(signal.SIGCONT)
+        stack.stop()
+
+
+def _prefill_beat(stack: Stack, wanted, timeout_s: float = 20.0):
+    """The prefill worker's latest heartbeat once `wanted(beat)` holds (or the last one seen at the deadline)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        beat = next(b for b in heartbeats(stack.nats_url, seconds=1.2).values() if b.role == "prefill")
+        if wanted(beat) or time.monotonic() > deadline:
+            return beat
 
 
 def test_bad_input_keeps_the_stack_serving(stack_1p1d):

@@ -1,0 +1,24 @@
+"""The engine a worker runs, and the engine's sampling parameters from a job's."""
+
+from __future__ import annotations
+
+from shared.engine.engine import Engine
+from shared.engine.sampling import SamplingParams
+from shared.messages import Sampling
+from shared.settings import WorkerSettings
+
+
+def sampling_params(s: Sampling, max_tokens: int | None = None) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens or s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
+
+
+def build_engine(settings: WorkerSettings) -> Engine:
+    return Engine(settings.engine)

@@ -1,0 +1,64 @@
+"""What the event loop knows of the engine's load: an immutable snapshot the ENGINE THREAD takes after every
+command and every step (AsyncEngine's on_state hook), so the loop never reads counters the engine thread is
+changing. Admission (`has_room`) and heartbeats read only the latest snapshot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.engine.engine import Engine
+
+# Fetch no job once this share of the KV blocks is in use: what remains is for the running requests to grow.
+MAX_BLOCK_USAGE = 0.9
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    running: int
+    waiting: int
+    waiting_tokens: int  # tokens the queued requests still need computed
+    free_blocks: int
+    total_blocks: int
+    prefill_tokens: int  # cumulative (EngineStats)
+    decode_tokens: int
+    requests: frozenset[str]  # ids the engine knows: running, waiting, or finished and holding KV
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineLoad:
+        """A snapshot of `engine`; only on the thread that drives it (or before that thread starts)."""
+        config = engine.config
+        return cls(
+            running=engine.num_running,
+            waiting=engine.num_waiting,
+            waiting_tokens=engine.num_waiting_tokens,
+            free_blocks=engine.blocks.num_free,
+            total_blocks=engine.blocks.num_blocks,
+            prefill_tokens=engine.stats.prefill_tokens,
+            decode_tokens=engine.stats.decode_tokens,
+            requests=frozenset(engine.requests),
+            block_size=config.block_size,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.model.config.vocab_size,
+        )
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use, 0.0–1.0."""
+        return 1.0 - self.free_blocks / self.total_blocks
+
+    def has_room(self) -> bool:
+        """The engine can start one more job soon: a sequence slot and blocks to spare, and the queue shorter
+        than one step's token budget — so the next step can batch several prompts, while a job another worker
+        could start now is not hoarded here."""
+        return (
+            self.running + self.waiting < self.max_num_seqs
+            and self.waiting_tokens < self.max_num_batched_tokens
+            and self.usage < MAX_BLOCK_USAGE
+        )

@@ -1,0 +1,58 @@
+"""Every TokenEvent the worker runtime sends to the gateway is built here (and nowhere else), each through the
+constructor of its kind (shared/messages.py)."""
+
+from __future__ import annotations
+
+from shared.engine.engine import RequestOutput
+from shared.engine.request import FinishReason as EngineFinishReason
+from shared.messages import DecodeJob, FinishReason, PrefillJob, TokenEvent
+
+
+def wire_finish_reason(reason: EngineFinishReason | None) -> FinishReason:
+    """The engine's reason as the wire says it; a finished output without one ran out of length."""
+    return FinishReason(reason.value) if reason is not None else FinishReason.LENGTH
+
+
+def token_event(request_id: str, attempt: int, out: RequestOutput, worker_id: str) -> TokenEvent:
+    """The wire event of one engine output: its new tokens, and the end when it finished."""
+    seq, tokens, prompt_tokens = (
+        out.num_output_tokens - len(out.new_token_ids),
+        out.new_token_ids,
+        out.num_prompt_tokens,
+    )
+    if out.finished:
+        reason = wire_finish_reason(out.finish_reason)
+        return TokenEvent.finished(request_id, attempt, seq, tokens, reason, worker_id, prompt_tokens)
+    return TokenEvent.tokens(request_id, attempt, seq, tokens, worker_id, prompt_tokens)
+
+
+def error_event(job: PrefillJob | DecodeJob, message: str, worker_id: str, status: int = 400) -> TokenEvent:
+    """The request was refused (by default as a client mistake the gateway could not see, e.g. a worker
+    with a shorter max_model_len)."""
+    return TokenEvent.failed(job.request_id, job.attempt, message, status, worker_id)
+
+
+def announce_event(job: PrefillJob | DecodeJob, worker_id: str) -> TokenEvent:
+    """This worker holds the request now (the gateway watches its heartbeats from here on)."""
+    return TokenEvent.taken(job.request_id, job.attempt, len(job.output_token_ids), worker_id)
+
+
+def first_token_event(
+    job: PrefillJob,
+    token: int,
+    finished: bool,
+    reason: EngineFinishReason | None,
+    prompt_tokens: int,
+    worker_id: str,
+) -> TokenEvent:
+    """A prefill worker's one sampled token, at the position after the tokens the job already carries; the
+    request's end too when that token finished it."""
+    rid, attempt, seq = job.request_id, job.attempt, len(job.output_token_ids)
+    if finished:
+        return TokenEvent.finished(rid, attempt, seq, [token], wire_finish_reason(reason), worker_id, prompt_tokens)
+    return TokenEvent.tokens(rid, attempt, seq, [token], worker_id, prompt_tokens)
+
+
+def queued_event(job: PrefillJob, worker_id: str) -> TokenEvent:
+    """The decode job is published: no worker holds the request until a decode worker takes it."""
+    return TokenEvent.queued(job.request_id, job.attempt, len(job.output_token_ids) + 1, worker_id)

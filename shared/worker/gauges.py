@@ -1,0 +1,18 @@
+"""The worker's Prometheus gauges, set from an engine-load snapshot (never from the engine itself)."""
+
+from __future__ import annotations
+
+from shared.telemetry import metrics
+from shared.worker.engine_load import EngineLoad
+
+
+def record_load(labels: tuple[str, str], load: EngineLoad) -> None:
+    """Requests running and waiting, and the KV cache's usage, labelled (model_name, role)."""
+    metrics.REQUESTS_RUNNING.labels(*labels).set(load.running)
+    metrics.REQUESTS_WAITING.labels(*labels).set(load.waiting)
+    metrics.KV_CACHE_USAGE.labels(*labels).set(load.usage)
+
+
+def record_expert_load(labels: tuple[str, str], expert_load: dict[int, list[int]]) -> None:
+    """Tokens routed to each expert of each layer since the last call."""
+    metrics.record_expert_load(*labels, expert_load)

@@ -1,0 +1,67 @@
+"""Heartbeats: what a worker tells the gateway every HEARTBEAT_S (liveness, load, KV held, integrity), built
+from the engine-load snapshot; and the facts only the engine thread can gather for them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+from nats.aio.client import Client as NATS
+
+from shared.engine.engine import Engine
+from shared.messages import Heartbeat, encode
+from shared.worker.engine_load import EngineLoad
+
+HEARTBEAT_S = 1.0
+
+
+def build_heartbeat(
+    load: EngineLoad,
+    *,
+    worker_id: str,
+    role: str,
+    model: str,
+    rpc_address: str | None,
+    held_kv: int,
+    integrity_error: str | None,
+    draining: bool,
+) -> Heartbeat:
+    return Heartbeat(
+        worker_id=worker_id,
+        role=role,
+        model=model,
+        rpc_address=rpc_address,
+        running=load.running,
+        waiting=load.waiting,
+        free_blocks=load.free_blocks,
+        total_blocks=load.total_blocks,
+        prefill_tokens=load.prefill_tokens,
+        decode_tokens=load.decode_tokens,
+        held_kv=held_kv,
+        integrity_error=integrity_error,
+        block_size=load.block_size,
+        draining=draining,
+    )
+
+
+async def publish_heartbeats(nc: NATS, subject: str, beat: Callable[[], Heartbeat]) -> None:
+    """Publish `beat()` on `subject` every HEARTBEAT_S, forever; a beat NATS cannot take is skipped."""
+    while True:
+        with contextlib.suppress(Exception):
+            await nc.publish(subject, encode(beat()))
+        await asyncio.sleep(HEARTBEAT_S)
+
+
+def _integrity_error(engine: Engine) -> str | None:
+    try:
+        engine.check_integrity()
+    except AssertionError as exc:
+        return str(exc) or "integrity check failed"
+    return None
+
+
+def beat_facts(engine: Engine) -> tuple[str | None, dict[int, list[int]]]:
+    """On the engine thread: the integrity verdict and the expert load routed since the last beat."""
+    load = {layer: counts.tolist() for layer, counts in engine.model.take_expert_load().items()}
+    return _integrity_error(engine), load

@@ -1,0 +1,392 @@
+"""The worker runtime every role shares: connect, the capacity-gated job loop, the one cancel path and the one
+failure path, draining, the token outbox, progress reports and heartbeats. The roles (services/prefill, decode,
+mixed) add what they do with a job and with the engine's outputs.
+
+A request's life in a worker is one ledger entry (ledger.py); what the loop knows of the engine is the load
+snapshot the engine thread publishes (engine_load.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import msgspec
+import nats.errors
+from nats.aio.msg import Msg
+from redis.asyncio import Redis
+
+from shared import bus
+from shared.engine.async_engine import AsyncEngine
+from shared.engine.engine import Engine, RequestOutput
+from shared.job_checks import job_refusal, undecodable_job_refusal
+from shared.messages import (
+    Cancel,
+    DecodeJob,
+    PrefillJob,
+    Role,
+    TokenEvent,
+    decode,
+    decode_or_drop,
+    encode,
+    heartbeat_subject,
+)
+from shared.redis_client import redis_client
+from shared.settings import WorkerSettings
+from shared.telemetry import metrics
+from shared.worker import gauges, spans
+from shared.worker.cancel_feed import CancelFeed
+from shared.worker.cancels import CancelMemory
+from shared.worker.engine_factory import build_engine
+from shared.worker.engine_load import EngineLoad
+from shared.worker.events import announce_event, error_event
+from shared.worker.heartbeat import HEARTBEAT_S, beat_facts, build_heartbeat, publish_heartbeats
+from shared.worker.ledger import Entry, JobLedger, Phase, settle
+
+log = logging.getLogger(__name__)
+TEARDOWN_TIMEOUT_S = 30.0
+IDLE_POLL_S = 0.005  # how often a worker without room looks again
+
+
+class Worker:
+    """Base of the three roles. Subclasses set `role`, `job_subject()` and implement `handle_job` and
+    `handle_outputs`; `run()` serves until `stop()`: the first call drains (no new jobs; what is in flight
+    finishes, for at most drain_timeout_s), a second one stops at once.
+
+    Jobs: `take(msg, kind, phase)` decodes a job and registers it in the ledger (or says there is nothing to
+    do); until acked its message is reported in progress every third of ack_wait, so JetStream redelivers it
+    only when this worker is dead or hung. A taken job is announced to the gateway at once (an event with no
+    tokens): from then on this worker holds the request."""
+
+    role = Role.MIXED
+
+    def __init__(self, settings: WorkerSettings, engine: Engine | None = None) -> None:
+        self.settings = settings
+        self.model_name = settings.served_model_name
+        self.labels = (self.model_name, self.role)  # every metric's model_name, role
+        self.metrics_port: int | None = None  # bound once run() starts the metrics server
+        engine = engine or build_engine(settings)
+        self.load = EngineLoad.of(engine)  # replaced by the engine thread after every command and step
+        self.engine = AsyncEngine(engine, self._outputs_ready, self._engine_failed, on_state=self._observe)
+        self.failure: BaseException | None = None  # why the engine thread died; the worker then exits non-zero
+        self.stopping = asyncio.Event()
+        self.nc = None
+        self.js = None
+        self.redis: Redis | None = None
+        self.rpc_address: str | None = None
+        self._tasks: list[asyncio.Task] = []
+        # Token events leave through one queue and one publisher task: per-request order is kept.
+        self._outbox: asyncio.Queue[tuple[str, TokenEvent]] = asyncio.Queue()
+        self.draining = False
+        self.cancels = CancelMemory()
+        self.ledger = JobLedger(self.cancels)
+        self._integrity: str | None = None  # the engine's last integrity verdict (refreshed off the beat)
+        self._ack_wait_s = settings.job_ack_wait_s  # the job consumer's, once bound (_learn_ack_wait)
+
+    # ---- to implement -----------------------------------------------------------------------------------
+
+    def job_subject(self) -> str:
+        raise NotImplementedError
+
+    async def handle_job(self, msg: Msg) -> None:
+        """Take one job message; ack it when the job is safely handed on."""
+        raise NotImplementedError
+
+    def handle_outputs(self, outputs: list[RequestOutput]) -> None:
+        raise NotImplementedError
+
+    def held_kv_count(self) -> int:
+        """Requests whose KV this worker holds for someone else's pull (prefill workers)."""
+        return 0
+
+    async def setup(self) -> None:
+        """Role-specific start-up after the connections exist (e.g. the KV transfer server)."""
+
+    async def teardown(self) -> None:
+        """Role-specific shutdown."""
+
+    # ---- capacity ---------------------------------------------------------------------------------------
+
+    def _observe(self, engine: Engine) -> None:
+        """On the engine thread: publish a fresh snapshot (one reference assignment: atomic for the loop)."""
+        self.load = EngineLoad.of(engine)
+
+    def has_room(self) -> bool:
+        """Fetch a job only when the engine can start it soon (EngineLoad.has_room, on the latest snapshot)."""
+        return self.load.has_room()
+
+    def idle(self) -> bool:
+        """Nothing in hand: no job in the ledger, no request in the engine (running, waiting or holding KV), no
+        token event waiting to leave."""
+        return not self.ledger and not self.load.requests and self._outbox.empty()
+
+    # ---- life -------------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        connecting = asyncio.ensure_future(bus.connect(self.settings, f"{self.role}-{self.settings.worker_id}"))
+        stopped = asyncio.ensure_future(self.stopping.wait())
+        await asyncio.wait((connecting, stopped), return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not connecting.done():  # SIGTERM while NATS is unreachable (or refuses us): nothing to drain
+            connecting.cancel()
+            return
+        self.nc = connecting.result()
+        self.js = self.nc.jetstream()
+        await bus.ensure_streams(self.js)
+        self.redis = redis_client(self.settings)
+        if self.settings.metrics_port is not None:
+            self.metrics_port = metrics.serve_metrics(self.settings.metrics_host, self.settings.metrics_port)
+            log.info("metrics at http://%s:%d/metrics", self.settings.metrics_host, self.metrics_port)
+        self.engine.start()
+        try:
+            await self.setup()
+            cancels = CancelFeed(self.nc, self._cancel_received)
+            await cancels.start()
+            self._tasks = [
+                asyncio.create_task(cancels.run()),
+                asyncio.create_task(self._heartbeats()),
+                asyncio.create_task(self._engine_facts()),
+                asyncio.create_task(self._job_loop()),
+                asyncio.create_task(self._publisher()),
+                asyncio.create_task(self._progress_reports()),
+            ]
+            log.info("%s worker %s serving %s", self.role, self.settings.worker_id, self.model_name)
+            await self.stopping.wait()
+        finally:
+            await self._shut_down()
+
+    async def _shut_down(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:  # bounded: a teardown must not keep a failed worker from exiting
+            await asyncio.wait_for(self.teardown(), TEARDOWN_TIMEOUT_S)
+        except Exception as exc:
+            log.warning("teardown did not finish cleanly: %r", exc)
+        await self.engine.stop()
+        with contextlib.suppress(Exception):  # close, not drain: draining can wait ~30 s on a dead peer
+            await asyncio.wait_for(self.nc.flush(), 1.0)
+        with contextlib.suppress(Exception):
+            await self.nc.close()
+        await self.redis.aclose()
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        """The engine thread died: stop at once (exit non-zero, heartbeats end), so that the gateway moves this
+        worker's requests elsewhere instead of waiting on an engine that will never step again."""
+        log.critical("the engine failed (%r); this worker stops so that its requests move to others", exc)
+        self.failure = exc
+        self.stopping.set()
+
+    def stop(self) -> None:
+        """SIGTERM / SIGINT: the first call drains, a second stops now."""
+        if self.draining or self.nc is None:
+            self.stopping.set()
+            return
+        self.draining = True
+        self._tasks.append(asyncio.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        timeout = self.settings.drain_timeout_s
+        log.info("draining: taking no new jobs, finishing what is in flight (at most %g s)", timeout)
+        deadline = time.monotonic() + timeout
+        while not self.idle() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if not self.idle():
+            log.warning("drain timed out after %g s with work in hand; stopping anyway", timeout)
+        with contextlib.suppress(Exception):  # the last token events out before the connection closes
+            await asyncio.wait_for(self.nc.flush(), 2.0)
+        self.stopping.set()
+
+    # ---- jobs -------------------------------------------------------------------------------------------
+
+    async def take(self, msg: Msg, kind: type[PrefillJob] | type[DecodeJob], phase: Phase) -> Entry | None:
+        """Decode a job message (raises on a malformed one) and register it in the ledger in `phase`, announced
+        to the gateway; None when there is nothing to do (refused, cancelled, or a copy of one in hand:
+        JobLedger.take)."""
+        try:
+            job = decode(msg.data, kind)
+        except msgspec.ValidationError:  # out of the wire's ranges: refused when it says where to answer
+            if self.refused_undecodable(msg, kind):
+                return None
+            raise  # malformed: the job loop drops it
+        if self.refused(msg, job):
+            return None
+        entry = await self.ledger.take(msg, job, phase, in_engine=job.key in self.load.requests)
+        if entry is not None:
+            self.emit(job.reply_subject, announce_event(job, self.settings.worker_id))
+            entry.span = spans.process_span(msg, job.request_id, self.settings.worker_id)
+        return entry
+
+    def refused(self, msg: Msg, job: PrefillJob | DecodeJob) -> bool:
+        """True for a job the engine must not see (shared/job_checks.py: it would fail on the engine thread):
+        terminated, with a warning naming why and an error event back where its reply subject allows."""
+        refusal = job_refusal(job, self.load.vocab_size, self.load.max_model_len)
+        if refusal is None:
+            return False
+        log.warning("refusing job %.80r on %s: %s", job.request_id, msg.subject, refusal.reason)
+        if refusal.reply:
+            self.emit(job.reply_subject, error_event(job, refusal.reason, self.settings.worker_id))
+        asyncio.create_task(settle(msg.term()))
+        return True
+
+    def refused_undecodable(self, msg: Msg, kind: type[PrefillJob] | type[DecodeJob]) -> bool:
+        """True for a job that failed validation (e.g. a temperature of -1) but names a request and a token
+        subject: terminated, with a warning and an error event back, as `refused` does for a decoded one."""
+        answer = undecodable_job_refusal(msg.data, kind)
+        if answer is None:
+            return False
+        job, refusal = answer
+        log.warning("refusing job %.80r on %s: %s", job.request_id, msg.subject, refusal.reason)
+        self.emit(job.reply_subject, error_event(job, refusal.reason, self.settings.worker_id))
+        asyncio.create_task(settle(msg.term()))
+        return True
+
+    def is_cancelled(self, request_id: str, attempt: int) -> bool:
+        return self.cancels.is_cancelled(request_id, attempt)
+
+    async def fail(self, entry: Entry, exc: Exception) -> None:
+        """The one failure path: answer the job with an error event — 400 for a ValueError (the engine refused
+        it), 500 for anything else (a bug: logged with its traceback) —, abort it in the engine when it got that
+        far (phase RUNNING: in any other phase the failure was the engine refusing it), terminate its message
+        (never redelivered) and end its spans as failed."""
+        status = 400 if isinstance(exc, ValueError) else 500
+        if status == 500:
+            log.error("handling %s failed", entry.key, exc_info=exc)
+        in_hand = self.ledger.get(entry.key) is entry
+        if in_hand and entry.phase is Phase.RUNNING:
+            await self.engine.call(lambda e: e.abort(entry.key))
+        self.emit(entry.reply_subject, error_event(entry.job, str(exc), self.settings.worker_id, status=status))
+        if in_hand:
+            await self.ledger.term(entry.key)
+        spans.end_once(entry.decode_span, error=str(exc))
+        spans.end_once(entry.span, error=str(exc))
+
+    async def on_cancel(self, cancel: Cancel) -> None:
+        """The one cancel path: remember it (a job of a covered attempt may still arrive), then drop every entry
+        it covers."""
+        self.cancels.remember(cancel)
+        for entry in self.ledger.covered_by(cancel):
+            await self.drop(entry)
+
+    async def drop(self, entry: Entry) -> None:
+        """Stop one cancelled request. In the engine: forgotten (its message acked: the client is gone or the
+        request moved on, so the job is done), aborted (blocks freed), its spans ended as cancelled. Owned by a
+        task (a KV pull, a hand-on): marked, and that task drops it at its next step."""
+        if not entry.phase.in_engine:
+            entry.cancelled = True
+            return
+        self.ledger.finish(entry.key)
+        await self.engine.call(lambda e: e.abort(entry.key))
+        spans.end_once(entry.decode_span, error="cancelled", finish_reason="abort")
+        spans.end_once(entry.span, error="cancelled")
+
+    async def _cancel_received(self, msg: Msg) -> None:
+        cancel = decode_or_drop(msg.data, Cancel, msg.subject)
+        if cancel is not None:
+            await self.on_cancel(cancel)
+
+    async def _learn_ack_wait(self, consumer) -> None:
+        """The shared consumer keeps the ack_wait it was created with (JetStream does not change it when a worker
+        binds with another): progress is reported by the one in force."""
+        try:
+            ack_wait = (await consumer.consumer_info()).config.ack_wait
+        except Exception as exc:
+            log.warning("could not read the job consumer's ack_wait (%s); assuming job_ack_wait_s", exc)
+            return
+        if ack_wait and abs(ack_wait - self.settings.job_ack_wait_s) > 0.01:
+            log.warning(
+                "the job consumer's ack_wait is %g s, not job_ack_wait_s=%g s (it was created with it; delete the "
+                "consumer to change it): progress is reported by %g s",
+                ack_wait,
+                self.settings.job_ack_wait_s,
+                ack_wait,
+            )
+        self._ack_wait_s = ack_wait or self.settings.job_ack_wait_s
+
+    async def _progress_reports(self) -> None:
+        """Keep JetStream from redelivering the jobs in hand while this worker is alive."""
+        while True:
+            await asyncio.sleep(self._ack_wait_s / 3)
+            for msg in self.ledger.in_progress():
+                with contextlib.suppress(Exception):
+                    await msg.in_progress()
+
+    async def _job_loop(self) -> None:
+        consumer = await bus.job_consumer(self.js, self.job_subject(), ack_wait_s=self.settings.job_ack_wait_s)
+        await self._learn_ack_wait(consumer)
+        await self.fetch_jobs(consumer)
+
+    async def fetch_jobs(self, consumer) -> None:
+        """Until stopping: fetch one job whenever there is room (and not draining), and handle it."""
+        while not self.stopping.is_set():
+            if self.draining or not self.has_room():
+                await asyncio.sleep(IDLE_POLL_S)
+                continue
+            try:
+                msgs = await consumer.fetch(batch=1, timeout=1.0)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            except Exception as exc:  # NATS restarting: wait and retry, never die
+                log.warning("fetching jobs failed (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                try:
+                    await self.handle_job(msg)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    log.error("dropping malformed job on %s: %s", msg.subject, exc)
+                    await settle(msg.term())
+                except Exception:  # a bug on one job must not end the loop that takes every later one
+                    log.exception("handling a job on %s failed; dropping it", msg.subject)
+                    self.ledger.forget_message(msg)
+                    await settle(msg.term())
+
+    # ---- token events -----------------------------------------------------------------------------------
+
+    def _outputs_ready(self, outputs: list[RequestOutput]) -> None:
+        try:
+            self.handle_outputs(outputs)
+        except Exception:
+            log.exception("handling engine outputs failed")
+
+    def emit(self, subject: str, event: TokenEvent) -> None:
+        """Queue a token event for publishing (callable from the loop without awaiting)."""
+        self._outbox.put_nowait((subject, event))
+
+    async def _publisher(self) -> None:
+        while True:
+            subject, event = await self._outbox.get()
+            try:
+                await self.nc.publish(subject, encode(event))
+            except Exception as exc:  # the gateway's deadline turns a lost event into a clear error
+                log.warning("publishing tokens for %s failed: %s", event.request_id, exc)
+
+    # ---- heartbeats -------------------------------------------------------------------------------------
+
+    async def _engine_facts(self) -> None:
+        """Integrity and expert load from the engine thread, between its steps (a long step delays this,
+        never the heartbeat: the gateway judges liveness by the beat)."""
+        while True:
+            self._integrity, expert_load = await self.engine.call(beat_facts)
+            gauges.record_expert_load(self.labels, expert_load)
+            await asyncio.sleep(HEARTBEAT_S)
+
+    def heartbeat(self):  # -> Heartbeat
+        """This worker's beat now (from the latest load snapshot); sets the load gauges on the way."""
+        load = self.load
+        gauges.record_load(self.labels, load)
+        return build_heartbeat(
+            load,
+            worker_id=self.settings.worker_id,
+            role=self.role,
+            model=self.model_name,
+            rpc_address=self.rpc_address,
+            held_kv=self.held_kv_count(),
+            integrity_error=self._integrity,
+            draining=self.draining,
+        )
+
+    async def _heartbeats(self) -> None:
+        await publish_heartbeats(self.nc, heartbeat_subject(self.role, self.settings.worker_id), self.heartbeat)
