@@ -93,7 +93,7 @@ def _generate(args: argparse.Namespace) -> int:
                 delta = detok.add(tid)
                 if not args.json:
                     print(delta, end="", flush=True)
-            if out.finished:
+            if out.finish_reason is not None:  # set exactly when the request finished (out.finished)
                 finish_reason = out.finish_reason.value
     tail = detok.flush()
     elapsed = time.perf_counter() - start

@@ -29,7 +29,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, TypeGuard
 
 ENV_PREFIX = "PDSERVE_"
 
@@ -111,7 +111,7 @@ def _knobs(cls: type, prefix: str, path: tuple[str, ...], base: Any) -> list[Kno
     out: list[Knob] = []
     for f in dataclasses.fields(cls):
         kind, optional = _unwrap_optional(hints[f.name])
-        if dataclasses.is_dataclass(kind):
+        if _is_section(kind):
             sub_base = getattr(base, f.name) if base is not None else _field_default(f)
             out += _knobs(kind, prefix + f.metadata.get("prefix", ""), (*path, f.name), sub_base)
             continue
@@ -129,6 +129,11 @@ def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         return args[0], len(args) < len(typing.get_args(hint))
     return hint, False
+
+
+def _is_section(kind: Any) -> TypeGuard[type]:
+    """Whether a field's (unwrapped) hint is a nested settings section: a dataclass, the class, not an instance."""
+    return isinstance(kind, type) and dataclasses.is_dataclass(kind)
 
 
 def _field_default(f: dataclasses.Field) -> Any:
@@ -199,7 +204,7 @@ def _build(cls: type, values: dict[tuple[str, ...], Any], path: tuple[str, ...],
     for f in dataclasses.fields(cls):
         here = (*path, f.name)
         kind, _ = _unwrap_optional(hints[f.name])
-        if dataclasses.is_dataclass(kind):
+        if _is_section(kind):
             if any(p[: len(here)] == here for p in values):
                 sub_base = getattr(base, f.name) if base is not None else _field_default(f)
                 kwargs[f.name] = _build(kind, values, here, sub_base)

@@ -100,7 +100,9 @@ def _bound(
     return None
 
 
-_SAMPLING_FIELDS = msgspec.inspect.type_info(Sampling).fields
+_SAMPLING_INFO = msgspec.inspect.type_info(Sampling)
+assert isinstance(_SAMPLING_INFO, msgspec.inspect.StructType)  # Sampling is a Struct: type_info says so
+_SAMPLING_FIELDS = _SAMPLING_INFO.fields
 
 
 def job_problem(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import re
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import msgspec
 
@@ -326,7 +326,10 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode(data: bytes, kind: type[msgspec.Struct]):  # -> kind
+_S = TypeVar("_S", bound=msgspec.Struct)
+
+
+def decode(data: bytes, kind: type[_S]) -> _S:
     """Raises msgspec.ValidationError / DecodeError on malformed input."""
     try:
         return msgspec.json.decode(data, type=kind)
@@ -334,7 +337,7 @@ def decode(data: bytes, kind: type[msgspec.Struct]):  # -> kind
         raise msgspec.DecodeError("JSON is nested too deeply") from exc
 
 
-def decode_or_drop(data: bytes, kind: type[msgspec.Struct], subject: str):  # -> kind | None
+def decode_or_drop(data: bytes, kind: type[_S], subject: str) -> _S | None:
     """`decode`, or None after logging why: a malformed message is dropped, never fatal to its reader."""
     try:
         return decode(data, kind)

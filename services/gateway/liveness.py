@@ -9,9 +9,11 @@ passes the clock, so tests need no sleeping.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from shared.messages import Heartbeat, Role, subject_token
 
-_HOLDS_DECODE_KV = (Role.DECODE.value, Role.MIXED.value)
+_HOLDS_DECODE_KV = (Role.DECODE, Role.MIXED)
 
 
 class WorkerTable:
@@ -46,16 +48,15 @@ class WorkerTable:
 
     def can_serve(self, model: str, now: float) -> tuple[bool, str]:
         """(True, summary) or (False, what is missing)."""
-        roles = [b.role for b in self.serving(model, now)]
-        counts = {r.value: roles.count(r.value) for r in Role}
-        summary = ", ".join(f"{n} {role}" for role, n in counts.items() if n)
-        if counts[Role.MIXED.value] or (counts[Role.PREFILL.value] and counts[Role.DECODE.value]):
+        counts = Counter(b.role for b in self.serving(model, now))  # a role with no live worker counts 0
+        summary = ", ".join(f"{counts[role]} {role}" for role in Role if counts[role])
+        if counts[Role.MIXED] or (counts[Role.PREFILL] and counts[Role.DECODE]):
             return True, f"live workers for {model}: {summary}"
-        if not roles:
+        if not counts:
             key = subject_token(model)
             draining = sum(b.draining for b in self.live(now) if subject_token(b.model) == key)
             if draining:
                 return False, f"every live worker for model {model!r} is draining ({draining} shutting down)"
             return False, f"no live worker serves model {model!r}"
-        missing = "decode" if counts[Role.PREFILL.value] else "prefill"
+        missing = Role.DECODE if counts[Role.PREFILL] else Role.PREFILL
         return False, f"no live {missing} worker for model {model!r} (live: {summary})"

@@ -139,12 +139,12 @@ class NatsBackend:
         # doing it would stall its batch), and a prefill worker hands the KV on to decode as usual.
         job = msgspec.structs.replace(first, attempt=attempt, output_token_ids=list(stream.tokens))
         subject = prefill_subject(first.model)
+        nc, js = self._nc, self._js
+        # _move's one caller, the watchdog, starts once _connect has set both, and neither is unset after
+        assert nc is not None and js is not None
         try:  # the stream is already on the new attempt: a failure here must end it, not leave it unwatched
-            cancel = encode(Cancel(rid, up_to_attempt=old))
-            await self._js.publish(cancel_subject(rid), cancel, timeout=PUBLISH_TIMEOUT_S)
-            await self._js.publish(
-                subject, encode(job), timeout=PUBLISH_TIMEOUT_S, headers=stream.trace_headers or None
-            )
+            await js.publish(cancel_subject(rid), encode(Cancel(rid, up_to_attempt=old)), timeout=PUBLISH_TIMEOUT_S)
+            await js.publish(subject, encode(job), timeout=PUBLISH_TIMEOUT_S, headers=stream.trace_headers or None)
         except Exception as exc:
             stream.give_up(f"{why}; moving the request failed ({type(exc).__name__}: {exc})", 503)
             await self.cancel(rid)

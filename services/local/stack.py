@@ -177,7 +177,8 @@ class Stack:
         """Start `pdserve <args>` as a child named `name` (logs in log_path(name) unless not quiet), with
         service_env() and then `env`; a worker of a role in spec.cpu_affinity is pinned to its CPUs. The child
         has its own process group and stops when this process dies (children.popen_options)."""
-        out = open(self.log_path(name), "ab") if self.quiet else None  # closed in stop()
+        path = self.log_path(name)  # None exactly when not quiet
+        out = open(path, "ab") if path is not None else None  # closed in stop()
         if out is not None:
             self._log_files.append(out)
         self._spawned[name] = (args, env)

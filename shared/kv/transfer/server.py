@@ -21,7 +21,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import NoReturn, Protocol, TypeVar
 
 import grpc
 import torch.distributed as dist
@@ -34,6 +34,9 @@ from shared.kv.transfer.source import AlreadySending, KvSource
 from shared.kv.transfer.wire import describe, num_pieces, pieces
 from shared.rpc import kv_transfer_pb2 as pb
 from shared.telemetry import metrics, tracing
+
+# torch.distributed re-exports its C++ stores (Store, TCPStore, PrefixStore) without marking them public.
+# pyright: reportPrivateImportUsage=false
 
 log = logging.getLogger(__name__)
 MAX_BLOCKING_THREADS = 32  # joins + sends waiting at once; more queue for a free thread
@@ -150,7 +153,8 @@ class KvTransferServer:
             "Pull": _handler(self.pull, pb.PullRequest, pb.PullReply),
         }
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-        self._server.add_registered_method_handlers(SERVICE, handlers)
+        # typeshed's grpcio stubs lack this (grpcio >= 1.62 has it on grpc.aio.Server)
+        self._server.add_registered_method_handlers(SERVICE, handlers)  # pyright: ignore[reportAttributeAccessIssue]
         if self.fault_send_midway:
             log.warning("KV transfer fault injection is on: every send stops after its first piece")
         self.port = self._server.add_insecure_port(f"{self.host}:{self.port}")
@@ -176,7 +180,7 @@ class KvTransferServer:
     async def connect(
         self, request: pb.ConnectRequest | _Unreadable, context: grpc.aio.ServicerContext
     ) -> pb.ConnectReply:
-        await self._check_shape(context, "Connect", request, "decode_worker_id")
+        request = await self._check_shape(context, "Connect", request, "decode_worker_id")
         worker = request.decode_worker_id
         await self._authorize(context, "Connect", request.ticket, worker)
         backend = TransferBackend.from_wire(request.backend)
@@ -185,8 +189,10 @@ class KvTransferServer:
         if backend is not self.backend:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this server transfers over {self.backend}")
         await self._check_fingerprint(request.layout_fingerprint, context)
+        store = self._store
+        assert store is not None  # start() sets it before the server takes calls; stop() unsets it after
         pair_id = f"{worker}/{uuid.uuid4().hex[:12]}"
-        joining = asyncio.get_running_loop().run_in_executor(self._executor, self._join, pair_id)
+        joining = asyncio.get_running_loop().run_in_executor(self._executor, self._join, pair_id, store.port)
         # A reconnecting worker replaces its old pair: transfers still on it finish or fail on their own.
         old = self._pairs.get(worker)
         self._pairs[worker] = slot = _Slot(worker, pair_id, joining)
@@ -194,13 +200,14 @@ class KvTransferServer:
             old.retire()
         joining.add_done_callback(lambda f: self._on_joined(slot, f))
         self.stats.pairs_created += 1
-        return pb.ConnectReply(store_host=self.public_host, store_port=self._store.port, pair_id=pair_id)
+        return pb.ConnectReply(store_host=self.public_host, store_port=store.port, pair_id=pair_id)
 
     async def pull(self, request: pb.PullRequest | _Unreadable, context: grpc.aio.ServicerContext) -> pb.PullReply:
         """Accept a pull: check, export, announce, start the send. The `send_kv` span (child of the puller's
         span, from the gRPC metadata) covers export and send; the send task ends it."""
-        await self._check_shape(context, "Pull", request, "request_id", "decode_worker_id", "pair_id")
-        metadata = dict(context.invocation_metadata() or ())
+        request = await self._check_shape(context, "Pull", request, "request_id", "decode_worker_id", "pair_id")
+        # trace context travels in text entries; binary ("-bin") entries come as bytes and carry none
+        metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
         span = tracing.start_span(
             f"{tracing.SEND_KV} {self.model_name}",
             tracing.extract(metadata),
@@ -248,8 +255,11 @@ class KvTransferServer:
         self.stats.pulls += 1
         return describe(kv, tag, self.chunk_bytes)
 
-    async def _check_shape(self, context: grpc.aio.ServicerContext, rpc: str, request: Any, *ids: str) -> None:
-        """INVALID_ARGUMENT for an unreadable message, or one whose id fields are empty or too long."""
+    async def _check_shape(
+        self, context: grpc.aio.ServicerContext, rpc: str, request: _Call | _Unreadable, *ids: str
+    ) -> _Call:
+        """`request`, known readable; else INVALID_ARGUMENT for an unreadable message, or one whose id fields
+        are empty or too long."""
         if isinstance(request, _Unreadable):
             await self._refuse(context, rpc, "?", f"the message is not a {request.kind}")
         for name in ids:
@@ -257,8 +267,10 @@ class KvTransferServer:
             if not value or len(value) > MAX_ID_CHARS:
                 problem = "is empty" if not value else f"is longer than {MAX_ID_CHARS} characters"
                 await self._refuse(context, rpc, request.decode_worker_id or "?", f"{name} {problem}")
+        return request
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, rpc: str, worker: str, why: str) -> None:
+    async def _refuse(self, context: grpc.aio.ServicerContext, rpc: str, worker: str, why: str) -> NoReturn:
+        """Count and log the refusal, then abort the call with INVALID_ARGUMENT (raises)."""
         self.stats.refused += 1
         metrics.KV_TRANSFER_FAILURES.labels(self.model_name, "prefill", "invalid_request").inc()
         log.warning("refused %s from %s (worker %s): %s", rpc, context.peer(), _short(worker), why)
@@ -335,9 +347,9 @@ class KvTransferServer:
             span.set_attribute(tracing.KV_DURATION, time.perf_counter() - started)
             tracing.end_span(span, error=error)
 
-    def _join(self, pair_id: str) -> Pair:
-        """Blocking: our rank of the pair's group, over a store connection of its own."""
-        store = store_client(self.public_host, self._store.port, self.timeout_s)
+    def _join(self, pair_id: str, store_port: int) -> Pair:
+        """Blocking: our rank of the pair's group, over a store connection of its own (to our store's port)."""
+        store = store_client(self.public_host, store_port, self.timeout_s)
         return Pair.join(self.backend, store, pair_id, PREFILL_RANK, self.timeout_s, self.public_host)
 
     def _on_joined(self, slot: _Slot, joining: asyncio.Future[Pair]) -> None:
@@ -350,6 +362,15 @@ class KvTransferServer:
         if self._pairs.get(slot.worker_id) is slot:
             del self._pairs[slot.worker_id]
         slot.retire()
+
+
+class _FromWorker(Protocol):
+    """What every KvTransfer request carries: the calling decode worker's id."""
+
+    decode_worker_id: str
+
+
+_Call = TypeVar("_Call", bound=_FromWorker)  # a KvTransfer request message (ConnectRequest, PullRequest)
 
 
 class _Unreadable:

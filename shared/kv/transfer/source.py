@@ -34,16 +34,17 @@ class KvSource(Protocol):
         """The layout of every export; pairs and pulls with another fingerprint are refused."""
         ...
 
-    def is_sending(self, request_id: str) -> bool:
+    # The id is positional-only: implementations name it as they like (HeldKv: the attempt key).
+    def is_sending(self, request_id: str, /) -> bool:
         """A send of the request is in flight (between `begin_send` and `end_send`)."""
         ...
 
-    async def begin_send(self, request_id: str) -> KVExport:
+    async def begin_send(self, request_id: str, /) -> KVExport:
         """A copy of the request's KV to send; its blocks stay held until `end_send`. Raises KeyError for a
         request it does not hold, AlreadySending for one being sent. A raise leaves nothing to end."""
         ...
 
-    async def end_send(self, request_id: str, ok: bool) -> None:
+    async def end_send(self, request_id: str, /, ok: bool) -> None:
         """The send that `begin_send` started is over (sent, or failed: ok=False); called exactly once per
         successful `begin_send`. What becomes of the blocks is the source's call (HeldKv frees them)."""
         ...
