@@ -11,13 +11,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import msgspec
 
-from shared.messages import TOKENS, DecodeJob, PrefillJob, Sampling
-
-Job = TypeVar("Job", PrefillJob, DecodeJob)
+from shared.messages import TOKENS, DecodeJob, Job, PrefillJob, Sampling
 
 MAX_REQUEST_ID = 256  # characters: ids name log lines, spans and Redis keys
 

@@ -181,6 +181,10 @@ class DecodeJob(msgspec.Struct, frozen=True):
         return attempt_key(self.request_id, self.attempt)
 
 
+# A job kind: what a worker role takes (and what its ledger entries hold) is one of the two, fixed per role.
+Job = TypeVar("Job", PrefillJob, DecodeJob)
+
+
 # What a token event may carry (the gateway drops anything else as malformed): positions and attempts are never
 # negative, and token ids fit the u32 every tokenizer uses (decoding a negative id fails in the detokenizer).
 _Count = Annotated[int, msgspec.Meta(ge=0)]

@@ -200,6 +200,14 @@ class WorkerSettings(CommonSettings):
     def served_model_name(self) -> str:
         return self._served_name(self.engine.model)
 
+    @property
+    def ticket_secret(self) -> str:
+        """cluster_secret, for the roles that sign and check KV pull tickets (prefill and decode: __post_init__
+        requires one of them); a ValueError for a worker without one."""
+        if not self.cluster_secret:
+            raise ValueError(f"a {self.role} worker has no cluster_secret to sign KV pull tickets with")
+        return self.cluster_secret
+
     def __post_init__(self) -> None:
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be 0-65535, got {self.metrics_port}")

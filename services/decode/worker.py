@@ -19,6 +19,7 @@ import logging
 from nats.aio.msg import Msg
 
 from shared.engine.block_manager import NoFreeBlocksError
+from shared.engine.kv_export import KVExport
 from shared.kv.registry import KvRegistry
 from shared.kv.transfer.client import KvTransferClient
 from shared.kv.transfer.errors import KvTransferError
@@ -30,22 +31,22 @@ log = logging.getLogger(__name__)
 MAX_CONCURRENT_PULLS = 4
 
 
-class DecodeWorker(StreamingWorker):
+class DecodeWorker(StreamingWorker[DecodeJob]):
     role = Role.DECODE
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.registry: KvRegistry | None = None
+        self.registry: KvRegistry | None = None  # both set up once Redis is connected (setup)
         self.client: KvTransferClient | None = None
 
     def job_subject(self) -> str:
         return decode_subject(self.model_name)
 
     async def setup(self) -> None:
-        self.registry = KvRegistry(self.redis, self.settings.kv.lease_s)
+        self.registry = KvRegistry(self.conn.redis, self.settings.kv.lease_s)
         self.client = KvTransferClient(
             self.settings.worker_id,
-            secret=self.settings.cluster_secret,
+            secret=self.settings.ticket_secret,
             backend=self.settings.kv.backend,
             timeout_s=self.settings.kv.timeout_s,
             model_name=self.model_name,
@@ -63,12 +64,13 @@ class DecodeWorker(StreamingWorker):
         if entry is not None:
             asyncio.create_task(self._admit_traced(entry))
 
-    async def _admit_traced(self, entry: Entry) -> None:
+    async def _admit_traced(self, entry: Entry[DecodeJob]) -> None:
         with tracing.use_span(entry.span):  # the pull's span and log lines join the request's trace
             await self._admit(entry)
         spans.end_once(entry.span)
 
-    async def _admit(self, entry: Entry) -> None:
+    async def _admit(self, entry: Entry[DecodeJob]) -> None:
+        assert self.client is not None  # set up (setup) before any job is taken
         job, key, span = entry.job, entry.key, entry.span
         try:
             params = sampling_params(job.sampling)
@@ -100,8 +102,10 @@ class DecodeWorker(StreamingWorker):
         except Exception as exc:  # ValueError: the job was refused; anything else: a bug, answered as such
             await self.fail(entry, exc)
 
-    async def _pull(self, job: DecodeJob):  # -> (KVExport | None, why the KV could not be had | None)
-        """The job's KV from the prefill worker that holds it; (None, None) when there is nothing to pull."""
+    async def _pull(self, job: DecodeJob) -> tuple[KVExport | None, str | None]:
+        """The job's KV from the prefill worker that holds it, or None and why it could not be had; (None, None)
+        when there is nothing to pull."""
+        assert self.registry is not None and self.client is not None  # set up (setup) before any job is taken
         if job.prefill_worker is None:
             return None, None
         key = job.key

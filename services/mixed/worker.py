@@ -15,7 +15,7 @@ from shared.messages import PrefillJob, Role, prefill_subject
 from shared.worker import Entry, Phase, StreamingWorker, sampling_params, spans
 
 
-class MixedWorker(StreamingWorker):
+class MixedWorker(StreamingWorker[PrefillJob]):
     role = Role.MIXED
 
     def job_subject(self) -> str:
@@ -39,7 +39,7 @@ class MixedWorker(StreamingWorker):
         await self.ledger.ack(job.key)
         spans.end_once(entry.span)
 
-    def on_output(self, entry: Entry, out: RequestOutput) -> None:
+    def on_output(self, entry: Entry[PrefillJob], out: RequestOutput) -> None:
         if entry.phase is Phase.PREFILLING:  # its first output: the prompt is computed
             entry.phase = Phase.RUNNING
             spans.record_prefill(entry.job, out, entry.span, self.labels)

@@ -30,7 +30,7 @@ from shared.worker.events import first_token_event, queued_event
 log = logging.getLogger(__name__)
 
 
-class PrefillWorker(Worker):
+class PrefillWorker(Worker[PrefillJob]):
     role = Role.PREFILL
 
     def __init__(self, *args, **kwargs) -> None:
@@ -46,15 +46,14 @@ class PrefillWorker(Worker):
         return 0 if self.held is None else self.held.count()
 
     async def setup(self) -> None:
-        assert self.redis is not None  # connected by run() before setup
         kv = self.settings.kv
         blocks = EngineKvBlocks(self.engine.engine, call=self.engine.call)
-        self.held = HeldKv(blocks, kv.lease_s, registry=KvRegistry(self.redis, kv.lease_s))
+        self.held = HeldKv(blocks, kv.lease_s, registry=KvRegistry(self.conn.redis, kv.lease_s))
         self.server = KvTransferServer(
             kv.rpc_host,
             kv.rpc_port,
             source=self.held,
-            secret=self.settings.cluster_secret,
+            secret=self.settings.ticket_secret,
             backend=kv.backend,
             timeout_s=kv.timeout_s,
             chunk_bytes=kv.chunk_bytes,
@@ -93,7 +92,7 @@ class PrefillWorker(Worker):
                 entry.phase = Phase.HANDING_ON
                 asyncio.create_task(self._hand_off(entry, out))
 
-    async def _hand_off(self, entry: Entry, out: RequestOutput) -> None:
+    async def _hand_off(self, entry: Entry[PrefillJob], out: RequestOutput) -> None:
         job, span = entry.job, entry.span
         spans.record_prefill(job, out, span, self.labels)
         metrics.GENERATION_TOKENS.labels(*self.labels).inc(len(out.new_token_ids))
@@ -111,7 +110,7 @@ class PrefillWorker(Worker):
 
     async def _hand_on(self, job: PrefillJob, out: RequestOutput) -> None:
         """Publish the first token; hold the KV and publish the decode job (or free it: nothing to decode)."""
-        assert self.held is not None and self.js is not None  # set up before any job is taken
+        assert self.held is not None  # set up before any job is taken
         rid, key = job.request_id, job.key
         token = out.new_token_ids[0]
         finished = out.finish_reason is FinishReason.STOP or out.num_output_tokens >= job.sampling.max_tokens
@@ -139,7 +138,7 @@ class PrefillWorker(Worker):
         )
         subject = decode_subject(self.model_name)
         with tracing.producer_span(subject, rid):
-            await self.js.publish(subject, encode(decode_job), headers=tracing.carrier() or None)
+            await self.conn.js.publish(subject, encode(decode_job), headers=tracing.carrier() or None)
         self.ledger.finish(key)
         self.emit(job.reply_subject, queued_event(job, worker_id))  # no worker holds it until a decode worker does
 

@@ -3,7 +3,8 @@
 runtime.py         Worker: connect, the capacity-gated job loop, the one cancel and failure paths, drain,
                    the token outbox, progress reports, heartbeats
 streaming.py       StreamingWorker: roles that stream every token back (decode, mixed)
-ledger.py          JobLedger: one entry (job, message, phase, spans) per attempt key
+connections.py     Connections: NATS, JetStream and Redis, made by Worker.run()
+ledger.py          JobLedger: one entry (job, message, phase, spans) per attempt key, generic over the job kind
 cancels.py         CancelMemory: the cancels remembered for a while (bounded by age and count)
 cancel_feed.py     CancelFeed: every cancel, also those published while this worker was disconnected
 engine_load.py     EngineLoad: the engine thread's snapshot that admission and heartbeats read

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from nats.aio.client import Client as NATS
 
 from shared.engine.engine import Engine
-from shared.messages import Heartbeat, encode
+from shared.messages import Heartbeat, Role, encode
 from shared.worker.engine_load import EngineLoad
 
 HEARTBEAT_S = 1.0
@@ -20,7 +20,7 @@ def build_heartbeat(
     load: EngineLoad,
     *,
     worker_id: str,
-    role: str,
+    role: Role,
     model: str,
     rpc_address: str | None,
     held_kv: int,

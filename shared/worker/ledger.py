@@ -2,7 +2,8 @@
 is taken until the worker is done with the request.
 
 An entry holds the job, its JetStream message until the message is settled (acked or terminated), the phase
-the request is in here, and its spans. Settling a message and forgetting an entry are separate: a streaming
+the request is in here, and its spans. Ledger and entries are generic over the job kind (messages.Job): a role
+takes one kind only. Settling a message and forgetting an entry are separate: a streaming
 worker acks its job once the request is in the engine, and keeps the entry until the last token.
 
 Pure bookkeeping: no NATS client, no engine. A message is anything with `ack()`, `term()` and
@@ -13,14 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol
 
 from opentelemetry.trace import Span
 
-from shared.messages import Cancel, DecodeJob, PrefillJob
+from shared.messages import Cancel, Job
 from shared.worker.cancels import CancelMemory
 
 log = logging.getLogger(__name__)
@@ -44,11 +45,11 @@ class Phase(Enum):
 
 
 @dataclass(eq=False)
-class Entry:
-    job: PrefillJob | DecodeJob
+class Entry(Generic[Job]):
+    job: Job
     msg: JobMessage | None  # until settled (acked or terminated)
     phase: Phase
-    span: Span | None = None  # `process <subject>`, until ended
+    span: Span  # `process <subject>`: opened with the entry, ended once (spans.end_once)
     decode_span: Span | None = None  # while it decodes here (decode and mixed roles)
     cancelled: bool = False  # a cancel covered it while a task owned it: the task drops it at its next step
 
@@ -61,27 +62,28 @@ class Entry:
         return self.job.reply_subject
 
 
-class JobLedger:
+class JobLedger(Generic[Job]):
     """Attempt key → Entry. The one record of every job in hand; roles move entries through phases."""
 
     def __init__(self, cancels: CancelMemory) -> None:
         self.cancels = cancels
-        self._entries: dict[str, Entry] = {}
+        self._entries: dict[str, Entry[Job]] = {}
         self._settling: set[asyncio.Task] = set()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __iter__(self) -> Iterator[Entry]:
+    def __iter__(self) -> Iterator[Entry[Job]]:
         return iter(list(self._entries.values()))
 
-    def get(self, key: str) -> Entry | None:
+    def get(self, key: str) -> Entry[Job] | None:
         return self._entries.get(key)
 
     async def take(
-        self, msg: JobMessage, job: PrefillJob | DecodeJob, phase: Phase, in_engine: bool = False
-    ) -> Entry | None:
-        """Register a fetched job in `phase`; None when there is nothing to do:
+        self, msg: JobMessage, job: Job, phase: Phase, open_span: Callable[[], Span], in_engine: bool = False
+    ) -> Entry[Job] | None:
+        """Register a fetched job in `phase`, its process span opened by `open_span` (called only then: a job
+        not taken has no span to end); None when there is nothing to do:
         - its attempt was cancelled: the message is acked (done);
         - it is a redelivery of a job in hand: its newer message replaces the old one (JetStream no longer
           tracks that one), or is acked when the job in hand was acked already;
@@ -99,7 +101,7 @@ class JobLedger:
             log.info("job %s redelivered while it runs here; acking the copy", job.key)
             await settle(msg.ack())
             return None
-        entry = self._entries[job.key] = Entry(job, msg, phase)
+        entry = self._entries[job.key] = Entry(job, msg, phase, open_span())
         return entry
 
     async def ack(self, key: str) -> None:
@@ -109,7 +111,7 @@ class JobLedger:
             msg, entry.msg = entry.msg, None
             await settle(msg.ack())
 
-    def finish(self, key: str) -> Entry | None:
+    def finish(self, key: str) -> Entry[Job] | None:
         """The worker is done with the request (finished, or cancelled): forget it now, and ack its message if
         still held (in a task: callable from the engine's output callback, which cannot await)."""
         entry = self._entries.pop(key, None)
@@ -120,7 +122,7 @@ class JobLedger:
             task.add_done_callback(self._settling.discard)
         return entry
 
-    async def term(self, key: str) -> Entry | None:
+    async def term(self, key: str) -> Entry[Job] | None:
         """The job can never succeed: forget it, and tell JetStream never to redeliver its message."""
         entry = self._entries.pop(key, None)
         if entry is not None and entry.msg is not None:
@@ -137,7 +139,7 @@ class JobLedger:
         """The messages still unsettled: report them in progress so JetStream does not redeliver them."""
         return [e.msg for e in self._entries.values() if e.msg is not None]
 
-    def covered_by(self, cancel: Cancel) -> list[Entry]:
+    def covered_by(self, cancel: Cancel) -> list[Entry[Job]]:
         """The entries `cancel` covers (its request, attempts up to its bound)."""
         rid = cancel.request_id
         return [e for e in self._entries.values() if e.job.request_id == rid and cancel.covers(e.job.attempt)]
@@ -145,7 +147,7 @@ class JobLedger:
     def count(self, phase: Phase) -> int:
         return sum(1 for e in self._entries.values() if e.phase is phase)
 
-    def pop(self, key: str) -> Entry | None:
+    def pop(self, key: str) -> Entry[Job] | None:
         """Forget an entry without settling its message (its owner settles it)."""
         return self._entries.pop(key, None)
 

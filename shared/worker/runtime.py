@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
+from typing import ClassVar, Generic
 
 import msgspec
 import nats.errors
 from nats.aio.msg import Msg
-from redis.asyncio import Redis
 
 from shared import bus
 from shared.engine.async_engine import AsyncEngine
@@ -25,6 +26,8 @@ from shared.job_checks import job_refusal, undecodable_job_refusal
 from shared.messages import (
     Cancel,
     DecodeJob,
+    Heartbeat,
+    Job,
     PrefillJob,
     Role,
     TokenEvent,
@@ -39,6 +42,7 @@ from shared.telemetry import metrics
 from shared.worker import gauges, spans
 from shared.worker.cancel_feed import CancelFeed
 from shared.worker.cancels import CancelMemory
+from shared.worker.connections import Connections
 from shared.worker.engine_factory import build_engine
 from shared.worker.engine_load import EngineLoad
 from shared.worker.events import announce_event, error_event
@@ -50,17 +54,18 @@ TEARDOWN_TIMEOUT_S = 30.0
 IDLE_POLL_S = 0.005  # how often a worker without room looks again
 
 
-class Worker:
-    """Base of the three roles. Subclasses set `role`, `job_subject()` and implement `handle_job` and
-    `handle_outputs`; `run()` serves until `stop()`: the first call drains (no new jobs; what is in flight
-    finishes, for at most drain_timeout_s), a second one stops at once.
+class Worker(Generic[Job]):
+    """Base of the three roles, generic over the job kind a role takes. Subclasses set `role`, `job_subject()`
+    and implement `handle_job` and `handle_outputs`; `run()` connects (`conn`) and serves until `stop()`: the
+    first call drains (no new jobs; what is in flight finishes, for at most drain_timeout_s), a second one stops
+    at once.
 
     Jobs: `take(msg, kind, phase)` decodes a job and registers it in the ledger (or says there is nothing to
     do); until acked its message is reported in progress every third of ack_wait, so JetStream redelivers it
     only when this worker is dead or hung. A taken job is announced to the gateway at once (an event with no
     tokens): from then on this worker holds the request."""
 
-    role = Role.MIXED
+    role: ClassVar[Role] = Role.MIXED
 
     def __init__(self, settings: WorkerSettings, engine: Engine | None = None) -> None:
         self.settings = settings
@@ -72,18 +77,23 @@ class Worker:
         self.engine = AsyncEngine(engine, self._outputs_ready, self._engine_failed, on_state=self._observe)
         self.failure: BaseException | None = None  # why the engine thread died; the worker then exits non-zero
         self.stopping = asyncio.Event()
-        self.nc = None
-        self.js = None
-        self.redis: Redis | None = None
+        self._conn: Connections | None = None  # set by run(): read through `conn`
         self.rpc_address: str | None = None
         self._tasks: list[asyncio.Task] = []
         # Token events leave through one queue and one publisher task: per-request order is kept.
         self._outbox: asyncio.Queue[tuple[str, TokenEvent]] = asyncio.Queue()
         self.draining = False
         self.cancels = CancelMemory()
-        self.ledger = JobLedger(self.cancels)
+        self.ledger: JobLedger[Job] = JobLedger(self.cancels)
         self._integrity: str | None = None  # the engine's last integrity verdict (refreshed off the beat)
         self._ack_wait_s = settings.job_ack_wait_s  # the job consumer's, once bound (_learn_ack_wait)
+
+    @property
+    def conn(self) -> Connections:
+        """NATS, JetStream and Redis; a RuntimeError before run() has connected them."""
+        if self._conn is None:
+            raise RuntimeError(f"the {self.role} worker is not connected: run() connects it")
+        return self._conn
 
     # ---- to implement -----------------------------------------------------------------------------------
 
@@ -132,17 +142,16 @@ class Worker:
         if not connecting.done():  # SIGTERM while NATS is unreachable (or refuses us): nothing to drain
             connecting.cancel()
             return
-        self.nc = connecting.result()
-        self.js = self.nc.jetstream()
-        await bus.ensure_streams(self.js)
-        self.redis = redis_client(self.settings)
+        nc = connecting.result()
+        self._conn = Connections(nc, nc.jetstream(), redis_client(self.settings))
+        await bus.ensure_streams(self.conn.js)
         if self.settings.metrics_port is not None:
             self.metrics_port = metrics.serve_metrics(self.settings.metrics_host, self.settings.metrics_port)
             log.info("metrics at http://%s:%d/metrics", self.settings.metrics_host, self.metrics_port)
         self.engine.start()
         try:
             await self.setup()
-            cancels = CancelFeed(self.nc, self._cancel_received)
+            cancels = CancelFeed(self.conn.nc, self._cancel_received)
             await cancels.start()
             self._tasks = [
                 asyncio.create_task(cancels.run()),
@@ -166,11 +175,7 @@ class Worker:
         except Exception as exc:
             log.warning("teardown did not finish cleanly: %r", exc)
         await self.engine.stop()
-        with contextlib.suppress(Exception):  # close, not drain: draining can wait ~30 s on a dead peer
-            await asyncio.wait_for(self.nc.flush(), 1.0)
-        with contextlib.suppress(Exception):
-            await self.nc.close()
-        await self.redis.aclose()
+        await self.conn.close()
 
     def _engine_failed(self, exc: BaseException) -> None:
         """The engine thread died: stop at once (exit non-zero, heartbeats end), so that the gateway moves this
@@ -181,7 +186,7 @@ class Worker:
 
     def stop(self) -> None:
         """SIGTERM / SIGINT: the first call drains, a second stops now."""
-        if self.draining or self.nc is None:
+        if self.draining or self._conn is None:
             self.stopping.set()
             return
         self.draining = True
@@ -196,15 +201,15 @@ class Worker:
         if not self.idle():
             log.warning("drain timed out after %g s with work in hand; stopping anyway", timeout)
         with contextlib.suppress(Exception):  # the last token events out before the connection closes
-            await asyncio.wait_for(self.nc.flush(), 2.0)
+            await asyncio.wait_for(self.conn.nc.flush(), 2.0)
         self.stopping.set()
 
     # ---- jobs -------------------------------------------------------------------------------------------
 
-    async def take(self, msg: Msg, kind: type[PrefillJob] | type[DecodeJob], phase: Phase) -> Entry | None:
-        """Decode a job message (raises on a malformed one) and register it in the ledger in `phase`, announced
-        to the gateway; None when there is nothing to do (refused, cancelled, or a copy of one in hand:
-        JobLedger.take)."""
+    async def take(self, msg: Msg, kind: type[Job], phase: Phase) -> Entry[Job] | None:
+        """Decode a job message (raises on a malformed one) and register it in the ledger in `phase` with its
+        process span open, announced to the gateway; None when there is nothing to do (refused, cancelled, or a
+        copy of one in hand: JobLedger.take)."""
         try:
             job = decode(msg.data, kind)
         except msgspec.ValidationError:  # out of the wire's ranges: refused when it says where to answer
@@ -213,10 +218,11 @@ class Worker:
             raise  # malformed: the job loop drops it
         if self.refused(msg, job):
             return None
-        entry = await self.ledger.take(msg, job, phase, in_engine=job.key in self.load.requests)
+        worker_id = self.settings.worker_id
+        open_span = functools.partial(spans.process_span, msg, job.request_id, worker_id)
+        entry = await self.ledger.take(msg, job, phase, open_span, in_engine=job.key in self.load.requests)
         if entry is not None:
-            self.emit(job.reply_subject, announce_event(job, self.settings.worker_id))
-            entry.span = spans.process_span(msg, job.request_id, self.settings.worker_id)
+            self.emit(job.reply_subject, announce_event(job, worker_id))
         return entry
 
     def refused(self, msg: Msg, job: PrefillJob | DecodeJob) -> bool:
@@ -231,7 +237,7 @@ class Worker:
         asyncio.create_task(settle(msg.term()))
         return True
 
-    def refused_undecodable(self, msg: Msg, kind: type[PrefillJob] | type[DecodeJob]) -> bool:
+    def refused_undecodable(self, msg: Msg, kind: type[Job]) -> bool:
         """True for a job that failed validation (e.g. a temperature of -1) but names a request and a token
         subject: terminated, with a warning and an error event back, as `refused` does for a decoded one."""
         answer = undecodable_job_refusal(msg.data, kind)
@@ -246,7 +252,7 @@ class Worker:
     def is_cancelled(self, request_id: str, attempt: int) -> bool:
         return self.cancels.is_cancelled(request_id, attempt)
 
-    async def fail(self, entry: Entry, exc: Exception) -> None:
+    async def fail(self, entry: Entry[Job], exc: Exception) -> None:
         """The one failure path: answer the job with an error event — 400 for a ValueError (the engine refused
         it), 500 for anything else (a bug: logged with its traceback) —, abort it in the engine when it got that
         far (phase RUNNING: in any other phase the failure was the engine refusing it), terminate its message
@@ -270,7 +276,7 @@ class Worker:
         for entry in self.ledger.covered_by(cancel):
             await self.drop(entry)
 
-    async def drop(self, entry: Entry) -> None:
+    async def drop(self, entry: Entry[Job]) -> None:
         """Stop one cancelled request. In the engine: forgotten (its message acked: the client is gone or the
         request moved on, so the job is done), aborted (blocks freed), its spans ended as cancelled. Owned by a
         task (a KV pull, a hand-on): marked, and that task drops it at its next step."""
@@ -314,7 +320,7 @@ class Worker:
                     await msg.in_progress()
 
     async def _job_loop(self) -> None:
-        consumer = await bus.job_consumer(self.js, self.job_subject(), ack_wait_s=self.settings.job_ack_wait_s)
+        consumer = await bus.job_consumer(self.conn.js, self.job_subject(), ack_wait_s=self.settings.job_ack_wait_s)
         await self._learn_ack_wait(consumer)
         await self.fetch_jobs(consumer)
 
@@ -359,7 +365,7 @@ class Worker:
         while True:
             subject, event = await self._outbox.get()
             try:
-                await self.nc.publish(subject, encode(event))
+                await self.conn.nc.publish(subject, encode(event))
             except Exception as exc:  # the gateway's deadline turns a lost event into a clear error
                 log.warning("publishing tokens for %s failed: %s", event.request_id, exc)
 
@@ -373,7 +379,7 @@ class Worker:
             gauges.record_expert_load(self.labels, expert_load)
             await asyncio.sleep(HEARTBEAT_S)
 
-    def heartbeat(self):  # -> Heartbeat
+    def heartbeat(self) -> Heartbeat:
         """This worker's beat now (from the latest load snapshot); sets the load gauges on the way."""
         load = self.load
         gauges.record_load(self.labels, load)
@@ -389,4 +395,4 @@ class Worker:
         )
 
     async def _heartbeats(self) -> None:
-        await publish_heartbeats(self.nc, heartbeat_subject(self.role, self.settings.worker_id), self.heartbeat)
+        await publish_heartbeats(self.conn.nc, heartbeat_subject(self.role, self.settings.worker_id), self.heartbeat)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from opentelemetry.trace import Span
 
 from shared.engine.engine import RequestOutput
+from shared.messages import Job
 from shared.telemetry import metrics
 from shared.worker import spans
 from shared.worker.events import token_event
@@ -13,8 +14,8 @@ from shared.worker.ledger import Entry
 from shared.worker.runtime import Worker
 
 
-class StreamingWorker(Worker):
-    def start_decode_span(self, entry: Entry, parent: Span, start_s: float | None = None) -> None:
+class StreamingWorker(Worker[Job]):
+    def start_decode_span(self, entry: Entry[Job], parent: Span, start_s: float | None = None) -> None:
         entry.decode_span = spans.start_decode_span(
             entry.job, parent, self.model_name, self.settings.worker_id, start_s
         )
@@ -33,5 +34,5 @@ class StreamingWorker(Worker):
             job = entry.job
             self.emit(job.reply_subject, token_event(job.request_id, job.attempt, out, self.settings.worker_id))
 
-    def on_output(self, entry: Entry, out: RequestOutput) -> None:
+    def on_output(self, entry: Entry[Job], out: RequestOutput) -> None:
         """Called for every output before it is published (the mixed role records its prefill on the first)."""

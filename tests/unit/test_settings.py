@@ -207,6 +207,12 @@ def test_worker_validation_keeps_its_messages():
         EngineConfig(model="m", dtype="float8")
 
 
+def test_ticket_secret_is_the_cluster_secret_of_a_role_that_signs_tickets():
+    assert from_env(WorkerSettings, {"PDSERVE_CLUSTER_SECRET": SECRET}, role="decode").ticket_secret == SECRET
+    with pytest.raises(ValueError, match="a mixed worker has no cluster_secret"):
+        _ = WorkerSettings().ticket_secret
+
+
 def _parsed(monkeypatch, argv: list[str]) -> argparse.Namespace:
     """The arguments `pdserve <argv>` would start its service with (the service itself is not started)."""
     import services.cli as cli

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 
 import pytest
+from opentelemetry.trace import INVALID_SPAN, Span
 
 from services.mixed.worker import MixedWorker
 from shared.engine.config import EngineConfig, SchedulerConfig
@@ -47,14 +48,26 @@ def run(coro):
     return asyncio.run(coro)
 
 
+class OpenSpan:
+    """JobLedger.take's `open_span`: counts the process spans opened (a no-op span each)."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+
+    def __call__(self) -> Span:
+        self.opened += 1
+        return INVALID_SPAN
+
+
 # ---- ledger ---------------------------------------------------------------------------------------------------
 
 
 def test_take_registers_a_job_and_reports_it_in_progress_until_acked():
     async def scenario():
-        ledger, msg = JobLedger(CancelMemory()), FakeMsg()
-        entry = await ledger.take(msg, job(), Phase.PREFILLING)
+        ledger, msg, opened = JobLedger(CancelMemory()), FakeMsg(), OpenSpan()
+        entry = await ledger.take(msg, job(), Phase.PREFILLING, opened)
         assert entry is not None and entry.phase is Phase.PREFILLING and ledger.get("r") is entry
+        assert entry.span is INVALID_SPAN and opened.opened == 1  # its process span, opened with the entry
         assert ledger.in_progress() == [msg] and msg.calls == []
         await ledger.ack("r")
         assert msg.calls == ["ack"] and ledger.in_progress() == [] and len(ledger) == 1  # acked, still in hand
@@ -65,13 +78,15 @@ def test_take_registers_a_job_and_reports_it_in_progress_until_acked():
 def test_a_redelivery_in_hand_replaces_the_message_and_a_copy_of_an_acked_one_is_acked():
     async def scenario():
         ledger, first, second, third = JobLedger(CancelMemory()), FakeMsg(), FakeMsg(), FakeMsg()
-        entry = await ledger.take(first, job(), Phase.PULLING)
-        assert await ledger.take(second, job(), Phase.PULLING) is None
+        opened = OpenSpan()
+        entry = await ledger.take(first, job(), Phase.PULLING, opened)
+        assert await ledger.take(second, job(), Phase.PULLING, opened) is None
         assert entry.msg is second and first.calls == [] and second.calls == []  # the newer one is settled
         await ledger.ack("r")
         assert second.calls == ["ack"] and first.calls == []
-        assert await ledger.take(third, job(), Phase.PULLING) is None  # runs here, acked: the copy is done
+        assert await ledger.take(third, job(), Phase.PULLING, opened) is None  # runs here, acked: the copy is done
         assert third.calls == ["ack"] and ledger.get("r") is entry
+        assert opened.opened == 1  # no span for a copy: nothing would end it
 
     run(scenario())
 
@@ -81,11 +96,12 @@ def test_cancelled_attempts_and_jobs_the_engine_runs_already_are_acked_and_dropp
         cancels = CancelMemory()
         ledger = JobLedger(cancels)
         cancels.remember(Cancel("r", up_to_attempt=1))
-        old, new, running = FakeMsg(), FakeMsg(), FakeMsg()
-        assert await ledger.take(old, job(attempt=1), Phase.PREFILLING) is None and old.calls == ["ack"]
-        assert await ledger.take(new, job(attempt=2), Phase.PREFILLING) is not None and new.calls == []
-        assert await ledger.take(running, job("s"), Phase.PREFILLING, in_engine=True) is None
+        old, new, running, opened = FakeMsg(), FakeMsg(), FakeMsg(), OpenSpan()
+        assert await ledger.take(old, job(attempt=1), Phase.PREFILLING, opened) is None and old.calls == ["ack"]
+        assert await ledger.take(new, job(attempt=2), Phase.PREFILLING, opened) is not None and new.calls == []
+        assert await ledger.take(running, job("s"), Phase.PREFILLING, opened, in_engine=True) is None
         assert running.calls == ["ack"] and ledger.get("s") is None
+        assert opened.opened == 1  # only the job taken has a span
 
     run(scenario())
 
@@ -93,10 +109,10 @@ def test_cancelled_attempts_and_jobs_the_engine_runs_already_are_acked_and_dropp
 def test_term_finish_and_forget_end_an_entry():
     async def scenario():
         ledger = JobLedger(CancelMemory())
-        a, b, c = FakeMsg(), FakeMsg(), FakeMsg()
-        await ledger.take(a, job("a"), Phase.PREFILLING)
-        await ledger.take(b, job("b"), Phase.RUNNING)
-        await ledger.take(c, job("c"), Phase.RUNNING)
+        a, b, c, opened = FakeMsg(), FakeMsg(), FakeMsg(), OpenSpan()
+        await ledger.take(a, job("a"), Phase.PREFILLING, opened)
+        await ledger.take(b, job("b"), Phase.RUNNING, opened)
+        await ledger.take(c, job("c"), Phase.RUNNING, opened)
         assert (await ledger.term("a")).job.request_id == "a" and a.calls == ["term"]
         assert ledger.finish("b") is not None and ledger.get("b") is None
         await asyncio.sleep(0)  # the ack of a finished job is settled in a task
@@ -111,7 +127,7 @@ def test_covered_by_selects_the_request_and_the_attempts_a_cancel_covers():
     async def scenario():
         ledger = JobLedger(CancelMemory())
         for rid, attempt in (("r", 0), ("r", 1), ("r", 2), ("other", 0)):
-            await ledger.take(FakeMsg(), job(rid, attempt), Phase.RUNNING)
+            await ledger.take(FakeMsg(), job(rid, attempt), Phase.RUNNING, OpenSpan())
         assert sorted(e.key for e in ledger.covered_by(Cancel("r", up_to_attempt=1))) == ["r", "r~1"]
         assert sorted(e.key for e in ledger.covered_by(Cancel("r"))) == ["r", "r~1", "r~2"]
         assert ledger.covered_by(Cancel("nobody")) == []
@@ -143,6 +159,13 @@ def worker(model_dir):
         str(model_dir), max_model_len=256, num_kv_blocks=64, scheduler=SchedulerConfig(max_num_seqs=4)
     )
     return MixedWorker(WorkerSettings(engine=config, worker_id="w1", metrics_port=None), engine=Engine(config))
+
+
+def test_connections_are_there_only_once_run_made_them(worker):
+    with pytest.raises(RuntimeError, match="the mixed worker is not connected: run"):
+        _ = worker.conn
+    worker.stop()  # before run(): nothing to drain, it stops at once
+    assert worker.stopping.is_set() and not worker.draining
 
 
 def test_has_room_answers_from_the_load_snapshot(worker):
