@@ -1,6 +1,6 @@
 """The worker runtime every role shares: connect, the capacity-gated job loop, the one cancel path and the one
-failure path, draining, the token outbox, progress reports and heartbeats. The roles (services/prefill, decode,
-mixed) add what they do with a job and with the engine's outputs.
+failure path, draining and heartbeats (the job queue's consumer: job_feed.py; token events out: outbox.py). The
+roles (services/prefill, decode, mixed) add what they do with a job and with the engine's outputs.
 
 A request's life in a worker is one ledger entry (ledger.py); what the loop knows of the engine is the load
 snapshot the engine thread publishes (engine_load.py).
@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from shared import bus
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import Engine, RequestOutput
-from shared.job_checks import job_refusal, undecodable_job_refusal
+from shared.job_checks import Refusal, job_refusal, undecodable_job_refusal
 from shared.messages import (
     Cancel,
     DecodeJob,
@@ -33,7 +33,6 @@ from shared.messages import (
     TokenEvent,
     decode,
     decode_or_drop,
-    encode,
     heartbeat_subject,
 )
 from shared.redis_client import redis_client
@@ -47,7 +46,9 @@ from shared.worker.engine_factory import build_engine
 from shared.worker.engine_load import EngineLoad
 from shared.worker.events import announce_event, error_event
 from shared.worker.heartbeat import HEARTBEAT_S, beat_facts, build_heartbeat, publish_heartbeats
+from shared.worker.job_feed import JobFeed
 from shared.worker.ledger import Entry, JobLedger, Phase, settle
+from shared.worker.outbox import Outbox
 
 log = logging.getLogger(__name__)
 TEARDOWN_TIMEOUT_S = 30.0
@@ -80,13 +81,11 @@ class Worker(Generic[Job]):
         self._conn: Connections | None = None  # set by run(): read through `conn`
         self.rpc_address: str | None = None
         self._tasks: list[asyncio.Task] = []
-        # Token events leave through one queue and one publisher task: per-request order is kept.
-        self._outbox: asyncio.Queue[tuple[str, TokenEvent]] = asyncio.Queue()
+        self.outbox = Outbox()  # token events leave in order, through one publisher
         self.draining = False
         self.cancels = CancelMemory()
         self.ledger: JobLedger[Job] = JobLedger(self.cancels)
         self._integrity: str | None = None  # the engine's last integrity verdict (refreshed off the beat)
-        self._ack_wait_s = settings.job_ack_wait_s  # the job consumer's, once bound (_learn_ack_wait)
 
     @property
     def conn(self) -> Connections:
@@ -130,7 +129,7 @@ class Worker(Generic[Job]):
     def idle(self) -> bool:
         """Nothing in hand: no job in the ledger, no request in the engine (running, waiting or holding KV), no
         token event waiting to leave."""
-        return not self.ledger and not self.load.requests and self._outbox.empty()
+        return not self.ledger and not self.load.requests and self.outbox.empty()
 
     # ---- life -------------------------------------------------------------------------------------------
 
@@ -158,8 +157,7 @@ class Worker(Generic[Job]):
                 asyncio.create_task(self._heartbeats()),
                 asyncio.create_task(self._engine_facts()),
                 asyncio.create_task(self._job_loop()),
-                asyncio.create_task(self._publisher()),
-                asyncio.create_task(self._progress_reports()),
+                asyncio.create_task(self.outbox.publish_forever(self.conn.nc)),
             ]
             log.info("%s worker %s serving %s", self.role, self.settings.worker_id, self.model_name)
             await self.stopping.wait()
@@ -226,28 +224,27 @@ class Worker(Generic[Job]):
         return entry
 
     def refused(self, msg: Msg, job: PrefillJob | DecodeJob) -> bool:
-        """True for a job the engine must not see (shared/job_checks.py: it would fail on the engine thread):
-        terminated, with a warning naming why and an error event back where its reply subject allows."""
+        """True for a job the engine must not see (shared/job_checks.py: it would fail on the engine thread)."""
         refusal = job_refusal(job, self.load.vocab_size, self.load.max_model_len)
-        if refusal is None:
-            return False
+        if refusal is not None:
+            self._refuse(msg, job, refusal)
+        return refusal is not None
+
+    def refused_undecodable(self, msg: Msg, kind: type[Job]) -> bool:
+        """True for a job that failed validation (e.g. a temperature of -1) but names a request and a token
+        subject: refused as a decoded one would be."""
+        answer = undecodable_job_refusal(msg.data, kind)
+        if answer is not None:
+            self._refuse(msg, *answer)
+        return answer is not None
+
+    def _refuse(self, msg: Msg, job: PrefillJob | DecodeJob, refusal: Refusal) -> None:
+        """Terminate a refused job's message, with a warning naming why and an error event back where its reply
+        subject allows."""
         log.warning("refusing job %.80r on %s: %s", job.request_id, msg.subject, refusal.reason)
         if refusal.reply:
             self.emit(job.reply_subject, error_event(job, refusal.reason, self.settings.worker_id))
         asyncio.create_task(settle(msg.term()))
-        return True
-
-    def refused_undecodable(self, msg: Msg, kind: type[Job]) -> bool:
-        """True for a job that failed validation (e.g. a temperature of -1) but names a request and a token
-        subject: terminated, with a warning and an error event back, as `refused` does for a decoded one."""
-        answer = undecodable_job_refusal(msg.data, kind)
-        if answer is None:
-            return False
-        job, refusal = answer
-        log.warning("refusing job %.80r on %s: %s", job.request_id, msg.subject, refusal.reason)
-        self.emit(job.reply_subject, error_event(job, refusal.reason, self.settings.worker_id))
-        asyncio.create_task(settle(msg.term()))
-        return True
 
     def is_cancelled(self, request_id: str, attempt: int) -> bool:
         return self.cancels.is_cancelled(request_id, attempt)
@@ -293,35 +290,10 @@ class Worker(Generic[Job]):
         if cancel is not None:
             await self.on_cancel(cancel)
 
-    async def _learn_ack_wait(self, consumer) -> None:
-        """The shared consumer keeps the ack_wait it was created with (JetStream does not change it when a worker
-        binds with another): progress is reported by the one in force."""
-        try:
-            ack_wait = (await consumer.consumer_info()).config.ack_wait
-        except Exception as exc:
-            log.warning("could not read the job consumer's ack_wait (%s); assuming job_ack_wait_s", exc)
-            return
-        if ack_wait and abs(ack_wait - self.settings.job_ack_wait_s) > 0.01:
-            log.warning(
-                "the job consumer's ack_wait is %g s, not job_ack_wait_s=%g s (it was created with it; delete the "
-                "consumer to change it): progress is reported by %g s",
-                ack_wait,
-                self.settings.job_ack_wait_s,
-                ack_wait,
-            )
-        self._ack_wait_s = ack_wait or self.settings.job_ack_wait_s
-
-    async def _progress_reports(self) -> None:
-        """Keep JetStream from redelivering the jobs in hand while this worker is alive."""
-        while True:
-            await asyncio.sleep(self._ack_wait_s / 3)
-            for msg in self.ledger.in_progress():
-                with contextlib.suppress(Exception):
-                    await msg.in_progress()
-
     async def _job_loop(self) -> None:
-        consumer = await bus.job_consumer(self.conn.js, self.job_subject(), ack_wait_s=self.settings.job_ack_wait_s)
-        await self._learn_ack_wait(consumer)
+        feed = JobFeed(self.conn.js, self.job_subject(), self.settings.job_ack_wait_s)
+        consumer = await feed.bind()
+        self._tasks.append(asyncio.create_task(feed.report_progress(self.ledger.in_progress)))
         await self.fetch_jobs(consumer)
 
     async def fetch_jobs(self, consumer) -> None:
@@ -359,15 +331,7 @@ class Worker(Generic[Job]):
 
     def emit(self, subject: str, event: TokenEvent) -> None:
         """Queue a token event for publishing (callable from the loop without awaiting)."""
-        self._outbox.put_nowait((subject, event))
-
-    async def _publisher(self) -> None:
-        while True:
-            subject, event = await self._outbox.get()
-            try:
-                await self.conn.nc.publish(subject, encode(event))
-            except Exception as exc:  # the gateway's deadline turns a lost event into a clear error
-                log.warning("publishing tokens for %s failed: %s", event.request_id, exc)
+        self.outbox.emit(subject, event)
 
     # ---- heartbeats -------------------------------------------------------------------------------------
 

@@ -227,8 +227,8 @@ def test_a_worker_with_no_room_fetches_no_job(worker):
 
 def _events(worker) -> list[TokenEvent]:
     events = []
-    while not worker._outbox.empty():
-        events.append(worker._outbox.get_nowait()[1])
+    while not worker.outbox.empty():
+        events.append(worker.outbox.queue.get_nowait()[1])
     return events
 
 

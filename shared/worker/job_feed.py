@@ -1,0 +1,57 @@
+"""A worker's side of its job queue: the durable pull consumer it binds to, the ack_wait in force on it, and
+the progress reports that keep JetStream from redelivering the jobs in hand while the worker is alive."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from shared import bus
+from shared.worker.ledger import JobMessage
+
+log = logging.getLogger(__name__)
+
+
+class JobFeed:
+    def __init__(self, js: JetStreamContext, subject: str, ack_wait_s: float) -> None:
+        self._js, self._subject = js, subject
+        self.wanted_ack_wait_s = ack_wait_s  # job_ack_wait_s: what a consumer created by this worker gets
+        self.ack_wait_s = ack_wait_s  # the consumer's, once bound (it may have been created with another)
+        self._consumer: JetStreamContext.PullSubscription | None = None
+
+    async def bind(self) -> JetStreamContext.PullSubscription:
+        """Bind to the queue's shared durable consumer (creating it if needed) and learn its ack_wait."""
+        self._consumer = await bus.job_consumer(self._js, self._subject, ack_wait_s=self.wanted_ack_wait_s)
+        await self._learn_ack_wait(self._consumer)
+        return self._consumer
+
+    async def _learn_ack_wait(self, consumer: JetStreamContext.PullSubscription) -> None:
+        """The shared consumer keeps the ack_wait it was created with (JetStream does not change it when a worker
+        binds with another): progress is reported by the one in force."""
+        try:
+            ack_wait = (await consumer.consumer_info()).config.ack_wait
+        except Exception as exc:
+            log.warning("could not read the job consumer's ack_wait (%s); assuming job_ack_wait_s", exc)
+            return
+        if ack_wait and abs(ack_wait - self.wanted_ack_wait_s) > 0.01:
+            log.warning(
+                "the job consumer's ack_wait is %g s, not job_ack_wait_s=%g s (it was created with it; delete the "
+                "consumer to change it): progress is reported by %g s",
+                ack_wait,
+                self.wanted_ack_wait_s,
+                ack_wait,
+            )
+        self.ack_wait_s = ack_wait or self.wanted_ack_wait_s
+
+    async def report_progress(self, in_hand: Callable[[], Iterable[JobMessage | Msg]]) -> None:
+        """Forever: every third of ack_wait, tell JetStream each message `in_hand()` names is still being worked on."""
+        while True:
+            await asyncio.sleep(self.ack_wait_s / 3)
+            for msg in in_hand():
+                with contextlib.suppress(Exception):
+                    await msg.in_progress()
