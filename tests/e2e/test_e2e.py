@@ -241,7 +241,12 @@ def test_other_topologies_match(model_dir, reference, topology):
             results = list(pool.map(lambda p: _complete(stack.url, p), prompts))
         for prompt, out in zip(prompts, results, strict=True):
             assert out["choices"][0]["text"] == tok.decode(reference[prompt])
-        assert _generated_tokens(stack) == len(prompts) * MAX_TOKENS  # whichever workers sampled them
+        try:
+            generated = _generated_tokens(stack)
+        except httpx.ConnectError as exc:  # a worker's /metrics is gone: say which and why
+            states = {name: proc.poll() for name, proc in stack.procs.items()}
+            raise AssertionError(f"scraping failed ({exc}); exit codes {states}\n{stack.logs()}") from exc
+        assert generated == len(prompts) * MAX_TOKENS  # whichever workers sampled them
         beats = heartbeats(stack.nats_url)
         assert all(b.prefill_tokens == 0 for b in beats.values() if b.role == "decode")
         assert kv_keys(stack.redis_url) == []
