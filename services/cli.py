@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 
@@ -158,6 +159,14 @@ def _add_service_commands(sub) -> None:
     up.add_argument("--nats-url", help="use this NATS (JetStream enabled) instead of starting one")
     up.add_argument("--redis-url", help="use this Redis instead of starting one")
     up.add_argument("--threads-per-worker", type=int, default=1)
+    for role in ("prefill", "decode", "mixed"):  # settings are per process: a role's own, e.g. its KV budget
+        up.add_argument(
+            f"--{role}-args",
+            default="",
+            metavar="FLAGS",
+            help=f"extra flags for every {role} worker, as one shell-quoted string after an = "
+            f"(e.g. --{role}-args='--kv-cache-bytes 2147483648'); PDSERVE_* variables reach every worker",
+        )
     up.add_argument("--trace-file", help="every service appends its spans here (read with `pdserve trace`)")
     up.add_argument("--drain-timeout-s", type=float, help="on SIGTERM / Ctrl-C: how long services drain (default 60)")
     up.add_argument("--log-dir", help="each service's output in <dir>/<service>.log (default: this terminal)")
@@ -246,6 +255,11 @@ def _up(args: argparse.Namespace) -> int:
         nats_url=args.nats_url,
         redis_url=args.redis_url,
         threads_per_worker=args.threads_per_worker,
+        role_args={
+            role: tuple(shlex.split(flags))
+            for role in ("prefill", "decode", "mixed")
+            if (flags := getattr(args, f"{role}_args"))
+        },
         trace_file=args.trace_file,
         env=drain_env,
     )

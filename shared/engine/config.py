@@ -45,10 +45,13 @@ class EngineConfig:
     """torch intra-op threads (process-wide: the engine sets them when built); None = torch's default."""
     block_size: int = 16
     """Tokens per KV block."""
-    kv_cache_bytes: int = 256 << 20
-    """Memory budget the KV pool is cut from."""
+    kv_cache_bytes: int | None = None
+    """Bytes the KV pool is cut from; None = 256 MiB on CPU, and on CUDA what gpu_memory_utilization leaves."""
+    gpu_memory_utilization: float = 0.9
+    """CUDA: the share of the device's total memory this engine may use (weights, activations of a profiled
+    worst-case step, KV pool); the KV pool gets the rest. Ignored when kv_cache_bytes or num_kv_blocks is set."""
     num_kv_blocks: int | None = None
-    """KV blocks in the pool, instead of the kv_cache_bytes budget (tests)."""
+    """KV blocks in the pool, instead of a memory budget (tests)."""
     max_model_len: int | None = None
     """Prompt + output tokens of one request; None = the model's max_position_embeddings."""
     seed: int | None = None
@@ -62,3 +65,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.dtype is not None and self.dtype not in tuple(Dtype):
             raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(Dtype)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")

@@ -6,6 +6,7 @@ Single-threaded by design: callers (the services) drive `step()` from one loop a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from shared.engine.block_manager import BlockManager, NoFreeBlocksError
 from shared.engine.config import EngineConfig
 from shared.engine.kv_export import KVExport
+from shared.engine.kv_measure import plan_kv_pool
 from shared.engine.kv_pool import KVLayout, KVPool
 from shared.engine.request import FinishReason, Request, RequestStatus
 from shared.engine.runner import ModelRunner
@@ -23,6 +25,8 @@ from shared.engine.scheduler import Scheduler
 from shared.model.linear import can_prepack, prepack
 from shared.model.loader import load_model
 from shared.model.transformer import CausalLM
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -59,17 +63,12 @@ class Engine:
         self.layout = KVLayout(
             mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, str(dtype).removeprefix("torch.")
         )
-        if config.num_kv_blocks is not None:
-            self.pool = KVPool(self.layout, config.num_kv_blocks, config.device)
-        else:
-            self.pool = KVPool.from_budget(self.layout, config.kv_cache_bytes, config.device)
-        self.blocks = BlockManager(self.pool.num_blocks, config.block_size)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        if self.pool.num_blocks * config.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV pool holds {self.pool.num_blocks * config.block_size} tokens, less than one request "
-                f"of max_model_len {self.max_model_len}: raise kv_cache_bytes or lower max_model_len"
-            )
+        # after the weights (and their packed twins): on CUDA the plan measures what they left
+        self.kv_plan = plan_kv_pool(config, self.layout, self.max_model_len, self.model)
+        log.info("%s", self.kv_plan.summary())
+        self.pool = KVPool(self.layout, self.kv_plan.num_blocks, config.device)
+        self.blocks = BlockManager(self.pool.num_blocks, config.block_size)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, eos_token_ids=mc.eos_token_ids)
         self.runner = ModelRunner(self.model, self.pool, Sampler(config.seed))
         self.requests: dict[str, Request] = {}  # live, or finished and holding KV

@@ -47,15 +47,6 @@ class KVPool:
         shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.tensor = torch.zeros(shape, dtype=layout.torch_dtype, device=device)
 
-    @classmethod
-    def from_budget(cls, layout: KVLayout, budget_bytes: int, device: str | torch.device = "cpu") -> KVPool:
-        num_blocks = budget_bytes // layout.bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"KV cache budget of {budget_bytes} bytes holds no block ({layout.bytes_per_block} bytes each)"
-            )
-        return cls(layout, num_blocks, device)
-
     def layer_caches(self) -> list[torch.Tensor]:
         """Per layer, a (2, N, B, KVH, hd) view (K and V) that the model writes into."""
         return list(self.tensor.unbind(0))

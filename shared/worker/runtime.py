@@ -159,7 +159,15 @@ class Worker(Generic[Job]):
                 asyncio.create_task(self._job_loop()),
                 asyncio.create_task(self.outbox.publish_forever(self.conn.nc)),
             ]
-            log.info("%s worker %s serving %s", self.role, self.settings.worker_id, self.model_name)
+            load = self.load
+            log.info(
+                "%s worker %s serving %s (KV cache: %d tokens, max_model_len %d)",
+                self.role,
+                self.settings.worker_id,
+                self.model_name,
+                load.total_blocks * load.block_size,
+                load.max_model_len,
+            )
             await self.stopping.wait()
         finally:
             await self._shut_down()

@@ -29,6 +29,7 @@ from services.cli import main as cli_main
 from services.local.infra import free_port, wait_for_port
 from shared import bus
 from shared.config_fields import knobs
+from shared.engine.config import EngineConfig
 from shared.redis_client import explain_redis_error, redis_client
 from shared.settings import GatewaySettings, WorkerSettings, from_env
 from shared.telemetry import metrics
@@ -265,6 +266,23 @@ def test_gpu_profile_reserves_disjoint_gpus():
     for name in WORKERS - GPU_PROFILE:
         settings = from_env(WorkerSettings, environment(name), role=role(name))
         assert settings.engine.device == "cpu" and settings.kv.backend == "gloo", name
+
+
+def test_each_worker_role_takes_its_own_kv_budget():
+    """PREFILL_* / DECODE_* in the shell size that role's KV pool, CPU and GPU workers alike; unset, every
+    worker keeps the engine's defaults (256 MiB on CPU, 0.9 of the GPU)."""
+    default = EngineConfig(model="m")
+    shell = {"PREFILL_KV_CACHE_BYTES": "1048576", "DECODE_KV_CACHE_BYTES": "4294967296"}
+    shell |= {"PREFILL_GPU_MEMORY_UTILIZATION": "0.8", "DECODE_GPU_MEMORY_UTILIZATION": "0.95"}
+    given = {"prefill": (1 << 20, 0.8), "decode": (4 << 30, 0.95)}
+    for name in WORKERS:
+        engine = from_env(WorkerSettings, environment(name), role=role(name)).engine
+        assert (engine.kv_cache_bytes, engine.gpu_memory_utilization) == (None, default.gpu_memory_utilization)
+        engine = from_env(WorkerSettings, environment(name, shell), role=role(name)).engine
+        kv_bytes, utilization = given[role(name)]
+        assert engine.kv_cache_bytes == kv_bytes, name
+        if name in GPU_PROFILE:
+            assert engine.gpu_memory_utilization == utilization, name
 
 
 def test_models_volume_is_mounted_everywhere_it_is_read():
