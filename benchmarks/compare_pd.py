@@ -79,13 +79,14 @@ from services.bench.metrics import RequestRecord  # noqa: E402
 from services.bench.runner import BenchConfig, BenchResult, run  # noqa: E402
 from services.local.infra import free_port  # noqa: E402
 from services.local.stack import Stack, StackSpec  # noqa: E402
+from shared.engine.kv_budget import CPU_KV_CACHE_BYTES  # noqa: E402
 from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
 from shared.model.tokenizer import Tokenizer  # noqa: E402
 
 MODES = ("colocated", "colocated-chunked", "disaggregated")
 BASELINE = "colocated"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-KV_CACHE_BYTES = 256 << 20  # the worker default (WorkerSettings.kv_cache_bytes), for the memory estimate
+KV_CACHE_BYTES = CPU_KV_CACHE_BYTES  # a CPU worker's default KV pool, for the memory estimate
 OTHER_CPU_WARN = 0.10  # warn when other processes used more than this share of the machine during a run
 QUIET_WINDOW_S = 3.0  # how long the machine is watched before a run to call it quiet
 
