@@ -29,7 +29,7 @@ class PrefillChunk:
 # A decode sequence joins a bucket when padding it to the bucket's longest context costs at most this many
 # slots: about what one more SDPA call costs on CPU (~20 µs, the time to gather and attend ~64 slots at
 # 2 KV heads of 64). Attention alone, 8 layers of the small demo model, one thread, CPU ms on the 2-core
-# dev machine (scratch measurement, ±15% between runs):
+# dev machine (scratch measurement with enable_gqa SDPA in every column, ±30% between runs):
 #                                      padded  buckets  pow2 classes  per sequence  flat varlen
 #   32 x 136 (uniform)                     14       14            13            23           22
 #   31 x 136 + 1 x 4096                   984       35            35            38           44
