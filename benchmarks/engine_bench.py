@@ -13,6 +13,9 @@ number is the median over repeats, after one warm-up run each.
   first (ignore_eos). Only the decode phase is timed. pdserve: the engine steps after every request
   has its first token. transformers: one `generate`, timed from inside by a logits processor that
   stamps each step, from the first token's stamp to the last one's (so no prefill is subtracted).
+- mixed decode (pdserve only): 31 prompts of MIXED_SHORT tokens + 1 of MIXED_LONG, against 32 of MIXED_SHORT,
+  MIXED_TOKENS decode steps each, the two runs alternated: the median step of each and their ratio. It shows
+  what one long sequence costs a batch of short ones (decode attention pads only within length buckets).
 - floor: the bytes a decode step must read (weights of the experts it touches, KV), over this machine's
   read bandwidth; also its FLOPs over the machine's matmul rate, since CPUs are often compute bound here.
 """
@@ -23,6 +26,7 @@ import argparse
 import itertools
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -45,6 +49,7 @@ PREFILL_LEN = 512
 DECODE_PROMPT = 128
 DECODE_TOKENS = 128  # timed tokens per sequence, after the first
 BLOCK_SIZE = 16
+MIXED_SHORT, MIXED_LONG, MIXED_BATCH, MIXED_TOKENS = 128, 4096, 32, 16
 MODEL_FIELDS = ("model_type", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
                 "num_experts", "num_experts_per_tok", "moe_intermediate_size")  # fmt: skip
 
@@ -62,7 +67,9 @@ def _blocks(tokens: int) -> int:
 class PdserveRunner:
     def __init__(self, model_dir: Path, prefill_batch: int, decode_batch: int) -> None:
         blocks = max(
-            _blocks(PREFILL_LEN + 1) * prefill_batch, _blocks(DECODE_PROMPT + DECODE_TOKENS + 1) * decode_batch
+            _blocks(PREFILL_LEN + 1) * prefill_batch,
+            _blocks(DECODE_PROMPT + DECODE_TOKENS + 1) * decode_batch,
+            _blocks(MIXED_SHORT + MIXED_TOKENS + 1) * (MIXED_BATCH - 1) + _blocks(MIXED_LONG + MIXED_TOKENS + 1),
         )
         self.engine = Engine.from_dir(
             model_dir,
@@ -71,7 +78,7 @@ class PdserveRunner:
                 max_num_batched_tokens=max(prefill_batch * PREFILL_LEN, decode_batch * DECODE_PROMPT),
                 max_num_seqs=max(prefill_batch, decode_batch),
             ),
-            max_model_len=PREFILL_LEN + DECODE_TOKENS + 1,
+            max_model_len=max(PREFILL_LEN + DECODE_TOKENS, MIXED_LONG + MIXED_TOKENS) + 1,
             num_kv_blocks=blocks,  # enough that nothing is ever preempted
             block_size=BLOCK_SIZE,
         )
@@ -187,6 +194,26 @@ def bench_decode(pd: PdserveRunner, hf: TransformersRunner, batch: int, repeats:
     return row
 
 
+def bench_mixed_decode(pd: PdserveRunner, repeats: int, gen: torch.Generator) -> dict:
+    """Decode steps of 31 short + 1 long sequence against 32 short ones, alternated (pdserve only)."""
+    vocab = pd.engine.model.config.vocab_size
+    uniform = random_prompts(gen, MIXED_BATCH, MIXED_SHORT, vocab)
+    mixed = uniform[:-1] + random_prompts(gen, 1, MIXED_LONG, vocab)
+    pd.decode(uniform, 4)  # warm-up
+    pd.decode(mixed, 4)
+    runs: dict[str, list[float]] = {"uniform": [], "mixed": []}
+    for r in range(repeats):
+        for name in ("uniform", "mixed")[:: 1 if r % 2 == 0 else -1]:
+            steps, _ = pd.decode(uniform if name == "uniform" else mixed, MIXED_TOKENS)
+            if len(steps) != MIXED_TOKENS:
+                raise RuntimeError(f"{name}: expected {MIXED_TOKENS} decode steps")
+            runs[name] += steps
+    uniform_ms, mixed_ms = (1000 * statistics.median(runs[name]) for name in ("uniform", "mixed"))
+    return dict(batch=MIXED_BATCH, short_context=MIXED_SHORT, long_context=MIXED_LONG, steps=MIXED_TOKENS,
+                uniform_step_ms=uniform_ms, mixed_step_ms=mixed_ms, ratio=mixed_ms / uniform_ms,
+                uniform_steps_s=runs["uniform"], mixed_steps_s=runs["mixed"])  # fmt: skip
+
+
 def random_prompts(gen: torch.Generator, batch: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(0, vocab, (batch, length), generator=gen).tolist()
 
@@ -245,10 +272,10 @@ def add_floor(rows: list[dict], model: torch.nn.Module, gbps: float, gflops: flo
             row[f"{name}_x_mem_floor"] = row[f"{name}_step_ms"] / row["mem_floor_ms"]
 
 
-def print_report(cfg: dict, prefill: list[dict], decode: list[dict]) -> None:
+def print_report(cfg: dict, prefill: list[dict], decode: list[dict], mixed: dict) -> None:
     print(
         f"\npdserve vs transformers {cfg['transformers']} | torch {cfg['torch']} | {cfg['threads']} threads | "
-        f"{cfg['dtype']} | {cfg['model_type']} {cfg['params'] / 1e6:.1f}M params, "
+        f"{cfg['dtype']} | {cfg['cpu']} | {cfg['model_type']} {cfg['params'] / 1e6:.1f}M params, "
         f"{cfg['num_experts']} experts top-{cfg['num_experts_per_tok']}"
     )
     print(f"read bandwidth {cfg['read_gbps']:.1f} GB/s, matmul {cfg['matmul_gflops']:.0f} GFLOP/s\n")
@@ -270,6 +297,22 @@ def print_report(cfg: dict, prefill: list[dict], decode: list[dict]) -> None:
             f"{r['pdserve_step_ms']:>12.2f}{r['pdserve_x_mem_floor']:>7.1f}{r['transformers_step_ms']:>17.2f}"
             f"{r['transformers_x_mem_floor']:>7.1f}{r['same_tokens']:>13.0%}"
         )
+    print(
+        f"\nmixed decode, pdserve: {mixed['batch'] - 1} x {mixed['short_context']} + 1 x {mixed['long_context']} "
+        f"context vs {mixed['batch']} x {mixed['short_context']}, median of {mixed['steps']} steps x repeats"
+    )
+    print(f"{'uniform step ms':>16}{'mixed step ms':>15}{'mixed / uniform':>17}")
+    print(f"{mixed['uniform_step_ms']:>16.2f}{mixed['mixed_step_ms']:>15.2f}{mixed['ratio']:>17.2f}")
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the kernel reports it (what `lscpu` prints as Model name)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or "unknown"
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or "unknown"
 
 
 def run_config(model_dir: Path, model, hf_model, quick: bool, prefill_repeats: int, decode_repeats: int) -> dict:
@@ -278,6 +321,7 @@ def run_config(model_dir: Path, model, hf_model, quick: bool, prefill_repeats: i
         params=sum(p.numel() for p in model.parameters()),
         dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
         threads=torch.get_num_threads(),
+        cpu=cpu_model(),
         torch=torch.__version__,
         transformers=transformers.__version__,
         hf_attn_implementation=hf_model.config._attn_implementation,
@@ -285,6 +329,7 @@ def run_config(model_dir: Path, model, hf_model, quick: bool, prefill_repeats: i
         prefill_len=PREFILL_LEN,
         decode_prompt_len=DECODE_PROMPT,
         decode_tokens=DECODE_TOKENS,
+        mixed_decode=dict(short=MIXED_SHORT, long=MIXED_LONG, batch=MIXED_BATCH, tokens=MIXED_TOKENS),
         block_size=BLOCK_SIZE,
         quick=quick,
         prefill_repeats=prefill_repeats,
@@ -312,15 +357,17 @@ def main() -> None:
     prefill = [bench_prefill(pd, hf, b, prefill_repeats, gen) for b in prefill_batches]
     decode = [bench_decode(pd, hf, b, decode_repeats, gen) for b in decode_batches]
     gbps, gflops = read_bandwidth(), matmul_gflops()
+    mixed = bench_mixed_decode(pd, decode_repeats, gen)
     add_floor(decode, model, gbps, gflops)
 
     cfg = run_config(model_dir, model, hf.model, args.quick, prefill_repeats, decode_repeats)
     cfg |= dict(read_gbps=gbps, matmul_gflops=gflops, bench_seconds=time.perf_counter() - t0)
-    print_report(cfg, prefill, decode)
+    print_report(cfg, prefill, decode, mixed)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(UTC).isoformat(timespec="seconds")
-    out.write_text(json.dumps(dict(timestamp=stamp, config=cfg, prefill=prefill, decode=decode), indent=2))
+    report = dict(timestamp=stamp, config=cfg, prefill=prefill, decode=decode, mixed_decode=mixed)
+    out.write_text(json.dumps(report, indent=2))
     print(f"\nwrote {out}")
 
 
