@@ -163,9 +163,9 @@ def test_reference_and_kernel_match_the_model_decode_path(group):
     assert meta.num_decodes == len(lens) and not meta.prefills
 
     model_out = paged_attention(q, k, v, kv_cache, meta, SCALE)
-    # The metadata's padded decode_blocks serve as the block table: the padding columns are never read.
-    padded = meta.decode_blocks
-    assert padded is not None
+    # The tables padded to the longest serve as the block table: the padding columns are never read.
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=DEVICE)
     context_lens = torch.tensor(lens, device=DEVICE)
     reference = kernels.paged_decode_attention_reference(q, kv_cache, padded, context_lens, SCALE)
     torch.testing.assert_close(reference, model_out, atol=1e-5, rtol=1e-5)
