@@ -46,6 +46,7 @@ class StackSpec:
     cpu_affinity: dict[str, tuple[int, ...]] = field(default_factory=dict)
     host: str = "127.0.0.1"
     worker_args: tuple[str, ...] = ()  # extra flags for every worker
+    role_args: dict[str, tuple[str, ...]] = field(default_factory=dict)  # and for one role's, e.g. its --device
     gateway_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     trace_file: str | None = None  # every service appends its spans to this JSON-lines file
@@ -55,7 +56,8 @@ class StackSpec:
             raise ValueError("worker counts must be non-negative")
         if self.mixed == 0 and (self.prefill == 0 or self.decode == 0):
             raise ValueError("need at least one prefill and one decode worker, or --mixed workers")
-        for name, per_role in (("threads", self.threads), ("cpu_affinity", self.cpu_affinity)):
+        for name, per_role in (("threads", self.threads), ("cpu_affinity", self.cpu_affinity),
+                               ("role_args", self.role_args)):  # fmt: skip
             if unknown := set(per_role) - {"prefill", "decode", "mixed"}:
                 raise ValueError(f"{name}: unknown roles {sorted(unknown)} (prefill, decode, mixed)")
         if self.cpu_affinity:
@@ -144,6 +146,7 @@ class Stack:
 
     def _worker_flags(self, role: str) -> list[str]:
         flags = self._common_flags() + ["--metrics-host", self.spec.host] + list(self.spec.worker_args)
+        flags += self.spec.role_args.get(role, ())
         if threads := self.spec.threads.get(role, self.spec.threads_per_worker):
             flags += ["--threads", str(threads)]
         return flags
