@@ -44,7 +44,7 @@ def _ours(ckpt: Path, dtype: str, device: str, prompts: list[list[int]], steps: 
     """(decode tokens/s, tokens produced) of one batch after a warm-up batch."""
     seqs = len(prompts)
     blocks = seqs * (-(-(PROMPT_TOKENS + steps) // 16) + 1)
-    engine = Engine.from_dir(ckpt, dtype=dtype, device=device, num_kv_blocks=blocks, max_model_len=1024,
+    engine = Engine.from_dir(ckpt, dtype=dtype, device=device, num_kv_blocks=blocks, max_model_len=PROMPT_TOKENS + steps,
                              scheduler=SchedulerConfig(max_num_seqs=seqs,
                                                        max_num_batched_tokens=seqs * PROMPT_TOKENS))  # fmt: skip
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
