@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere, installed or not
 
 import torch  # noqa: E402
+import torch.cuda.nccl  # noqa: E402  (NCCL's version, recorded on a GPU)
 
 from benchmarks.gpu_checks.common import CheckResult, Target, run_isolated  # noqa: E402
 
@@ -56,7 +57,7 @@ def environment(target: Target) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu_check.json"))
     parser.add_argument("--allow-cpu", action="store_true", help="without CUDA, run every check on CPU")
     parser.add_argument("--only", nargs="+", choices=sorted(CHECKS), help="run these checks only")

@@ -14,6 +14,7 @@ import traceback
 from collections.abc import Callable
 from enum import StrEnum
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
@@ -128,7 +129,7 @@ def _child(name: str, module: str, target: Target, conn: Connection) -> None:
     conn.close()
 
 
-def _kill_group(proc: mp.process.BaseProcess) -> None:
+def _kill_group(proc: BaseProcess) -> None:
     proc.join(10)
     if proc.pid is not None:
         try:

@@ -9,6 +9,8 @@ Tolerances are those of tests/unit/test_kernel_*.py (float32 a little wider for 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from benchmarks.gpu_checks.common import CheckResult, Target, max_diff, median_ms, verdict
@@ -19,11 +21,11 @@ from shared.model.paged_attention import AttentionMetadata, paged_attention
 
 NAME = "kernels"
 # Bd sequences, H query heads, KVH KV heads, hd head dim, B tokens per block, longest context
-ATTENTION_GPU = dict(batch=32, heads=32, kv_heads=8, head_dim=128, block_size=16, max_len=4096)
-ATTENTION_CPU = dict(batch=4, heads=4, kv_heads=2, head_dim=16, block_size=8, max_len=40)
+ATTENTION_GPU: dict[str, Any] = dict(batch=32, heads=32, kv_heads=8, head_dim=128, block_size=16, max_len=4096)
+ATTENTION_CPU: dict[str, Any] = dict(batch=4, heads=4, kv_heads=2, head_dim=16, block_size=8, max_len=40)
 # T tokens, D hidden, E experts, A experts per token, I expert intermediate size
-MOE_GPU = dict(tokens=(32, 512), hidden=2048, experts=64, top_k=8, inter=768)
-MOE_CPU = dict(tokens=(5, 33), hidden=32, experts=8, top_k=2, inter=16)
+MOE_GPU: dict[str, Any] = dict(tokens=(32, 512), hidden=2048, experts=64, top_k=8, inter=768)
+MOE_CPU: dict[str, Any] = dict(tokens=(5, 33), hidden=32, experts=8, top_k=2, inter=16)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 SCALE = 0.088  # ~ 1 / sqrt(128)
 

@@ -32,6 +32,9 @@ from shared.kv.transfer import EngineKvBlocks, KvTransferClient, KvTransferServe
 from shared.kv.transfer.pair import DECODE_RANK, PREFILL_RANK, Pair, TransferBackend
 from shared.model.demo import write_demo_checkpoint
 
+# torch.distributed re-exports its C++ TCPStore without marking it public (as in shared/kv/transfer/pair.py)
+# pyright: reportPrivateImportUsage=false
+
 NAME = "kv_pull"
 HOST = "127.0.0.1"
 SECRET = b"gpu-check-kv-pull-secret"
@@ -127,6 +130,7 @@ async def _measure(info: dict, backend: TransferBackend, device: str, repeats: i
     local = HOST if backend is TransferBackend.GLOO else None
     raw = await asyncio.to_thread(Pair.join, backend, store, "raw", DECODE_RANK, TIMEOUT_S, local)
     pulled, pull_s, raw_s = [], [], []
+    raw_buffer = torch.empty(0)  # sized by the first pull
     try:
         for i in range(info["n"]):  # the first of each is a warm-up (pair set-up, allocation)
             t0 = time.perf_counter()
@@ -143,8 +147,9 @@ async def _measure(info: dict, backend: TransferBackend, device: str, repeats: i
     identical = sum(torch.equal(blocks, raw_buffer) for blocks in pulled)
     nbytes = raw_buffer.numel() * raw_buffer.element_size()
     pull, raw_med = statistics.median(pull_s[1:]), statistics.median(raw_s[1:])
-    numbers = dict(bytes=nbytes, pulls=len(pulled), identical=identical, pull_ms=pull * 1e3, raw_ms=raw_med * 1e3,
-                   pull_gbps=nbytes / pull / 1e9, raw_gbps=nbytes / raw_med / 1e9, pull_vs_raw=raw_med / pull)  # fmt: skip
+    numbers = dict(bytes=nbytes, pulls=len(pulled), identical=identical, pull_ms=pull * 1e3,
+                   raw_ms=raw_med * 1e3, pull_gbps=nbytes / pull / 1e9, raw_gbps=nbytes / raw_med / 1e9,
+                   pull_vs_raw=raw_med / pull)  # fmt: skip
     failures = [] if identical == len(pulled) else [f"{len(pulled) - identical} of {len(pulled)} pulls differ"]
     return numbers, failures
 

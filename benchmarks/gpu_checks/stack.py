@@ -50,7 +50,7 @@ def check(target: Target) -> CheckResult:
     numbers = dict(chunks=len(chunks), text_chars=len(text), expected_chars=len(expected["text"]),
                    generate_tokens=len(expected["token_ids"]))  # fmt: skip
     failures = [] if text == expected["text"] else [f"streamed {text!r}, pdserve generate wrote {expected['text']!r}"]
-    roles = {role: dict(args) for role, args in stack_spec.role_args.items()} or "cpu"
+    roles = {role: " ".join(args) for role, args in stack_spec.role_args.items()} or "cpu"
     details = (f"{MAX_TOKENS} greedy tokens, workers: {roles}, KV over "
                f"{'nccl' if target.two_gpus else 'gloo'}")  # fmt: skip
     return verdict(NAME, failures, numbers, details)

@@ -44,9 +44,9 @@ def _ours(ckpt: Path, dtype: str, device: str, prompts: list[list[int]], steps: 
     """(decode tokens/s, tokens produced) of one batch after a warm-up batch."""
     seqs = len(prompts)
     blocks = seqs * (-(-(PROMPT_TOKENS + steps) // 16) + 1)
-    engine = Engine.from_dir(ckpt, dtype=dtype, device=device, num_kv_blocks=blocks, max_model_len=PROMPT_TOKENS + steps,
-                             scheduler=SchedulerConfig(max_num_seqs=seqs,
-                                                       max_num_batched_tokens=seqs * PROMPT_TOKENS))  # fmt: skip
+    scheduler = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=seqs * PROMPT_TOKENS)
+    engine = Engine.from_dir(ckpt, dtype=dtype, device=device, num_kv_blocks=blocks,
+                             max_model_len=PROMPT_TOKENS + steps, scheduler=scheduler)  # fmt: skip
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     for i, prompt in enumerate(prompts):

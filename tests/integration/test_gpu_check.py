@@ -67,13 +67,15 @@ def test_without_cuda_it_exits_with_its_own_status_and_writes_nothing(tmp_path):
 @pytest.fixture
 def fake_checks(tmp_path, monkeypatch):
     """A module of checks that misbehave, importable by the runner's spawned child (it inherits sys.path)."""
-    (tmp_path / "fake_gpu_checks.py").write_text(textwrap.dedent("""
+    (tmp_path / "fake_gpu_checks.py").write_text(
+        textwrap.dedent("""
         import time
         def check(target):
             if target.work_dir == "raise":
                 raise ValueError("the check broke")
             time.sleep(600)
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     return "fake_gpu_checks"
 
