@@ -8,7 +8,7 @@ DEMO_MODEL ?= models/demo-tiny-qwen3_moe
 PORT ?= 8000
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install test test-unit test-integration test-e2e lint serve bench clean redis-server
+.PHONY: install test test-unit test-integration test-e2e lint serve bench gpu-check clean redis-server
 
 $(STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || test -x /usr/bin/redis-server || $(MAKE) --no-print-directory redis-server
@@ -44,6 +44,11 @@ serve: $(STAMP) $(DEMO_MODEL)/config.json
 
 bench: $(STAMP)
 	$(PY) benchmarks/engine_bench.py
+
+# On a CUDA machine: parity, Triton kernels, NCCL pull, a GPU stack and decode throughput, as one JSON object
+# (docs/gpu.md). Exits 1 if a check fails, 3 without CUDA.
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py --out gpu_check.json
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .ruff_cache
