@@ -20,6 +20,7 @@ from shared.engine.request import FinishReason, Request, RequestStatus
 from shared.engine.runner import ModelRunner
 from shared.engine.sampling import Sampler, SamplingParams
 from shared.engine.scheduler import Scheduler
+from shared.model.device import resolve_device
 from shared.model.linear import can_prepack, prepack
 from shared.model.loader import load_model
 from shared.model.transformer import CausalLM
@@ -49,20 +50,24 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
         self.config = config
+        self.device = resolve_device(config.device)  # refuses an unknown device or CUDA without one, first
         if config.threads:
             torch.set_num_threads(config.threads)
-        self.model = model or load_model(config.model, dtype=config.dtype, device=config.device)
+        self.model = model or load_model(config.model, dtype=config.dtype, device=self.device)
         mc = self.model.config
-        dtype = next(self.model.parameters()).dtype
-        if config.prepack_weights and can_prepack(torch.device(config.device), dtype):
+        weight = next(self.model.parameters())
+        if weight.device != self.device:
+            raise ValueError(f"the model is on {weight.device}, the engine is configured for {self.device}")
+        dtype = weight.dtype
+        if config.prepack_weights and can_prepack(self.device, dtype):
             prepack(self.model)
         self.layout = KVLayout(
             mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, str(dtype).removeprefix("torch.")
         )
         if config.num_kv_blocks is not None:
-            self.pool = KVPool(self.layout, config.num_kv_blocks, config.device)
+            self.pool = KVPool(self.layout, config.num_kv_blocks, self.device)
         else:
-            self.pool = KVPool.from_budget(self.layout, config.kv_cache_bytes, config.device)
+            self.pool = KVPool.from_budget(self.layout, config.kv_cache_bytes, self.device)
         self.blocks = BlockManager(self.pool.num_blocks, config.block_size)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         if self.pool.num_blocks * config.block_size < self.max_model_len:

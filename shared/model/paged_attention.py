@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shared.model.device import to_device
+
 
 @dataclass(frozen=True)
 class PrefillChunk:
@@ -25,7 +27,8 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """Everything attention needs about one step's batch; built once per step, shared by all layers."""
+    """Everything attention needs about one step's batch; built once per step on the host, each tensor
+    copied to the device once (`to_device`), shared by all layers."""
 
     slot_mapping: torch.Tensor  # (T,) int64: cache slot each input token's K/V is written to
     num_decodes: int
@@ -53,18 +56,21 @@ class AttentionMetadata:
             if nb > len(bt):
                 raise ValueError(f"block table holds {len(bt) * block_size} slots, context needs {n}")
             tables.append(bt[:nb])
-        slot_mapping = torch.cat(
-            [_slots(bt, n - q, n, block_size) for bt, n, q in zip(tables, context_lens, query_lens, strict=True)]
-        ).to(device)
+        slot_mapping = to_device(
+            torch.cat(
+                [_slots(bt, n - q, n, block_size) for bt, n, q in zip(tables, context_lens, query_lens, strict=True)]
+            ),
+            device,
+        )
 
         decode_blocks = decode_mask = None
         if num_decodes:
             nb_max = max(len(t) for t in tables[:num_decodes])
             padded = [t + [0] * (nb_max - len(t)) for t in tables[:num_decodes]]
-            decode_blocks = torch.tensor(padded, dtype=torch.int64, device=device)
+            decode_blocks = to_device(torch.tensor(padded, dtype=torch.int64), device)
             lens = torch.tensor(context_lens[:num_decodes])
             decode_mask = torch.arange(nb_max * block_size)[None, :] < lens[:, None]
-            decode_mask = decode_mask.view(num_decodes, 1, 1, -1).to(device)
+            decode_mask = to_device(decode_mask.view(num_decodes, 1, 1, -1), device)
 
         prefills = []
         start = num_decodes
@@ -72,8 +78,8 @@ class AttentionMetadata:
             q, n = query_lens[b], context_lens[b]
             mask = None
             if q != n:  # a later chunk: query i sits at position n - q + i and sees keys 0..that position
-                mask = (torch.arange(n)[None, :] <= torch.arange(n - q, n)[:, None]).to(device)
-            blocks = torch.tensor(tables[b], dtype=torch.int64, device=device)
+                mask = to_device(torch.arange(n)[None, :] <= torch.arange(n - q, n)[:, None], device)
+            blocks = to_device(torch.tensor(tables[b], dtype=torch.int64), device)
             prefills.append(PrefillChunk(start, q, blocks, n, mask))
             start += q
         return cls(slot_mapping, num_decodes, decode_blocks, decode_mask, prefills)
