@@ -33,6 +33,9 @@ class Rotary(nn.Module):
     """cos/sin tables indexed by absolute position: non-persistent buffers, so they follow the model to its
     device (`.to`, `to_empty`) and never travel in a checkpoint. `fill()` computes them (`CausalLM.init_runtime`)."""
 
+    cos: torch.Tensor  # (P, hd) buffers
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_position: int, rope: RopeConfig) -> None:
         super().__init__()
         self.head_dim, self.max_position, self.rope = head_dim, max_position, rope

@@ -99,6 +99,8 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module, PackedWeights):
+    expert_load: torch.Tensor  # (E,) buffer, see __init__
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
