@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     gen.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     gen.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    gen.add_argument("--device", default="cpu", help="torch device of the model and the KV cache: cpu, cuda, cuda:N")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.set_defaults(func=_generate)
 
@@ -81,7 +82,7 @@ def _generate(args: argparse.Namespace) -> int:
         if args.chat
         else tokenizer.encode(args.prompt)
     )
-    engine = Engine.from_dir(args.model, dtype=args.dtype, threads=args.threads)
+    engine = Engine.from_dir(args.model, dtype=args.dtype, threads=args.threads, device=args.device)
     detok = IncrementalDetokenizer(tokenizer)
     engine.add_request("cli", prompt_ids, params)
     start = time.perf_counter()

@@ -4,8 +4,13 @@ these declarations (shared/config_fields.py)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
+
+# cpu, cuda, cuda:N (meta: tensors without data, for placement tests); availability is checked when the
+# engine starts (shared/model/device.py resolve_device), this only refuses what can never be a device.
+_DEVICE = re.compile(r"cpu|meta|cuda(:\d+)?")
 
 
 class Dtype(StrEnum):
@@ -63,6 +68,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"unknown device {self.device!r}: choose cpu, cuda or cuda:N")
         if self.dtype is not None and self.dtype not in tuple(Dtype):
             raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(Dtype)}")
         if not 0 < self.gpu_memory_utilization <= 1:

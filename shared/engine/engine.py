@@ -22,6 +22,7 @@ from shared.engine.request import FinishReason, Request, RequestStatus
 from shared.engine.runner import ModelRunner
 from shared.engine.sampling import Sampler, SamplingParams
 from shared.engine.scheduler import Scheduler
+from shared.model.device import resolve_device
 from shared.model.linear import can_prepack, prepack
 from shared.model.loader import load_model
 from shared.model.transformer import CausalLM
@@ -53,12 +54,16 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
         self.config = config
+        self.device = resolve_device(config.device)  # refuses an unknown device or CUDA without one, first
         if config.threads:
             torch.set_num_threads(config.threads)
-        self.model = model or load_model(config.model, dtype=config.dtype, device=config.device)
+        self.model = model or load_model(config.model, dtype=config.dtype, device=self.device)
         mc = self.model.config
-        dtype = next(self.model.parameters()).dtype
-        if config.prepack_weights and can_prepack(torch.device(config.device), dtype):
+        weight = next(self.model.parameters())
+        if weight.device != self.device:
+            raise ValueError(f"the model is on {weight.device}, the engine is configured for {self.device}")
+        dtype = weight.dtype
+        if config.prepack_weights and can_prepack(self.device, dtype):
             prepack(self.model)
         self.layout = KVLayout(
             mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, str(dtype).removeprefix("torch.")
@@ -67,7 +72,7 @@ class Engine:
         # after the weights (and their packed twins): on CUDA the plan measures what they left
         self.kv_plan = plan_kv_pool(config, self.layout, self.max_model_len, self.model)
         log.info("%s", self.kv_plan.summary())
-        self.pool = KVPool(self.layout, self.kv_plan.num_blocks, config.device)
+        self.pool = KVPool(self.layout, self.kv_plan.num_blocks, self.device)
         self.blocks = BlockManager(self.pool.num_blocks, config.block_size)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, eos_token_ids=mc.eos_token_ids)
         self.runner = ModelRunner(self.model, self.pool, Sampler(config.seed))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,7 @@ import torch
 from shared.engine.kv_pool import KVPool
 from shared.engine.sampling import Sampler
 from shared.engine.scheduler import SchedulePlan
+from shared.model.device import to_device
 from shared.model.paged_attention import AttentionMetadata
 from shared.model.transformer import CausalLM
 
@@ -16,7 +18,7 @@ from shared.model.transformer import CausalLM
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int]  # request id → next token, for every sequence that sampled
-    logits: dict[str, torch.Tensor]  # request id → (V,) float32 logits the token was sampled from
+    logits: dict[str, torch.Tensor]  # request id → (V,) float32 logits the token was sampled from (on the device)
 
 
 class ModelRunner:
@@ -29,14 +31,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan) -> RunnerOutput:
+        """One model step. Host → device: the metadata, and ids + positions + sampled rows in one copy;
+        device → host: the sampled ids, in one copy (the step's only sync)."""
         if not plan.seqs:
             return RunnerOutput({}, {})
         input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
+        positions: list[int] = []
         for seq in plan.seqs:
             start = seq.request.num_computed_tokens
             input_ids += seq.request.token_slice(start, start + seq.num_tokens)
-            positions.append(torch.arange(start, start + seq.num_tokens))
+            positions += range(start, start + seq.num_tokens)
+        # Only sequences that caught up sample; their last token's hidden state gives the logits.
+        ends = list(itertools.accumulate(s.num_tokens for s in plan.seqs))
+        sampling = [i for i, s in enumerate(plan.seqs) if s.samples]
         meta = AttentionMetadata.build(
             block_tables=[s.request.block_table for s in plan.seqs],
             context_lens=[s.request.num_computed_tokens + s.num_tokens for s in plan.seqs],
@@ -44,16 +51,14 @@ class ModelRunner:
             block_size=self.pool.layout.block_size,
             device=self.device,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, torch.cat(positions).to(self.device), self._caches, meta)
-
-        # Only sequences that caught up sample; their last token's hidden state gives the logits.
-        ends = torch.tensor([s.num_tokens for s in plan.seqs]).cumsum(0) - 1
-        sampling = [i for i, s in enumerate(plan.seqs) if s.samples]
+        t = len(input_ids)
+        staged = torch.tensor(input_ids + positions + [ends[i] - 1 for i in sampling], dtype=torch.int64)
+        ids, pos, rows = to_device(staged, self.device).split([t, t, len(sampling)])
+        hidden = self.model(ids, pos, self._caches, meta)
         if not sampling:
             return RunnerOutput({}, {})
-        logits = self.model.logits(hidden[ends[sampling].to(self.device)])
+        logits = self.model.logits(hidden[rows])  # (S, V) float32, on the device
         reqs = [plan.seqs[i].request for i in sampling]
-        tokens = self.sampler.sample(logits.cpu(), [r.params for r in reqs], [len(r.output_token_ids) for r in reqs])
+        tokens = self.sampler.sample(logits, [r.params for r in reqs], [len(r.output_token_ids) for r in reqs])
         ids_ = [r.request_id for r in reqs]
         return RunnerOutput(dict(zip(ids_, tokens, strict=True)), dict(zip(ids_, logits, strict=True)))

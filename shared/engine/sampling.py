@@ -43,24 +43,38 @@ class SamplingParams:
 
 
 class Sampler:
+    """Samples on the logits' device; only the chosen ids cross to the host, in one copy per call.
+
+    Generators live on that device too (one engine-wide stream per device for unseeded requests): a seeded
+    request repeats its tokens on the same kind of device, but CPU and CUDA draw different streams.
+    """
+
     def __init__(self, seed: int | None = None) -> None:
-        # Unseeded requests draw from one engine-wide generator.
-        self._generator = torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
+        self._seed = seed if seed is not None else random.getrandbits(63)
+        self._generators: dict[torch.device, torch.Generator] = {}  # unseeded requests draw from these
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
         """logits (N, V) float32; positions[i] = index of the output token being sampled for row i."""
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = logits.argmax(dim=-1)  # (N,) on the device; sampled rows overwrite their entry
         for i, (p, pos) in enumerate(zip(params, positions, strict=True)):
             if not p.greedy:
                 tokens[i] = self._sample_row(logits[i], p, pos)
-        return tokens
+        return tokens.cpu().tolist()
 
-    def _sample_row(self, logits: torch.Tensor, p: SamplingParams, position: int) -> int:
+    def _sample_row(self, logits: torch.Tensor, p: SamplingParams, position: int) -> torch.Tensor:
+        """→ the token id as a one-element tensor on the logits' device (no host read)."""
         probs = torch.softmax(filter_logits(logits / p.temperature, p.top_k, p.top_p), dim=-1)
-        gen = self._generator
         if p.seed is not None:
-            gen = torch.Generator().manual_seed((p.seed * _SEED_STRIDE + position) % (1 << 63))
-        return int(torch.multinomial(probs, 1, generator=gen))
+            gen = torch.Generator(logits.device).manual_seed((p.seed * _SEED_STRIDE + position) % (1 << 63))
+        else:
+            gen = self._engine_generator(logits.device)
+        return torch.multinomial(probs, 1, generator=gen)[0]
+
+    def _engine_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device).manual_seed(self._seed)
+        return gen
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:

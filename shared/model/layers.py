@@ -29,19 +29,33 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-class Rotary:
-    """Precomputed cos/sin tables indexed by absolute position (not an nn.Module: nothing to load)."""
+class Rotary(nn.Module):
+    """cos/sin tables indexed by absolute position: non-persistent buffers, so they follow the model to its
+    device (`.to`, `to_empty`) and never travel in a checkpoint. `fill()` computes them (`CausalLM.init_runtime`)."""
+
+    cos: torch.Tensor  # (P, hd) buffers
+    sin: torch.Tensor
 
     def __init__(self, head_dim: int, max_position: int, rope: RopeConfig) -> None:
-        inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        inv_freq = _scale_inv_freq(inv_freq, rope)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (P, head_dim)
-        self.cos, self.sin = emb.cos(), emb.sin()
-        self.max_position = max_position
+        super().__init__()
+        self.head_dim, self.max_position, self.rope = head_dim, max_position, rope
+        self.register_buffer("cos", torch.empty(max_position, head_dim), persistent=False)  # (P, hd)
+        self.register_buffer("sin", torch.empty(max_position, head_dim), persistent=False)
+
+    @torch.no_grad()
+    def fill(self) -> None:
+        """Compute the tables in float32 on the host (the same numbers on every device), copy them in once."""
+        hd = self.head_dim
+        inv_freq = 1.0 / (self.rope.theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+        inv_freq = _scale_inv_freq(inv_freq, self.rope)
+        freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (P, hd)
+        self.cos.copy_(emb.cos())
+        self.sin.copy_(emb.sin())
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for these positions, (T, 1, hd) each: looked up once per step, shared by all layers."""
+        """cos, sin for these positions (on the tables' device), (T, 1, hd) each: looked up once per step,
+        shared by all layers."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 

@@ -7,6 +7,7 @@ Expert weights are stacked: gate_up (E, 2I, D), down (E, D, I).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from shared.model.config import ModelConfig
@@ -40,15 +41,24 @@ class Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts: torch.Tensor
     ) -> torch.Tensor:
-        """Grouped path: sort the (token, expert) pairs by expert, one matmul pair per active expert.
-        counts: (E,) tokens routed to each expert (the router's bincount, shared with the load counter)."""
+        """counts: (E,) tokens routed to each expert, on x's device. On the host, reading the counts is free
+        and lets each expert multiply only its own tokens; on an accelerator reading them would stall the
+        stream once per layer, so that path never leaves the device."""
+        if x.device.type == "cpu":
+            return self.forward_grouped(x, topk_ids, topk_weights, counts.tolist())
+        return self.forward_padded(x, topk_ids, topk_weights, counts)
+
+    def forward_grouped(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts: list[int]
+    ) -> torch.Tensor:
+        """Sort the (token, expert) pairs by expert, one matmul pair per active expert (host counts)."""
         a = topk_ids.shape[1]
         order = topk_ids.flatten().argsort(stable=True)
         token_of_pair = order // a  # which token each sorted pair came from
         weight_of_pair = topk_weights.flatten()[order].unsqueeze(1).to(x.dtype)
         out = torch.zeros_like(x)
         start = 0
-        for e, n in enumerate(counts.tolist()):
+        for e, n in enumerate(counts):
             if n == 0:
                 continue
             idx = token_of_pair[start : start + n]
@@ -56,6 +66,28 @@ class Experts(nn.Module):
             out.index_add_(0, idx, y * weight_of_pair[start : start + n])
             start += n
         return out
+
+    def forward_padded(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """The same sum with no host read: each expert gets T rows (top-k ids of a token are distinct, so no
+        expert sees more), pairs scatter to (expert, rank within expert), two batched matmuls over all
+        experts, results gather back. Costs E/A times the matmul work of the grouped path: the stopgap until
+        a fused grouped kernel."""
+        t, a = topk_ids.shape
+        flat = topk_ids.flatten()
+        order = flat.argsort(stable=True)
+        expert_of_pair = flat[order]  # (T*A,) ascending
+        token_of_pair = order // a
+        first_pair = counts.cumsum(0) - counts  # (E,) where each expert's run of sorted pairs starts
+        rank = torch.arange(t * a, device=x.device) - first_pair[expert_of_pair]
+        rows = x.new_zeros(self.num_experts, t, x.shape[1])  # (E, T, D)
+        rows[expert_of_pair, rank] = x[token_of_pair]
+        gate, up = torch.bmm(rows, self.gate_up.transpose(1, 2)).chunk(2, dim=-1)  # (E, T, I) each
+        y = torch.bmm(F.silu(gate) * up, self.down.transpose(1, 2))  # (E, T, D)
+        weight_of_pair = topk_weights.flatten()[order].unsqueeze(1).to(x.dtype)
+        out = torch.zeros_like(x)
+        return out.index_add_(0, token_of_pair, y[expert_of_pair, rank] * weight_of_pair)
 
     def forward_reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Plain per-token loop over the unpacked weights; the grouped path is tested against this."""
@@ -67,6 +99,8 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module, PackedWeights):
+    expert_load: torch.Tensor  # (E,) buffer, see __init__
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
@@ -79,8 +113,9 @@ class MoE(nn.Module, PackedWeights):
             self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
             self.LINEAR_WEIGHTS += ("shared_expert_gate.weight",)
-        # Tokens routed to each expert since the last read; the services export it as expert load.
-        self.expert_load = torch.zeros(cfg.num_experts, dtype=torch.int64)
+        # (E,) tokens routed to each expert since the last read (CausalLM.take_expert_load, once per heartbeat):
+        # a buffer, so it accumulates on the model's device without a host read per layer.
+        self.register_buffer("expert_load", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """→ topk_ids (T, A) int64, topk_weights (T, A) float32."""
@@ -92,7 +127,9 @@ class MoE(nn.Module, PackedWeights):
 
     def forward(self, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
         ids, weights = self.route(x)
-        counts = torch.bincount(ids.flatten(), minlength=self.expert_load.numel())
+        flat = ids.flatten()
+        # (E,) per-expert counts on the device (bincount would read the max id on the host under CUDA)
+        counts = torch.zeros_like(self.expert_load).index_add_(0, flat, torch.ones_like(flat))
         self.expert_load += counts
         if reference:
             out = self.experts.forward_reference(x, ids, weights)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shared.model.device import to_device
+
 
 @dataclass(frozen=True)
 class PrefillChunk:
@@ -52,7 +54,8 @@ class DecodeBucket:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """Everything attention needs about one step's batch; built once per step, shared by all layers."""
+    """Everything attention needs about one step's batch; built once per step on the host, each tensor
+    copied to the device once (`to_device`), shared by all layers."""
 
     slot_mapping: torch.Tensor  # (T,) int64: cache slot each input token's K/V is written to
     num_decodes: int
@@ -78,9 +81,12 @@ class AttentionMetadata:
             if nb > len(bt):
                 raise ValueError(f"block table holds {len(bt) * block_size} slots, context needs {n}")
             tables.append(bt[:nb])
-        slot_mapping = torch.cat(
-            [_slots(bt, n - q, n, block_size) for bt, n, q in zip(tables, context_lens, query_lens, strict=True)]
-        ).to(device)
+        slot_mapping = to_device(
+            torch.cat(
+                [_slots(bt, n - q, n, block_size) for bt, n, q in zip(tables, context_lens, query_lens, strict=True)]
+            ),
+            device,
+        )
 
         decodes = [
             _decode_bucket(rows, tables, context_lens, block_size, device)
@@ -93,8 +99,8 @@ class AttentionMetadata:
             q, n = query_lens[b], context_lens[b]
             mask = None
             if q != n:  # a later chunk: query i sits at position n - q + i and sees keys 0..that position
-                mask = (torch.arange(n)[None, :] <= torch.arange(n - q, n)[:, None]).to(device)
-            blocks = torch.tensor(tables[b], dtype=torch.int64, device=device)
+                mask = to_device(torch.arange(n)[None, :] <= torch.arange(n - q, n)[:, None], device)
+            blocks = to_device(torch.tensor(tables[b], dtype=torch.int64), device)
             prefills.append(PrefillChunk(start, q, blocks, n, mask))
             start += q
         return cls(slot_mapping, num_decodes, decodes, prefills)
@@ -123,9 +129,11 @@ def _decode_bucket(
     mask = (torch.arange(nb_max * block_size)[None, :] < lens[:, None]).view(len(rows), 1, 1, -1)
     consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
     return DecodeBucket(
-        slice(rows[0], rows[0] + len(rows)) if consecutive else torch.tensor(rows, dtype=torch.int64, device=device),
-        torch.tensor(padded, dtype=torch.int64, device=device),
-        mask.to(device),
+        slice(rows[0], rows[0] + len(rows))
+        if consecutive
+        else to_device(torch.tensor(rows, dtype=torch.int64), device),
+        to_device(torch.tensor(padded, dtype=torch.int64), device),
+        to_device(mask, device),
     )
 
 

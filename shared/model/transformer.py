@@ -43,7 +43,8 @@ class CausalLM(nn.Module, PackedWeights):
     """forward(input_ids (T,), positions (T,), kv_caches, meta) → hidden (T, D); logits(hidden) → (N, V).
 
     Build it with `shared.model.loader.load_model`: parameters start uninitialized (meta device), and
-    `init_runtime` creates the tensors that are not weights (RoPE tables, expert-load counters).
+    `init_runtime` fills the tensors that are not weights (RoPE tables, expert-load counters). Those are
+    non-persistent buffers: they live on the model's device, like the weights, and move with it.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -51,15 +52,20 @@ class CausalLM(nn.Module, PackedWeights):
         self.config = cfg
         self.model = Backbone(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary: Rotary | None = None
+        self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.runtime_ready = False
         self.LINEAR_WEIGHTS = ("model.embed_tokens.weight",) if self.lm_head is None else ("lm_head.weight",)
 
     def init_runtime(self) -> None:
-        cfg = self.config
-        self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
-        for layer in self.model.layers:
-            if isinstance(layer.mlp, MoE):
-                layer.mlp.expert_load = torch.zeros(cfg.num_experts, dtype=torch.int64)
+        """Fill the runtime buffers on whatever device the model is on (after `to_empty` they hold garbage)."""
+        self.rotary.fill()
+        for moe in self.sparse_layers().values():
+            moe.expert_load.zero_()
+        self.runtime_ready = True
+
+    def sparse_layers(self) -> dict[int, MoE]:
+        """Layer index → its MoE block, for the sparse layers."""
+        return {i: layer.mlp for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, MoE)}
 
     def forward(
         self,
@@ -68,7 +74,7 @@ class CausalLM(nn.Module, PackedWeights):
         kv_caches: list[torch.Tensor],  # per layer (2, N, B, KVH, hd)
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        if self.rotary is None:
+        if not self.runtime_ready:
             raise RuntimeError("call init_runtime() (load_model does) before running the model")
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
@@ -80,10 +86,13 @@ class CausalLM(nn.Module, PackedWeights):
         return linear(hidden, self.w(self.LINEAR_WEIGHTS[0])).float()
 
     def take_expert_load(self) -> dict[int, torch.Tensor]:
-        """Tokens routed per expert in each sparse layer since the last call; resets the counters."""
-        load = {}
-        for i, layer in enumerate(self.model.layers):
-            if isinstance(layer.mlp, MoE):
-                load[i] = layer.mlp.expert_load.clone()
-                layer.mlp.expert_load.zero_()
-        return load
+        """Tokens routed per expert in each sparse layer since the last call, as host tensors (E,); resets
+        the counters. The counters accumulate on the device; this is their one read: one stacked copy to
+        the host (a sync on CUDA: call it per heartbeat, not per step)."""
+        moes = self.sparse_layers()
+        if not moes:
+            return {}
+        stacked = torch.stack([m.expert_load for m in moes.values()]).cpu()  # (sparse layers, E)
+        for m in moes.values():
+            m.expert_load.zero_()
+        return dict(zip(moes, stacked.unbind(0), strict=True))

@@ -1,0 +1,42 @@
+"""The two grouped MoE paths against the per-token reference: the host-count path (CPU) and the sync-free
+padded path (accelerators), which CPU runs only here, so its numbers are checked without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.model.config import ARCHITECTURES
+from shared.model.demo import write_demo_checkpoint
+from shared.model.loader import load_model
+
+MOE_ARCHS = sorted(a for a, spec in ARCHITECTURES.items() if spec.moe)
+
+
+@pytest.fixture(scope="module", params=MOE_ARCHS)
+def moe(request, tmp_path_factory):
+    model = load_model(write_demo_checkpoint(tmp_path_factory.mktemp(request.param), arch=request.param))
+    return next(iter(model.sparse_layers().values()))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 37, 300])  # one token; few experts hit; most; every expert
+def test_grouped_and_padded_paths_match_the_reference(moe, num_tokens):
+    x = torch.randn(num_tokens, moe.gate.in_features, generator=torch.Generator().manual_seed(num_tokens))
+    with torch.no_grad():
+        ids, weights = moe.route(x)
+        counts = torch.bincount(ids.flatten(), minlength=moe.experts.num_experts)
+        reference = moe.experts.forward_reference(x, ids, weights)
+        grouped = moe.experts.forward_grouped(x, ids, weights, counts.tolist())
+        padded = moe.experts.forward_padded(x, ids, weights, counts)
+    torch.testing.assert_close(grouped, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(padded, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_counts_routed_tokens_on_the_model_device(moe):
+    moe.expert_load.zero_()
+    x = torch.randn(11, moe.gate.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ids, _ = moe.route(x)
+        moe(x)
+    expected = torch.bincount(ids.flatten(), minlength=moe.experts.num_experts)
+    assert torch.equal(moe.expert_load, expected)
