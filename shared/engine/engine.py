@@ -66,7 +66,7 @@ class Engine:
         dtype = weight.dtype
         if config.prepack_weights and can_prepack(self.device, dtype):
             prepack(self.model)
-        self.kernels = resolve_kernels(config.kernels, self.device)
+        self.kernels = resolve_kernels(config.kernels, self.device, config.block_size)
         self.model.use_kernels(self.kernels)  # before the KV plan: its dummy step runs the chosen kernels
         log.info("kernels: %s (setting %s, device %s)", self.kernels, config.kernels, self.device)
         self.layout = KVLayout(

@@ -88,7 +88,7 @@ def test_triton_kernels_generate_the_torch_tokens(checkpoint, monkeypatch):
 
 def test_auto_resolves_to_torch_off_cuda(model_dir):
     for device in ("cpu", "meta"):
-        assert resolve_kernels(KernelChoice.AUTO, torch.device(device)) is KernelChoice.TORCH
+        assert resolve_kernels(KernelChoice.AUTO, torch.device(device), 16) is KernelChoice.TORCH
     engine = Engine.from_dir(model_dir, num_kv_blocks=8, max_model_len=128)
     assert engine.config.kernels is KernelChoice.AUTO
     assert engine.kernels is KernelChoice.TORCH and engine.model.kernels is KernelChoice.TORCH
@@ -97,11 +97,13 @@ def test_auto_resolves_to_torch_off_cuda(model_dir):
 def test_triton_off_cuda_needs_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        resolve_kernels(KernelChoice.TRITON, torch.device("cpu"))
+        resolve_kernels(KernelChoice.TRITON, torch.device("cpu"), 16)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert resolve_kernels(KernelChoice.TRITON, torch.device("cpu")) is KernelChoice.TRITON
+    assert resolve_kernels(KernelChoice.TRITON, torch.device("cpu"), 16) is KernelChoice.TRITON
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        resolve_kernels(KernelChoice.TRITON, torch.device("meta"))
+        resolve_kernels(KernelChoice.TRITON, torch.device("meta"), 16)
+    with pytest.raises(ValueError, match="power-of-two block_size"):
+        resolve_kernels(KernelChoice.TRITON, torch.device("cpu"), 12)
 
 
 def test_metadata_lays_decodes_out_for_the_chosen_kernels():
