@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from shared.model.kernels.choice import KernelChoice
+
 # cpu, cuda, cuda:N (meta: tensors without data, for placement tests); availability is checked when the
 # engine starts (shared/model/device.py resolve_device), this only refuses what can never be a device.
 _DEVICE = re.compile(r"cpu|meta|cuda(:\d+)?")
@@ -63,6 +65,10 @@ class EngineConfig:
     """Sampling seed of requests without a seed of their own."""
     prepack_weights: bool = True
     """oneDNN-packed matmul weights on CPU (faster; a second copy of them)."""
+    kernels: KernelChoice = KernelChoice.AUTO
+    """Decode attention and MoE experts: auto = triton on CUDA when triton is installed, else torch; torch =
+    the plain-torch path (the CPU path and the kernels' reference); triton = the Triton kernels (on CPU only
+    under TRITON_INTERPRET=1, for tests). Resolved once when the engine starts, and logged."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -72,6 +78,8 @@ class EngineConfig:
             raise ValueError(f"unknown device {self.device!r}: choose cpu, cuda or cuda:N")
         if self.dtype is not None and self.dtype not in tuple(Dtype):
             raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(Dtype)}")
+        if self.kernels not in tuple(KernelChoice):
+            raise ValueError(f"unknown kernels {self.kernels!r}; choose one of {', '.join(KernelChoice)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:

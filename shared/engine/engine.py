@@ -23,6 +23,7 @@ from shared.engine.runner import ModelRunner
 from shared.engine.sampling import Sampler, SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.model.device import resolve_device
+from shared.model.kernels.choice import resolve_kernels
 from shared.model.linear import can_prepack, prepack
 from shared.model.loader import load_model
 from shared.model.transformer import CausalLM
@@ -65,6 +66,9 @@ class Engine:
         dtype = weight.dtype
         if config.prepack_weights and can_prepack(self.device, dtype):
             prepack(self.model)
+        self.kernels = resolve_kernels(config.kernels, self.device, config.block_size)
+        self.model.use_kernels(self.kernels)  # before the KV plan: its dummy step runs the chosen kernels
+        log.info("kernels: %s (setting %s, device %s)", self.kernels, config.kernels, self.device)
         self.layout = KVLayout(
             mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, str(dtype).removeprefix("torch.")
         )

@@ -84,7 +84,9 @@ def dummy_step(
     expert-load counts it made. Any device."""
     num_blocks = -(-context_len // layout.block_size)
     pool = KVPool(layout, num_blocks, device)
-    meta = AttentionMetadata.build([list(range(num_blocks))], [context_len], [num_tokens], layout.block_size, device)
+    meta = AttentionMetadata.build(
+        [list(range(num_blocks))], [context_len], [num_tokens], layout.block_size, device, model.kernels
+    )
     ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     positions = torch.arange(context_len - num_tokens, context_len, device=device)
 

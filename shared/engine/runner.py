@@ -50,6 +50,7 @@ class ModelRunner:
             query_lens=[s.num_tokens for s in plan.seqs],
             block_size=self.pool.layout.block_size,
             device=self.device,
+            kernels=self.model.kernels,
         )
         t = len(input_ids)
         staged = torch.tensor(input_ids + positions + [ends[i] - 1 for i in sampling], dtype=torch.int64)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.config import ModelConfig
+from shared.model.kernels.choice import KernelChoice
 from shared.model.layers import GatedMLP, gated_mlp
 from shared.model.linear import PackedWeights, linear, pack
 
@@ -22,6 +23,8 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self._packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # TORCH or TRITON, set by CausalLM.use_kernels when the engine starts
+        self.kernels = KernelChoice.TORCH
 
     def checkpoint_shards(self) -> dict[str, tuple[str, tuple]]:
         i = self.intermediate
@@ -43,7 +46,13 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         """counts: (E,) tokens routed to each expert, on x's device. On the host, reading the counts is free
         and lets each expert multiply only its own tokens; on an accelerator reading them would stall the
-        stream once per layer, so that path never leaves the device."""
+        stream once per layer, so that path never leaves the device. With the Triton kernels: fused_moe over
+        the plain (unpacked) weights, also without a host read."""
+        if self.kernels is KernelChoice.TRITON:
+            # imported here: triton loads only when the kernels were chosen (it may be absent on a CPU host)
+            from shared.model.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, self.gate_up, self.down, topk_ids, topk_weights)
         if x.device.type == "cpu":
             return self.forward_grouped(x, topk_ids, topk_weights, counts.tolist())
         return self.forward_padded(x, topk_ids, topk_weights, counts)

@@ -6,7 +6,10 @@ first `num_decodes` sequences contribute one query token each (tokens 0..num_dec
 prefill chunks of any length that may continue an earlier chunk already in the cache.
 
 Decode sequences are attended in buckets of similar context length, each padded only to its own longest
-(`group_decodes`), so one long sequence does not make every short one attend over its length.
+(`group_decodes`), so one long sequence does not make every short one attend over its length. With the
+Triton kernels (KernelChoice.TRITON) every decode sequence goes to one kernel launch instead (`KernelDecodes`):
+the kernel walks only each sequence's own blocks, so padding the table costs it nothing. Prefill chunks take
+the torch path either way.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.model.device import to_device
+from shared.model.kernels.choice import KernelChoice
 
 
 @dataclass(frozen=True)
@@ -53,14 +57,24 @@ class DecodeBucket:
 
 
 @dataclass(frozen=True)
+class KernelDecodes:
+    """Every decode sequence (decode tokens 0..Bd-1), for paged_decode_attention."""
+
+    blocks: torch.Tensor  # (Bd, NBmax) int64 block ids, padded with block 0 past each sequence's own blocks
+    context_lens: torch.Tensor  # (Bd,) int64, on the device
+    max_context_len: int  # the longest context, on the host: picks the kernel's split count without a sync
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Everything attention needs about one step's batch; built once per step on the host, each tensor
     copied to the device once (`to_device`), shared by all layers."""
 
     slot_mapping: torch.Tensor  # (T,) int64: cache slot each input token's K/V is written to
     num_decodes: int
-    decodes: list[DecodeBucket]  # together they cover decode tokens 0..num_decodes-1 once each
+    decodes: list[DecodeBucket]  # torch path: together they cover decode tokens 0..num_decodes-1 once each
     prefills: list[PrefillChunk]
+    kernel_decodes: KernelDecodes | None = None  # triton path (decodes is then empty); None without decodes
 
     @classmethod
     def build(
@@ -70,8 +84,10 @@ class AttentionMetadata:
         query_lens: list[int],
         block_size: int,
         device: torch.device | str = "cpu",
+        kernels: KernelChoice = KernelChoice.TORCH,
     ) -> AttentionMetadata:
-        """One entry per sequence, decodes first. context_lens include this step's tokens."""
+        """One entry per sequence, decodes first. context_lens include this step's tokens. `kernels` (resolved:
+        TORCH or TRITON) decides how the decodes are laid out: torch buckets, or one KernelDecodes."""
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
@@ -88,10 +104,16 @@ class AttentionMetadata:
             device,
         )
 
-        decodes = [
-            _decode_bucket(rows, tables, context_lens, block_size, device)
-            for rows in group_decodes([len(t) for t in tables[:num_decodes]], BUCKET_SLACK_SLOTS // block_size)
-        ]
+        decodes: list[DecodeBucket] = []
+        kernel_decodes = None
+        if kernels is KernelChoice.TRITON:
+            if num_decodes:
+                kernel_decodes = _kernel_decodes(tables[:num_decodes], context_lens[:num_decodes], device)
+        else:
+            decodes = [
+                _decode_bucket(rows, tables, context_lens, block_size, device)
+                for rows in group_decodes([len(t) for t in tables[:num_decodes]], BUCKET_SLACK_SLOTS // block_size)
+            ]
 
         prefills = []
         start = num_decodes
@@ -103,7 +125,7 @@ class AttentionMetadata:
             blocks = to_device(torch.tensor(tables[b], dtype=torch.int64), device)
             prefills.append(PrefillChunk(start, q, blocks, n, mask))
             start += q
-        return cls(slot_mapping, num_decodes, decodes, prefills)
+        return cls(slot_mapping, num_decodes, decodes, prefills, kernel_decodes)
 
 
 def group_decodes(num_blocks: list[int], slack_blocks: int) -> list[list[int]]:
@@ -137,6 +159,13 @@ def _decode_bucket(
     )
 
 
+def _kernel_decodes(tables: list[list[int]], context_lens: list[int], device: torch.device | str) -> KernelDecodes:
+    nb_max = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (nb_max - len(t)) for t in tables], dtype=torch.int64)
+    lens = torch.tensor(context_lens, dtype=torch.int64)
+    return KernelDecodes(to_device(padded, device), to_device(lens, device), max(context_lens))
+
+
 def _slots(block_table: list[int], start: int, stop: int, block_size: int) -> torch.Tensor:
     """Cache slots of token positions [start, stop)."""
     pos = torch.arange(start, stop)
@@ -159,6 +188,14 @@ def paged_attention(
     flat[1].index_copy_(0, meta.slot_mapping, v)
 
     out = torch.empty_like(q)
+    if meta.kernel_decodes is not None:
+        # imported here: triton loads only when the kernels were chosen (it may be absent on a CPU host)
+        from shared.model.kernels.paged_decode_attention import paged_decode_attention
+
+        kd, nd = meta.kernel_decodes, meta.num_decodes
+        out[:nd] = paged_decode_attention(
+            q[:nd], kv_cache, kd.blocks, kd.context_lens, scale, max_context_len=kd.max_context_len
+        )
     for d in meta.decodes:
         # Whole blocks in one gather: (2, b, NB, B, KVH, hd) → (2, b, KVH, NB*B, hd)
         ctx = kv_cache[:, d.blocks].flatten(2, 3).transpose(2, 3)

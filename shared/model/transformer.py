@@ -11,6 +11,7 @@ from torch import nn
 
 from shared.model.attention import Attention
 from shared.model.config import ModelConfig
+from shared.model.kernels.choice import KernelChoice
 from shared.model.layers import GatedMLP, RMSNorm, Rotary
 from shared.model.linear import PackedWeights, linear
 from shared.model.moe import MoE
@@ -54,6 +55,7 @@ class CausalLM(nn.Module, PackedWeights):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.runtime_ready = False
+        self.kernels = KernelChoice.TORCH  # see use_kernels
         self.LINEAR_WEIGHTS = ("model.embed_tokens.weight",) if self.lm_head is None else ("lm_head.weight",)
 
     def init_runtime(self) -> None:
@@ -62,6 +64,17 @@ class CausalLM(nn.Module, PackedWeights):
         for moe in self.sparse_layers().values():
             moe.expert_load.zero_()
         self.runtime_ready = True
+
+    def use_kernels(self, kernels: KernelChoice) -> None:
+        """Select the implementation of decode attention and the MoE experts: TORCH or TRITON (resolved, see
+        shared/model/kernels/choice.py). Sets `self.kernels` (the runner builds each step's attention
+        metadata for it) and the choice on every Experts module."""
+        kernels = KernelChoice(kernels)
+        if kernels is KernelChoice.AUTO:
+            raise ValueError("resolve the kernel choice for the model's device first (resolve_kernels)")
+        self.kernels = kernels
+        for moe in self.sparse_layers().values():
+            moe.experts.kernels = kernels
 
     def sparse_layers(self) -> dict[int, MoE]:
         """Layer index → its MoE block, for the sparse layers."""
