@@ -4,7 +4,8 @@ not run or does not produce every token. --allow-cpu: the tiny model in float32,
 
 Both sides decode the same prompts of PROMPT_TOKENS random tokens for `steps` new tokens, greedily, ignoring EOS.
 Ours: the steps after the one that prefills every prompt are timed (each adds one token per sequence).
-transformers: generate(steps) minus generate(1) (the prefill and first token), both timed, after a warm-up.
+transformers: one generate(steps) after a warm-up, timed from the first generated token to the last by a stopping
+criterion that records when each step ends (so the prefill is left out without subtracting two noisy runs).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 from benchmarks.gpu_checks.common import CheckResult, Target, sync, verdict
 from shared.engine.config import SchedulerConfig
@@ -67,15 +68,27 @@ def _transformers(ckpt: Path, dtype: str, device: str, prompts: torch.Tensor, st
     model.generation_config.eos_token_id = None
     ids = prompts.to(device)
 
-    def generate(n: int) -> float:
-        sync(device)
-        t0 = time.perf_counter()
+    step_ends: list[float] = []
+
+    class StepClock(StoppingCriteria):
+        """Called once per generated token, after its step: records when (never stops generation)."""
+
+        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+            sync(device)
+            step_ends.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def generate(n: int) -> None:
+        step_ends.clear()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=0)  # fmt: skip
-        sync(device)
+                             do_sample=False, pad_token_id=0,
+                             stopping_criteria=StoppingCriteriaList([StepClock()]))  # fmt: skip
         if out.shape != (len(ids), PROMPT_TOKENS + n):
             raise RuntimeError(f"transformers generated {tuple(out.shape)}, not {(len(ids), PROMPT_TOKENS + n)}")
-        return time.perf_counter() - t0
 
     generate(4)  # warm-up
-    return len(ids) * (steps - 1) / (generate(steps) - generate(1))
+    generate(steps)
+    if len(step_ends) != steps:
+        raise RuntimeError(f"timed {len(step_ends)} steps of transformers, not {steps}")
+    # step_ends[0] closes the prefill (the first token); each later entry one decode step of every sequence
+    return len(ids) * (steps - 1) / (step_ends[-1] - step_ends[0])
