@@ -209,7 +209,7 @@ class Stack:
         return self.spawn(name, *self._spawned[name])
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Until the gateway's /ready answers 200; raises if a service exits or time runs out first."""
+        """Until the stack is ready (probe_ready); raises if a service exits or time runs out first."""
         deadline = time.monotonic() + timeout_s
         last = "no answer"
         while time.monotonic() < deadline:
@@ -223,14 +223,16 @@ class Stack:
         raise TimeoutError(f"stack not ready after {timeout_s}s: {last}; logs in {self.log_dir}")
 
     def probe_ready(self) -> tuple[bool, str]:
-        """One look at the gateway's /ready: whether it answered 200, and what it said otherwise."""
-        try:
-            with urllib.request.urlopen(f"{self.url}/ready", timeout=2) as resp:
-                return resp.status == 200, f"HTTP {resp.status}"
-        except urllib.error.HTTPError as exc:
-            return False, exc.read().decode(errors="replace")[:200]
-        except OSError as exc:
-            return False, str(exc)
+        """One look: whether the gateway's /ready answers 200 and every worker this stack started serves its
+        /metrics (a worker does once it is connected: /ready needs only one worker of each role, and a stack
+        is ready when all it started can take work); what is missing otherwise."""
+        gateway, why = _answers(f"{self.url}/ready")
+        if not gateway:
+            return False, why
+        waiting = [
+            n for n, port in self.metrics_ports.items() if not _answers(f"http://{self.spec.host}:{port}/metrics")[0]
+        ]
+        return (False, f"waiting for {', '.join(waiting)} to connect") if waiting else (True, "HTTP 200")
 
     def stop(self, timeout_s: float = 15.0, abort: Callable[[], bool] = lambda: False) -> None:
         """SIGTERM to every service (they drain), SIGKILL to those still running after `timeout_s` or as soon
@@ -256,3 +258,14 @@ class Stack:
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.log_dir.glob("*.log"))
+
+
+def _answers(url: str) -> tuple[bool, str]:
+    """One GET: whether it answered 200, and what it said otherwise."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200, f"HTTP {resp.status}"
+    except urllib.error.HTTPError as exc:
+        return False, exc.read().decode(errors="replace")[:200]
+    except OSError as exc:
+        return False, str(exc)
