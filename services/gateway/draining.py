@@ -37,8 +37,10 @@ class Drain:
         if timeout_s <= 0:
             raise ValueError("drain_timeout_s must be positive")
         self.timeout_s = timeout_s
-        # kept for ending the stragglers cleanly and for uvicorn's shutdown, out of the whole timeout
-        self.reserve_s = min(10.0, timeout_s / 4)
+        # kept for ending the stragglers cleanly and for uvicorn's shutdown, out of the whole timeout: a quarter,
+        # at least 2 s (writing the last error events of every open stream took over 1 s on a loaded 2-core host,
+        # and uvicorn cut them mid-body), at most 10 s, and never more than half the timeout
+        self.reserve_s = min(10.0, max(2.0, timeout_s / 4), timeout_s / 2)
         self.started_at: float | None = None
         self._expiry_hooks: list[Callable[[], Awaitable[None]]] = []
 
