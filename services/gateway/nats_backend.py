@@ -242,5 +242,7 @@ class NatsBackend:
                 await asyncio.wait_for(self._nc.drain(), DRAIN_TIMEOUT_S)
             except Exception as exc:
                 log.warning("NATS drain failed (%s); closing", exc)
-                await self._nc.close()
-        await self._redis.aclose()
+                with contextlib.suppress(Exception):  # bounded: a dead server must not keep the gateway from exiting
+                    await asyncio.wait_for(self._nc.close(), DRAIN_TIMEOUT_S)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._redis.aclose(), DRAIN_TIMEOUT_S)
