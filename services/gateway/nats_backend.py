@@ -69,6 +69,7 @@ class NatsBackend:
         self._setup: asyncio.Task[None] | None = None
         self._setup_error: str | None = None  # why connecting failed for good (a bad URL, say)
         self._watchdog: asyncio.Task[None] | None = None
+        self._cancelling: set[asyncio.Task[None]] = set()  # cancels being published (held: the loop keeps weak refs)
 
     async def start(self) -> None:
         """Connect in the background: until then, readiness says why not and dispatch answers 503."""
@@ -203,10 +204,17 @@ class NatsBackend:
         return stream
 
     async def cancel(self, request_id: str) -> None:
+        """Publish the cancel in the background: its JetStream ack may take up to PUBLISH_TIMEOUT_S (or never come
+        while the connection drains at shutdown), and the client's stream must not wait for it to end."""
         if self._connected() is None or self._js is None:
             return
+        task = asyncio.get_running_loop().create_task(self._publish_cancel(self._js, request_id))
+        self._cancelling.add(task)
+        task.add_done_callback(self._cancelling.discard)
+
+    async def _publish_cancel(self, js: JetStreamContext, request_id: str) -> None:
         try:  # into the cancels stream: a worker disconnected now reads it when it is back (shared/bus.py)
-            await self._js.publish(cancel_subject(request_id), encode(Cancel(request_id)), timeout=PUBLISH_TIMEOUT_S)
+            await js.publish(cancel_subject(request_id), encode(Cancel(request_id)), timeout=PUBLISH_TIMEOUT_S)
         except Exception as exc:
             log.warning("could not publish the cancel of %s: %s", request_id, exc)
 
