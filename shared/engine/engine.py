@@ -15,8 +15,9 @@ import torch
 
 from shared.engine.block_manager import BlockManager, NoFreeBlocksError
 from shared.engine.config import EngineConfig
+from shared.engine.device_setup import exclusive_setup
 from shared.engine.kv_export import KVExport
-from shared.engine.kv_measure import plan_kv_pool
+from shared.engine.kv_measure import outside_torch, plan_kv_pool
 from shared.engine.kv_pool import KVLayout, KVPool
 from shared.engine.request import FinishReason, Request, RequestStatus
 from shared.engine.runner import ModelRunner
@@ -58,7 +59,24 @@ class Engine:
         self.device = resolve_device(config.device)  # refuses an unknown device or CUDA without one, first
         if config.threads:
             torch.set_num_threads(config.threads)
-        self.model = model or load_model(config.model, dtype=config.dtype, device=self.device)
+        # On CUDA, from the first look at the device until the pool exists, engines sharing the GPU wait for
+        # each other: this engine's non-torch memory is counted from that look (shared/engine/device_setup.py).
+        with exclusive_setup(self.device):
+            non_torch_at_start = outside_torch(torch.cuda, self.device) if self.device.type == "cuda" else 0
+            self.model = model or load_model(config.model, dtype=config.dtype, device=self.device)
+            self._plan_kv(non_torch_at_start)
+        self.blocks = BlockManager(self.pool.num_blocks, config.block_size)
+        eos = self.model.config.eos_token_ids
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, eos_token_ids=eos)
+        self.runner = ModelRunner(self.model, self.pool, Sampler(config.seed))
+        self.requests: dict[str, Request] = {}  # live, or finished and holding KV
+        self.stats = EngineStats()
+        self.last_logits: dict[str, torch.Tensor] = {}  # from the latest step, for tests and logprobs
+
+    def _plan_kv(self, non_torch_at_start: int) -> None:
+        """Prepack the weights, choose the kernels, plan the KV pool and allocate it (sets kernels, layout,
+        max_model_len, kv_plan, pool)."""
+        config = self.config
         mc = self.model.config
         weight = next(self.model.parameters())
         if weight.device != self.device:
@@ -74,15 +92,11 @@ class Engine:
         )
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         # after the weights (and their packed twins): on CUDA the plan measures what they left
-        self.kv_plan = plan_kv_pool(config, self.layout, self.max_model_len, self.model)
+        self.kv_plan = plan_kv_pool(
+            config, self.layout, self.max_model_len, self.model, non_torch_at_start=non_torch_at_start
+        )
         log.info("%s", self.kv_plan.summary())
         self.pool = KVPool(self.layout, self.kv_plan.num_blocks, self.device)
-        self.blocks = BlockManager(self.pool.num_blocks, config.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, eos_token_ids=mc.eos_token_ids)
-        self.runner = ModelRunner(self.model, self.pool, Sampler(config.seed))
-        self.requests: dict[str, Request] = {}  # live, or finished and holding KV
-        self.stats = EngineStats()
-        self.last_logits: dict[str, torch.Tensor] = {}  # from the latest step, for tests and logprobs
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, **overrides) -> Engine:
