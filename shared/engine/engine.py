@@ -15,6 +15,7 @@ import torch
 
 from shared.engine.block_manager import BlockManager, NoFreeBlocksError
 from shared.engine.config import EngineConfig
+from shared.engine.decode_graphs import CaptureReport, DecodeGraphs, GraphBackend, bucket_sizes, choose_backend
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_measure import plan_kv_pool
 from shared.engine.kv_pool import KVLayout, KVPool
@@ -53,7 +54,12 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, model: CausalLM | None = None, graph_backend: GraphBackend | None = None
+    ) -> None:
+        """graph_backend: how decode steps are captured, instead of what the settings choose (CUDA graphs on
+        CUDA with the Triton kernels): tests and the gpu-check's CPU rehearsal pass decode_graphs.EagerReplay.
+        It needs kernels=triton, and cuda_graphs off still turns it off."""
         self.config = config
         self.device = resolve_device(config.device)  # refuses an unknown device or CUDA without one, first
         if config.threads:
@@ -76,17 +82,41 @@ class Engine:
         # after the weights (and their packed twins): on CUDA the plan measures what they left
         self.kv_plan = plan_kv_pool(config, self.layout, self.max_model_len, self.model)
         log.info("%s", self.kv_plan.summary())
-        self.pool = KVPool(self.layout, self.kv_plan.num_blocks, self.device)
-        self.blocks = BlockManager(self.pool.num_blocks, config.block_size)
+        self.graph_capture: CaptureReport | None = None  # what capturing the decode graphs took, when on
+        backend, why_not = choose_backend(config.cuda_graphs, self.device, self.kernels)
+        if graph_backend is not None and config.cuda_graphs:
+            backend = graph_backend
+        # With graphs the pool gets one block more than the plan, the scratch block padded rows write to: the
+        # block manager hands out ids 0..plan-1 only, so the scratch block (id = plan) is nobody's.
+        self.pool = KVPool(self.layout, self.kv_plan.num_blocks + (backend is not None), self.device)
+        self.blocks = BlockManager(self.kv_plan.num_blocks, config.block_size)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, eos_token_ids=mc.eos_token_ids)
-        self.runner = ModelRunner(self.model, self.pool, Sampler(config.seed))
+        self.runner = ModelRunner(self.model, self.pool, Sampler(config.seed), self._capture(backend, why_not))
         self.requests: dict[str, Request] = {}  # live, or finished and holding KV
         self.stats = EngineStats()
         self.last_logits: dict[str, torch.Tensor] = {}  # from the latest step, for tests and logprobs
 
+    def _capture(self, backend: GraphBackend | None, why_not: str) -> DecodeGraphs | None:
+        """The decode graphs, captured over the real pool (after it exists), and the one start-up line."""
+        if backend is None:
+            log.info("decode graphs: %s", why_not)
+            return None
+        graphs = DecodeGraphs(
+            self.model,
+            self.pool.layer_caches(),
+            self.config.block_size,
+            scratch_block=self.kv_plan.num_blocks,
+            max_model_len=self.max_model_len,
+            sizes=bucket_sizes(self.config.scheduler.max_num_seqs),
+            backend=backend,
+        )
+        self.graph_capture = graphs.capture()
+        log.info("%s", self.graph_capture.summary())
+        return graphs
+
     @classmethod
-    def from_dir(cls, model_dir: str | Path, **overrides) -> Engine:
-        return cls(EngineConfig(model=str(model_dir), **overrides))
+    def from_dir(cls, model_dir: str | Path, graph_backend: GraphBackend | None = None, **overrides) -> Engine:
+        return cls(EngineConfig(model=str(model_dir), **overrides), graph_backend=graph_backend)
 
     # ---- requests -------------------------------------------------------------------------------------
 
