@@ -110,7 +110,11 @@ class Engine:
             sizes=bucket_sizes(self.config.scheduler.max_num_seqs),
             backend=backend,
         )
-        self.graph_capture = graphs.capture()
+        try:
+            self.graph_capture = graphs.capture()
+        except Exception:  # a first GPU run should not be stopped by an op that refuses capture: run eagerly
+            log.exception("decode graphs: capture failed (%s); every step runs eagerly", backend.name)
+            return None
         log.info("%s", self.graph_capture.summary())
         return graphs
 

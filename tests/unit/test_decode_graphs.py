@@ -167,6 +167,23 @@ def test_start_up_line(checkpoint, caplog):
     assert "eager replay (CPU)" in caplog.text
 
 
+@interpreted
+def test_a_failed_capture_leaves_the_engine_eager(checkpoint, caplog):
+    class Refuses(EagerReplay):
+        name = "refusing"
+
+        def capture(self, fn):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    with caplog.at_level(logging.INFO, logger="shared.engine.engine"):
+        engine = Engine.from_dir(checkpoint, graph_backend=Refuses(), kernels=KernelChoice.TRITON, block_size=BLOCK,
+                                 num_kv_blocks=16, max_model_len=128)  # fmt: skip
+    assert engine.runner.graphs is None and engine.graph_capture is None
+    assert "decode graphs: capture failed (refusing); every step runs eagerly" in caplog.text
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(out[0]) == 3 and engine.runner.graph_steps == 0
+
+
 def test_the_setting_parses_from_env_and_flag():
     assert from_env(WorkerSettings, {}).engine.cuda_graphs is True
     assert from_env(WorkerSettings, {"PDSERVE_CUDA_GRAPHS": "0"}).engine.cuda_graphs is False
