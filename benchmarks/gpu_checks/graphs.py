@@ -56,6 +56,7 @@ def check(target: Target) -> CheckResult:
                                     speedup=round(step_ms[False][n] / step_ms[True][n], 3))  # fmt: skip
     same = [a == b for a, b in zip(tokens[False], tokens[True], strict=True)]
     numbers["tokens_equal"] = sum(same) / len(same)
+    numbers["min_leading_equal"] = min(_leading_equal(a, b) for a, b in zip(tokens[False], tokens[True], strict=True))
     failures = []
     if not all(same):
         failures.append(f"tokens differ with graphs in {len(same) - sum(same)} of {len(same)} prompts")
@@ -65,6 +66,11 @@ def check(target: Target) -> CheckResult:
     details = (f"{size} demo model, {dtype}, kernels=triton, {backend}, {len(prompts)} prompts x {steps} greedy "
                f"tokens; step ms: median decode step per batch size, {device}; speedup = eager / graphs")  # fmt: skip
     return verdict(NAME, failures, numbers, details)
+
+
+def _leading_equal(a: list[int], b: list[int]) -> int:
+    """How many tokens two generations share before they first differ."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
 def _engine(ckpt: Path, dtype: str, device: str, seqs: int, graphs: bool, cpu: bool) -> Engine:
