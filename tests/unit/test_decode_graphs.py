@@ -22,6 +22,7 @@ from shared.engine.decode_graphs import (
     choose_backend,
 )
 from shared.engine.engine import Engine
+from shared.engine.runner import ModelRunner
 from shared.engine.sampling import SamplingParams
 from shared.model.demo import write_demo_checkpoint
 from shared.model.kernels.choice import KernelChoice
@@ -132,6 +133,48 @@ def test_the_scratch_block_is_nobodys(checkpoint):
     # capture wrote only padding rows: the scratch block has K/V, every other block is still zeros
     pool = engine.pool.tensor
     assert pool[:, :, scratch].abs().sum() > 0 and not pool[:, :, :scratch].any()
+
+
+@interpreted
+def test_a_one_token_chunk_that_does_not_sample_replays_too(checkpoint, monkeypatch):
+    """Budget 4 with 3 decoding requests: a new 6-token prompt gets a 1-token chunk beside them, so the step is
+    decode-shaped (every row one token) but one row does not sample: only the sampling rows' logits come back."""
+    replays: list[tuple[int, int]] = []  # (rows, sampling rows) of each replayed step
+    real_replay = ModelRunner._replay
+
+    def counted(self, plan, input_ids, sampling):
+        replays.append((len(plan.seqs), len(sampling)))
+        return real_replay(self, plan, input_ids, sampling)
+
+    monkeypatch.setattr(ModelRunner, "_replay", counted)
+    runs = []
+    for graphs in (False, True):
+        backend = EagerReplay() if graphs else None
+        engine = Engine.from_dir(checkpoint, graph_backend=backend, kernels=KernelChoice.TRITON, block_size=BLOCK,
+                                 num_kv_blocks=32, max_model_len=256,
+                                 scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4))  # fmt: skip
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        for i in range(3):
+            engine.add_request(f"d{i}", [1 + i], params)
+        engine.step()  # three 1-token prompts: their first tokens
+        engine.add_request("late", list(range(40, 46)), params)
+        partial = []
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            outs = engine.step()
+            partial.append(sorted(o.request_id for o in outs))
+            for o in outs:
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            partial[-1].append({r: t.clone() for r, t in engine.last_logits.items()})
+        runs.append((tokens, partial, engine.runner.graph_steps))
+    (want, want_steps, _), (got, got_steps, graph_steps) = runs
+    assert got == want and graph_steps == len(replays) > 0
+    assert (4, 3) in replays  # the step with the unsampled row went through the graph
+    assert ["d0", "d1", "d2"] == want_steps[0][:3]  # the first step after: 3 decodes + 1 token of "late", unsampled
+    for g, w in zip(got_steps, want_steps, strict=True):
+        assert g[:-1] == w[:-1]
+        for rid in w[-1]:
+            torch.testing.assert_close(g[-1][rid], w[-1][rid], rtol=1e-5, atol=1e-5)
 
 
 def test_buckets():
