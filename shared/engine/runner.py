@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.engine.decode_graphs import DecodeGraphs
 from shared.engine.kv_pool import KVPool
 from shared.engine.sampling import Sampler
 from shared.engine.scheduler import SchedulePlan
@@ -22,12 +23,14 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, pool: KVPool, sampler: Sampler) -> None:
+    def __init__(self, model: CausalLM, pool: KVPool, sampler: Sampler, graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.pool = pool
         self.sampler = sampler
         self._caches = pool.layer_caches()
         self.device = pool.tensor.device
+        self.graphs = graphs  # captured decode steps (decode_graphs.py); None = every step runs eagerly
+        self.graph_steps = 0  # steps that replayed a graph
 
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan) -> RunnerOutput:
@@ -44,6 +47,21 @@ class ModelRunner:
         # Only sequences that caught up sample; their last token's hidden state gives the logits.
         ends = list(itertools.accumulate(s.num_tokens for s in plan.seqs))
         sampling = [i for i, s in enumerate(plan.seqs) if s.samples]
+        if self.graphs is not None and self.graphs.fits([s.num_tokens for s in plan.seqs]):
+            logits = self._replay(plan, input_ids, sampling)
+        else:
+            logits = self._eager(plan, input_ids, positions, ends, sampling)
+        if logits is None:
+            return RunnerOutput({}, {})
+        reqs = [plan.seqs[i].request for i in sampling]
+        tokens = self.sampler.sample(logits, [r.params for r in reqs], [len(r.output_token_ids) for r in reqs])
+        ids_ = [r.request_id for r in reqs]
+        return RunnerOutput(dict(zip(ids_, tokens, strict=True)), dict(zip(ids_, logits, strict=True)))
+
+    def _eager(
+        self, plan: SchedulePlan, input_ids: list[int], positions: list[int], ends: list[int], sampling: list[int]
+    ) -> torch.Tensor | None:
+        """The model run op by op: any plan. → (S, V) float32 logits of the sampling rows, None if none."""
         meta = AttentionMetadata.build(
             block_tables=[s.request.block_table for s in plan.seqs],
             context_lens=[s.request.num_computed_tokens + s.num_tokens for s in plan.seqs],
@@ -57,9 +75,20 @@ class ModelRunner:
         ids, pos, rows = to_device(staged, self.device).split([t, t, len(sampling)])
         hidden = self.model(ids, pos, self._caches, meta)
         if not sampling:
-            return RunnerOutput({}, {})
-        logits = self.model.logits(hidden[rows])  # (S, V) float32, on the device
-        reqs = [plan.seqs[i].request for i in sampling]
-        tokens = self.sampler.sample(logits, [r.params for r in reqs], [len(r.output_token_ids) for r in reqs])
-        ids_ = [r.request_id for r in reqs]
-        return RunnerOutput(dict(zip(ids_, tokens, strict=True)), dict(zip(ids_, logits, strict=True)))
+            return None
+        return self.model.logits(hidden[rows])  # (S, V) float32, on the device
+
+    def _replay(self, plan: SchedulePlan, input_ids: list[int], sampling: list[int]) -> torch.Tensor | None:
+        """A decode-only plan through the captured graph of its bucket (one token per sequence)."""
+        assert self.graphs is not None
+        self.graph_steps += 1
+        logits = self.graphs.run(
+            [s.request.block_table for s in plan.seqs],
+            [s.request.num_computed_tokens + 1 for s in plan.seqs],
+            input_ids,
+        )
+        if not sampling:
+            return None
+        if len(sampling) == len(plan.seqs):
+            return logits
+        return logits[to_device(torch.tensor(sampling, dtype=torch.int64), self.device)]
