@@ -21,7 +21,10 @@ from tests.openai_schema import SCHEMAS
 from tests.unit.test_gateway import MODEL, FakeBackend, assert_error, settings_for
 
 ROOT = Path(__file__).resolve().parents[2]
-APIS = {"chat": (ChatCompletionRequest, "CreateChatCompletionRequest"), "completions": (CompletionRequest, "CreateCompletionRequest")}  # fmt: skip
+APIS = {
+    "chat": (ChatCompletionRequest, "CreateChatCompletionRequest"),
+    "completions": (CompletionRequest, "CreateCompletionRequest"),
+}
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 BASE = {"chat": {"messages": [{"role": "user", "content": "hi"}]}, "completions": {"prompt": "hi"}}
 
