@@ -111,7 +111,9 @@ def test_aiperf_profile_completes_every_request(stack, model_dir, tmp_path, endp
         "--no-gpu-telemetry",
         "--artifact-dir", str(out),
     ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # AIPerf 0.13.0 cannot load a local tokenizer directory under HF_HUB_OFFLINE=1 (it sends the path through
+    # huggingface_hub.snapshot_download: benchmarks/crosscheck_external.py); a local path never reaches the Hub
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "profile_export_aiperf.json").read_text())
