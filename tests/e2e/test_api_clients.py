@@ -82,7 +82,7 @@ def test_live_models_validate(http):
 
 def test_openai_sdk_chat(sdk, http):
     raw = http.post("/v1/chat/completions", json={"model": MODEL, "messages": USER, **GREEDY}).json()
-    chat = sdk.chat.completions.create(model=MODEL, messages=USER, **GREEDY)  # pyright: ignore[reportArgumentType]
+    chat = sdk.chat.completions.create(model=MODEL, messages=USER, **GREEDY)
     assert chat.choices[0].message.content == raw["choices"][0]["message"]["content"]
     assert chat.choices[0].message.refusal is None and chat.choices[0].finish_reason == "length"
     assert chat.usage is not None and chat.usage.completion_tokens == GREEDY["max_tokens"]
@@ -91,7 +91,7 @@ def test_openai_sdk_chat(sdk, http):
         messages=USER,
         stream=True,
         stream_options={"include_usage": True},
-        **GREEDY,  # pyright: ignore[reportArgumentType]
+        **GREEDY,
     )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
@@ -118,10 +118,10 @@ def test_openai_sdk_models(sdk, model_dir):
 
 def test_openai_sdk_sees_a_refused_field(sdk):
     with pytest.raises(openai.BadRequestError) as refused:
-        sdk.chat.completions.create(model=MODEL, messages=USER, store=True, **GREEDY)  # pyright: ignore[reportArgumentType]
+        sdk.chat.completions.create(model=MODEL, messages=USER, store=True, **GREEDY)
     assert refused.value.status_code == 400 and refused.value.param == "store"
     # its "off" value and a field OpenAI does not define are served
-    ok = sdk.chat.completions.create(model=MODEL, messages=USER, store=False, extra_body={"x_bench": 1}, **GREEDY)  # pyright: ignore[reportArgumentType]
+    ok = sdk.chat.completions.create(model=MODEL, messages=USER, store=False, extra_body={"x_bench": 1}, **GREEDY)
     assert ok.choices[0].message.content
 
 
