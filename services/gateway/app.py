@@ -27,6 +27,7 @@ from services.gateway.routes import PROBE_ROUTES, V1_ROUTES
 from services.gateway.schemas import API_KEY_REQUIRED, SECURITY_SCHEMES, declare_limits
 from services.gateway.served_model import ServedModel
 from services.gateway.tokenize import TOKENIZE_ROUTES
+from services.gateway.unsupported import document_fields
 from shared.settings import GatewaySettings
 
 
@@ -105,4 +106,5 @@ def create_app(
         ),
     )
     declare_limits(app.openapi_schema, model, settings.max_body_bytes)  # builds the document now, once
+    document_fields(app.openapi_schema)  # OpenAI's fields that are refused or ignored, with their status
     return app

@@ -9,7 +9,9 @@ lifts it. tests/unit/test_api_fields.py holds these tables to the published docu
 docs/api.md lists the same status for each.
 
 The body is decoded a second time into a struct of just these fields (msgspec skips the rest without building
-it), after the strict decode has accepted it.
+it), after the strict decode has accepted it. `document_fields` writes both tables into the served OpenAPI
+document: a refused field's schema is the values accepted (null and `off`), so a fuzzer's schema-violating data is
+exactly what is refused; a bookkeeping field's is any value.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from litestar.openapi.spec import OpenAPI, Schema
 
 from services.gateway.errors import APIError
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -31,14 +34,14 @@ class Refused:
 
 _CHAT_REFUSED = {
     "audio": Refused("audio output is not served"),
-    "modalities": Refused('only text output is served: ["text"]', off=(["text"],)),
+    "modalities": Refused("only text output is served", off=(["text"],)),
     "prediction": Refused("predicted outputs are not served"),
     "web_search_options": Refused("web search is not served"),
     "reasoning_effort": Refused("the served model does not reason", off=("none",)),
     "verbosity": Refused("verbosity control is not served"),
     "moderation": Refused("moderation is not served"),
-    "service_tier": Refused("one service tier is served: auto or default", off=("auto", "default")),
-    "store": Refused("completions are not stored: store must be false", off=(False,)),
+    "service_tier": Refused("one service tier is served", off=("auto", "default")),
+    "store": Refused("completions are not stored", off=(False,)),
     "functions": Refused("functions (deprecated: tools) are not served", off=([],)),
     "function_call": Refused("function_call (deprecated: tool_choice) is not served", off=("none",)),
     "stream_options.include_obfuscation": Refused("stream obfuscation is not served", off=(False,)),
@@ -109,7 +112,7 @@ def refuse_unsupported(body: bytes, kind: type[Any]) -> None:
     for field, rule in refused.items():
         value = _value_at(values, field)
         if value is not None and not any(_same(value, off) for off in rule.off):
-            raise APIError(400, f"`{field}` is not supported by this server: {rule.why}", field)
+            raise APIError(400, f"`{field}` is not supported by this server: {rule.why}{_accepted(rule)}", field)
 
 
 def _value_at(values: msgspec.Struct, field: str) -> Any:
@@ -122,3 +125,41 @@ def _value_at(values: msgspec.Struct, field: str) -> Any:
 
 def _same(value: Any, off: Any) -> bool:
     return type(value) is type(off) and value == off  # False is not 0, "" is not []
+
+
+# the request components of the document, and the component a nested refused field lives in
+_COMPONENTS = {ChatCompletionRequest: "ChatCompletionRequest", CompletionRequest: "CompletionRequest"}
+_NESTED = {"stream_options": "StreamOptions"}
+
+
+def document_fields(document: OpenAPI) -> None:
+    """Add REFUSED and BOOKKEEPING fields to the request schemas of `document`, each with its status."""
+    schemas = document.components.schemas
+    for kind, name in _COMPONENTS.items():
+        for field, rule in REFUSED[kind].items():
+            top, _, nested = field.partition(".")
+            component, key = (_NESTED[top], nested) if nested else (name, top)
+            description = f"Not supported: {rule.why}; a value other than null{_accepted(rule, ', ')} is a 400."
+            _add(schemas[component], key, Schema(enum=[None, *rule.off], description=description))
+        for field, why in BOOKKEEPING[kind].items():
+            properties = _schema(schemas[name]).properties or {}
+            if field not in properties:  # `user` is in the request struct already
+                _add(schemas[name], field, Schema(description=f"Accepted and ignored: {why}."))
+
+
+def _accepted(rule: Refused, lead: str = " (accepted: null, ") -> str:
+    """The off values in JSON, after `lead`; nothing when null is the only one."""
+    if not rule.off:
+        return ""
+    values = ", ".join(msgspec.json.encode(v).decode() for v in rule.off)
+    return f"{lead}{values}" + (")" if lead.startswith(" (") else "")
+
+
+def _add(component: Any, key: str, schema: Schema) -> None:
+    target = _schema(component)
+    target.properties = {**(target.properties or {}), key: schema}
+
+
+def _schema(component: Any) -> Schema:
+    assert isinstance(component, Schema), component
+    return component

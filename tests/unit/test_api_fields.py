@@ -127,3 +127,16 @@ def test_bookkeeping_and_unknown_fields_are_accepted(client):
 def test_a_strict_type_error_comes_before_a_refusal(client):
     body = _with("chat", "audio", {"voice": "x"}) | {"max_tokens": "2"}
     assert_error(client.post(PATHS["chat"], json=body), 400, "max_tokens")
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_openapi_document_states_refused_and_bookkeeping_fields(client, api):
+    kind, _ = APIS[api]
+    schemas = client.get("/schema/openapi.json").json()["components"]["schemas"]
+    properties = schemas[kind.__name__]["properties"]
+    for field, rule in REFUSED[kind].items():
+        top, _, nested = field.partition(".")
+        schema = schemas["StreamOptions"]["properties"][nested] if nested else properties[top]
+        assert schema["enum"] == [None, *rule.off] and "Not supported" in schema["description"], field
+    for field in BOOKKEEPING[kind]:
+        assert field in properties
