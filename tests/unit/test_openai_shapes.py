@@ -4,12 +4,17 @@ itself rejects what OpenAI's schema rejects, so a pass means something."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+from pathlib import Path
+
 import jsonschema
 import pytest
 from litestar.testing import TestClient
 
 from services.gateway import create_app
-from tests.openai_schema import errors, validate, validate_stream_chunk
+from tests.openai_schema import SCHEMAS, errors, validate, validate_stream_chunk
 from tests.unit.test_gateway import MODEL, FakeBackend, settings_for, stream_chunks
 
 CHAT = "/v1/chat/completions"
@@ -84,3 +89,16 @@ def test_the_validator_rejects_what_openai_rejects(client):
     assert errors(mid, "CreateCompletionResponse")  # ...and not by the bare schema
     with pytest.raises(KeyError):
         validate({}, "NoSuchSchema")
+
+
+def test_schemas_json_is_what_extract_makes():
+    """The checked-in schemas are the published document's, unedited: extract.py run again on the pinned commit
+    gives the same file (where a local copy of openai-openapi exists; tests never download it)."""
+    script = SCHEMAS.with_name("extract.py")
+    spec = importlib.util.spec_from_file_location("openai_openapi_extract", script)
+    assert spec is not None and spec.loader is not None
+    extract = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(extract)
+    if not Path(os.environ.get("OPENAI_OPENAPI_REPO", extract.DEFAULT_REPO)).exists():
+        pytest.skip("no local copy of github.com/openai/openai-openapi")
+    assert extract.extract(extract._load([])) == json.loads(SCHEMAS.read_text())
