@@ -14,6 +14,8 @@ import pytest
 from litestar.testing import TestClient
 
 from services.gateway import create_app
+from shared.model.demo import write_demo_checkpoint
+from shared.model.tokenizer import Tokenizer
 from tests.openai_schema import SCHEMAS, errors, validate, validate_stream_chunk
 from tests.unit.test_gateway import MODEL, FakeBackend, settings_for, stream_chunks
 
@@ -24,15 +26,11 @@ USER = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from shared.model.demo import write_demo_checkpoint
-
     return write_demo_checkpoint(tmp_path_factory.mktemp("ckpt"), arch="qwen3_moe", size="tiny")
 
 
 @pytest.fixture
 def client(checkpoint):
-    from shared.model.tokenizer import Tokenizer
-
     with TestClient(create_app(settings_for(checkpoint), FakeBackend(Tokenizer(checkpoint)))) as c:
         yield c
 
