@@ -5,9 +5,10 @@
 
 The schemas are extracted from github.com/openai/openai-openapi (tests/data/openai_openapi: the script, the
 commit, the license); they are JSON Schema 2020-12. Names: CreateChatCompletionResponse,
-CreateChatCompletionStreamResponse, CreateCompletionResponse, ListModelsResponse, Model (and everything they
-reference). `validate_stream_chunk(chunk, chat=...)` picks the chunk's schema and applies the one deviation
-pdserve keeps on the wire (docs/api.md, "Deviations").
+CreateChatCompletionStreamResponse, CreateCompletionResponse, ListModelsResponse, Model, ErrorResponse (and
+everything they reference). `validate_stream_chunk(chunk, chat=...)` picks the chunk's schema and
+`validate_error(body)` checks an error body, each allowing only the deviation pdserve keeps on the wire
+(docs/api.md, "Deviations").
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ RESPONSES = (
     "CreateCompletionResponse",
     "ListModelsResponse",
     "Model",
+    "ErrorResponse",
 )
 
 
@@ -55,6 +57,16 @@ def validate(obj: Any, name: str) -> None:
     found = errors(obj, name)
     if found:
         raise jsonschema.ValidationError(f"not a valid {name}:\n" + "\n".join(found))
+
+
+def validate_error(body: dict[str, Any]) -> None:
+    """An error body: OpenAI's ErrorResponse, except that pdserve's `code` is the HTTP status as an integer (as
+    vLLM's and SGLang's), where OpenAI's is a string or null."""
+    copied = copy.deepcopy(body)
+    error = copied.get("error")
+    if isinstance(error, dict) and type(error.get("code")) is int:
+        error["code"] = str(error["code"])  # only the integer is the deviation
+    validate(copied, "ErrorResponse")
 
 
 def validate_stream_chunk(chunk: dict[str, Any], chat: bool) -> None:

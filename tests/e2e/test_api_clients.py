@@ -14,7 +14,7 @@ import pytest
 from services.local.infra import free_port
 from services.local.stack import StackSpec
 from tests.e2e_support import start_stack
-from tests.openai_schema import validate, validate_stream_chunk
+from tests.openai_schema import validate, validate_error, validate_stream_chunk
 
 MODEL = "demo"
 USER = [{"role": "user", "content": "Tell me about disaggregated serving"}]
@@ -75,9 +75,15 @@ def test_live_responses_validate(http, chat):
         assert text == (answer["message"]["content"] if chat else answer["text"])
 
 
-def test_live_models_validate(http):
+def test_live_models_and_errors_validate(http):
     validate(http.get("/v1/models").json(), "ListModelsResponse")
     validate(http.get(f"/v1/models/{MODEL}").json(), "Model")
+    missing = http.get("/v1/models/no-such-model")
+    assert missing.status_code == 404
+    validate_error(missing.json())
+    refused = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "suffix": "!"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "suffix"
+    validate_error(refused.json())
 
 
 def test_openai_sdk_chat(sdk, http):

@@ -16,7 +16,7 @@ from litestar.testing import TestClient
 from services.gateway import create_app
 from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
-from tests.openai_schema import SCHEMAS, errors, validate, validate_stream_chunk
+from tests.openai_schema import SCHEMAS, errors, validate, validate_error, validate_stream_chunk
 from tests.unit.test_gateway import MODEL, FakeBackend, settings_for, stream_chunks
 
 CHAT = "/v1/chat/completions"
@@ -69,6 +69,23 @@ def test_models_validate(client):
     listed = client.get("/v1/models").json()
     validate(listed, "ListModelsResponse")
     validate(client.get(f"/v1/models/{MODEL}").json(), "Model")
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (CHAT, {"messages": USER, "store": True}),  # a refused field: param set
+        (CHAT, {"messages": []}),
+        (COMPLETIONS, {"prompt": "hi", "max_tokens": "2"}),
+        (COMPLETIONS, {"model": "other", "prompt": "hi"}),  # 404
+        ("/v1/no-such-route", {}),
+    ],
+)
+def test_error_bodies_validate_but_for_the_integer_code(client, path, body):
+    r = client.post(path, json=body)
+    assert r.status_code >= 400
+    validate_error(r.json())
+    assert any("code" in e for e in errors(r.json(), "ErrorResponse"))  # the integer, and only that
 
 
 def test_the_validator_rejects_what_openai_rejects(client):

@@ -29,6 +29,7 @@ ROOTS = (
     "Model",
     "CreateChatCompletionRequest",
     "CreateCompletionRequest",
+    "ErrorResponse",
 )
 PREFIX = "#/components/schemas/"
 
