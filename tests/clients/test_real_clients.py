@@ -23,7 +23,7 @@ from services.local.stack import StackSpec
 from tests.e2e_support import start_stack
 
 REPO = Path(__file__).resolve().parents[2]
-AIPERF = Path(os.environ.get("PDSERVE_AIPERF", REPO / ".venv-aiperf" / "bin" / "aiperf"))
+AIPERF = REPO / os.environ.get("PDSERVE_AIPERF", ".venv-aiperf/bin/aiperf")  # relative to the repository
 REQUIRED = os.environ.get("PDSERVE_CLIENT_TESTS") == "required"
 MODEL = "demo"
 USER = [{"role": "user", "content": "Tell me about disaggregated serving"}]
