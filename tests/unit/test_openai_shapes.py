@@ -14,6 +14,7 @@ import pytest
 from litestar.testing import TestClient
 
 from services.gateway import create_app
+from services.gateway.backend import Update
 from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from tests.openai_schema import SCHEMAS, errors, validate, validate_error, validate_stream_chunk
@@ -30,8 +31,13 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture
-def client(checkpoint):
-    with TestClient(create_app(settings_for(checkpoint), FakeBackend(Tokenizer(checkpoint)))) as c:
+def fake(checkpoint):
+    return FakeBackend(Tokenizer(checkpoint))
+
+
+@pytest.fixture
+def client(checkpoint, fake):
+    with TestClient(create_app(settings_for(checkpoint), fake)) as c:
         yield c
 
 
@@ -86,6 +92,18 @@ def test_error_bodies_validate_but_for_the_integer_code(client, path, body):
     assert r.status_code >= 400
     validate_error(r.json())
     assert any("code" in e for e in errors(r.json(), "ErrorResponse"))  # the integer, and only that
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_mid_stream_error_event_validates(client, fake, chat):
+    fake.fail, fake.fail_after = Update([], "error", "decode worker lost"), 3
+    body = {"model": MODEL, "stream": True, **({"messages": USER} if chat else {"prompt": "hi"})}
+    chunks = stream_chunks(client.post(CHAT if chat else COMPLETIONS, json=body).text)
+    *tokens, failure = chunks
+    assert len(tokens) == 3
+    for chunk in tokens:
+        validate_stream_chunk(chunk, chat=chat)
+    validate_error(failure)
 
 
 def test_the_validator_rejects_what_openai_rejects(client):
