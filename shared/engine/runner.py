@@ -10,6 +10,7 @@ import torch
 from shared.engine.kv_pool import KVPool
 from shared.engine.sampling import Sampler
 from shared.engine.scheduler import SchedulePlan
+from shared.engine.structured import StructuredDecoding
 from shared.model.device import to_device
 from shared.model.paged_attention import AttentionMetadata
 from shared.model.transformer import CausalLM
@@ -22,10 +23,13 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, pool: KVPool, sampler: Sampler) -> None:
+    def __init__(
+        self, model: CausalLM, pool: KVPool, sampler: Sampler, structured: StructuredDecoding | None = None
+    ) -> None:
         self.model = model
         self.pool = pool
         self.sampler = sampler
+        self.structured = structured
         self._caches = pool.layer_caches()
         self.device = pool.tensor.device
 
@@ -55,11 +59,15 @@ class ModelRunner:
         t = len(input_ids)
         staged = torch.tensor(input_ids + positions + [ends[i] - 1 for i in sampling], dtype=torch.int64)
         ids, pos, rows = to_device(staged, self.device).split([t, t, len(sampling)])
+        reqs = [plan.seqs[i].request for i in sampling]
+        # grammar masks: filled in a thread while the forward runs, applied before sampling
+        masks = self.structured.begin([r.request_id for r in reqs]) if self.structured else None
         hidden = self.model(ids, pos, self._caches, meta)
         if not sampling:
             return RunnerOutput({}, {})
         logits = self.model.logits(hidden[rows])  # (S, V) float32, on the device
-        reqs = [plan.seqs[i].request for i in sampling]
+        if self.structured is not None:
+            logits = self.structured.apply(masks, logits)
         tokens = self.sampler.sample(logits, [r.params for r in reqs], [len(r.output_token_ids) for r in reqs])
         ids_ = [r.request_id for r in reqs]
         return RunnerOutput(dict(zip(ids_, tokens, strict=True)), dict(zip(ids_, logits, strict=True)))
