@@ -12,6 +12,7 @@ import json
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import llguidance
 import torch
@@ -19,12 +20,15 @@ from llguidance.torch import fill_next_token_bitmask_par
 
 from shared.structured.spec import StructuredKind, StructuredSpec
 
+if TYPE_CHECKING:  # declared in llguidance's stubs only
+    from llguidance._lib import JsonCompileOptions
+
 _CACHE_SIZE = 256  # compiled grammars kept per tokenizer (the same schema sent again compiles once)
 
 
 # JSON written as json.dumps writes it ("a, b", "k: v"), no free whitespace: a model cannot pad forever, and the
 # same value always comes out as the same text
-_JSON_LAYOUT: llguidance.JsonCompileOptions = {
+_JSON_LAYOUT: JsonCompileOptions = {
     "item_separator": ", ",
     "key_separator": ": ",
     "whitespace_flexible": False,
@@ -91,10 +95,12 @@ def _grammar_text(spec: StructuredSpec) -> str:
             schema = json.loads(spec.spec)
         except json.JSONDecodeError as exc:
             raise GrammarError(f"the schema is not JSON: {exc}") from exc
+        if schema is False:
+            raise GrammarError("the schema `false` allows no output at all")
         if not isinstance(schema, dict | bool):
-            raise GrammarError("a JSON Schema is an object (or true / false)")
+            raise GrammarError("a JSON Schema is an object (or true)")
         try:
-            return m.grammar_from_json_schema(schema, defaults=_JSON_LAYOUT)
+            return m.grammar_from_json_schema("{}" if schema is True else spec.spec, defaults=_JSON_LAYOUT)
         except ValueError as exc:
             raise GrammarError(str(exc)) from exc
     if spec.kind is StructuredKind.REGEX:
