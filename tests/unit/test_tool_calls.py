@@ -56,21 +56,39 @@ def test_hermes_parse_whole():
     assert HermesParser().parse(broken) == (broken, [])  # not a call: stays content
 
 
+REORDERED = '<tool_call>\n{"arguments": {"zone": "utc"}, "name": "get_time"}\n</tool_call>'
+NESTED = '<tool_call>\n{"name": "f", "arguments": {"a": {"b": [1, {"c": "}"}]}, "d": "</tool"}}\n</tool_call> ok'
+
+
+@pytest.mark.parametrize("text", [HERMES_TEXT, REORDERED, NESTED])
 @pytest.mark.parametrize("step", [1, 2, 5, 13, 1000])
-def test_hermes_stream_equals_whole(step):
-    """Fed in pieces of any size, the stream gives the same content and calls as the whole text."""
+def test_hermes_stream_equals_whole(text, step):
+    """Fed in pieces of any size, the stream gives the same content and calls as the whole text; arguments go
+    out in fragments as they arrive (not only when the call closes)."""
     stream = HermesParser().stream()
-    content, calls = "", []
-    for i in range(0, len(HERMES_TEXT), step):
-        d = stream.feed(HERMES_TEXT[i : i + step])
+    content, fragments, before_close = "", [], 0
+    for i in range(0, len(text), step):
+        d = stream.feed(text[i : i + step])
         content += d.content
-        calls += d.calls
+        fragments += d.calls
+        if _close_at(text) > i + step:
+            before_close = len([f for f in fragments if f.arguments])
     d = stream.finish()
     content += d.content
-    calls += d.calls
-    whole_content, whole_calls = HermesParser().parse(HERMES_TEXT)
+    fragments += d.calls
+    whole_content, whole_calls = HermesParser().parse(text)
     assert content.strip() == (whole_content or "").strip()
-    assert [(i, c.name, c.arguments) for i, c in calls] == [(i, c.name, c.arguments) for i, c in enumerate(whole_calls)]
+    heads = [f for f in fragments if f.id is not None]
+    assert [(f.index, f.name) for f in heads] == [(i, c.name) for i, c in enumerate(whole_calls)]
+    for i, c in enumerate(whole_calls):
+        args = "".join(f.arguments for f in fragments if f.index == i)
+        assert json.loads(args) == json.loads(c.arguments)
+    if text != REORDERED and step < 5:
+        assert before_close > 0, "argument fragments streamed before the first call closed"
+
+
+def _close_at(text: str) -> int:
+    return text.index("</tool_call>")
 
 
 def test_tool_deltas_are_openai_shaped():
@@ -81,10 +99,12 @@ def test_tool_deltas_are_openai_shaped():
         out += deltas.feed(HERMES_TEXT[i : i + 7], None)
     out += deltas.feed("", "stop")
     calls = [d.delta.tool_calls[0] for d in out if d.delta.tool_calls]
-    assert [c.index for c in calls] == [0, 0, 1, 1]
-    assert calls[0].id and calls[0].type == "function" and calls[0].function.name == "get_weather"
-    assert calls[0].function.arguments == "" and calls[1].id is None and calls[1].function.name is None
-    assert json.loads(calls[1].function.arguments) == {"city": "Paris", "unit": "c"}
+    assert sorted({c.index for c in calls}) == [0, 1] and [c.index for c in calls] == sorted(c.index for c in calls)
+    first = [c for c in calls if c.index == 0]
+    assert first[0].id and first[0].type == "function" and first[0].function.name == "get_weather"
+    assert first[0].function.arguments == "" and all(c.id is None and c.function.name is None for c in first[1:])
+    assert len(first) > 2, "the arguments came in several fragments"
+    assert json.loads("".join(c.function.arguments for c in first)) == {"city": "Paris", "unit": "c"}
     assert out[-1].finish_reason == "tool_calls" and all(d.finish_reason is None for d in out[:-1])
     plain = ToolDeltas(HermesParser()).feed("just text <tool", None) + ToolDeltas(HermesParser()).feed("", "stop")
     assert "".join(d.delta.content or "" for d in plain) == "just text "  # "<tool" held: it may open a call
@@ -100,7 +120,7 @@ def test_llama3_json_parse():
     stream = p.stream()
     d1, d2 = stream.feed('{"name": "get_time", '), stream.feed('"parameters": {"zone": "cet"}}')
     end = stream.finish()
-    assert d1.content == d2.content == "" and [c.name for _, c in end.calls] == ["get_time"]
+    assert d1.content == d2.content == "" and [c.name for c in end.calls if c.id] == ["get_time"]
     text = p.stream()
     assert text.feed("Hi").content == "Hi"
 

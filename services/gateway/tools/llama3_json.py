@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from services.gateway.tools.parsers import ParsedCall, StreamDelta, call_from_json, call_schema
+from services.gateway.tools.parsers import ParsedCall, StreamDelta, call_from_json, call_schema, whole_call
 from shared.structured.spec import StructuredSpec, json_schema
 
 PYTHON_TAG = "<|python_tag|>"
@@ -73,7 +73,7 @@ class Llama3JsonStream:
             return StreamDelta(text)
         content, calls = self._parser.parse(text)
         self._count = len(calls)
-        return StreamDelta(content or "", list(enumerate(calls)))
+        return StreamDelta(content or "", [f for i, c in enumerate(calls) for f in whole_call(i, c)])
 
     @property
     def found_calls(self) -> bool:

@@ -14,7 +14,7 @@ from services.gateway.schemas import (
     ToolCall,
     ToolCallDelta,
 )
-from services.gateway.tools.parsers import ParsedCall, StreamDelta, ToolParser
+from services.gateway.tools.parsers import CallFragment, StreamDelta, ToolParser
 
 TOOL_CALLS = "tool_calls"
 
@@ -25,7 +25,8 @@ def tool_message(text: str, parser: ToolParser, finish_reason: str | None) -> tu
     if not calls:
         return AssistantMessage(role="assistant", content=text), finish_reason
     tool_calls = [ToolCall(c.id, FunctionCall(c.name, c.arguments)) for c in calls]
-    return AssistantMessage(role="assistant", content=content, tool_calls=tool_calls), TOOL_CALLS
+    reason = TOOL_CALLS if finish_reason == "stop" else finish_reason  # cut short by max_tokens: length
+    return AssistantMessage(role="assistant", content=content, tool_calls=tool_calls), reason
 
 
 @dataclass
@@ -47,7 +48,7 @@ class ToolDeltas:
         if finish_reason is None:
             return out
         out += self._deltas(self._stream.finish())
-        reason = TOOL_CALLS if self._calls else finish_reason
+        reason = TOOL_CALLS if self._calls and finish_reason == "stop" else finish_reason  # cut short: length
         if out and out[-1].finish_reason is None and out[-1].delta.tool_calls is None:
             out[-1].finish_reason = reason
         else:
@@ -56,13 +57,14 @@ class ToolDeltas:
 
     def _deltas(self, parsed: StreamDelta) -> list[DeltaOut]:
         out = [DeltaOut(ChatDelta(content=parsed.content))] if parsed.content else []
-        for index, call in parsed.calls:
-            out += _call_deltas(index, call)
-            self._calls += 1
+        for fragment in parsed.calls:
+            if fragment.id is not None:
+                self._calls += 1
+            out.append(DeltaOut(ChatDelta(tool_calls=[_call_delta(fragment)])))
         return out
 
 
-def _call_deltas(index: int, call: ParsedCall) -> list[DeltaOut]:
-    head = ToolCallDelta(index, FunctionCallDelta(name=call.name, arguments=""), id=call.id, type="function")
-    body = ToolCallDelta(index, FunctionCallDelta(arguments=call.arguments))
-    return [DeltaOut(ChatDelta(tool_calls=[head])), DeltaOut(ChatDelta(tool_calls=[body]))]
+def _call_delta(f: CallFragment) -> ToolCallDelta:
+    if f.id is None:
+        return ToolCallDelta(f.index, FunctionCallDelta(arguments=f.arguments))
+    return ToolCallDelta(f.index, FunctionCallDelta(name=f.name, arguments=f.arguments), id=f.id, type="function")

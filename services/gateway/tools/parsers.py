@@ -27,11 +27,27 @@ class ParsedCall:
 
 
 @dataclass(frozen=True)
+class CallFragment:
+    """Part of a streamed call: its first fragment has `id` and `name` (arguments usually ""), the next ones
+    pieces of the arguments' JSON text, to be concatenated."""
+
+    index: int
+    arguments: str
+    name: str | None = None
+    id: str | None = None
+
+
+def whole_call(index: int, call: ParsedCall) -> list[CallFragment]:
+    """A call known at once: its head, then all its arguments."""
+    return [CallFragment(index, "", call.name, call.id), CallFragment(index, call.arguments)]
+
+
+@dataclass(frozen=True)
 class StreamDelta:
-    """What one text delta adds: content, and call events: (call index, the call) once a call is complete."""
+    """What one text delta adds: content, and fragments of calls."""
 
     content: str = ""
-    calls: list[tuple[int, ParsedCall]] = field(default_factory=list)
+    calls: list[CallFragment] = field(default_factory=list)
 
 
 class StreamParser(Protocol):
