@@ -139,8 +139,8 @@ def _chat_prompt(req: ChatCompletionRequest, model: ServedModel, tools: ToolPlan
 def _template_call(call: Any) -> dict[str, Any]:
     try:
         arguments = json.loads(call.function.arguments)
-    except json.JSONDecodeError:
-        arguments = call.function.arguments  # not JSON: the template gets the text as it is
+    except (json.JSONDecodeError, RecursionError):  # not JSON (or nested past the parser): the text as it is
+        arguments = call.function.arguments
     return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
 
 

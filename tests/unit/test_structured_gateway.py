@@ -108,6 +108,16 @@ def test_bad_constraints_are_400_naming_the_field(client, fake, extra, param, wo
     assert fake.jobs == [], "refused before dispatch"
 
 
+def test_history_arguments_that_are_not_json_render_as_text(client, fake):
+    for arguments in ("not json", '{"a": '):
+        call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        history = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]}]
+        r = client.post(CHAT, json={"messages": history, "tools": [WEATHER]})
+        assert r.status_code == 200, r.text
+        prompt = fake.tokenizer.decode(fake.jobs[-1].prompt_token_ids, skip_special_tokens=False)
+        assert json.dumps(arguments) in prompt
+
+
 def test_required_and_named_tool_choice_constrain_the_output(client, fake):
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         r = client.post(CHAT, json={"messages": USER, "tools": [WEATHER], "tool_choice": choice})
