@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 
 import jsonschema
 import openai
@@ -18,6 +19,8 @@ from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.model.tokenizer import Tokenizer
 from shared.structured import spec as specs
+from tests.chaos import EventWatch, Load, gateway_metric
+from tests.e2e.test_faults import FAST, busiest
 from tests.e2e_support import start_stack
 from tests.structured_cases import CHOICES, MAX_TOKENS, REGEXES, SCHEMAS
 
@@ -147,3 +150,35 @@ def test_auto_tool_call_with_forced_output(client):
     assert _call(choice) == ("get_weather", {"city": "Oslo", "unit": "c"})
     plain = _chat(client, tools=[WEATHER], extra_body={"guided_choice": ["no call"]}).choices[0]
     assert plain.message.content == "no call" and plain.finish_reason == "stop" and not plain.message.tool_calls
+
+
+def test_constrained_requests_survive_a_decode_worker_dying(model_dir):
+    """A decode worker is killed while constrained requests stream: the gateway moves each (prompt + tokens so
+    far) to the other decode worker, whose matcher replays those tokens; every request completes, matches its
+    regex and equals the one-engine output (ignore_eos: past the grammar's end only EOS is allowed)."""
+    pattern, max_tokens = "[a-z]{60}", 72
+    prompts = ["The quick brown fox", "héllo wörld", "a b c", "Tell me a story"]
+    tok = Tokenizer(model_dir)
+    engine = Engine.from_dir(model_dir, max_model_len=1024)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, structured=specs.regex(pattern))
+    outputs = engine.generate([tok.encode(p) for p in prompts], params)
+    reference = {p: tok.decode(o) for p, o in zip(prompts, outputs, strict=True)}
+    spec = StackSpec(model=str(model_dir), port=free_port(), decode=2, threads_per_worker=1, env=FAST)
+    stack = start_stack(spec)
+    try:
+        before = gateway_metric(stack, "pdserve:request_migrations_total")
+        watch = EventWatch(stack.nats_url)
+        try:
+            load = Load(stack.url, prompts, max_tokens, extra={"structured_outputs": {"regex": pattern}})
+            load.progress.wait(lambda p: min(p.counts) >= 3)
+            victim = busiest(stack, watch, "decode")
+            stack.procs[victim].send_signal(signal.SIGKILL)
+            outcomes = load.results()
+        finally:
+            watch.close()
+        assert gateway_metric(stack, "pdserve:request_migrations_total") > before, "a request moved"
+    finally:
+        stack.stop()
+    for o in outcomes:
+        assert o.verdict == "completed", (o.prompt, o.error, o.exception)
+        assert re.fullmatch(pattern, o.text) and o.text == reference[o.prompt]
