@@ -1,5 +1,6 @@
 """Grammar engines for constrained decoding, measured side by side: compile time and per-token mask time.
 
+    .venv/bin/pip install xgrammar==0.2.8 outlines-core==0.2.14   # compared here, not dependencies of pdserve
     .venv/bin/python benchmarks/grammar_bench.py [--out benchmarks/results/grammar_bench.json] [--big-vocab 32000]
 
 Engines: llguidance, xgrammar, outlines-core (each skipped, with the reason, when it does not import). For each
