@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import llguidance
 import torch
@@ -42,7 +42,6 @@ class MaskStats:
     wait_s: float = 0.0
     apply_s: float = 0.0
     fill_s: float = 0.0  # in the thread, overlapping the forward
-    per_step: list[float] = field(default_factory=list)  # wait + apply of each masked step, seconds
 
 
 class StructuredDecoding:
@@ -109,8 +108,6 @@ class StructuredDecoding:
         s.rows += len(pending.rows)
         s.wait_s += t1 - t0
         s.apply_s += t2 - t1
-        s.per_step.append(t2 - t0)
-        del s.per_step[:-1000]  # the latest steps only
         return logits
 
     def close(self) -> None:
