@@ -21,6 +21,8 @@ from typing import Annotated, TypeVar
 
 import msgspec
 
+from shared.structured.spec import StructuredSpec
+
 _log = logging.getLogger(__name__)
 
 JOBS_STREAM = "PD_JOBS"
@@ -146,6 +148,7 @@ class Sampling(msgspec.Struct, frozen=True):
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    structured: StructuredSpec | None = None  # the output must match it (validated by the gateway)
 
 
 class PrefillJob(msgspec.Struct, frozen=True):

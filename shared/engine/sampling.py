@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.structured.spec import StructuredSpec
+
 _SEED_STRIDE = 1_000_003  # distinct generator states per output position
 # Below this a temperature means greedy, as in vLLM: logits / t would overflow float32 and the softmax give NaN.
 GREEDY_BELOW = 1e-5
@@ -26,6 +28,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    structured: StructuredSpec | None = None  # the output must match it (shared/engine/structured.py)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

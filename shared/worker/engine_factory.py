@@ -17,6 +17,7 @@ def sampling_params(s: Sampling, max_tokens: int | None = None) -> SamplingParam
         seed=s.seed,
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
+        structured=s.structured,
     )
 
 
