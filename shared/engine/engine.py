@@ -15,6 +15,7 @@ import torch
 
 from shared.engine.block_manager import BlockManager, NoFreeBlocksError
 from shared.engine.config import EngineConfig
+from shared.engine.fork import Choice, PendingFork, fork_children
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_measure import plan_kv_pool
 from shared.engine.kv_pool import KVLayout, KVPool
@@ -83,6 +84,7 @@ class Engine:
         self.requests: dict[str, Request] = {}  # live, or finished and holding KV
         self.stats = EngineStats()
         self.last_logits: dict[str, torch.Tensor] = {}  # from the latest step, for tests and logprobs
+        self.pending_forks: dict[str, PendingFork] = {}  # parent id → children forked at its first token
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, **overrides) -> Engine:
@@ -107,6 +109,74 @@ class Engine:
         self.requests[request_id] = req
         self.scheduler.add(req)
 
+    def add_group(self, prompt_token_ids: list[int], choices: list[Choice], hold_kv: bool = False) -> None:
+        """Queue n choices of one prompt (shared/engine/fork.py). Fresh choices (no tokens yet): the first
+        computes the prompt once, and at its first token the others are forked from its KV, each sampling its
+        first token from the same logits with its own parameters. Choices that carry tokens (a migrated group:
+        each has its own tokens after the prompt) are queued as separate requests. Raises ValueError as
+        add_request does, or for a group that mixes fresh and continued choices; nothing is queued then."""
+        fresh = [not c.output_token_ids for c in choices]
+        if any(fresh) and not all(fresh):
+            raise ValueError("a group's choices are either all fresh or all continued")
+        ids = [c.request_id for c in choices]
+        if not choices or len(set(ids)) != len(ids):
+            raise ValueError("a group needs at least one choice, with distinct ids")
+        for c in choices:
+            self._validate(c.request_id, prompt_token_ids + list(c.output_token_ids))
+        if not all(fresh) or len(choices) == 1:
+            for c in choices:
+                self.add_request(c.request_id, prompt_token_ids, c.params, hold_kv, list(c.output_token_ids))
+            return
+        parent, *children = choices
+        # the parent holds its blocks past its own end until the children are forked from them
+        self.add_request(parent.request_id, prompt_token_ids, parent.params, hold_kv=True)
+        self.pending_forks[parent.request_id] = PendingFork(tuple(children), hold_kv)
+
+    def fork(self, parent_id: str, children: list[Choice]) -> list[RequestOutput]:
+        """Fork choices that have sampled tokens (elsewhere: a decode worker after importing the prompt's KV)
+        from a request whose KV covers its prompt: they share its full prompt blocks and copy the partial one.
+        Returns an output for each child its tokens already ended. Raises KeyError for an unknown parent,
+        ValueError for a parent without its prompt's KV or a child without tokens (nothing forked then)."""
+        parent = self.requests[parent_id]
+        for c in children:
+            self._validate(c.request_id, parent.prompt_token_ids + list(c.output_token_ids))
+        made = fork_children(self.scheduler, self.pool, parent, children, hold_kv=parent.hold_kv)
+        self._register_children(made)
+        return [self._output(r, r.output_token_ids[-1:], True) for r in made if r.is_finished]
+
+    def _register_children(self, made: list[Request]) -> None:
+        """Put forked children in the engine: the live ones, and finished ones that hold (no block: their
+        release_kv only forgets them)."""
+        for req in made:
+            if not req.is_finished or req.hold_kv:
+                self.requests[req.request_id] = req
+
+    def _fork_at_first_token(self, parent: Request, logits: torch.Tensor) -> list[RequestOutput]:
+        """The parent just sampled its first token: sample each child's from the same logits row, fork them,
+        and give the parent's blocks back if it only held them for the fork. The children's first outputs."""
+        pending = self.pending_forks.pop(parent.request_id)
+        params = [c.params for c in pending.children]
+        rows = logits.unsqueeze(0).expand(len(params), -1)
+        tokens = self.runner.sampler.sample(rows, params, [0] * len(params))
+        children = [Choice(c.request_id, c.params, (t,)) for c, t in zip(pending.children, tokens, strict=True)]
+        made = fork_children(self.scheduler, self.pool, parent, children, hold_kv=pending.parent_holds_kv)
+        parent.hold_kv = pending.parent_holds_kv
+        if parent.is_finished and not parent.hold_kv:
+            self.release_kv(parent.request_id)
+        self._register_children(made)
+        return [self._output(r, r.output_token_ids, r.is_finished) for r in made]
+
+    def _output(self, req: Request, new_token_ids: list[int], finished: bool) -> RequestOutput:
+        return RequestOutput(
+            req.request_id,
+            list(new_token_ids),
+            finished,
+            req.finish_reason,
+            len(req.prompt_token_ids),
+            len(req.output_token_ids),
+            req.scheduled_at,
+        )
+
     def _validate(self, request_id: str, tokens: list[int]) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -126,6 +196,7 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
+        self.pending_forks.pop(request_id, None)  # its children were never forked: nothing of theirs to free
         if req.is_finished:  # held for export
             self.blocks.free(req.block_table)
             req.block_table = []
@@ -181,6 +252,8 @@ class Engine:
                     req.scheduled_at,
                 )
             )
+            if req.request_id in self.pending_forks:  # a group's parent sampled its first token
+                outputs += self._fork_at_first_token(req, out.logits[req.request_id])
         return outputs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -261,9 +334,16 @@ class Engine:
         self.scheduler.add_running(req)
 
     def check_integrity(self) -> None:
-        """Block manager invariants, plus: every live request's blocks are counted as used."""
+        """Block manager invariants, plus: every block's reference count is the number of live requests whose
+        tables hold it (forked choices share prompt blocks), so no block is free while held, nor held by
+        nobody."""
         self.blocks.check_integrity()
+        holders = [0] * self.blocks.num_blocks
         for req in self.requests.values():
             for b in req.block_table:
                 if self.blocks.ref_count(b) == 0:
                     raise AssertionError(f"request {req.request_id} holds free block {b}")
+                holders[b] += 1
+        for b, n in enumerate(holders):
+            if self.blocks.ref_count(b) != n:
+                raise AssertionError(f"block {b} has {self.blocks.ref_count(b)} references, {n} holders")
