@@ -196,12 +196,15 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
-        self.pending_forks.pop(request_id, None)  # its children were never forked: nothing of theirs to free
         if req.is_finished:  # held for export
             self.blocks.free(req.block_table)
             req.block_table = []
         else:
             self.scheduler.abort(req)
+        pending = self.pending_forks.pop(request_id, None)
+        if pending is not None:  # a group's parent before its first token: the next choice computes the prompt
+            heir, *rest = pending.children
+            self.add_group(req.prompt_token_ids, [heir, *rest], hold_kv=pending.parent_holds_kv)
         return True
 
     def has_unfinished(self) -> bool:

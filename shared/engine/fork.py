@@ -15,8 +15,8 @@ shared block is never written: every write lands at a position >= the writer's `
 prompt length, i.e. in a block past the shared ones. `Engine.check_integrity` checks the counts: every
 block's reference count equals the number of live tables holding it (plus pins).
 
-Seeds: choice i of a seeded request samples with `choice_seed(seed, i) = seed + i`, so choice i equals a
-single request with that seed; unseeded choices draw independently from the engine's stream.
+Seeds: choice i of a seeded request samples with `choice_seed(seed, i) = seed + i` (shared/choices.py), so
+choice i equals a single request with that seed; unseeded choices draw independently from the engine's stream.
 """
 
 from __future__ import annotations
@@ -24,16 +24,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from shared.choices import choice_seed
 from shared.engine.block_manager import BlockManager, NoFreeBlocksError
 from shared.engine.kv_pool import KVPool
 from shared.engine.request import Request, RequestStatus
 from shared.engine.sampling import SamplingParams
 from shared.engine.scheduler import Scheduler
-
-
-def choice_seed(seed: int | None, index: int) -> int | None:
-    """The seed of choice `index` of a request seeded with `seed` (None stays None: independent draws)."""
-    return None if seed is None else seed + index
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -231,6 +231,14 @@ class Worker(Generic[Job]):
             self.emit(job.reply_subject, announce_event(job, worker_id))
         return entry
 
+    def adopt(self, group: Entry[Job], jobs: list[Job], phase: Phase) -> list[Entry[Job]]:
+        """The entries of a group job's other choices (worker/choices.py), registered in `phase` and announced to
+        the gateway; a choice already cancelled is left out."""
+        entries = [e for j in jobs if (e := self.ledger.adopt(j, phase, group.span, group.key)) is not None]
+        for e in entries:
+            self.emit(e.reply_subject, announce_event(e.job, self.settings.worker_id))
+        return entries
+
     def refused(self, msg: Msg, job: PrefillJob | DecodeJob) -> bool:
         """True for a job the engine must not see (shared/job_checks.py: it would fail on the engine thread)."""
         refusal = job_refusal(job, self.load.vocab_size, self.load.max_model_len)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from shared.choices import choice_request_id, choice_seed
 from shared.engine.config import SchedulerConfig
 from shared.engine.engine import Engine, RequestOutput
-from shared.engine.fork import Choice, choice_params, choice_seed
+from shared.engine.fork import Choice, choice_params
 from shared.engine.sampling import SamplingParams
 
 BLOCK = 4
@@ -52,6 +53,7 @@ def single(model_dir, params: SamplingParams, prompt: list[int] = PROMPT) -> lis
 def test_choice_seed_is_seed_plus_index():
     assert [choice_seed(100, i) for i in range(3)] == [100, 101, 102]
     assert choice_seed(None, 2) is None
+    assert [choice_request_id("cmpl-1", i) for i in range(3)] == ["cmpl-1", "cmpl-1_c1", "cmpl-1_c2"]
     assert choice_params(SAMPLED, 2).seed == SAMPLED.seed + 2
     assert choice_params(SamplingParams(seed=None), 2).seed is None
 
@@ -133,12 +135,22 @@ def test_abort_frees_every_choice_and_the_shared_blocks(model_dir):
     assert engine.blocks.num_free == engine.blocks.num_blocks and not engine.has_unfinished()
 
 
-def test_abort_before_the_first_token_drops_the_unforked_children(model_dir):
+def test_aborting_the_parent_before_its_first_token_leaves_the_other_choices_running(model_dir):
     engine = make_engine(model_dir)
     engine.add_group(PROMPT, group(SAMPLED, 3))
     assert engine.abort("g/0")
-    assert not engine.pending_forks and not engine.abort("g/1")
-    assert run(engine) == {}
+    got = run(engine)  # g/1 computes the prompt in its place, g/2 is forked from it
+    assert sorted(got) == ["g/1", "g/2"]
+    assert [got[f"g/{i}"] for i in (1, 2)] == [single(model_dir, choice_params(SAMPLED, i)) for i in (1, 2)]
+    assert engine.stats.prefill_tokens == len(PROMPT)
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_aborting_every_choice_before_the_first_token_frees_everything(model_dir):
+    engine = make_engine(model_dir)
+    engine.add_group(PROMPT, group(SAMPLED, 3))
+    assert all(engine.abort(f"g/{i}") for i in range(3))
+    assert not engine.pending_forks and run(engine) == {}
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
