@@ -1,0 +1,160 @@
+"""n > 1 through the whole stack and the official openai client: each choice equals a single request with its
+derived seed (seed + i), reproducibly, streamed or not; the prompt is prefilled once and its KV pulled once;
+a client that leaves mid-stream frees every choice's blocks on both sides."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from services.local.infra import free_port
+from services.local.stack import Stack, StackSpec
+from tests.e2e_support import heartbeats, kv_keys, scraped_total, start_stack
+
+PROMPT = "Tell me a story about disaggregation, in three parts"
+SEED = 1234
+N = 3
+MAX_TOKENS = 12
+SAMPLED = dict(model="demo", max_tokens=MAX_TOKENS, temperature=1.0, extra_body={"ignore_eos": True})
+
+
+def _stack(model_dir, **kw) -> Stack:
+    return start_stack(StackSpec(model=str(model_dir), port=free_port(), threads_per_worker=1, **kw))
+
+
+@pytest.fixture(scope="module")
+def stack_1p1d(model_dir):
+    stack = _stack(model_dir, prefill=1, decode=1)
+    yield stack
+    stack.stop()
+
+
+def _client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _singles(client: openai.OpenAI) -> list[str]:
+    """What n single requests with the derived seeds answer."""
+    return [client.completions.create(prompt=PROMPT, seed=SEED + i, **SAMPLED).choices[0].text for i in range(N)]
+
+
+def _streamed_texts(stream, chat: bool) -> tuple[dict[int, str], dict[int, str | None], list]:
+    """Per choice index: the text and the finish reason of a stream; and every chunk."""
+    texts: dict[int, str] = {}
+    reasons: dict[int, str | None] = {}
+    chunks = list(stream)
+    for chunk in chunks:
+        for c in chunk.choices:
+            piece = (c.delta.content or "") if chat else c.text
+            texts[c.index] = texts.get(c.index, "") + piece
+            if c.finish_reason is not None:
+                reasons[c.index] = c.finish_reason
+    return texts, reasons, chunks
+
+
+def test_seeded_choices_equal_single_requests_and_repeat(stack_1p1d):
+    client = _client(stack_1p1d)
+    first = client.completions.create(prompt=PROMPT, n=N, seed=SEED, **SAMPLED)
+    again = client.completions.create(prompt=PROMPT, n=N, seed=SEED, **SAMPLED)
+    assert [c.index for c in first.choices] == list(range(N))
+    texts = [c.text for c in first.choices]
+    assert texts == [c.text for c in again.choices]
+    assert texts == _singles(client)
+    assert len(set(texts)) > 1  # different seeds: the comparison is not vacuous
+    assert all(c.finish_reason == "length" for c in first.choices)
+    single_prompt = client.completions.create(prompt=PROMPT, seed=SEED, **SAMPLED).usage.prompt_tokens
+    assert first.usage.prompt_tokens == single_prompt  # the prompt once
+    assert first.usage.completion_tokens == N * MAX_TOKENS  # summed over the choices
+
+    streamed, reasons, chunks = _streamed_texts(
+        client.completions.create(prompt=PROMPT, n=N, seed=SEED, stream=True, **SAMPLED), chat=False
+    )
+    assert [streamed[i] for i in range(N)] == texts
+    assert reasons == dict.fromkeys(range(N), "length")
+    assert all(len(c.choices) == 1 for c in chunks)  # one choice per chunk, tagged with its index
+
+
+def test_chat_choices_stream_with_a_role_each(stack_1p1d):
+    client = _client(stack_1p1d)
+    messages = [{"role": "user", "content": "hi there"}]
+    whole = client.chat.completions.create(messages=messages, n=N, seed=SEED, **SAMPLED)
+    assert [c.index for c in whole.choices] == list(range(N))
+    assert all(c.message.role == "assistant" for c in whole.choices)
+    stream = client.chat.completions.create(
+        messages=messages, n=N, seed=SEED, stream=True, stream_options={"include_usage": True}, **SAMPLED
+    )
+    texts, reasons, chunks = _streamed_texts(stream, chat=True)
+    assert [texts[i] for i in range(N)] == [c.message.content for c in whole.choices]
+    assert reasons == dict.fromkeys(range(N), "length")
+    roles = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            roles.setdefault(c.index, c.delta.role)  # the first chunk of each choice
+    assert roles == dict.fromkeys(range(N), "assistant")
+    assert chunks[-1].usage.completion_tokens == N * MAX_TOKENS
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    greedy = client.chat.completions.create(messages=messages, n=N, **(SAMPLED | {"temperature": 0.0}))
+    assert len({c.message.content for c in greedy.choices}) == 1
+
+
+def _decode_pulls(stack: Stack) -> float:
+    return sum(scraped_total(url, "pdserve:kv_transfer_seconds_count", role="decode") for url in stack.metrics_urls())
+
+
+def _settled(stack: Stack, timeout_s: float = 20.0) -> dict:
+    """Heartbeats once every worker is idle with all blocks free (or the last seen at the deadline)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        beats = heartbeats(stack.nats_url, seconds=1.2)
+        idle = all(
+            b.running == 0 and b.held_kv == 0 and b.free_blocks == b.total_blocks and b.integrity_error is None
+            for b in beats.values()
+        )
+        if idle or time.monotonic() > deadline:
+            return beats
+
+
+def test_the_prompt_is_prefilled_once_and_pulled_once(stack_1p1d):
+    client = _client(stack_1p1d)
+    before = {b.role: b for b in _settled(stack_1p1d).values()}
+    pulls_before = _decode_pulls(stack_1p1d)
+    done = client.completions.create(prompt=PROMPT, n=N, seed=SEED, **SAMPLED)
+    after = {b.role: b for b in _settled(stack_1p1d).values()}
+    assert after["prefill"].prefill_tokens - before["prefill"].prefill_tokens == done.usage.prompt_tokens
+    assert after["decode"].prefill_tokens == before["decode"].prefill_tokens  # nothing recomputed on decode
+    assert after["decode"].decode_tokens - before["decode"].decode_tokens == N * (MAX_TOKENS - 1)
+    assert _decode_pulls(stack_1p1d) - pulls_before == 1
+    assert all(b.free_blocks == b.total_blocks and b.integrity_error is None for b in after.values())
+    assert kv_keys(stack_1p1d.redis_url) == []
+
+
+def test_client_disconnect_frees_every_choice(stack_1p1d):
+    body = {"model": "demo", "prompt": "cancel us", "max_tokens": 1000, "n": N, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{stack_1p1d.url}/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            for i, _ in enumerate(resp.iter_lines()):
+                if i > 3 * N * 2:
+                    break  # leave mid-stream
+    beats = _settled(stack_1p1d)
+    assert all(b.running == 0 and b.held_kv == 0 and b.free_blocks == b.total_blocks for b in beats.values()), beats
+    assert all(b.integrity_error is None for b in beats.values())
+    assert kv_keys(stack_1p1d.redis_url) == []
+
+
+def test_a_mixed_worker_answers_the_same_choices(model_dir, stack_1p1d):
+    """Identical results whether the request ran disaggregated or in one engine."""
+    disaggregated = [
+        c.text for c in _client(stack_1p1d).completions.create(prompt=PROMPT, n=N, seed=SEED, **SAMPLED).choices
+    ]
+    stack = _stack(model_dir, prefill=0, decode=0, mixed=1)
+    try:
+        mixed = _client(stack).completions.create(prompt=PROMPT, n=N, seed=SEED, **SAMPLED)
+        assert [c.text for c in mixed.choices] == disaggregated
+        beat = next(iter(_settled(stack).values()))
+        assert beat.prefill_tokens == mixed.usage.prompt_tokens  # the prompt once, for three choices
+    finally:
+        stack.stop()
