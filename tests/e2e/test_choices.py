@@ -4,14 +4,17 @@ a client that leaves mid-stream frees every choice's blocks on both sides."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import httpx
+import msgspec
 import openai
 import pytest
 
 from services.local.infra import free_port
 from services.local.stack import Stack, StackSpec
+from tests.chaos import EventWatch
 from tests.e2e_support import heartbeats, kv_keys, scraped_total, start_stack
 
 PROMPT = "Tell me a story about disaggregation, in three parts"
@@ -158,3 +161,63 @@ def test_a_mixed_worker_answers_the_same_choices(model_dir, stack_1p1d):
         assert beat.prefill_tokens == mixed.usage.prompt_tokens  # the prompt once, for three choices
     finally:
         stack.stop()
+
+
+FAST = {  # as tests/e2e/test_faults.py: a worker silent for 2 s is dead
+    "PDSERVE_WORKER_TTL_S": "2",
+    "PDSERVE_STALL_TIMEOUT_S": "10",
+    "PDSERVE_KV_LEASE_S": "4",
+    "PDSERVE_KV_TRANSFER_TIMEOUT_S": "5",
+    "PDSERVE_JOB_ACK_WAIT_S": "6",
+}
+LONG_TOKENS = 1000
+
+
+def test_every_choice_continues_when_its_decode_worker_dies(model_dir):
+    """The decode worker streaming the three choices is killed: the gateway moves each choice on alone (prompt +
+    its tokens so far, its own seed) and every choice still equals the single request with its derived seed."""
+    stack = start_stack(
+        StackSpec(model=str(model_dir), port=free_port(), prefill=1, decode=2, threads_per_worker=1, env=FAST)
+    )
+    watch = EventWatch(stack.nats_url)
+    try:
+        params = SAMPLED | {"max_tokens": LONG_TOKENS}
+        body = {"prompt": PROMPT, "n": N, "seed": SEED, "stream": True, "model": "demo", "temperature": 1.0}
+        body |= {"max_tokens": LONG_TOKENS, "ignore_eos": True}
+        texts: dict[int, str] = {}
+        reasons: dict[int, str] = {}
+        killed = None
+        with httpx.Client(timeout=120) as client:
+            with client.stream("POST", f"{stack.url}/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                for line in resp.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    for c in msgspec.json.decode(line[len("data: ") :])["choices"]:
+                        texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                        if c["finish_reason"]:
+                            reasons[c["index"]] = c["finish_reason"]
+                    if killed is None and len(texts) == N:  # every choice is streaming from a decode worker
+                        killed = _holding_decode_worker(stack, watch)
+                        stack.procs[killed].send_signal(signal.SIGKILL)
+        assert killed is not None and reasons == dict.fromkeys(range(N), "length")
+        moved = scraped_total(f"{stack.url}/metrics", "pdserve:request_migrations_total")
+        assert moved >= 1  # at least one choice was still running when its worker died
+        client = _client(stack)
+        singles = [client.completions.create(prompt=PROMPT, seed=SEED + i, **params).choices[0].text for i in range(N)]
+        assert [texts[i] for i in range(N)] == singles
+    finally:
+        watch.close()
+        stack.stop()
+
+
+def _holding_decode_worker(stack: Stack, watch: EventWatch) -> str:
+    """The stack name of the decode worker holding unfinished requests now (worker ids are "<name>-<pid>")."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for worker in watch.holders().values():
+            name = next((n for n in stack.procs if worker.startswith(f"{n}-")), "")
+            if name.startswith("decode"):
+                return name
+        time.sleep(0.01)
+    raise AssertionError("no decode worker holds the choices")
