@@ -155,6 +155,11 @@ class Engine:
         """The parent just sampled its first token: sample each child's from the same logits row, fork them,
         and give the parent's blocks back if it only held them for the fork. The children's first outputs."""
         pending = self.pending_forks.pop(parent.request_id)
+        if not pending.children:  # every child was aborted meanwhile
+            parent.hold_kv = pending.parent_holds_kv
+            if parent.is_finished and not parent.hold_kv:
+                self.release_kv(parent.request_id)
+            return []
         params = [c.params for c in pending.children]
         rows = logits.unsqueeze(0).expand(len(params), -1)
         tokens = self.runner.sampler.sample(rows, params, [0] * len(params))
@@ -192,20 +197,31 @@ class Engine:
             raise ValueError(f"token ids must be in [0, {vocab})")
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks (held ones too). False if the id is unknown."""
+        """Stop a request and free its blocks (held ones too). False if the id is unknown. A group's choice can be
+        aborted at any stage: a child not forked yet is dropped, a parent before its first token hands the prompt
+        to the next choice (shared/engine/fork.py)."""
         req = self.requests.pop(request_id, None)
         if req is None:
-            return False
+            return self._drop_pending_child(request_id)
         if req.is_finished:  # held for export
             self.blocks.free(req.block_table)
             req.block_table = []
         else:
             self.scheduler.abort(req)
         pending = self.pending_forks.pop(request_id, None)
-        if pending is not None:  # a group's parent before its first token: the next choice computes the prompt
+        if pending is not None and pending.children:  # a parent before its first token: the next choice takes over
             heir, *rest = pending.children
             self.add_group(req.prompt_token_ids, [heir, *rest], hold_kv=pending.parent_holds_kv)
         return True
+
+    def _drop_pending_child(self, request_id: str) -> bool:
+        """Abort a choice that waits for its parent's first token (it holds nothing yet): it is never forked."""
+        for parent_id, pending in self.pending_forks.items():
+            kept = tuple(c for c in pending.children if c.request_id != request_id)
+            if len(kept) < len(pending.children):
+                self.pending_forks[parent_id] = PendingFork(kept, pending.parent_holds_kv)
+                return True
+        return False
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

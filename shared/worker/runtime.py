@@ -41,6 +41,7 @@ from shared.telemetry import metrics
 from shared.worker import gauges, spans
 from shared.worker.cancel_feed import CancelFeed
 from shared.worker.cancels import CancelMemory
+from shared.worker.choices import choice_jobs
 from shared.worker.connections import Connections
 from shared.worker.engine_factory import build_engine
 from shared.worker.engine_load import EngineLoad
@@ -258,8 +259,9 @@ class Worker(Generic[Job]):
         """Terminate a refused job's message, with a warning naming why and an error event back where its reply
         subject allows."""
         log.warning("refusing job %.80r on %s: %s", job.request_id, msg.subject, refusal.reason)
-        if refusal.reply:
-            self.emit(job.reply_subject, error_event(job, refusal.reason, self.settings.worker_id))
+        if refusal.reply:  # every choice of a group job: each waits for its own answer
+            for one in choice_jobs(job) if isinstance(job, PrefillJob) else choice_jobs(job):
+                self.emit(one.reply_subject, error_event(one, refusal.reason, self.settings.worker_id))
         asyncio.create_task(settle(msg.term()))
 
     def is_cancelled(self, request_id: str, attempt: int) -> bool:

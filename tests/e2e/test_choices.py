@@ -221,3 +221,46 @@ def _holding_decode_worker(stack: Stack, watch: EventWatch) -> str:
                 return name
         time.sleep(0.01)
     raise AssertionError("no decode worker holds the choices")
+
+
+def test_disconnect_frees_the_group_kv_a_prefill_worker_holds(model_dir):
+    """The client leaves while the prefill worker holds the prompt KV of three choices for a decode worker that is
+    paused: the choices' cancels free the blocks and the Redis entry well before the lease would."""
+    stack = _stack(model_dir, prefill=1, decode=1)
+    (decode,) = (proc for name, proc in stack.procs.items() if name.startswith("decode"))
+    try:
+        decode.send_signal(signal.SIGSTOP)
+        body = {"model": "demo", "prompt": "hold us", "max_tokens": 100, "n": N, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", f"{stack.url}/v1/completions", json=body) as resp:
+                lines = resp.iter_lines()  # kept: a closed line iterator closes the connection (a disconnect)
+                firsts = _first_lines(lines, N)
+                assert len(firsts) == N  # every choice's first token: prefilled
+                held = _prefill_beat(stack, lambda b: b.held_kv == 1)
+                assert held.held_kv == 1 and held.free_blocks < held.total_blocks, held  # one KV for three
+                assert len(kv_keys(stack.redis_url)) == 1
+        freed = _prefill_beat(stack, lambda b: b.held_kv == 0 and b.free_blocks == b.total_blocks, timeout_s=10)
+        assert freed.held_kv == 0 and freed.free_blocks == freed.total_blocks, freed  # the lease is 30 s
+        assert kv_keys(stack.redis_url) == []
+    finally:
+        decode.send_signal(signal.SIGCONT)
+        stack.stop()
+
+
+def _first_lines(lines, n: int) -> list[str]:
+    out = []
+    for line in lines:
+        if line.startswith("data:"):
+            out.append(line)
+            if len(out) == n:
+                break
+    return out
+
+
+def _prefill_beat(stack: Stack, wanted, timeout_s: float = 20.0):
+    """The prefill worker's latest heartbeat once `wanted(beat)` holds (or the last one seen at the deadline)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        beat = next(b for b in heartbeats(stack.nats_url, seconds=1.2).values() if b.role == "prefill")
+        if wanted(beat) or time.monotonic() > deadline:
+            return beat

@@ -146,10 +146,20 @@ def test_aborting_the_parent_before_its_first_token_leaves_the_other_choices_run
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
-def test_aborting_every_choice_before_the_first_token_frees_everything(model_dir):
+def test_a_child_aborted_before_the_fork_is_never_forked(model_dir):
     engine = make_engine(model_dir)
     engine.add_group(PROMPT, group(SAMPLED, 3))
-    assert all(engine.abort(f"g/{i}") for i in range(3))
+    assert engine.abort("g/1")
+    got = run(engine)
+    assert sorted(got) == ["g/0", "g/2"] and "g/1" not in engine.requests
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 1, 0), (1, 0, 2)])
+def test_aborting_every_choice_before_the_first_token_frees_everything(model_dir, order):
+    engine = make_engine(model_dir)
+    engine.add_group(PROMPT, group(SAMPLED, 3))
+    assert all(engine.abort(f"g/{i}") for i in order)
     assert not engine.pending_forks and run(engine) == {}
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
