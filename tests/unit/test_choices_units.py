@@ -134,3 +134,18 @@ def test_a_worker_refuses_unsound_siblings(siblings, reply, wording):
     assert refusal is not None and refusal.reply is reply and wording in refusal.reason
     assert job_refusal(_group(siblings[:0]), vocab_size=1000, max_model_len=64) is None
     assert msgspec.structs.asdict(_group([]))["siblings"] == []
+
+
+def test_the_decode_job_names_the_group_kv_when_the_first_choice_ended():
+    """Choice 0 ended at its first token, choices 1 and 2 go on: one decode job for them, pulling the KV held
+    under choice 0's key; when choice 0 goes on, the job's own key is the KV's."""
+    from services.prefill.worker import _decode_job
+
+    siblings = [Sibling(f"r_c{i}", token_subject("gw", f"r_c{i}"), SEED + i) for i in (1, 2)]
+    jobs = choice_jobs(_group(siblings))
+    job = _decode_job([(jobs[1], 11), (jobs[2], 12)], "prefill-0", kv_key=jobs[0].key)
+    assert (job.request_id, job.output_token_ids, job.kv_key, job.prefill_worker) == ("r_c1", [11], "r", "prefill-0")
+    assert job.sampling.seed == SEED + 1
+    assert [(s.request_id, s.seed, s.output_token_ids) for s in job.siblings] == [("r_c2", SEED + 2, [12])]
+    whole = _decode_job([(j, 10 + i) for i, j in enumerate(jobs)], "prefill-0", kv_key=jobs[0].key)
+    assert whole.request_id == "r" and whole.kv_key is None and len(whole.siblings) == 2
