@@ -15,7 +15,7 @@ import torch
 
 from shared.engine.block_manager import BlockManager, NoFreeBlocksError
 from shared.engine.config import EngineConfig
-from shared.engine.fork import Choice, PendingFork, fork_children
+from shared.engine.fork import Choice, PendingForks, fork_children
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_measure import plan_kv_pool
 from shared.engine.kv_pool import KVLayout, KVPool
@@ -84,7 +84,7 @@ class Engine:
         self.requests: dict[str, Request] = {}  # live, or finished and holding KV
         self.stats = EngineStats()
         self.last_logits: dict[str, torch.Tensor] = {}  # from the latest step, for tests and logprobs
-        self.pending_forks: dict[str, PendingFork] = {}  # parent id → children forked at its first token
+        self.pending_forks = PendingForks()  # children forked at their parent's first token
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, **overrides) -> Engine:
@@ -130,7 +130,7 @@ class Engine:
         parent, *children = choices
         # the parent holds its blocks past its own end until the children are forked from them
         self.add_request(parent.request_id, prompt_token_ids, parent.params, hold_kv=True)
-        self.pending_forks[parent.request_id] = PendingFork(tuple(children), hold_kv)
+        self.pending_forks.add(parent.request_id, children, hold_kv)
 
     def fork(self, parent_id: str, children: list[Choice]) -> list[RequestOutput]:
         """Fork choices that have sampled tokens (elsewhere: a decode worker after importing the prompt's KV)
@@ -155,6 +155,7 @@ class Engine:
         """The parent just sampled its first token: sample each child's from the same logits row, fork them,
         and give the parent's blocks back if it only held them for the fork. The children's first outputs."""
         pending = self.pending_forks.pop(parent.request_id)
+        assert pending is not None  # step() calls this for a parent in pending_forks only
         if not pending.children:  # every child was aborted meanwhile
             parent.hold_kv = pending.parent_holds_kv
             if parent.is_finished and not parent.hold_kv:
@@ -202,26 +203,17 @@ class Engine:
         to the next choice (shared/engine/fork.py)."""
         req = self.requests.pop(request_id, None)
         if req is None:
-            return self._drop_pending_child(request_id)
+            return self.pending_forks.drop_child(request_id)  # a child not forked yet holds nothing
         if req.is_finished:  # held for export
             self.blocks.free(req.block_table)
             req.block_table = []
         else:
             self.scheduler.abort(req)
-        pending = self.pending_forks.pop(request_id, None)
+        pending = self.pending_forks.pop(request_id)
         if pending is not None and pending.children:  # a parent before its first token: the next choice takes over
             heir, *rest = pending.children
             self.add_group(req.prompt_token_ids, [heir, *rest], hold_kv=pending.parent_holds_kv)
         return True
-
-    def _drop_pending_child(self, request_id: str) -> bool:
-        """Abort a choice that waits for its parent's first token (it holds nothing yet): it is never forked."""
-        for parent_id, pending in self.pending_forks.items():
-            kept = tuple(c for c in pending.children if c.request_id != request_id)
-            if len(kept) < len(pending.children):
-                self.pending_forks[parent_id] = PendingFork(kept, pending.parent_holds_kv)
-                return True
-        return False
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

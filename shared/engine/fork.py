@@ -57,6 +57,34 @@ class PendingFork:
     parent_holds_kv: bool  # the parent's own hold_kv (the engine holds its blocks until the fork either way)
 
 
+class PendingForks:
+    """The one record of children waiting for their parents' first tokens, by parent request id."""
+
+    def __init__(self) -> None:
+        self._by_parent: dict[str, PendingFork] = {}
+
+    def __contains__(self, parent_id: str) -> bool:
+        return parent_id in self._by_parent
+
+    def __len__(self) -> int:
+        return len(self._by_parent)
+
+    def add(self, parent_id: str, children: list[Choice], parent_holds_kv: bool) -> None:
+        self._by_parent[parent_id] = PendingFork(tuple(children), parent_holds_kv)
+
+    def pop(self, parent_id: str) -> PendingFork | None:
+        return self._by_parent.pop(parent_id, None)
+
+    def drop_child(self, request_id: str) -> bool:
+        """Forget a child before its fork (it was aborted: it holds nothing yet). False if no parent waits for it."""
+        for parent_id, pending in self._by_parent.items():
+            kept = tuple(c for c in pending.children if c.request_id != request_id)
+            if len(kept) < len(pending.children):
+                self._by_parent[parent_id] = PendingFork(kept, pending.parent_holds_kv)
+                return True
+        return False
+
+
 def share_prefix(blocks: BlockManager, pool: KVPool, parent_table: list[int], num_tokens: int) -> list[int]:
     """A child's block table over the parent's first `num_tokens` tokens: full blocks shared (one more reference
     each), the partial last one copied into a fresh block. Raises NoFreeBlocksError (nothing taken) when no
