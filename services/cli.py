@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     gen.add_argument("--device", default="cpu", help="torch device of the model and the KV cache: cpu, cuda, cuda:N")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument(
+        "--n", type=int, default=1, help="choices: the prompt computed once, choice i seeded seed + i (default 1)"
+    )
     gen.set_defaults(func=_generate)
 
     _add_service_commands(sub)
@@ -83,6 +86,8 @@ def _generate(args: argparse.Namespace) -> int:
         else tokenizer.encode(args.prompt)
     )
     engine = Engine.from_dir(args.model, dtype=args.dtype, threads=args.threads, device=args.device)
+    if args.n != 1:
+        return _generate_choices(args, engine, tokenizer, prompt_ids, params)
     detok = IncrementalDetokenizer(tokenizer)
     engine.add_request("cli", prompt_ids, params)
     start = time.perf_counter()
@@ -117,6 +122,38 @@ def _generate(args: argparse.Namespace) -> int:
         print(tail)
         n = len(detok.token_ids)
         print(f"[{n} tokens in {elapsed:.2f}s, finish_reason={finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _generate_choices(args: argparse.Namespace, engine, tokenizer, prompt_ids: list[int], params) -> int:
+    """`generate --n N`: N choices of one prompt (Engine.add_group), each printed once all have finished."""
+    from shared.engine.fork import Choice, choice_params
+
+    if args.n < 1:
+        raise ValueError(f"--n must be at least 1, got {args.n}")
+    ids = [f"cli-{i}" for i in range(args.n)]
+    engine.add_group(prompt_ids, [Choice(rid, choice_params(params, i)) for i, rid in enumerate(ids)])
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    reasons: dict[str, str | None] = {}
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finish_reason is not None:
+                reasons[out.request_id] = out.finish_reason.value
+    elapsed = time.perf_counter() - start
+    choices = [
+        {"index": i, "token_ids": tokens[rid], "text": tokenizer.decode(tokens[rid]), "finish_reason": reasons.get(rid)}
+        for i, rid in enumerate(ids)
+    ]
+    if args.json:
+        body = {"prompt_token_ids": prompt_ids, "choices": choices, "prefill_tokens": engine.stats.prefill_tokens}
+        print(json.dumps(body | {"total_s": round(elapsed, 4)}, ensure_ascii=False))
+        return 0
+    for c in choices:
+        print(f"--- choice {c['index']} (finish_reason={c['finish_reason']})")
+        print(c["text"])
+    print(f"[{args.n} choices in {elapsed:.2f}s, prompt computed once]", file=sys.stderr)
     return 0
 
 

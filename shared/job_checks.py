@@ -17,6 +17,7 @@ import msgspec
 from shared.messages import TOKENS, DecodeJob, Job, PrefillJob, Sampling
 
 MAX_REQUEST_ID = 256  # characters: ids name log lines, spans and Redis keys
+MAX_CHOICES = 128  # choices of one job (n): a gateway allows fewer (its max_n setting)
 
 
 @dataclass(frozen=True)
@@ -31,9 +32,29 @@ def job_refusal(job: PrefillJob | DecodeJob, vocab_size: int, max_model_len: int
     problem = request_id_problem(job.request_id) or reply_subject_problem(job.reply_subject)
     if problem is not None:
         return Refusal(problem, reply=False)
-    outputs = job.output_token_ids
-    problem = job_problem(job.prompt_token_ids, job.sampling, vocab_size, max_model_len, outputs)
-    return None if problem is None else Refusal(problem, reply=True)
+    problem = siblings_problem(job)
+    if problem is not None:
+        return Refusal(problem, reply=False)
+    for outputs in [job.output_token_ids, *(s.output_token_ids for s in job.siblings)]:
+        problem = job_problem(job.prompt_token_ids, job.sampling, vocab_size, max_model_len, outputs)
+        if problem is not None:
+            return Refusal(problem, reply=True)
+    return None
+
+
+def siblings_problem(job: PrefillJob | DecodeJob) -> str | None:
+    """Why a job's other choices (n > 1) cannot run, or None: too many, or an id or subject that is not sound
+    (where their tokens would go is part of what is wrong: no answer is sent)."""
+    if len(job.siblings) >= MAX_CHOICES:
+        return f"a job has at most {MAX_CHOICES} choices, got {len(job.siblings) + 1}"
+    ids = {job.request_id, *(s.request_id for s in job.siblings)}
+    if len(ids) != len(job.siblings) + 1:
+        return "a job's choices need distinct request ids"
+    for s in job.siblings:
+        problem = request_id_problem(s.request_id) or reply_subject_problem(s.reply_subject)
+        if problem is not None:
+            return f"sibling {s.request_id[:80]!r}: {problem}"
+    return None
 
 
 def reply_subject_problem(subject: str) -> str | None:

@@ -151,6 +151,17 @@ class Sampling(msgspec.Struct, frozen=True):
     structured: StructuredSpec | None = None  # the output must match it (validated by the gateway)
 
 
+class Sibling(msgspec.Struct, frozen=True):
+    """Another choice of a job's prompt (n > 1; shared/choices.py): a request of its own on the wire (its own id,
+    token subject, seed), computed with the job's choice from one prefill and one KV hand-off. On a DecodeJob it
+    carries the tokens it sampled so far (its first, from the prefill worker)."""
+
+    request_id: str
+    reply_subject: str
+    seed: int | None = None
+    output_token_ids: list[int] = []
+
+
 class PrefillJob(msgspec.Struct, frozen=True):
     request_id: str
     model: str
@@ -162,6 +173,8 @@ class PrefillJob(msgspec.Struct, frozen=True):
     # Tokens already delivered (a request moved here after its worker died): prompt + these are recomputed and
     # generation resumes after them; the first token this job produces is at position len(output_token_ids).
     output_token_ids: list[int] = []
+    # The other choices of a fresh request with n > 1 (never on a moved one: each choice moves on its own).
+    siblings: list[Sibling] = []
 
     @property
     def key(self) -> str:
@@ -178,6 +191,9 @@ class DecodeJob(msgspec.Struct, frozen=True):
     attempt: int = 0
     prefill_worker: str | None = None  # who holds the KV; None = nothing to pull, recompute
     created_at: float = 0.0
+    siblings: list[Sibling] = []  # the group's other unfinished choices, each with its first token
+    # the attempt key the KV is held under when it is not this job's own (its group's first choice ended)
+    kv_key: str | None = None
 
     @property
     def key(self) -> str:

@@ -117,6 +117,9 @@ class GatewaySettings(CommonSettings):
     """Admission: in-flight tokens may reach this multiple of the live workers' KV capacity; past it, 429."""
     tool_call_parser: ToolCallParser = ToolCallParser.AUTO
     """How model output is read back into tool_calls: hermes (Qwen), llama3_json, or auto (from the chat template)."""
+    max_n: int = 16
+    """The most choices (`n`) one request may ask for; more is a 400. Each choice is a sequence of its own in the
+    workers' engines (its prompt KV shared) and counts as one request for admission."""
 
     @property
     def served_model_name(self) -> str:
@@ -132,6 +135,8 @@ class GatewaySettings(CommonSettings):
         for name in ("worker_ttl_s", "stall_timeout_s", "kv_overcommit"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.max_n < 1:
+            raise ValueError("max_n must be >= 1")
         if self.max_migrations < 0 or self.max_pending_requests < 1:
             raise ValueError("max_migrations must be >= 0 and max_pending_requests >= 1")
 

@@ -26,6 +26,7 @@ from shared.kv.transfer.errors import KvTransferError
 from shared.messages import DecodeJob, Role, decode_subject
 from shared.telemetry import metrics, tracing
 from shared.worker import Entry, Phase, StreamingWorker, error_event, sampling_params, spans
+from shared.worker.choices import choice_jobs, engine_choices, import_and_fork
 
 log = logging.getLogger(__name__)
 MAX_CONCURRENT_PULLS = 4
@@ -62,6 +63,8 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
     async def handle_job(self, msg: Msg) -> None:
         entry = await self.take(msg, DecodeJob, Phase.PULLING)
         if entry is not None:
+            # n > 1: every choice is announced now (this worker holds them all), and forked from one KV pull
+            self.adopt(entry, choice_jobs(entry.job)[1:], Phase.PULLING)
             asyncio.create_task(self._admit_traced(entry))
 
     async def _admit_traced(self, entry: Entry[DecodeJob]) -> None:
@@ -75,32 +78,50 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
         try:
             params = sampling_params(job.sampling)
             kv, failure = await self._pull(job)
-            if entry.cancelled:  # during the pull
-                self.ledger.finish(key)
+            group = self._group(entry)
+            if entry.cancelled:  # during the pull (the gateway cancels a group's choices together)
+                for e in group:
+                    self.ledger.finish(e.key)
                 return
             if failure is not None and self.settings.kv.fallback == "fail":
                 message = f"the request's KV could not be had ({failure}) and kv_fallback is 'fail'"
-                self.emit(job.reply_subject, error_event(job, message, self.settings.worker_id, status=502))
+                for e in group:
+                    self.emit(e.reply_subject, error_event(e.job, message, self.settings.worker_id, status=502))
+                    self.ledger.finish(e.key)  # answered: the job is done
                 span.set_attribute(tracing.KV_OUTCOME, "failed")
-                self.ledger.finish(key)  # answered: the job is done
                 return
             prompt, outputs = job.prompt_token_ids, job.output_token_ids
+            choices = engine_choices([e.job for e in group], [sampling_params(e.job.sampling) for e in group])
             # Running before the engine sees it: its first outputs may reach the loop before this resumes.
-            entry.phase = Phase.RUNNING
-            self.start_decode_span(entry, span)
+            for e in group:
+                e.phase = Phase.RUNNING
+                self.start_decode_span(e, span)
             try:
                 if kv is None:
                     raise NoFreeBlocksError("no KV to import")
-                await self.engine.call(lambda e: e.import_kv(key, prompt, outputs, params, kv))
+                done = await self.engine.call(lambda e: import_and_fork(e, key, prompt, outputs, params, kv, choices))
+                self.handle_outputs(done)
                 self.client.recycle(kv)  # its receive buffer serves the next pull (no fresh page faults)
                 span.set_attribute(tracing.KV_OUTCOME, "pulled")
             except NoFreeBlocksError:
-                await self.engine.call(lambda e: e.add_request(key, prompt, params, output_token_ids=outputs))
+                await self.engine.call(lambda e: e.add_group(prompt, choices))
                 span.set_attribute(tracing.KV_OUTCOME, "recompute")
-                metrics.PROMPT_TOKENS.labels(*self.labels).inc(len(prompt))  # this engine computes the prompt
+                metrics.PROMPT_TOKENS.labels(*self.labels).inc(len(prompt) * len(choices))  # computed here, each
             await self.ledger.ack(key)
         except Exception as exc:  # ValueError: the job was refused; anything else: a bug, answered as such
-            await self.fail(entry, exc)
+            for e in self._group(entry):
+                await self.fail(e, exc)
+
+    def _group(self, entry: Entry[DecodeJob]) -> list[Entry[DecodeJob]]:
+        """The entry and those of its group's other choices still in hand (a cancelled one is left out)."""
+        group = [entry]
+        for job in choice_jobs(entry.job)[1:]:
+            sibling = self.ledger.get(job.key)
+            if sibling is not None and sibling.cancelled:  # cancelled during the pull: done here
+                self.ledger.finish(job.key)
+            elif sibling is not None:
+                group.append(sibling)
+        return group
 
     async def _pull(self, job: DecodeJob) -> tuple[KVExport | None, str | None]:
         """The job's KV from the prefill worker that holds it, or None and why it could not be had; (None, None)
@@ -108,7 +129,7 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
         assert self.registry is not None and self.client is not None  # set up (setup) before any job is taken
         if job.prefill_worker is None:
             return None, None
-        key = job.key
+        key = job.kv_key or job.key  # a group's KV is held under its first choice's key
         try:
             loc = await self.registry.get(key)
         except Exception as exc:  # Redis unreachable: the KV cannot be found

@@ -151,7 +151,9 @@ class Admission:
         (counted in pdserve:requests_rejected_total by reason)."""
         now = time.monotonic()
         try:
-            self.check(job.request_id, len(job.prompt_token_ids), in_flight, workers.kv_capacity(job.model, now), now)
+            # n choices: n sequences, each holding the prompt (shared in the workers: a bound that errs safe)
+            tokens = len(job.prompt_token_ids) * job.n
+            self.check(job.request_id, tokens, in_flight, workers.kv_capacity(job.model, now), now)
         except Overloaded as exc:
             metrics.REQUESTS_REJECTED.labels(job.model, "gateway", exc.reason).inc()
             raise

@@ -8,10 +8,14 @@ stops it upstream, `aclose()` on the stream forgets it locally.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import msgspec
+
+from shared.choices import choice_request_id, choice_seed
 from shared.messages import Sampling
 
 
@@ -37,6 +41,7 @@ class GenerationJob:
     prompt_token_ids: list[int]
     sampling: Sampling
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent of the request's span
+    n: int = 1  # choices of the prompt (open_choices): each a request of its own on the wire, seeded seed + i
 
 
 @dataclass(frozen=True)
@@ -90,3 +95,43 @@ class GatewayBackend(Protocol):
     async def close(self) -> None:
         """Release connections; open streams end."""
         ...
+
+
+@runtime_checkable
+class GroupBackend(Protocol):
+    """A backend that dispatches the n choices of one prompt together (NatsBackend: one prefill, one KV hand-off)."""
+
+    async def open_group(self, job: GenerationJob) -> list[RequestStream]:
+        """One stream per choice (`choice_jobs`), every one registered before the one dispatch. Raises as open."""
+        ...
+
+
+def choice_jobs(job: GenerationJob) -> list[GenerationJob]:
+    """The job's choices as single jobs: choice i's wire request id and seed (shared/choices.py)."""
+    return [
+        dataclasses.replace(
+            job,
+            request_id=choice_request_id(job.request_id, i),
+            sampling=msgspec.structs.replace(job.sampling, seed=choice_seed(job.sampling.seed, i)),
+            n=1,
+        )
+        for i in range(job.n)
+    ]
+
+
+async def open_choices(backend: GatewayBackend, job: GenerationJob) -> list[RequestStream]:
+    """The streams of a job's n choices, in choice order: dispatched together by a GroupBackend, else each as a
+    single request (a choice equals a single request with its seed, so the answer is the same). On a failure
+    the streams already opened are cancelled and closed before it propagates."""
+    if isinstance(backend, GroupBackend):
+        return await backend.open_group(job)
+    streams: list[RequestStream] = []
+    try:
+        for single in choice_jobs(job):
+            streams.append(await backend.open(single))
+    except BaseException:
+        for single, stream in zip(choice_jobs(job), streams, strict=False):
+            await backend.cancel(single.request_id)
+            await stream.aclose()
+        raise
+    return streams

@@ -73,6 +73,12 @@ class Generation:
             log_prompt(self.job.request_id, self._tokenizer, self.job.prompt_token_ids)
         self._stream = await self.backend.open(self.job)
 
+    def attach(self, stream: RequestStream) -> None:
+        """Take a stream dispatched with others instead of opening one (the choices of a request: choices.py)."""
+        if self.log_prompts:
+            log_prompt(self.job.request_id, self._tokenizer, self.job.prompt_token_ids)
+        self._stream = stream
+
     def fail(self, message: str, status: int) -> GenerationError:
         """Record why the request failed (for close() to report); returns the error to raise."""
         self._failure = GenerationError(message, status)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -25,7 +26,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from services.gateway.admission import Admission
-from services.gateway.backend import BackendUnavailable, GenerationJob, Update
+from services.gateway.backend import BackendUnavailable, GenerationJob, Update, choice_jobs
 from services.gateway.liveness import WorkerTable
 from services.gateway.request_stream import Deadlines, RequestUpdates
 from shared import bus
@@ -34,6 +35,7 @@ from shared.messages import (
     Cancel,
     Heartbeat,
     PrefillJob,
+    Sibling,
     TokenEvent,
     cancel_subject,
     decode_or_drop,
@@ -170,38 +172,54 @@ class NatsBackend:
         return self._nc if self._nc is not None and self._nc.is_connected else None
 
     async def open(self, job: GenerationJob) -> RequestUpdates:
+        return (await self.open_group(dataclasses.replace(job, n=1)))[0]
+
+    async def open_group(self, job: GenerationJob) -> list[RequestUpdates]:
+        """One stream per choice (each a request of its own: its holder, order, deadlines and moves), all
+        registered, then one prefill job carrying the other choices as siblings: the prompt is computed once."""
         if self._connected() is None or self._js is None:
             raise BackendUnavailable("not connected to NATS")
         ok, reason = self.workers.can_serve(job.model, time.monotonic())
         if not ok:
             raise BackendUnavailable(reason)
         self.admission.admit(self.workers, self._streams, job)  # raises Overloaded (429) past the bounds
-        if job.request_id in self._streams:
+        singles = choice_jobs(job)
+        if any(s.request_id in self._streams for s in singles):
             raise ValueError(f"request id {job.request_id!r} is already in flight")
-        prefill = PrefillJob(
-            request_id=job.request_id,
-            model=job.model,
-            prompt_token_ids=job.prompt_token_ids,
-            sampling=job.sampling,
-            reply_subject=token_subject(self.settings.gateway_id, job.request_id),
-            created_at=time.time(),
-        )
-        stream = RequestUpdates(job.request_id, self.deadlines, self.cancel, self.forget, job=prefill)
-        self._streams[job.request_id] = stream  # subscribe before dispatch
+        created_at = time.time()
+        prefills = [
+            PrefillJob(
+                request_id=s.request_id,
+                model=s.model,
+                prompt_token_ids=s.prompt_token_ids,
+                sampling=s.sampling,
+                reply_subject=token_subject(self.settings.gateway_id, s.request_id),
+                created_at=created_at,
+            )
+            for s in singles
+        ]
+        # each stream keeps its choice's own job: a choice moves on alone, as the single request it equals
+        streams = [RequestUpdates(p.request_id, self.deadlines, self.cancel, self.forget, job=p) for p in prefills]
+        for stream in streams:
+            self._streams[stream.request_id] = stream  # subscribe before dispatch
+        siblings = [Sibling(p.request_id, p.reply_subject, p.sampling.seed) for p in prefills[1:]]
+        group = msgspec.structs.replace(prefills[0], siblings=siblings)
         subject = prefill_subject(job.model)
         token = tracing.attach(tracing.extract(job.trace_context))  # the publish span joins the request's trace
         try:
             with tracing.producer_span(subject, job.request_id):
                 headers = tracing.carrier() or None
-                stream.trace_headers = headers or {}  # a moved request's jobs continue the same trace
-                await self._js.publish(subject, encode(prefill), timeout=PUBLISH_TIMEOUT_S, headers=headers)
+                for stream in streams:
+                    stream.trace_headers = headers or {}  # a moved request's jobs continue the same trace
+                await self._js.publish(subject, encode(group), timeout=PUBLISH_TIMEOUT_S, headers=headers)
         except Exception as exc:
-            self._streams.pop(job.request_id, None)
-            await self.cancel(job.request_id)  # the job may be stored even though its ack was lost
+            for stream in streams:
+                self._streams.pop(stream.request_id, None)
+                await self.cancel(stream.request_id)  # the job may be stored even though its ack was lost
             raise BackendUnavailable(f"could not dispatch the request ({type(exc).__name__}: {exc})") from exc
         finally:
             tracing.detach(token)
-        return stream
+        return streams
 
     async def cancel(self, request_id: str) -> None:
         """Publish the cancel in the background: its JetStream ack may take up to PUBLISH_TIMEOUT_S (or never come

@@ -45,6 +45,7 @@ class Prepared:
     stream: bool
     include_usage: bool  # streaming: send the usage chunk
     tool_parser: ToolParser | None = None  # chat with tools: the output is read back into tool_calls
+    n: int = 1  # choices: the prompt is computed once, choice i seeded seed + i (shared/choices.py)
 
 
 def prepare_chat(req: ChatCompletionRequest, model: ServedModel) -> Prepared:
@@ -70,8 +71,13 @@ def prepare_completion(req: CompletionRequest, model: ServedModel) -> Prepared:
         raise APIError(400, "logprobs are not supported", "logprobs")
     if req.echo:
         raise APIError(400, "echo is not supported", "echo")
-    if req.best_of is not None and req.best_of != 1:
-        raise APIError(400, "only best_of=1 is supported", "best_of")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise APIError(
+            400,
+            f"best_of must equal n ({req.n or 1}), got {req.best_of}: ranking more candidates than are returned needs "
+            "their cumulative logprobs, which this server does not compute yet",
+            "best_of",
+        )
     prompt = _completion_prompt(req.prompt, model)
     prompt_len = _fitting(prompt, "prompt", model)
     max_tokens = _max_tokens(req.max_tokens, "max_tokens", prompt_len, model, COMPLETIONS_DEFAULT_MAX_TOKENS)
@@ -97,8 +103,8 @@ def _check_model(requested: str | None, model: ServedModel) -> None:
 
 
 def _check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
-    if req.n is not None and req.n != 1:
-        raise APIError(400, f"only n=1 is supported, got n={req.n}", "n")
+    """What both request kinds must satisfy before their prompt is looked at (n is checked against the served
+    model's max_n when the request is prepared: _choices)."""
 
 
 def _chat_prompt(req: ChatCompletionRequest, model: ServedModel, tools: ToolPlan | None) -> list[int]:
@@ -260,4 +266,11 @@ def _prepared(
         stop=tuple(s for s in stop if s),  # an empty stop string would end every request at once: ignored
         stream=bool(req.stream),
         include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
+        n=_choices(req.n, model),
     )
+
+
+def _choices(n: int | None, model: ServedModel) -> int:
+    if n is not None and not 1 <= n <= model.max_n:
+        raise APIError(400, f"n must be between 1 and {model.max_n} (this server's max_n), got {n}", "n")
+    return n or 1

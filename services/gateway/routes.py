@@ -20,6 +20,7 @@ from litestar.response import Stream
 
 from services.gateway import sse
 from services.gateway.backend import BackendUnavailable, GatewayBackend, GenerationJob, Overloaded
+from services.gateway.choices import ChoiceSet
 from services.gateway.decoding import StrictJSON
 from services.gateway.disconnect import until_disconnect
 from services.gateway.draining import Drain
@@ -108,8 +109,11 @@ async def _complete(
     observer = RequestObserver(
         operation, model.name, request_id, request.headers, arrived, prepared.sampling.max_tokens, prompt_tokens
     )
-    job = GenerationJob(request_id, model.name, prepared.prompt_token_ids, prepared.sampling, observer.trace_context())
-    gen = Generation(backend, job, model.tokenizer, prepared.stop, observer, log_prompts=model.log_prompts)
+    job = GenerationJob(
+        request_id, model.name, prepared.prompt_token_ids, prepared.sampling, observer.trace_context(), prepared.n
+    )
+    kind = ChoiceSet if prepared.n > 1 else Generation  # n choices: one dispatch, the prompt computed once
+    gen = kind(backend, job, model.tokenizer, prepared.stop, observer, log_prompts=model.log_prompts)
     writer = ResponseWriter(request_id, model.name, chat, prepared.tool_parser)
     try:
         await gen.open()
@@ -128,7 +132,10 @@ async def _complete(
             await until_disconnect(request.receive, gen.collect())
             return Response(writer.whole(gen))
         await until_disconnect(request.receive, gen.wait_first())
-        body = sse.events(gen, writer, prepared.include_usage)
+        if isinstance(gen, ChoiceSet):
+            body = sse.choice_events(gen, writer, prepared.include_usage)
+        else:
+            body = sse.events(gen, writer, prepared.include_usage)
         # the background close covers a client gone before the body generator ever started
         stream = Stream(body, media_type="text/event-stream", headers=sse.HEADERS, background=BackgroundTask(gen.close))
         streaming = True

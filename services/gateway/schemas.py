@@ -136,7 +136,9 @@ class _Common(msgspec.Struct, kw_only=True):
     stop: Stop = None
     stop_token_ids: StopTokenIds = None
     seed: int | None = None
-    n: Annotated[int | None, _only(1)] = None
+    n: (
+        Annotated[int, Meta(ge=1, description="choices: the prompt is computed once; choice i seeded seed + i")] | None
+    ) = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
@@ -164,7 +166,9 @@ class CompletionRequest(_Common, kw_only=True):
     prompt: Prompt
     logprobs: Annotated[int | None, _only()] = None
     echo: Annotated[bool | None, _only(False)] = None
-    best_of: Annotated[int | None, _only(1)] = None
+    best_of: (
+        Annotated[int, Meta(ge=1, description="must equal n (ranking more candidates is not supported)")] | None
+    ) = None
     response_format: Annotated[dict[str, Any] | None, _documented(properties={"type": {"enum": _FORMATS}})] = None
 
 
@@ -346,6 +350,7 @@ def declare_limits(document: OpenAPI, model: ServedModel, max_body_bytes: int) -
     _set_one_of(completion["prompt"], _prompt_forms(text, token_ids))
     for request in (completion, chat):
         _set_one_of(request["stop_token_ids"], _stop_token_ids_forms(token_id))
+        _schema(request["n"]).maximum = model.max_n  # settings.max_n
         for field in ("max_tokens", "max_completion_tokens"):
             if field in request:  # a prompt has at least one token
                 _schema(request[field]).maximum = model.max_model_len - 1  # beside litestar's minimum

@@ -27,6 +27,7 @@ class ServedModel:
     max_prompt_tokens: int  # the longest prompt accepted: settings.max_prompt_tokens within the context
     max_prompt_chars: int  # text longer than this cannot fit in max_prompt_tokens: refused without tokenizing
     log_prompts: bool = False  # settings.log_prompts: requests' prompt and completion text in the log
+    max_n: int = 16  # settings.max_n: the most choices one request may ask for
     tool_call_parser: str = "auto"  # settings.tool_call_parser
 
     @cached_property
@@ -51,6 +52,7 @@ class ServedModel:
             max_prompt_chars=max_prompt_tokens * _longest_token_chars(tokenizer),
             log_prompts=settings.log_prompts,
             tool_call_parser=str(settings.tool_call_parser),
+            max_n=settings.max_n,
         )
 
 

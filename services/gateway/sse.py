@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
+from services.gateway.choices import ChoiceSet
 from services.gateway.errors import error_body
 from services.gateway.generation import Generation, GenerationError
 from services.gateway.responses import ResponseWriter
@@ -37,3 +38,20 @@ async def events(gen: Generation, writer: ResponseWriter, include_usage: bool) -
         yield DONE
     finally:
         await gen.close()
+
+
+async def choice_events(choices: ChoiceSet, writer: ResponseWriter, include_usage: bool) -> AsyncIterator[bytes]:
+    """`events` for n choices: their chunks interleave as they come, each naming its choice's index; one usage
+    chunk at the end (the prompt once, every choice's completion tokens). Closes every choice however it ends."""
+    try:
+        try:
+            async for index, piece in choices.pieces():
+                for chunk in writer.chunks(piece, index):
+                    yield event(chunk)
+            if include_usage:
+                yield event(writer.usage_chunk(choices))
+        except GenerationError as exc:
+            yield event(error_body(exc.status, exc.message))
+        yield DONE
+    finally:
+        await choices.close()

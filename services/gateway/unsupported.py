@@ -79,11 +79,9 @@ _OWNERS = {
     "presence_penalty": "sampling",
     "frequency_penalty": "sampling",
     "logit_bias": "sampling",
-    "n": "nseq",
-    "best_of": "nseq",
 }
-_CHAT_BUILT = ("logprobs", "top_logprobs", "n", "presence_penalty", "frequency_penalty", "logit_bias")
-_COMPLETION_BUILT = ("logprobs", "echo", "n", "best_of", "presence_penalty", "frequency_penalty", "logit_bias")
+_CHAT_BUILT = ("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias")
+_COMPLETION_BUILT = ("logprobs", "echo", "presence_penalty", "frequency_penalty", "logit_bias")
 BEING_BUILT: dict[type[msgspec.Struct], dict[str, str]] = {
     ChatCompletionRequest: {f: _OWNERS[f] for f in _CHAT_BUILT},
     CompletionRequest: {f: _OWNERS[f] for f in _COMPLETION_BUILT},

@@ -13,6 +13,7 @@ from nats.aio.msg import Msg
 from shared.engine.engine import RequestOutput
 from shared.messages import PrefillJob, Role, prefill_subject
 from shared.worker import Entry, Phase, StreamingWorker, sampling_params, spans
+from shared.worker.choices import choice_jobs, engine_choices
 
 
 class MixedWorker(StreamingWorker[PrefillJob]):
@@ -27,14 +28,16 @@ class MixedWorker(StreamingWorker[PrefillJob]):
         if entry is None:
             return
         job = entry.job
+        jobs = choice_jobs(job)  # n > 1: the prompt is computed once, the other choices forked from its KV
+        entries = [entry, *self.adopt(entry, jobs[1:], Phase.PREFILLING)]
+        live = [j for j in jobs if self.ledger.get(j.key) in entries]
         try:
-            params = sampling_params(job.sampling)
-            outputs = job.output_token_ids  # a request moved here mid-stream resumes after them
-            await self.engine.call(
-                lambda e: e.add_request(job.key, job.prompt_token_ids, params, output_token_ids=outputs)
-            )
+            # a request moved here mid-stream resumes after its tokens so far (each job's output_token_ids)
+            choices = engine_choices(live, [sampling_params(j.sampling) for j in live])
+            await self.engine.call(lambda e: e.add_group(job.prompt_token_ids, choices))
         except Exception as exc:  # ValueError: refused (the gateway validates; a last line of defence); else a bug
-            await self.fail(entry, exc)
+            for e in entries:
+                await self.fail(e, exc)
             return
         await self.ledger.ack(job.key)
         spans.end_once(entry.span)
@@ -42,5 +45,6 @@ class MixedWorker(StreamingWorker[PrefillJob]):
     def on_output(self, entry: Entry[PrefillJob], out: RequestOutput) -> None:
         if entry.phase is Phase.PREFILLING:  # its first output: the prompt is computed
             entry.phase = Phase.RUNNING
-            spans.record_prefill(entry.job, out, entry.span, self.labels)
+            if entry.group_key is None:  # a group's prompt is computed once, by its first choice
+                spans.record_prefill(entry.job, out, entry.span, self.labels)
             self.start_decode_span(entry, entry.span, time.time())

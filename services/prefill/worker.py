@@ -23,9 +23,10 @@ from shared.kv.registry import KvLocation, KvRegistry
 from shared.kv.transfer.send_stream import SendStream
 from shared.kv.transfer.server import KvTransferServer
 from shared.kv.transfer.source import EngineKvBlocks
-from shared.messages import Cancel, DecodeJob, PrefillJob, Role, decode_subject, encode, prefill_subject
+from shared.messages import Cancel, DecodeJob, PrefillJob, Role, Sibling, decode_subject, encode, prefill_subject
 from shared.telemetry import metrics, tracing
 from shared.worker import Entry, Phase, Worker, sampling_params, spans
+from shared.worker.choices import choice_jobs, engine_choices
 from shared.worker.events import first_token_event, queued_event
 
 log = logging.getLogger(__name__)
@@ -79,74 +80,110 @@ class PrefillWorker(Worker[PrefillJob]):
         if entry is None:
             return
         job = entry.job
+        # n > 1: the prompt is computed once and its KV held once; every choice samples its first token
+        jobs = choice_jobs(job)
+        entries = [entry, *self.adopt(entry, jobs[1:], Phase.PREFILLING)]
+        live = [j for j in jobs if self.ledger.get(j.key) in entries]
         try:
             # one token more than it has: a request moved here mid-stream resumes after its tokens so far
-            outputs = job.output_token_ids
-            params = sampling_params(job.sampling, max_tokens=len(outputs) + 1)
-            await self.engine.call(
-                lambda e: e.add_request(job.key, job.prompt_token_ids, params, hold_kv=True, output_token_ids=outputs)
-            )
+            params = [sampling_params(j.sampling, max_tokens=len(j.output_token_ids) + 1) for j in live]
+            choices = engine_choices(live, params)
+            await self.engine.call(lambda e: e.add_group(job.prompt_token_ids, choices, hold_kv=True))
         except Exception as exc:  # ValueError: the engine refused the job; anything else: a bug, answered as such
-            await self.fail(entry, exc)
+            for e in entries:
+                await self.fail(e, exc)
 
     def handle_outputs(self, outputs: list[RequestOutput]) -> None:
+        # A group's choices sample their first tokens in one step and are handed on together, its first choice
+        # (the one whose engine request computed the prompt and holds the KV) at the head.
+        groups: dict[str, list[tuple[Entry[PrefillJob], RequestOutput]]] = {}
         for out in outputs:
             entry = self.ledger.get(out.request_id)
             if entry is not None and entry.phase is Phase.PREFILLING:
                 entry.phase = Phase.HANDING_ON
-                asyncio.create_task(self._hand_off(entry, out))
+                groups.setdefault(entry.group_key or entry.key, []).append((entry, out))
+        for (entry, out), *rest in groups.values():
+            asyncio.create_task(self._hand_off(entry, out, rest))
 
-    async def _hand_off(self, entry: Entry[PrefillJob], out: RequestOutput) -> None:
+    async def _hand_off(
+        self, entry: Entry[PrefillJob], out: RequestOutput, group: list[tuple[Entry[PrefillJob], RequestOutput]]
+    ) -> None:
         job, span = entry.job, entry.span
         spans.record_prefill(job, out, span, self.labels)
-        metrics.GENERATION_TOKENS.labels(*self.labels).inc(len(out.new_token_ids))
+        metrics.GENERATION_TOKENS.labels(*self.labels).inc(1 + len(group))
         with tracing.use_span(span):  # log lines and the decode publish join its trace
             try:
-                await self._hand_on(job, out)
+                await self._hand_on(job, [(entry, out), *group])
             except Exception as exc:  # NATS away: the job stays unacked, so JetStream hands it out again
                 log.warning("handing %s on to decode failed (%s); freeing its KV", job.key, exc)
                 tracing.mark_error(span, str(exc))
                 if self.held is not None:
                     await self.held.release(job.key)
-                await self.engine.call(lambda e: e.release_kv(job.key))
-                self.ledger.pop(job.key)
+                for e, _ in [(entry, out), *group]:
+                    await self.engine.call(lambda eng, k=e.key: eng.release_kv(k))
+                    self.ledger.pop(e.key)
         spans.end_once(span)
 
-    async def _hand_on(self, job: PrefillJob, out: RequestOutput) -> None:
-        """Publish the first token; hold the KV and publish the decode job (or free it: nothing to decode)."""
+    async def _hand_on(self, job: PrefillJob, group: list[tuple[Entry[PrefillJob], RequestOutput]]) -> None:
+        """Publish each choice's first token; hold the KV (computed once, under the job's key) and publish one
+        decode job for the choices that go on (or free it: nothing to decode)."""
         assert self.held is not None  # set up before any job is taken
-        rid, key = job.request_id, job.key
-        token = out.new_token_ids[0]
-        finished = out.finish_reason is FinishReason.STOP or out.num_output_tokens >= job.sampling.max_tokens
-        worker_id = self.settings.worker_id
-        reason = out.finish_reason if finished else None
-        self.emit(job.reply_subject, first_token_event(job, token, finished, reason, out.num_prompt_tokens, worker_id))
-        if finished or self.is_cancelled(rid, job.attempt):  # nothing left to decode here
+        rid, key, worker_id = job.request_id, job.key, self.settings.worker_id
+        going_on: list[tuple[PrefillJob, int]] = []
+        for e, out in group:
+            one = choice_jobs(e.job)[0]  # the choice alone (the group's first entry holds the whole job)
+            token = out.new_token_ids[0]
+            finished = out.finish_reason is FinishReason.STOP or out.num_output_tokens >= one.sampling.max_tokens
+            reason = out.finish_reason if finished else None
+            self.emit(
+                one.reply_subject, first_token_event(one, token, finished, reason, out.num_prompt_tokens, worker_id)
+            )
+            if not finished and not self.is_cancelled(one.request_id, one.attempt):
+                going_on.append((one, token))
+        others = [e.key for e, _ in group if e.key != key]
+        if others:  # forked choices that ended at once hold no block: forgotten
+            await self.engine.call(lambda e: [e.release_kv(k) for k in others])
+        if not going_on:  # nothing left to decode here
             await self.engine.call(lambda e: e.release_kv(key))
-            self.ledger.finish(key)
+            for e, _ in group:
+                self.ledger.finish(e.key)
             return
         fingerprint = self.held.layout.fingerprint
-        location = KvLocation(key, worker_id, self.rpc_address or "", out.num_prompt_tokens, fingerprint)
+        location = KvLocation(key, worker_id, self.rpc_address or "", group[0][1].num_prompt_tokens, fingerprint)
         # False: Redis unreachable, so no decode worker could find the KV: it is freed and decode recomputes
-        holder = worker_id if await self.held.hold(key, rid, job.attempt, location) else None
-        decode_job = DecodeJob(
-            request_id=rid,
-            model=job.model,
-            prompt_token_ids=job.prompt_token_ids,
-            output_token_ids=[*job.output_token_ids, token],
-            sampling=job.sampling,
-            reply_subject=job.reply_subject,
-            attempt=job.attempt,
-            prefill_worker=holder,
-            created_at=job.created_at,
-        )
+        # held for the first choice that goes on: its cancel (the client went away) frees the group's KV
+        head = going_on[0][0].request_id
+        holder = worker_id if await self.held.hold(key, head, job.attempt, location) else None
+        decode_job = _decode_job(going_on, holder, key)
         subject = decode_subject(self.model_name)
         with tracing.producer_span(subject, rid):
             await self.conn.js.publish(subject, encode(decode_job), headers=tracing.carrier() or None)
-        self.ledger.finish(key)
-        self.emit(job.reply_subject, queued_event(job, worker_id))  # no worker holds it until a decode worker does
+        for e, _ in group:
+            self.ledger.finish(e.key)
+        for one, _ in going_on:  # no worker holds them until a decode worker does
+            self.emit(one.reply_subject, queued_event(one, worker_id))
 
     async def on_cancel(self, cancel: Cancel) -> None:
         await super().on_cancel(cancel)  # the jobs in hand
         if self.held is not None:  # the KV held for a pull; KV being sent is freed when its send ends
             await self.held.cancel(cancel.request_id, cancel.covers)
+
+
+def _decode_job(going_on: list[tuple[PrefillJob, int]], holder: str | None, kv_key: str) -> DecodeJob:
+    """One decode job for the choices that go on, each with its first token: the first of them is the job's
+    own request, the others its siblings; the KV is the one held under `kv_key`."""
+    (head, token), rest = going_on[0], going_on[1:]
+    siblings = [Sibling(j.request_id, j.reply_subject, j.sampling.seed, [*j.output_token_ids, t]) for j, t in rest]
+    return DecodeJob(
+        request_id=head.request_id,
+        model=head.model,
+        prompt_token_ids=head.prompt_token_ids,
+        output_token_ids=[*head.output_token_ids, token],
+        sampling=head.sampling,
+        reply_subject=head.reply_subject,
+        attempt=head.attempt,
+        prefill_worker=holder,
+        created_at=head.created_at,
+        siblings=siblings,
+        kv_key=None if head.key == kv_key else kv_key,
+    )

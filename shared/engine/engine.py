@@ -17,6 +17,7 @@ from shared.engine.block_manager import BlockManager, NoFreeBlocksError
 from shared.engine.config import EngineConfig
 from shared.engine.decode_graphs import CaptureReport, DecodeGraphs, GraphBackend, bucket_sizes, choose_backend
 from shared.engine.device_setup import exclusive_setup
+from shared.engine.fork import Choice, PendingForks, fork_children
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_measure import outside_torch, plan_kv_pool
 from shared.engine.kv_pool import KVLayout, KVPool
@@ -88,6 +89,7 @@ class Engine:
         self.requests: dict[str, Request] = {}  # live, or finished and holding KV
         self.stats = EngineStats()
         self.last_logits: dict[str, torch.Tensor] = {}  # from the latest step, for tests and logprobs
+        self.pending_forks = PendingForks()  # children forked at their parent's first token
 
     def _plan_kv(self, non_torch_at_start: int, graph_backend: GraphBackend | None) -> tuple[GraphBackend | None, str]:
         """Prepack the weights, choose the kernels, plan the KV pool and allocate it (sets kernels, layout,
@@ -166,6 +168,82 @@ class Engine:
         self.requests[request_id] = req
         self.scheduler.add(req)
 
+    def add_group(self, prompt_token_ids: list[int], choices: list[Choice], hold_kv: bool = False) -> None:
+        """Queue n choices of one prompt (shared/engine/fork.py). Fresh choices (no tokens yet): the first
+        computes the prompt once, and at its first token the others are forked from its KV, each sampling its
+        first token from the same logits with its own parameters. Choices that carry tokens (a migrated group:
+        each has its own tokens after the prompt) are queued as separate requests. Raises ValueError as
+        add_request does, or for a group that mixes fresh and continued choices; nothing is queued then."""
+        fresh = [not c.output_token_ids for c in choices]
+        if any(fresh) and not all(fresh):
+            raise ValueError("a group's choices are either all fresh or all continued")
+        ids = [c.request_id for c in choices]
+        if not choices or len(set(ids)) != len(ids):
+            raise ValueError("a group needs at least one choice, with distinct ids")
+        for c in choices:
+            self._validate(c.request_id, prompt_token_ids + list(c.output_token_ids))
+        if not all(fresh) or len(choices) == 1:
+            for c in choices:
+                self.add_request(c.request_id, prompt_token_ids, c.params, hold_kv, list(c.output_token_ids))
+            return
+        parent, *children = choices
+        # the parent holds its blocks past its own end until the children are forked from them
+        self.add_request(parent.request_id, prompt_token_ids, parent.params, hold_kv=True)
+        self.pending_forks.add(parent.request_id, children, hold_kv)
+
+    def fork(self, parent_id: str, children: list[Choice]) -> list[RequestOutput]:
+        """Fork choices that have sampled tokens (elsewhere: a decode worker after importing the prompt's KV)
+        from a request whose KV covers its prompt: they share its full prompt blocks and copy the partial one.
+        Returns an output for each child its tokens already ended. Raises KeyError for an unknown parent,
+        ValueError for a parent without its prompt's KV or a child without tokens (nothing forked then)."""
+        parent = self.requests[parent_id]
+        for c in children:
+            self._validate(c.request_id, parent.prompt_token_ids + list(c.output_token_ids))
+        made = fork_children(self.scheduler, self.pool, parent, children, hold_kv=parent.hold_kv)
+        self._register_children(made)
+        return [self._output(r, r.output_token_ids[-1:], True) for r in made if r.is_finished]
+
+    def _register_children(self, made: list[Request]) -> None:
+        """Put forked children in the engine: the live ones (each with its own grammar matcher when constrained,
+        replaying its tokens), and finished ones that hold (no block: their release_kv only forgets them)."""
+        for req in made:
+            if not req.is_finished:
+                self.structured.add(req.request_id, req.params.structured, req.output_token_ids)
+            if not req.is_finished or req.hold_kv:
+                self.requests[req.request_id] = req
+
+    def _fork_at_first_token(self, parent: Request, logits: torch.Tensor) -> list[RequestOutput]:
+        """The parent just sampled its first token: sample each child's from the same logits row, fork them,
+        and give the parent's blocks back if it only held them for the fork. The children's first outputs."""
+        pending = self.pending_forks.pop(parent.request_id)
+        assert pending is not None  # step() calls this for a parent in pending_forks only
+        if not pending.children:  # every child was aborted meanwhile
+            parent.hold_kv = pending.parent_holds_kv
+            if parent.is_finished and not parent.hold_kv:
+                self.release_kv(parent.request_id)
+            return []
+        params = [c.params for c in pending.children]
+        rows = logits.unsqueeze(0).expand(len(params), -1)
+        tokens = self.runner.sampler.sample(rows, params, [0] * len(params))
+        children = [Choice(c.request_id, c.params, (t,)) for c, t in zip(pending.children, tokens, strict=True)]
+        made = fork_children(self.scheduler, self.pool, parent, children, hold_kv=pending.parent_holds_kv)
+        parent.hold_kv = pending.parent_holds_kv
+        if parent.is_finished and not parent.hold_kv:
+            self.release_kv(parent.request_id)
+        self._register_children(made)
+        return [self._output(r, r.output_token_ids, r.is_finished) for r in made]
+
+    def _output(self, req: Request, new_token_ids: list[int], finished: bool) -> RequestOutput:
+        return RequestOutput(
+            req.request_id,
+            list(new_token_ids),
+            finished,
+            req.finish_reason,
+            len(req.prompt_token_ids),
+            len(req.output_token_ids),
+            req.scheduled_at,
+        )
+
     def _validate(self, request_id: str, tokens: list[int]) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -181,16 +259,22 @@ class Engine:
             raise ValueError(f"token ids must be in [0, {vocab})")
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks (held ones too). False if the id is unknown."""
+        """Stop a request and free its blocks (held ones too). False if the id is unknown. A group's choice can be
+        aborted at any stage: a child not forked yet is dropped, a parent before its first token hands the prompt
+        to the next choice (shared/engine/fork.py)."""
         req = self.requests.pop(request_id, None)
         self.structured.remove(request_id)
         if req is None:
-            return False
+            return self.pending_forks.drop_child(request_id)  # a child not forked yet holds nothing
         if req.is_finished:  # held for export
             self.blocks.free(req.block_table)
             req.block_table = []
         else:
             self.scheduler.abort(req)
+        pending = self.pending_forks.pop(request_id)
+        if pending is not None and pending.children:  # a parent before its first token: the next choice takes over
+            heir, *rest = pending.children
+            self.add_group(req.prompt_token_ids, [heir, *rest], hold_kv=pending.parent_holds_kv)
         return True
 
     def has_unfinished(self) -> bool:
@@ -244,6 +328,8 @@ class Engine:
                     req.scheduled_at,
                 )
             )
+            if req.request_id in self.pending_forks:  # a group's parent sampled its first token
+                outputs += self._fork_at_first_token(req, out.logits[req.request_id])
         return outputs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -329,9 +415,16 @@ class Engine:
         self.scheduler.add_running(req)
 
     def check_integrity(self) -> None:
-        """Block manager invariants, plus: every live request's blocks are counted as used."""
+        """Block manager invariants, plus: every block's reference count is the number of live requests whose
+        tables hold it (forked choices share prompt blocks), so no block is free while held, nor held by
+        nobody."""
         self.blocks.check_integrity()
+        holders = [0] * self.blocks.num_blocks
         for req in self.requests.values():
             for b in req.block_table:
                 if self.blocks.ref_count(b) == 0:
                     raise AssertionError(f"request {req.request_id} holds free block {b}")
+                holders[b] += 1
+        for b, n in enumerate(holders):
+            if self.blocks.ref_count(b) != n:
+                raise AssertionError(f"block {b} has {self.blocks.ref_count(b)} references, {n} holders")

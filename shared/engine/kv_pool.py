@@ -63,3 +63,8 @@ class KVPool:
         """Fill the given blocks from `data` of shape (L, 2, n, B, KVH, hd)."""
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.tensor.device)
         self.tensor.index_copy_(2, index, data.to(device=self.tensor.device, dtype=self.tensor.dtype))
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block (all layers, K and V) onto another, on the device (a forked sequence's own copy of a
+        partially filled prompt block)."""
+        self.tensor[:, :, dst].copy_(self.tensor[:, :, src])

@@ -202,6 +202,10 @@ class Scheduler:
             results.append(StepResult(req, token, reason is not None))
         return results
 
+    def finish_reason(self, req: Request, token: int) -> FinishReason | None:
+        """Why `req` ends with `token` as its last output token, or None when it goes on."""
+        return self._finish_reason(req, token)
+
     def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):

@@ -52,6 +52,8 @@ class Entry(Generic[Job]):
     span: Span  # `process <subject>`: opened with the entry, ended once (spans.end_once)
     decode_span: Span | None = None  # while it decodes here (decode and mixed roles)
     cancelled: bool = False  # a cancel covered it while a task owned it: the task drops it at its next step
+    # Another choice of a group job (worker/choices.py): the entry of the group's key owns the message and span.
+    group_key: str | None = None
 
     @property
     def key(self) -> str:
@@ -102,6 +104,14 @@ class JobLedger(Generic[Job]):
             await settle(msg.ack())
             return None
         entry = self._entries[job.key] = Entry(job, msg, phase, open_span())
+        return entry
+
+    def adopt(self, job: Job, phase: Phase, span: Span, group_key: str) -> Entry[Job] | None:
+        """Register another choice of a job in hand (worker/choices.py): no message of its own, the group's span.
+        None when its attempt was cancelled or it is in hand already."""
+        if self.cancels.is_cancelled(job.request_id, job.attempt) or job.key in self._entries:
+            return None
+        entry = self._entries[job.key] = Entry(job, None, phase, span, group_key=group_key)
         return entry
 
     async def ack(self, key: str) -> None:

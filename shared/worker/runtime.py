@@ -41,6 +41,7 @@ from shared.telemetry import metrics
 from shared.worker import gauges, spans
 from shared.worker.cancel_feed import CancelFeed
 from shared.worker.cancels import CancelMemory
+from shared.worker.choices import choice_jobs
 from shared.worker.connections import Connections
 from shared.worker.engine_factory import build_engine
 from shared.worker.engine_load import EngineLoad
@@ -231,6 +232,14 @@ class Worker(Generic[Job]):
             self.emit(job.reply_subject, announce_event(job, worker_id))
         return entry
 
+    def adopt(self, group: Entry[Job], jobs: list[Job], phase: Phase) -> list[Entry[Job]]:
+        """The entries of a group job's other choices (worker/choices.py), registered in `phase` and announced to
+        the gateway; a choice already cancelled is left out."""
+        entries = [e for j in jobs if (e := self.ledger.adopt(j, phase, group.span, group.key)) is not None]
+        for e in entries:
+            self.emit(e.reply_subject, announce_event(e.job, self.settings.worker_id))
+        return entries
+
     def refused(self, msg: Msg, job: PrefillJob | DecodeJob) -> bool:
         """True for a job the engine must not see (shared/job_checks.py: it would fail on the engine thread)."""
         refusal = job_refusal(job, self.load.vocab_size, self.load.max_model_len)
@@ -250,8 +259,9 @@ class Worker(Generic[Job]):
         """Terminate a refused job's message, with a warning naming why and an error event back where its reply
         subject allows."""
         log.warning("refusing job %.80r on %s: %s", job.request_id, msg.subject, refusal.reason)
-        if refusal.reply:
-            self.emit(job.reply_subject, error_event(job, refusal.reason, self.settings.worker_id))
+        if refusal.reply:  # every choice of a group job: each waits for its own answer
+            for one in choice_jobs(job) if isinstance(job, PrefillJob) else choice_jobs(job):
+                self.emit(one.reply_subject, error_event(one, refusal.reason, self.settings.worker_id))
         asyncio.create_task(settle(msg.term()))
 
     def is_cancelled(self, request_id: str, attempt: int) -> bool:

@@ -207,7 +207,7 @@ def _prefill_beat(stack: Stack, wanted, timeout_s: float = 20.0):
 
 def test_bad_input_keeps_the_stack_serving(stack_1p1d):
     with httpx.Client(timeout=60) as client:
-        for body in ({"model": "demo"}, {"model": "nope", "prompt": "x"}, {"model": "demo", "prompt": "x", "n": 3}):
+        for body in ({"model": "demo"}, {"model": "nope", "prompt": "x"}, {"model": "demo", "prompt": "x", "n": 17}):
             resp = client.post(f"{stack_1p1d.url}/v1/completions", json=body)
             assert 400 <= resp.status_code < 500 and "error" in resp.json()
         resp = client.post(

@@ -47,6 +47,21 @@ def test_generate_chat_greedy_is_reproducible(demo_dir, capsys):
     assert first["prompt_token_ids"] == Tokenizer(demo_dir).encode_chat([{"role": "user", "content": "hi"}])
 
 
+def test_generate_n_choices_equal_single_runs_with_the_derived_seeds(demo_dir, capsys):
+    common = ["generate", "--model", str(demo_dir), "--max-tokens", "8", "--ignore-eos", "--temperature", "1", "--json"]
+    assert main([*common, "--n", "3", "--seed", "5", "hello"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert out["prefill_tokens"] == len(out["prompt_token_ids"])  # the prompt computed once
+    singles = []
+    for seed in (5, 6, 7):
+        main([*common, "--seed", str(seed), "hello"])
+        singles.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert [c["token_ids"] for c in out["choices"]] == singles
+    assert len({tuple(t) for t in singles}) > 1
+    assert main([*common, "--n", "0", "hello"]) == 2
+
+
 def test_generate_reports_bad_input(demo_dir, tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path), "x"]) == 2
     assert "tokenizer.json" in capsys.readouterr().err

@@ -301,11 +301,17 @@ def test_what_prepare_refuses_is_documented(client):
     schemas = _document(client)["components"]["schemas"]
     assert set(schemas["ChatMessage"]["properties"]["role"]["enum"]) == CHAT_ROLES == set(DOCUMENTED_ROLES)
     completion = schemas["CompletionRequest"]["properties"]
-    assert completion["n"]["enum"] == [1, None] and completion["best_of"]["enum"] == [1, None]
+    assert (completion["n"]["minimum"], completion["n"]["maximum"]) == (1, 16)  # maximum: settings.max_n
+    assert completion["best_of"]["minimum"] == 1
     assert completion["echo"]["enum"] == [False, None] and completion["logprobs"]["enum"] == [None]
     assert [f["minLength"] for f in completion["prompt"]["oneOf"] if f["type"] == "string"] == [1]
     assert schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
-    for body in ({"prompt": "hi", "n": 2}, {"prompt": "hi", "echo": True}, {"prompt": ""}):
+    for body in (
+        {"prompt": "hi", "n": 17},
+        {"prompt": "hi", "best_of": 2},
+        {"prompt": "hi", "echo": True},
+        {"prompt": ""},
+    ):
         assert client.post("/v1/completions", json=body).status_code == 400
 
 

@@ -354,7 +354,9 @@ BAD_INPUTS = [
     (COMPLETIONS, {"prompt": [65] * (CONTEXT + 10)}, "application/json", 400, "prompt"),
     (CHAT, {"messages": [{"role": "user", "content": "x" * CONTEXT}]}, "application/json", 400, "messages"),
     (COMPLETIONS, {"prompt": "hi", "model": "gpt-4"}, "application/json", 404, "model"),
-    (CHAT, {"messages": USER, "n": 2}, "application/json", 400, "n"),
+    (CHAT, {"messages": USER, "n": 17}, "application/json", 400, "n"),  # over max_n
+    (CHAT, {"messages": USER, "n": 0}, "application/json", 400, "n"),
+    (COMPLETIONS, {"prompt": "hi", "n": 2, "best_of": 3}, "application/json", 400, "best_of"),
     (CHAT, {"messages": USER, "temperature": 2.5}, "application/json", 400, "temperature"),
     (CHAT, {"messages": USER, "temperature": -0.1}, "application/json", 400, "temperature"),
     (CHAT, {"messages": USER, "top_p": 0}, "application/json", 400, "top_p"),
@@ -522,7 +524,7 @@ def test_openai_client(checkpoint, tokenizer):
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="other", messages=USER)
         with pytest.raises(openai.BadRequestError) as excinfo:
-            client.chat.completions.create(model=MODEL, messages=USER, n=2)
+            client.chat.completions.create(model=MODEL, messages=USER, n=17)
         assert excinfo.value.status_code == 400 and excinfo.value.body["param"] == "n"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()

@@ -173,3 +173,23 @@ def test_replayed_output_must_follow_the_grammar(engine, tok):
             "off", _prompt(tok), SamplingParams(structured=specs.regex("[0-9]+")), output_token_ids=tok.encode("ab")
         )
     assert llguidance.LLMatcher  # the engine named in docs/api.md is the one in use
+
+
+def test_each_of_n_choices_follows_the_grammar_and_equals_its_single_request(model_dir, engine, tok):
+    """n > 1 under a constraint: the choices forked at the first token get matchers of their own (replaying that
+    token), so each follows the grammar and equals the single request with its derived seed."""
+    from shared.engine.fork import Choice, choice_params
+
+    schema = SCHEMAS[sorted(SCHEMAS)[0]]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=11, structured=specs.json_schema(schema))
+    prompt = _prompt(tok)
+    group = Engine.from_dir(model_dir, max_model_len=1024)
+    group.add_group(prompt, [Choice(f"c{i}", choice_params(params, i)) for i in range(3)])
+    got: dict[str, list[int]] = {}
+    while group.has_unfinished():
+        for o in group.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    group.check_integrity()
+    for i in range(3):
+        jsonschema.validate(json.loads(tok.decode(got[f"c{i}"])), schema)
+        assert got[f"c{i}"] == engine.generate([prompt], choice_params(params, i))[0], f"choice {i}"
