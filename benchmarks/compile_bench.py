@@ -1,7 +1,7 @@
 """What `torch.compile` gives a CPU decode step: the engine's model forward compiled against eager.
 
     .venv/bin/python benchmarks/compile_bench.py [--batch 32] [--steps 48] [--threads N] [--no-prepack]
-        [--target model|layers] [--mode default|max-autotune-no-cudagraphs]
+        [--target model|layers] [--mode default|max-autotune-no-cudagraphs] [--expert-loop]
 
 Two engines on the same checkpoint, one with its forward compiled (`--target model`: CausalLM.forward;
 `layers`: each DecoderLayer's forward), each prefills the same B prompts of PROMPT tokens; after warm-up
@@ -52,6 +52,14 @@ def step(engine: Engine, tokens: dict) -> float:
     return time.perf_counter() - t0
 
 
+def use_expert_loop(engine: Engine) -> None:
+    """Plain weights through the per-expert loop instead of torch._grouped_mm, whose fake-tensor rule (torch
+    2.13) accepts only bfloat16, so dynamo cannot trace it at float32."""
+    for moe in engine.model.sparse_layers().values():
+        ex = moe.experts
+        ex.forward_grouped_mm = lambda x, ids, w, counts, ex=ex: ex.forward_grouped(x, ids, w, counts.tolist())
+
+
 def compile_model(engine: Engine, target: str, mode: str) -> None:
     if target == "model":
         engine.model.forward = torch.compile(engine.model.forward, mode=mode, dynamic=True)
@@ -68,6 +76,7 @@ def main() -> None:
     ap.add_argument("--no-prepack", action="store_true")
     ap.add_argument("--target", choices=("model", "layers"), default="model")
     ap.add_argument("--mode", default="default")
+    ap.add_argument("--expert-loop", action="store_true", help="plain weights: the per-expert loop (both engines)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = ensure_demo_checkpoint(REPO / "models" / "demo-small-qwen3_moe", size="small")
@@ -75,6 +84,9 @@ def main() -> None:
     prompts = torch.randint(0, 259, (args.batch, PROMPT), generator=gen).tolist()
     eager, eager_tokens = build(model_dir, args, prompts)
     compiled, compiled_tokens = build(model_dir, args, prompts)
+    if args.expert_loop:
+        use_expert_loop(eager)
+        use_expert_loop(compiled)
     compile_model(compiled, args.target, args.mode)
     t0 = time.perf_counter()
     for _ in range(1 + WARMUP):  # prefill, then decode steps: compiles the shapes that follow

@@ -62,10 +62,11 @@ def main() -> None:
             walls.append(time.perf_counter() - t0)
     events = prof.key_averages()
     op_us = sum(e.self_cpu_time_total for e in events) / args.steps
+    calls = sum(e.count for e in events) / args.steps  # ops dispatched per step, nested ones included
     step_ms = 1000 * statistics.median(walls)
     print(f"\n{args.batch} sequences, {args.threads} threads, prepack {'off' if args.no_prepack else 'on'}, "
           f"{torch.__version__}: median step {step_ms:.2f} ms (under the profiler), "
-          f"ops {op_us / 1000:.2f} ms/step")  # fmt: skip
+          f"ops {op_us / 1000:.2f} ms/step, {calls:.0f} op calls/step")  # fmt: skip
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=48))
 
 
