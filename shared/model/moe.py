@@ -80,12 +80,14 @@ class Experts(nn.Module):
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts: torch.Tensor
     ) -> torch.Tensor:
         """The same sum as forward_grouped with no host read and no loop in Python: the sorted pairs go
-        through torch's grouped matmul (group e = expert e's run of rows, ends given by the counts' cumsum
-        on the device), over the plain stacked weights viewed as (E, in, out)."""
+        through torch's grouped matmul (F.grouped_mm; group e = expert e's run of rows, the groups' ends
+        are the counts' cumsum on the device), over the plain stacked weights viewed as (E, in, out).
+        torch 2.13's CPU kernel runs one GEMM per group, so on CPU this saves the Python loop and the host
+        read, not GEMM time (docs/benchmarks.md)."""
         pairs = _sorted_pairs(x, topk_ids, topk_weights)
         ends = counts.cumsum(0).to(torch.int32)  # (E,) grouped_mm's offsets: where each group's rows end
-        gate, up = torch._grouped_mm(pairs.rows, self.gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-        return pairs.combine(torch._grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=ends))
+        gate, up = F.grouped_mm(pairs.rows, self.gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        return pairs.combine(F.grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=ends))
 
     def forward_padded(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts: torch.Tensor
