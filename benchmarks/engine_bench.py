@@ -1,6 +1,7 @@
 """Prefill and decode throughput of pdserve's engine against Hugging Face transformers, on CPU.
 
     .venv/bin/python benchmarks/engine_bench.py [--model DIR] [--out JSON] [--threads N] [--quick]
+        [--prepack on|off|both | --no-prepack] [--decode-tokens N] [--repeats N] [--skip-mixed]
 
 Both systems run in one process on the same checkpoint, dtype and thread count. Repeats of the two are
 interleaved (and their order alternated) so that drift in a shared machine's speed hits both alike; each
@@ -26,12 +27,13 @@ import argparse
 import itertools
 import json
 import os
-import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -40,6 +42,7 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere, installed or not
 
+from benchmarks.host_info import cpu_info, describe, load_average, matmul_gflops, read_bandwidth  # noqa: E402
 from shared.engine.config import SchedulerConfig  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.sampling import SamplingParams  # noqa: E402
@@ -65,7 +68,7 @@ def _blocks(tokens: int) -> int:
 
 
 class PdserveRunner:
-    def __init__(self, model_dir: Path, prefill_batch: int, decode_batch: int) -> None:
+    def __init__(self, model_dir: Path, prefill_batch: int, decode_batch: int, prepack: bool = True) -> None:
         blocks = max(
             _blocks(PREFILL_LEN + 1) * prefill_batch,
             _blocks(DECODE_PROMPT + DECODE_TOKENS + 1) * decode_batch,
@@ -81,6 +84,7 @@ class PdserveRunner:
             max_model_len=max(PREFILL_LEN + DECODE_TOKENS, MIXED_LONG + MIXED_TOKENS) + 1,
             num_kv_blocks=blocks,  # enough that nothing is ever preempted
             block_size=BLOCK_SIZE,
+            prepack_weights=prepack,
         )
         self._ids = itertools.count()
 
@@ -153,45 +157,69 @@ class TransformersRunner:
         return steps, out[:, ids.shape[1] :].tolist()
 
 
-def interleaved(pd_fn, hf_fn, repeats: int) -> tuple[list, list]:
-    """Alternate the two `repeats` times, swapping which goes first; → (pdserve results, transformers results)."""
-    pd, hf = [], []
+def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list]:
+    """Run each system `repeats` times, one after the other, the order rotated and reversed each round so none
+    is always first or last; → each system's results, in repeat order."""
+    names = list(fns)
+    out: dict[str, list] = {n: [] for n in names}
     for r in range(repeats):
-        for fn, dest in ((pd_fn, pd), (hf_fn, hf))[:: 1 if r % 2 == 0 else -1]:
-            dest.append(fn())
-    return pd, hf
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order[:: 1 if r % 2 == 0 else -1]:
+            out[name].append(fns[name]())
+    return out
 
 
-def bench_prefill(pd: PdserveRunner, hf: TransformersRunner, batch: int, repeats: int, gen: torch.Generator) -> dict:
-    prompts = random_prompts(gen, batch, PREFILL_LEN, pd.engine.model.config.vocab_size)
-    pd.prefill(prompts)  # warm-up
-    hf.prefill(prompts)
-    pd_s, hf_s = interleaved(lambda: pd.prefill(prompts), lambda: hf.prefill(prompts), repeats)
-    pd_tps, hf_tps = batch * PREFILL_LEN / statistics.median(pd_s), batch * PREFILL_LEN / statistics.median(hf_s)
-    return dict(batch=batch, pdserve_tok_s=pd_tps, transformers_tok_s=hf_tps, ratio=pd_tps / hf_tps,
-                pdserve_s=pd_s, transformers_s=hf_s)  # fmt: skip
+def _ratios(row: dict, pd_names: list[str]) -> None:
+    """Each pdserve system's throughput over transformers'; `ratio` is the first one's (the headline)."""
+    for name in pd_names:
+        row[f"{name}_ratio"] = row[f"{name}_tok_s"] / row["transformers_tok_s"]
+    row["ratio"] = row[f"{pd_names[0]}_ratio"]
 
 
-def bench_decode(pd: PdserveRunner, hf: TransformersRunner, batch: int, repeats: int, gen: torch.Generator) -> dict:
-    prompts = random_prompts(gen, batch, DECODE_PROMPT, pd.engine.model.config.vocab_size)
-    # A short warm-up suffices: kernels and allocations are per shape, not per step count.
-    pd.decode(prompts, 4)
-    hf.decode(prompts, 4)
-    pd_runs, hf_runs = interleaved(
-        lambda: pd.decode(prompts, DECODE_TOKENS), lambda: hf.decode(prompts, DECODE_TOKENS), repeats
-    )
-    row: dict = dict(batch=batch, avg_context=DECODE_PROMPT + (DECODE_TOKENS + 1) / 2)
-    for name, runs in (("pdserve", pd_runs), ("transformers", hf_runs)):
-        totals = [sum(steps) for steps, _ in runs]
-        if any(len(steps) != DECODE_TOKENS for steps, _ in runs):
-            raise RuntimeError(f"{name}: expected {DECODE_TOKENS} decode steps")
-        row[f"{name}_tok_s"] = batch * DECODE_TOKENS / statistics.median(totals)
-        row[f"{name}_step_ms"] = 1000 * statistics.median(s for steps, _ in runs for s in steps)
-        row[f"{name}_s"] = totals
-    row["ratio"] = row["pdserve_tok_s"] / row["transformers_tok_s"]
-    # Same weights, greedy: the two should write the same tokens (a check that the comparison is fair).
-    row["same_tokens"] = sum(a == b for a, b in zip(pd_runs[-1][1], hf_runs[-1][1], strict=True)) / batch
+def bench_prefill(systems: dict, batch: int, repeats: int, gen: torch.Generator) -> dict:
+    """systems: name → PdserveRunner or TransformersRunner ("transformers")."""
+    prompts = random_prompts(gen, batch, PREFILL_LEN, vocab_of(systems))
+    for runner in systems.values():  # warm-up
+        runner.prefill(prompts)
+    times = interleaved({n: (lambda r=r: r.prefill(prompts)) for n, r in systems.items()}, repeats)
+    row: dict = dict(batch=batch)
+    for name, ts in times.items():
+        row[f"{name}_tok_s"] = batch * PREFILL_LEN / statistics.median(ts)
+        row[f"{name}_s"] = ts
+    _ratios(row, pd_names(systems))
     return row
+
+
+def bench_decode(systems: dict, batch: int, repeats: int, gen: torch.Generator, tokens: int = DECODE_TOKENS) -> dict:
+    prompts = random_prompts(gen, batch, DECODE_PROMPT, vocab_of(systems))
+    # A short warm-up suffices: kernels and allocations are per shape, not per step count.
+    for runner in systems.values():
+        runner.decode(prompts, 4)
+    runs = interleaved({n: (lambda r=r: r.decode(prompts, tokens)) for n, r in systems.items()}, repeats)
+    row: dict = dict(batch=batch, avg_context=DECODE_PROMPT + (tokens + 1) / 2)
+    for name, system_runs in runs.items():
+        totals = [sum(steps) for steps, _ in system_runs]
+        if any(len(steps) != tokens for steps, _ in system_runs):
+            raise RuntimeError(f"{name}: expected {tokens} decode steps")
+        row[f"{name}_tok_s"] = batch * tokens / statistics.median(totals)
+        row[f"{name}_step_ms"] = 1000 * statistics.median(s for steps, _ in system_runs for s in steps)
+        row[f"{name}_s"] = totals
+    _ratios(row, pd_names(systems))
+    # Same weights, greedy: the systems should write the same tokens (a check that the comparison is fair).
+    hf_out = runs["transformers"][-1][1]
+    for name in pd_names(systems):
+        same = sum(a == b for a, b in zip(runs[name][-1][1], hf_out, strict=True))
+        row[f"{name}_same_tokens"] = same / batch
+    row["same_tokens"] = min(row[f"{n}_same_tokens"] for n in pd_names(systems))
+    return row
+
+
+def pd_names(systems: dict) -> list[str]:
+    return [n for n in systems if n != "transformers"]
+
+
+def vocab_of(systems: dict) -> int:
+    return systems[pd_names(systems)[0]].engine.model.config.vocab_size
 
 
 def bench_mixed_decode(pd: PdserveRunner, repeats: int, gen: torch.Generator) -> dict:
@@ -218,28 +246,6 @@ def random_prompts(gen: torch.Generator, batch: int, length: int, vocab: int) ->
     return torch.randint(0, vocab, (batch, length), generator=gen).tolist()
 
 
-def read_bandwidth(mib: int = 256, repeats: int = 15) -> float:
-    """GB/s of streaming a large tensor from memory once (a sum): the rate a decode step reads weights at."""
-    src = torch.ones(mib << 18)  # float32, touched now so page faults stay out of the timing
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        src.sum()
-        times.append(time.perf_counter() - t0)
-    return src.numel() * src.element_size() / statistics.median(times[1:]) / 1e9
-
-
-def matmul_gflops(repeats: int = 7) -> float:
-    """A large square matmul: roughly the best FLOP rate these threads reach."""
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t0)
-    return 2 * 2048**3 / statistics.median(times[1:]) / 1e9
-
-
 def decode_step_cost(model: torch.nn.Module, batch: int, context: float) -> tuple[float, float]:
     """(bytes read, FLOPs) of one decode step of `batch` sequences at average context `context`.
 
@@ -264,77 +270,73 @@ def decode_step_cost(model: torch.nn.Module, batch: int, context: float) -> tupl
     return read * itemsize, batch * (2 * (dense_params + per_expert * k) + attention_flops)
 
 
-def add_floor(rows: list[dict], model: torch.nn.Module, gbps: float, gflops: float) -> None:
+def add_floor(rows: list[dict], model: torch.nn.Module, gbps: float, gflops: float, names: list[str]) -> None:
     for row in rows:
         read, flops = decode_step_cost(model, row["batch"], row["avg_context"])
         row |= dict(step_mb=read / 1e6, mem_floor_ms=read / gbps / 1e6, compute_floor_ms=flops / gflops / 1e6)
-        for name in ("pdserve", "transformers"):
+        for name in names:
             row[f"{name}_x_mem_floor"] = row[f"{name}_step_ms"] / row["mem_floor_ms"]
 
 
-def print_report(cfg: dict, prefill: list[dict], decode: list[dict], mixed: dict) -> None:
+def print_report(cfg: dict, names: list[str], prefill: list[dict], decode: list[dict], mixed: dict | None) -> None:
+    """names: the systems, pdserve ones first, transformers last."""
+    pds = names[:-1]
     print(
-        f"\npdserve vs transformers {cfg['transformers']} | torch {cfg['torch']} | {cfg['threads']} threads | "
-        f"{cfg['dtype']} | {cfg['cpu']} | {cfg['model_type']} {cfg['params'] / 1e6:.1f}M params, "
-        f"{cfg['num_experts']} experts top-{cfg['num_experts_per_tok']}"
+        f"\npdserve vs transformers {cfg['transformers']} | torch {cfg['torch']} | {cfg['dtype']} | "
+        f"{cfg['model_type']} {cfg['params'] / 1e6:.1f}M params, {cfg['num_experts']} experts "
+        f"top-{cfg['num_experts_per_tok']}\n{describe(cfg)}\n"
+        f"read bandwidth {cfg['read_gbps']:.1f} GB/s, matmul {cfg['matmul_gflops']:.0f} GFLOP/s, load average "
+        f"{cfg['load_before'][0]:.1f} before, {cfg['load_after'][0]:.1f} after\n"
     )
-    print(f"read bandwidth {cfg['read_gbps']:.1f} GB/s, matmul {cfg['matmul_gflops']:.0f} GFLOP/s\n")
-    print(f"{'phase':<8}{'batch':>6}{'pdserve tok/s':>15}{'transformers tok/s':>20}{'ratio':>8}")
+    head = "".join(f"{n + ' tok/s':>26}" for n in names) + "".join(f"{n + ' / hf':>24}" for n in pds)
+    print(f"{'phase':<8}{'batch':>6}{head}")
     for phase, rows in (("prefill", prefill), ("decode", decode)):
         for r in rows:
-            print(
-                f"{phase:<8}{r['batch']:>6}{r['pdserve_tok_s']:>15.1f}{r['transformers_tok_s']:>20.1f}"
-                f"{r['ratio']:>8.2f}"
-            )
-    print(f"\ndecode step vs floor (avg context {decode[0]['avg_context']:.1f} tokens)")
-    print(
-        f"{'batch':>5}{'MB/step':>9}{'mem floor ms':>14}{'FLOP floor ms':>15}{'pdserve ms':>12}{'x mem':>7}"
-        f"{'transformers ms':>17}{'x mem':>7}{'same tokens':>13}"
-    )
+            cells = "".join(f"{r[f'{n}_tok_s']:>26.1f}" for n in names)
+            print(f"{phase:<8}{r['batch']:>6}{cells}" + "".join(f"{r[f'{n}_ratio']:>24.2f}" for n in pds))
+    print(f"\ndecode step vs floor (avg context {decode[0]['avg_context']:.1f} tokens): step ms (x mem floor)")
+    head = "".join(f"{n:>26}" for n in names)
+    print(f"{'batch':>5}{'MB/step':>9}{'mem floor ms':>14}{'FLOP floor ms':>15}{head}{'same tokens':>13}")
     for r in decode:
+        cells = "".join(f"{r[f'{n}_step_ms']:>18.2f} ({r[f'{n}_x_mem_floor']:>4.1f})" for n in names)
         print(
             f"{r['batch']:>5}{r['step_mb']:>9.1f}{r['mem_floor_ms']:>14.2f}{r['compute_floor_ms']:>15.2f}"
-            f"{r['pdserve_step_ms']:>12.2f}{r['pdserve_x_mem_floor']:>7.1f}{r['transformers_step_ms']:>17.2f}"
-            f"{r['transformers_x_mem_floor']:>7.1f}{r['same_tokens']:>13.0%}"
+            f"{cells}{r['same_tokens']:>13.0%}"
         )
+    if mixed is None:
+        return
     print(
-        f"\nmixed decode, pdserve: {mixed['batch'] - 1} x {mixed['short_context']} + 1 x {mixed['long_context']} "
+        f"\nmixed decode, {pds[0]}: {mixed['batch'] - 1} x {mixed['short_context']} + 1 x {mixed['long_context']} "
         f"context vs {mixed['batch']} x {mixed['short_context']}, median of {mixed['steps']} steps x repeats"
     )
     print(f"{'uniform step ms':>16}{'mixed step ms':>15}{'mixed / uniform':>17}")
     print(f"{mixed['uniform_step_ms']:>16.2f}{mixed['mixed_step_ms']:>15.2f}{mixed['ratio']:>17.2f}")
 
 
-def cpu_model() -> str:
-    """The CPU's model name as the kernel reports it (what `lscpu` prints as Model name)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or "unknown"
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return names[0] if names else platform.processor() or "unknown"
-
-
 def run_config(model_dir: Path, model, hf_model, quick: bool, prefill_repeats: int, decode_repeats: int) -> dict:
-    return {f: getattr(model.config, f) for f in MODEL_FIELDS} | dict(
-        model_dir=str(model_dir),
-        params=sum(p.numel() for p in model.parameters()),
-        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
-        threads=torch.get_num_threads(),
-        cpu=cpu_model(),
-        torch=torch.__version__,
-        transformers=transformers.__version__,
-        hf_attn_implementation=hf_model.config._attn_implementation,
-        hf_experts_implementation=getattr(hf_model.config, "_experts_implementation", None),
-        prefill_len=PREFILL_LEN,
-        decode_prompt_len=DECODE_PROMPT,
-        decode_tokens=DECODE_TOKENS,
-        mixed_decode=dict(short=MIXED_SHORT, long=MIXED_LONG, batch=MIXED_BATCH, tokens=MIXED_TOKENS),
-        block_size=BLOCK_SIZE,
-        quick=quick,
-        prefill_repeats=prefill_repeats,
-        decode_repeats=decode_repeats,
+    return (
+        {f: getattr(model.config, f) for f in MODEL_FIELDS}
+        | cpu_info()
+        | dict(
+            model_dir=str(model_dir),
+            params=sum(p.numel() for p in model.parameters()),
+            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            hf_attn_implementation=hf_model.config._attn_implementation,
+            hf_experts_implementation=getattr(hf_model.config, "_experts_implementation", None),
+            prefill_len=PREFILL_LEN,
+            decode_prompt_len=DECODE_PROMPT,
+            mixed_decode=dict(short=MIXED_SHORT, long=MIXED_LONG, batch=MIXED_BATCH, tokens=MIXED_TOKENS),
+            block_size=BLOCK_SIZE,
+            quick=quick,
+            prefill_repeats=prefill_repeats,
+            decode_repeats=decode_repeats,
+        )
     )
+
+
+PREPACK_SYSTEMS = {"on": ("pdserve",), "off": ("pdserve_noprepack",), "both": ("pdserve", "pdserve_noprepack")}
 
 
 def main() -> None:
@@ -343,26 +345,40 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "engine_bench.json"))
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--quick", action="store_true", help="one repeat, fewer batch sizes (about a minute)")
+    ap.add_argument("--prepack", choices=list(PREPACK_SYSTEMS), default="on",
+                    help="pdserve with oneDNN-packed weights (on), plain ones (off), or both side by side")  # fmt: skip
+    ap.add_argument("--no-prepack", dest="prepack", action="store_const", const="off", help="= --prepack off")
+    ap.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS, help="timed decode steps per run")
+    ap.add_argument("--repeats", type=int, help="repeats of every measurement (default 5 prefill, 3 decode)")
+    ap.add_argument("--skip-mixed", action="store_true", help="leave out the mixed-length decode measurement")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)  # one process: this holds for both systems
+    torch.set_num_threads(args.threads)  # one process: this holds for every system
+    load_before = load_average()
     prefill_batches, decode_batches = ((1,), (1, 32)) if args.quick else ((1, 8), (1, 8, 32))
     prefill_repeats, decode_repeats = (1, 1) if args.quick else (5, 3)
+    if args.repeats:
+        prefill_repeats = decode_repeats = args.repeats
 
     model_dir = prepare_model(args.model)
-    pd = PdserveRunner(model_dir, max(prefill_batches), max(decode_batches))
+    systems: dict = {
+        name: PdserveRunner(model_dir, max(prefill_batches), max(decode_batches), prepack=name == "pdserve")
+        for name in PREPACK_SYSTEMS[args.prepack]
+    }
+    pd = next(iter(systems.values()))
     model = pd.engine.model
-    hf = TransformersRunner(model_dir, next(model.parameters()).dtype)
+    systems["transformers"] = hf = TransformersRunner(model_dir, next(model.parameters()).dtype)
     gen = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
-    prefill = [bench_prefill(pd, hf, b, prefill_repeats, gen) for b in prefill_batches]
-    decode = [bench_decode(pd, hf, b, decode_repeats, gen) for b in decode_batches]
+    prefill = [bench_prefill(systems, b, prefill_repeats, gen) for b in prefill_batches]
+    decode = [bench_decode(systems, b, decode_repeats, gen, args.decode_tokens) for b in decode_batches]
     gbps, gflops = read_bandwidth(), matmul_gflops()
-    mixed = bench_mixed_decode(pd, decode_repeats, gen)
-    add_floor(decode, model, gbps, gflops)
+    mixed = None if args.skip_mixed else bench_mixed_decode(pd, decode_repeats, gen)
+    add_floor(decode, model, gbps, gflops, list(systems))
 
     cfg = run_config(model_dir, model, hf.model, args.quick, prefill_repeats, decode_repeats)
-    cfg |= dict(read_gbps=gbps, matmul_gflops=gflops, bench_seconds=time.perf_counter() - t0)
-    print_report(cfg, prefill, decode, mixed)
+    cfg |= dict(read_gbps=gbps, matmul_gflops=gflops, bench_seconds=time.perf_counter() - t0, systems=list(systems),
+                decode_tokens=args.decode_tokens, load_before=load_before, load_after=load_average())  # fmt: skip
+    print_report(cfg, list(systems), prefill, decode, mixed)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(UTC).isoformat(timespec="seconds")

@@ -6,6 +6,8 @@ Expert weights are stacked: gate_up (E, 2I, D), down (E, D, I).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,37 +46,48 @@ class Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts: torch.Tensor
     ) -> torch.Tensor:
-        """counts: (E,) tokens routed to each expert, on x's device. On the host, reading the counts is free
-        and lets each expert multiply only its own tokens; on an accelerator reading them would stall the
-        stream once per layer, so that path never leaves the device. With the Triton kernels: fused_moe over
-        the plain (unpacked) weights, also without a host read."""
+        """counts: (E,) tokens routed to each expert, on x's device. CPU: with oneDNN-packed weights, a loop
+        over the active experts (packed weights do not stack, and on a host where packing pays it is ~3x
+        faster per matmul than any stacked kernel there); with plain weights, `forward_grouped_mm`: two
+        grouped matmuls, no Python loop over experts. On an accelerator the padded path, which never reads
+        the counts on the host (that would stall the stream once per layer). With the Triton kernels:
+        fused_moe over the plain (unpacked) weights, also without a host read."""
         if self.kernels is KernelChoice.TRITON:
             # imported here: triton loads only when the kernels were chosen (it may be absent on a CPU host)
             from shared.model.kernels.fused_moe import fused_moe
 
             return fused_moe(x, self.gate_up, self.down, topk_ids, topk_weights)
         if x.device.type == "cpu":
-            return self.forward_grouped(x, topk_ids, topk_weights, counts.tolist())
+            if self._packed is not None:
+                return self.forward_grouped(x, topk_ids, topk_weights, counts.tolist())
+            return self.forward_grouped_mm(x, topk_ids, topk_weights, counts)
         return self.forward_padded(x, topk_ids, topk_weights, counts)
 
     def forward_grouped(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts: list[int]
     ) -> torch.Tensor:
-        """Sort the (token, expert) pairs by expert, one matmul pair per active expert (host counts)."""
-        a = topk_ids.shape[1]
-        order = topk_ids.flatten().argsort(stable=True)
-        token_of_pair = order // a  # which token each sorted pair came from
-        weight_of_pair = topk_weights.flatten()[order].unsqueeze(1).to(x.dtype)
-        out = torch.zeros_like(x)
-        start = 0
+        """Sort the (token, expert) pairs by expert, one matmul pair per active expert (host counts). The
+        tokens are gathered once and the results combined once: per expert only the two matmuls run."""
+        pairs = _sorted_pairs(x, topk_ids, topk_weights)
+        ys, start = [], 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            idx = token_of_pair[start : start + n]
-            y = gated_mlp(x[idx], *self.expert_weights(e))
-            out.index_add_(0, idx, y * weight_of_pair[start : start + n])
-            start += n
-        return out
+            if n:
+                ys.append(gated_mlp(pairs.rows[start : start + n], *self.expert_weights(e)))
+                start += n
+        return pairs.combine(torch.cat(ys) if ys else pairs.rows)
+
+    def forward_grouped_mm(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """The same sum as forward_grouped with no host read and no loop in Python: the sorted pairs go
+        through torch's grouped matmul (F.grouped_mm; group e = expert e's run of rows, the groups' ends
+        are the counts' cumsum on the device), over the plain stacked weights viewed as (E, in, out).
+        torch 2.13's CPU kernel runs one GEMM per group, so on CPU this saves the Python loop and the host
+        read, not GEMM time (docs/benchmarks.md)."""
+        pairs = _sorted_pairs(x, topk_ids, topk_weights)
+        ends = counts.cumsum(0).to(torch.int32)  # (E,) grouped_mm's offsets: where each group's rows end
+        gate, up = F.grouped_mm(pairs.rows, self.gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        return pairs.combine(F.grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=ends))
 
     def forward_padded(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts: torch.Tensor
@@ -105,6 +118,27 @@ class Experts(nn.Module):
             for e, w in zip(topk_ids[t].tolist(), topk_weights[t], strict=True):
                 out[t] += w.to(x.dtype) * gated_mlp(x[t : t + 1], self.gate_up[e], self.down[e])[0]
         return out
+
+
+@dataclass(frozen=True)
+class _Pairs:
+    """The (token, expert) pairs of a batch, sorted by expert (stable: a token's pairs keep their order)."""
+
+    rows: torch.Tensor  # (T*A, D) the pairs' input rows, gathered from x
+    token: torch.Tensor  # (T*A,) int64: the token each pair came from
+    weight: torch.Tensor  # (T*A, 1) routing weight of each pair, in x's dtype
+    out: torch.Tensor  # (T, D) zeros: what `combine` adds into
+
+    def combine(self, y: torch.Tensor) -> torch.Tensor:
+        """y: (T*A, D) expert outputs of the sorted pairs → (T, D) routing-weighted sum per token."""
+        return self.out.index_add_(0, self.token, y * self.weight)
+
+
+def _sorted_pairs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> _Pairs:
+    order = topk_ids.flatten().argsort(stable=True)
+    token = order // topk_ids.shape[1]
+    weight = topk_weights.flatten()[order].unsqueeze(1).to(x.dtype)
+    return _Pairs(x[token], token, weight, torch.zeros_like(x))
 
 
 class MoE(nn.Module, PackedWeights):

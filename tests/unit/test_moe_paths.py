@@ -1,7 +1,10 @@
-"""The two grouped MoE paths against the per-token reference: the host-count path (CPU) and the sync-free
-padded path (accelerators), which CPU runs only here, so its numbers are checked without a GPU."""
+"""The grouped MoE paths against the per-token reference: the host-count loop (CPU, packed or plain weights),
+the grouped-matmul path (CPU, plain weights) and the sync-free padded path (accelerators), which CPU runs
+only here, so its numbers are checked without a GPU."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -28,8 +31,42 @@ def test_grouped_and_padded_paths_match_the_reference(moe, num_tokens):
         reference = moe.experts.forward_reference(x, ids, weights)
         grouped = moe.experts.forward_grouped(x, ids, weights, counts.tolist())
         padded = moe.experts.forward_padded(x, ids, weights, counts)
+        grouped_mm = moe.experts.forward_grouped_mm(x, ids, weights, counts)
     torch.testing.assert_close(grouped, reference, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(padded, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grouped_mm, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 37])
+def test_packed_loop_matches_the_reference(moe, num_tokens):
+    """The loop over oneDNN-packed expert weights (what prepack_weights gives on CPU) against the plain ones."""
+    experts = copy.deepcopy(moe.experts)
+    experts.prepack()
+    x = torch.randn(num_tokens, moe.gate.in_features, generator=torch.Generator().manual_seed(num_tokens))
+    with torch.no_grad():
+        ids, weights = moe.route(x)
+        counts = torch.bincount(ids.flatten(), minlength=experts.num_experts)
+        packed = experts.forward_grouped(x, ids, weights, counts.tolist())
+        reference = experts.forward_reference(x, ids, weights)
+    torch.testing.assert_close(packed, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("prepacked", [False, True], ids=["plain", "packed"])
+def test_cpu_dispatch_picks_grouped_mm_for_plain_weights(moe, prepacked, monkeypatch):
+    """Plain CPU weights take the grouped matmul (no host read of the counts, no loop over experts); packed
+    ones the loop, since packed weights cannot be stacked for it."""
+    experts = copy.deepcopy(moe.experts)
+    if prepacked:
+        experts.prepack()
+    called = []
+    for name in ("forward_grouped", "forward_grouped_mm", "forward_padded"):
+        method = getattr(experts, name)
+        monkeypatch.setattr(experts, name, lambda *a, _m=method, _n=name: called.append(_n) or _m(*a))
+    x = torch.randn(5, moe.gate.in_features, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ids, weights = moe.route(x)
+        experts(x, ids, weights, torch.bincount(ids.flatten(), minlength=experts.num_experts))
+    assert called == ["forward_grouped" if prepacked else "forward_grouped_mm"]
 
 
 def test_moe_counts_routed_tokens_on_the_model_device(moe):

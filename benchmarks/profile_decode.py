@@ -1,0 +1,74 @@
+"""Where a decode step's time goes: torch.profiler over decode steps of the engine, CPU.
+
+    .venv/bin/python benchmarks/profile_decode.py [--batch 32] [--steps 10] [--threads N] [--no-prepack]
+
+B requests of PROMPT tokens are prefilled, a few decode steps warm up, then `--steps` decode steps run under
+torch.profiler. Prints the ops by self CPU time, the profiled steps' median wall time, and the share of
+the step spent outside any op (Python, metadata building). `--no-prepack` runs the plain (MKL) matmul
+weights: the situation of a host where oneDNN's packed weights gain nothing (see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from shared.engine.config import SchedulerConfig  # noqa: E402
+from shared.engine.engine import Engine  # noqa: E402
+from shared.engine.sampling import SamplingParams  # noqa: E402
+from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
+
+PROMPT = 128
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--no-prepack", action="store_true", help="plain matmul weights (no oneDNN packing)")
+    ap.add_argument("--rows", type=int, default=25, help="ops listed")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = ensure_demo_checkpoint(REPO / "models" / "demo-small-qwen3_moe", size="small")
+    engine = Engine.from_dir(
+        model_dir,
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.batch * PROMPT, max_num_seqs=args.batch),
+        num_kv_blocks=args.batch * (-(-(PROMPT + args.steps + 16) // 16)),
+        max_model_len=PROMPT + args.steps + 16,
+        prepack_weights=not args.no_prepack,
+    )
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=args.steps + 12, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(torch.randint(0, engine.model.config.vocab_size, (args.batch, PROMPT), generator=gen)):
+        engine.add_request(f"p{i}", prompt.tolist(), params)
+    for _ in range(8):  # the prefill, then warm-up decode steps
+        engine.step()
+    walls = []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t0)
+    events = prof.key_averages()
+    op_us = sum(e.self_cpu_time_total for e in events) / args.steps
+    calls = sum(e.count for e in events) / args.steps  # ops dispatched per step, nested ones included
+    step_ms = 1000 * statistics.median(walls)
+    print(f"\n{args.batch} sequences, {args.threads} threads, prepack {'off' if args.no_prepack else 'on'}, "
+          f"{torch.__version__}: median step {step_ms:.2f} ms (under the profiler), "
+          f"ops {op_us / 1000:.2f} ms/step, {calls:.0f} op calls/step")  # fmt: skip
+    print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=48))
+
+
+if __name__ == "__main__":
+    main()
