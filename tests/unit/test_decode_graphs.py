@@ -1,6 +1,6 @@
 """Decode graphs (shared/engine/decode_graphs.py), proven on CPU: the static-buffer program that CUDA graphs
 capture runs here under `EagerReplay` (capture = keep the callable, replay = run it again over whatever the
-buffers hold), with the Triton kernels interpreted (TRITON_INTERPRET=1, tests/unit/conftest.py). It must give
+buffers hold), with the Triton kernels interpreted (TRITON_INTERPRET=1, tests/conftest.py). It must give
 the eager path's tokens and logits with padding to buckets, the scratch block and the fixed split count; the
 scratch block stays nobody's; and the captured step reads nothing on the host and launches fixed grids."""
 
@@ -31,7 +31,7 @@ from tests.device_guard import DeviceGuard
 
 pytest.importorskip("triton", reason="the kernels need triton")
 interpreted = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernels need TRITON_INTERPRET=1 (tests/unit/conftest.py)"
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernels need TRITON_INTERPRET=1 (tests/conftest.py)"
 )
 
 # max_model_len 1024 at block size 16: the decode kernel's fixed split count is 4 for buckets up to 8 (2 KV

@@ -1,6 +1,6 @@
 """The Triton fused MoE (shared/model/kernels/fused_moe.py) against its torch reference, and the reference
 against the model's own `Experts.forward_reference`. Without a GPU the kernels run on CPU tensors under the
-Triton interpreter (tests/unit/conftest.py), which runs every program in Python: hence the tiny shapes. On a
+Triton interpreter (tests/conftest.py), which runs every program in Python: hence the tiny shapes. On a
 CUDA machine the same tests run the compiled kernels on the GPU.
 
 Tolerances: float32 1e-5 (fp32 accumulation on both sides, ieee dots; only summation order differs). float16
@@ -26,13 +26,13 @@ D, I = 32, 16  # noqa: E741 (the legend's I)
 
 
 def _device() -> torch.device:
-    """CPU under the interpreter (tests/unit/conftest.py sets TRITON_INTERPRET before triton is imported where
+    """CPU under the interpreter (tests/conftest.py sets TRITON_INTERPRET before triton is imported where
     there is no GPU), else the GPU: the same tests then run the compiled kernels."""
     if isinstance(fm._gate_up_kernel, InterpretedFunction):
         return torch.device("cpu")
     if torch.cuda.is_available():
         return torch.device("cuda")
-    pytest.fail("triton was imported without TRITON_INTERPRET=1 and there is no GPU: see tests/unit/conftest.py")
+    pytest.fail("triton was imported without TRITON_INTERPRET=1 and there is no GPU: see tests/conftest.py")
 
 
 DEVICE = _device()

@@ -1,6 +1,6 @@
 """The Triton paged decode-attention kernel against its torch reference, and the reference against the model's
 decode path (shared/model/paged_attention.py). Without a GPU it runs on CPU tensors under TRITON_INTERPRET=1
-(set by tests/unit/conftest.py), every program in Python: hence the tiny shapes. On a CUDA machine the same
+(set by tests/conftest.py), every program in Python: hence the tiny shapes. On a CUDA machine the same
 tests run the compiled kernels on the GPU.
 
 Tolerances: float32 is held to 1e-5 (both sides accumulate in fp32; only summation order differs). Low
@@ -25,7 +25,7 @@ SCALE = 0.3
 
 
 def _device() -> torch.device:
-    """CPU under the interpreter (tests/unit/conftest.py sets it where no GPU is present), else the GPU."""
+    """CPU under the interpreter (tests/conftest.py sets it where no GPU is present), else the GPU."""
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -33,7 +33,7 @@ def _device() -> torch.device:
         return torch.device("cpu")
     if torch.cuda.is_available():
         return torch.device("cuda")
-    pytest.fail("triton was imported without TRITON_INTERPRET=1 and there is no GPU: see tests/unit/conftest.py")
+    pytest.fail("triton was imported without TRITON_INTERPRET=1 and there is no GPU: see tests/conftest.py")
 
 
 DEVICE = _device()

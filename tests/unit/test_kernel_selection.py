@@ -1,6 +1,6 @@
 """The engine's `kernels` setting: the Triton kernels (decode attention, fused MoE) selected in place of the
 torch path give the same greedy tokens. On CPU the kernels run under the Triton interpreter
-(tests/unit/conftest.py sets TRITON_INTERPRET=1 before triton can be imported), so shapes stay tiny."""
+(tests/conftest.py sets TRITON_INTERPRET=1 before triton can be imported), so shapes stay tiny."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from shared.settings import WorkerSettings
 
 pytest.importorskip("triton", reason="the kernels need triton")
 interpreted = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernels need TRITON_INTERPRET=1 (tests/unit/conftest.py)"
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernels need TRITON_INTERPRET=1 (tests/conftest.py)"
 )
 
 # Lengths chosen so decodes have ragged contexts across a block boundary (block size 4) and a later prefill
