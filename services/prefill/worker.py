@@ -78,7 +78,8 @@ class PrefillWorker(Worker[PrefillJob]):
         try:
             # one token more than it has: a request moved here mid-stream resumes after its tokens so far
             outputs = job.output_token_ids
-            params = sampling_params(job.sampling, max_tokens=len(outputs) + 1)
+            # max_tokens 0: score the prompt only (prompt logprobs), nothing to sample or hand on
+            params = sampling_params(job.sampling, max_tokens=len(outputs) + 1 if job.sampling.max_tokens else 0)
             await self.engine.call(
                 lambda e: e.add_request(job.key, job.prompt_token_ids, params, hold_kv=True, output_token_ids=outputs)
             )
@@ -112,11 +113,10 @@ class PrefillWorker(Worker[PrefillJob]):
         """Publish the first token; hold the KV and publish the decode job (or free it: nothing to decode)."""
         assert self.held is not None  # set up before any job is taken
         rid, key = job.request_id, job.key
-        token = out.new_token_ids[0]
         finished = out.finish_reason is FinishReason.STOP or out.num_output_tokens >= job.sampling.max_tokens
         worker_id = self.settings.worker_id
         reason = out.finish_reason if finished else None
-        self.emit(job.reply_subject, first_token_event(job, token, finished, reason, out.num_prompt_tokens, worker_id))
+        self.emit(job.reply_subject, first_token_event(job, out, finished, reason, worker_id))
         if finished or self.is_cancelled(rid, job.attempt):  # nothing left to decode here
             await self.engine.call(lambda e: e.release_kv(key))
             self.ledger.finish(key)
@@ -129,7 +129,7 @@ class PrefillWorker(Worker[PrefillJob]):
             request_id=rid,
             model=job.model,
             prompt_token_ids=job.prompt_token_ids,
-            output_token_ids=[*job.output_token_ids, token],
+            output_token_ids=[*job.output_token_ids, *out.new_token_ids],
             sampling=job.sampling,
             reply_subject=job.reply_subject,
             attempt=job.attempt,

@@ -18,6 +18,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_measure import plan_kv_pool
 from shared.engine.kv_pool import KVLayout, KVPool
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.request import FinishReason, Request, RequestStatus
 from shared.engine.runner import ModelRunner
 from shared.engine.sampling import Sampler, SamplingParams
@@ -40,6 +41,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     scheduled_at: float | None = None  # wall clock of the request's first scheduling (end of its queue wait)
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when params.logprobs asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # positions 1.. of the prompt, on the request's first output
 
 
 @dataclass
@@ -170,18 +173,28 @@ class Engine:
             req = r.request
             if r.finished and not req.hold_kv:
                 self.requests.pop(req.request_id, None)
-            outputs.append(
-                RequestOutput(
-                    req.request_id,
-                    [r.new_token_id],
-                    r.finished,
-                    req.finish_reason,
-                    len(req.prompt_token_ids),
-                    len(req.output_token_ids),
-                    req.scheduled_at,
-                )
-            )
+            outputs.append(self._output(req, r.new_token_id, out.logprobs.get(req.request_id)))
         return outputs
+
+    def _output(self, req: Request, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        new, token_logprobs = [token], None if logprobs is None else [logprobs]
+        if req.params.max_tokens == 0:  # score only: the prompt was computed, the token it sampled is dropped
+            req.output_token_ids.pop()
+            new, token_logprobs, req.finish_reason = [], None, FinishReason.LENGTH
+        prompt_lp = None
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            prompt_lp, req.prompt_logprobs_sent = list(req.prompt_logprobs), True
+        return RequestOutput(
+            req.request_id,
+            new,
+            req.is_finished,
+            req.finish_reason,
+            len(req.prompt_token_ids),
+            len(req.output_token_ids),
+            req.scheduled_at,
+            token_logprobs,
+            prompt_lp,
+        )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion; output token ids in prompt order (a convenience for tools and tests)."""

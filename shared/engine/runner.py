@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from shared.engine.kv_pool import KVPool
+from shared.engine.logprobs import TokenLogprobs
+from shared.engine.prompt_scoring import score_prompts
 from shared.engine.sampling import Sampler
 from shared.engine.scheduler import SchedulePlan
 from shared.model.device import to_device
@@ -19,6 +21,7 @@ from shared.model.transformer import CausalLM
 class RunnerOutput:
     sampled: dict[str, int]  # request id → next token, for every sequence that sampled
     logits: dict[str, torch.Tensor]  # request id → (V,) float32 logits the token was sampled from (on the device)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # for the requests that asked
 
 
 class ModelRunner:
@@ -56,10 +59,17 @@ class ModelRunner:
         staged = torch.tensor(input_ids + positions + [ends[i] - 1 for i in sampling], dtype=torch.int64)
         ids, pos, rows = to_device(staged, self.device).split([t, t, len(sampling)])
         hidden = self.model(ids, pos, self._caches, meta)
+        score_prompts(self.model, hidden, plan.seqs, ends)  # prompt logprobs, for the requests that asked
         if not sampling:
             return RunnerOutput({}, {})
         logits = self.model.logits(hidden[rows])  # (S, V) float32, on the device
         reqs = [plan.seqs[i].request for i in sampling]
-        tokens = self.sampler.sample(logits, [r.params for r in reqs], [len(r.output_token_ids) for r in reqs])
+        tokens, logprobs = self.sampler.sample_with_logprobs(
+            logits,
+            [r.params for r in reqs],
+            [len(r.output_token_ids) for r in reqs],
+            [(r.prompt_token_ids, r.output_token_ids) for r in reqs],
+        )
         ids_ = [r.request_id for r in reqs]
-        return RunnerOutput(dict(zip(ids_, tokens, strict=True)), dict(zip(ids_, logits, strict=True)))
+        wanted = {rid: lp for rid, lp in zip(ids_, logprobs, strict=True) if lp is not None}
+        return RunnerOutput(dict(zip(ids_, tokens, strict=True)), dict(zip(ids_, logits, strict=True)), wanted)
