@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from shared.messages import Sampling
+from shared.messages import Logprob, Sampling
 
 
 class BackendUnavailable(Exception):
@@ -49,6 +49,8 @@ class Update:
     finish_reason: str | None = None
     error: str | None = None
     status: int = 500
+    logprobs: list[Logprob] = field(default_factory=list)  # one per token_ids entry when the request asked
+    prompt_logprobs: list[Logprob] = field(default_factory=list)  # prompt positions 1.., on one update at most
 
     @property
     def finished(self) -> bool:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.errors import APIError
+from services.gateway.sampling_fields import Scoring, chat_scoring, completion_scoring, distribution_fields
 from services.gateway.schemas import (  # the limits live with the schema, which declares them in /schema
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -39,37 +40,32 @@ class Prepared:
     stop: tuple[str, ...]  # stop strings, applied by the gateway on the text
     stream: bool
     include_usage: bool  # streaming: send the usage chunk
+    scoring: Scoring = Scoring()  # logprobs and echo
 
 
 def prepare_chat(req: ChatCompletionRequest, model: ServedModel) -> Prepared:
     _check_model(req.model, model)
     _check_common(req)
-    if req.logprobs:
-        raise APIError(400, "logprobs are not supported", "logprobs")
-    if req.top_logprobs:
-        raise APIError(400, "top_logprobs are not supported", "top_logprobs")
+    scoring = chat_scoring(req)
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise APIError(400, "response_format other than text is not supported", "response_format")
     prompt = _chat_prompt(req, model)
     requested = req.max_completion_tokens or req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     max_tokens = _max_tokens(requested, param, _fitting(prompt, "messages", model), model, default=None)
-    return _prepared(req, prompt, max_tokens, model)
+    return _prepared(req, prompt, max_tokens, model, scoring)
 
 
 def prepare_completion(req: CompletionRequest, model: ServedModel) -> Prepared:
     _check_model(req.model, model)
     _check_common(req)
-    if req.logprobs is not None:
-        raise APIError(400, "logprobs are not supported", "logprobs")
-    if req.echo:
-        raise APIError(400, "echo is not supported", "echo")
+    scoring = completion_scoring(req)
     if req.best_of is not None and req.best_of != 1:
         raise APIError(400, "only best_of=1 is supported", "best_of")
     prompt = _completion_prompt(req.prompt, model)
     prompt_len = _fitting(prompt, "prompt", model)
     max_tokens = _max_tokens(req.max_tokens, "max_tokens", prompt_len, model, COMPLETIONS_DEFAULT_MAX_TOKENS)
-    return _prepared(req, prompt, max_tokens, model)
+    return _prepared(req, prompt, max_tokens, model, scoring)
 
 
 def _check_model(requested: str | None, model: ServedModel) -> None:
@@ -195,7 +191,11 @@ def _max_tokens(requested: int | None, param: str, prompt_len: int, model: Serve
 
 
 def _prepared(
-    req: ChatCompletionRequest | CompletionRequest, prompt: list[int], max_tokens: int, model: ServedModel
+    req: ChatCompletionRequest | CompletionRequest,
+    prompt: list[int],
+    max_tokens: int,
+    model: ServedModel,
+    scoring: Scoring,
 ) -> Prepared:
     stop_token_ids = list(req.stop_token_ids or [])
     if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
@@ -214,6 +214,9 @@ def _prepared(
         seed=req.seed,
         stop_token_ids=stop_token_ids,
         ignore_eos=bool(req.ignore_eos),
+        logprobs=scoring.logprobs,
+        prompt_logprobs=scoring.prompt_logprobs,
+        **distribution_fields(req, model),
     )
     return Prepared(
         prompt_token_ids=prompt,
@@ -221,4 +224,5 @@ def _prepared(
         stop=tuple(s for s in stop if s),  # an empty stop string would end every request at once: ignored
         stream=bool(req.stream),
         include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
+        scoring=scoring,
     )

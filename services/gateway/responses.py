@@ -12,6 +12,8 @@ import uuid
 import msgspec
 
 from services.gateway.generation import Generation, Piece
+from services.gateway.logprobs_render import TokenTexts, chat_logprobs, completion_logprobs
+from services.gateway.sampling_fields import Scoring
 from services.gateway.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -23,6 +25,8 @@ from services.gateway.schemas import (
     CompletionChoice,
     Usage,
 )
+from shared.messages import Logprob
+from shared.model.tokenizer import Tokenizer
 
 
 def new_request_id(chat: bool) -> str:
@@ -35,31 +39,78 @@ def usage_of(gen: Generation) -> Usage:
 
 
 class ResponseWriter:
-    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        chat: bool,
+        tokenizer: Tokenizer | None = None,  # needed with logprobs or echo
+        scoring: Scoring | None = None,  # None = no logprobs, no echo
+        prompt_token_ids: list[int] | None = None,  # echo
+    ) -> None:
         self.id = request_id
         self.model = model
         self.chat = chat
         self.created = int(time.time())
         self._role_sent = False
+        self.scoring = scoring = scoring or Scoring()
+        self._texts = TokenTexts(tokenizer) if tokenizer is not None else None
+        self._prompt = list(prompt_token_ids or [])
+        self._echo_pending = scoring.echo  # streaming: the first chunk carries the prompt
+        self._offset = 0  # completions with logprobs: characters of the choice's text streamed so far
 
     def whole(self, gen: Generation) -> msgspec.Struct:
         """The non-streaming response, after gen ran to its end."""
         if self.chat:
             message = AssistantMessage(role="assistant", content=gen.text.text)
-            choice = ChatChoice(index=0, message=message, finish_reason=gen.finish_reason)
+            logprobs = self._chat_logprobs(gen.token_ids, gen.logprobs)
+            choice = ChatChoice(index=0, message=message, finish_reason=gen.finish_reason, logprobs=logprobs)
             return ChatCompletion(self.id, "chat.completion", self.created, self.model, [choice], usage_of(gen))
-        choice = CompletionChoice(index=0, text=gen.text.text, finish_reason=gen.finish_reason)
+        text, ids, lps = self._completion_parts(gen, gen.text.text, gen.token_ids, gen.logprobs)
+        logprobs = self._legacy(ids, lps)
+        choice = CompletionChoice(index=0, text=text, finish_reason=gen.finish_reason, logprobs=logprobs)
         return Completion(self.id, "text_completion", self.created, self.model, [choice], usage_of(gen))
 
-    def chunk(self, piece: Piece) -> msgspec.Struct:
-        """One token's chunk; the first chat chunk carries the assistant role."""
+    def chunk(self, piece: Piece, gen: Generation | None = None) -> msgspec.Struct:
+        """One token's chunk; the first chat chunk carries the assistant role, the first completions chunk the
+        echoed prompt (`gen` has its logprobs)."""
         if not self.chat:
-            choice = CompletionChoice(index=0, text=piece.text, finish_reason=piece.finish_reason)
+            text, ids, lps = piece.text, list(piece.token_ids), list(piece.logprobs)
+            if gen is not None:
+                text, ids, lps = self._completion_parts(gen, text, ids, lps)
+            self._echo_pending = False
+            logprobs = self._legacy(ids, lps)
+            choice = CompletionChoice(index=0, text=text, finish_reason=piece.finish_reason, logprobs=logprobs)
             return Completion(self.id, "text_completion", self.created, self.model, [choice])
         delta = ChatDelta(role=None if self._role_sent else "assistant", content=piece.text)
         self._role_sent = True
-        choice = ChatChunkChoice(index=0, delta=delta, finish_reason=piece.finish_reason)
+        logprobs = self._chat_logprobs(list(piece.token_ids), list(piece.logprobs))
+        choice = ChatChunkChoice(index=0, delta=delta, finish_reason=piece.finish_reason, logprobs=logprobs)
         return ChatCompletionChunk(self.id, "chat.completion.chunk", self.created, self.model, [choice])
+
+    def _chat_logprobs(self, ids: list[int], logprobs: list[Logprob]):
+        if self.scoring.logprobs is None or self._texts is None:
+            return None
+        return chat_logprobs(self._texts, ids, logprobs[: len(ids)])
+
+    def _completion_parts(
+        self, gen: Generation, text: str, ids: list[int], logprobs: list[Logprob]
+    ) -> tuple[str, list[int], list[Logprob | None]]:
+        """With echo (once: the whole response, or the first chunk): the prompt's text, ids and logprobs first (the
+        first prompt token has none)."""
+        lps: list[Logprob | None] = list(logprobs)
+        if not self._echo_pending or self._texts is None:
+            return text, ids, lps
+        prompt_lps: list[Logprob | None] = [None, *gen.prompt_logprobs][: len(self._prompt)]
+        prompt_lps += [None] * (len(self._prompt) - len(prompt_lps))
+        return self._texts.decode(self._prompt) + text, self._prompt + ids, prompt_lps + lps
+
+    def _legacy(self, ids: list[int], logprobs: list[Logprob | None]):
+        if self.scoring.logprobs is None or self._texts is None:
+            return None
+        out = completion_logprobs(self._texts, ids, logprobs[: len(ids)], self._offset)
+        self._offset = out.text_offset[-1] + len(out.tokens[-1]) if out.tokens else self._offset
+        return out
 
     def usage_chunk(self, gen: Generation) -> msgspec.Struct:
         """The last chunk when stream_options.include_usage: no choices, the usage."""

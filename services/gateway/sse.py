@@ -28,7 +28,7 @@ async def events(gen: Generation, writer: ResponseWriter, include_usage: bool) -
     try:
         try:
             async for piece in gen.pieces():
-                yield event(writer.chunk(piece))
+                yield event(writer.chunk(piece, gen))
             if include_usage:
                 yield event(writer.usage_chunk(gen))
         except GenerationError as exc:

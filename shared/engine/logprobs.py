@@ -70,8 +70,6 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[To
     t = len(targets)
     values, indices = host[t : t + t * k], host[t + t * k :]
     return [
-        TokenLogprobs(
-            host[j], tuple(int(x) for x in indices[j * k : (j + 1) * k]), tuple(values[j * k : (j + 1) * k])
-        )
+        TokenLogprobs(host[j], tuple(int(x) for x in indices[j * k : (j + 1) * k]), tuple(values[j * k : (j + 1) * k]))
         for j in range(t)
     ]

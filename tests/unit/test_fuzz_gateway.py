@@ -292,10 +292,10 @@ def test_what_prepare_refuses_is_documented(client):
     assert set(schemas["ChatMessage"]["properties"]["role"]["enum"]) == CHAT_ROLES == set(DOCUMENTED_ROLES)
     completion = schemas["CompletionRequest"]["properties"]
     assert completion["n"]["enum"] == [1, None] and completion["best_of"]["enum"] == [1, None]
-    assert completion["echo"]["enum"] == [False, None] and completion["logprobs"]["enum"] == [None]
+    assert completion["logprobs"]["maximum"] == 5 and completion["logprobs"]["minimum"] == 0
     assert [f["minLength"] for f in completion["prompt"]["oneOf"] if f["type"] == "string"] == [1]
     assert schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
-    for body in ({"prompt": "hi", "n": 2}, {"prompt": "hi", "echo": True}, {"prompt": ""}):
+    for body in ({"prompt": "hi", "n": 2}, {"prompt": "hi", "max_tokens": 0}, {"prompt": ""}):
         assert client.post("/v1/completions", json=body).status_code == 400
 
 

@@ -82,7 +82,15 @@ def test_invalid_sampling_params_raise(kwargs):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"max_tokens": 0}, {"max_tokens": 1}, {"temperature": 0.0}, {"temperature": 100.0}, {"top_p": 1.0}, {"top_p": 1e-6}, {"top_k": 1}],
+    [
+        {"max_tokens": 0},
+        {"max_tokens": 1},
+        {"temperature": 0.0},
+        {"temperature": 100.0},
+        {"top_p": 1.0},
+        {"top_p": 1e-6},
+        {"top_k": 1},
+    ],
 )
 def test_boundary_sampling_params_are_accepted(kwargs):
     SamplingParams(**kwargs)
