@@ -21,8 +21,10 @@ from services.gateway.schemas import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatDelta,
+    ChatLogprobs,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     Usage,
 )
 from shared.messages import Logprob
@@ -75,9 +77,10 @@ class ResponseWriter:
         """One token's chunk; the first chat chunk carries the assistant role, the first completions chunk the
         echoed prompt (`gen` has its logprobs)."""
         if not self.chat:
-            text, ids, lps = piece.text, list(piece.token_ids), list(piece.logprobs)
+            text, ids = piece.text, list(piece.token_ids)
+            lps: list[Logprob | None] = list(piece.logprobs)
             if gen is not None:
-                text, ids, lps = self._completion_parts(gen, text, ids, lps)
+                text, ids, lps = self._completion_parts(gen, text, ids, list(piece.logprobs))
             self._echo_pending = False
             logprobs = self._legacy(ids, lps)
             choice = CompletionChoice(index=0, text=text, finish_reason=piece.finish_reason, logprobs=logprobs)
@@ -88,7 +91,7 @@ class ResponseWriter:
         choice = ChatChunkChoice(index=0, delta=delta, finish_reason=piece.finish_reason, logprobs=logprobs)
         return ChatCompletionChunk(self.id, "chat.completion.chunk", self.created, self.model, [choice])
 
-    def _chat_logprobs(self, ids: list[int], logprobs: list[Logprob]):
+    def _chat_logprobs(self, ids: list[int], logprobs: list[Logprob]) -> ChatLogprobs | None:
         if self.scoring.logprobs is None or self._texts is None:
             return None
         return chat_logprobs(self._texts, ids, logprobs[: len(ids)])
@@ -105,7 +108,7 @@ class ResponseWriter:
         prompt_lps += [None] * (len(self._prompt) - len(prompt_lps))
         return self._texts.decode(self._prompt) + text, self._prompt + ids, prompt_lps + lps
 
-    def _legacy(self, ids: list[int], logprobs: list[Logprob | None]):
+    def _legacy(self, ids: list[int], logprobs: list[Logprob | None]) -> CompletionLogprobs | None:
         if self.scoring.logprobs is None or self._texts is None:
             return None
         out = completion_logprobs(self._texts, ids, logprobs[: len(ids)], self._offset)

@@ -141,3 +141,15 @@ def iter_steps(e: Engine) -> list[RequestOutput]:
     while e.has_unfinished():
         outs += e.step()
     return outs
+
+
+@pytest.mark.parametrize("extra", PENALTIES, ids=lambda d: "-".join(d))
+def test_penalised_tokens_are_the_same_after_a_migration(checkpoint, extra):
+    """A request moved to another engine after k tokens (prompt + those tokens recomputed there, as the gateway
+    re-dispatches it) continues with the tokens one engine gives."""
+    prompt = [t % 251 for t in prompt_of(11, 1 << 30, seed=2)]
+    params = SamplingParams(**{"max_tokens": 20, "temperature": 0.0, "ignore_eos": True, **extra})
+    whole = [t for o in run(engine(checkpoint), prompt, params) for t in o.new_token_ids]
+    moved = engine(checkpoint)
+    moved.add_request("m", prompt, params, output_token_ids=whole[:13])
+    assert whole[:13] + [t for o in iter_steps(moved) for t in o.new_token_ids] == whole
