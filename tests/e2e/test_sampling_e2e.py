@@ -137,3 +137,29 @@ def test_bad_values_are_400s_naming_the_param(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as excinfo:
         client.completions.create(model="demo", prompt="hi", **({"max_tokens": 2} | kwargs))
     assert excinfo.value.body["param"] == param  # type: ignore[index]
+
+
+def test_a_mixed_worker_scores_and_penalises_as_one_engine(model_dir, engine, reference):
+    """The colocated role: the same prompt logprobs (max_tokens 0 ends in the one engine) and penalised tokens."""
+    tok = Tokenizer(model_dir)
+    ids = tok.encode(PROMPT)
+    spec = StackSpec(model=str(model_dir), port=free_port(), mixed=1, prefill=0, decode=0, threads_per_worker=1)
+    stack = start_stack(spec)
+    try:
+        client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        scored = client.completions.create(model="demo", prompt=ids, max_tokens=0, echo=True, logprobs=0)
+        penalised = client.completions.create(
+            model="demo", prompt=ids, max_tokens=MAX_TOKENS, temperature=0, frequency_penalty=1.5,
+            extra_body={"ignore_eos": True, "repetition_penalty": 1.3},
+        )  # fmt: skip
+    finally:
+        stack.stop()
+    lps = scored.choices[0].logprobs.token_logprobs
+    with torch.no_grad():
+        ref = torch.log_softmax(reference(torch.tensor([ids])).logits[0].double(), dim=-1)
+    assert lps[0] is None
+    assert lps[1:] == pytest.approx([ref[j - 1, ids[j]].item() for j in range(1, len(ids))], abs=1e-3)
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, frequency_penalty=1.5, repetition_penalty=1.3
+    )
+    assert penalised.choices[0].text == tok.decode(engine.generate([ids], params)[0])
