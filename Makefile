@@ -8,7 +8,7 @@ DEMO_MODEL ?= models/demo-tiny-qwen3_moe
 PORT ?= 8000
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install test test-unit test-integration test-e2e lint serve bench gpu-check clean redis-server
+.PHONY: install test test-unit test-integration test-e2e test-clients lint serve bench gpu-check clean redis-server
 
 $(STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || test -x /usr/bin/redis-server || $(MAKE) --no-print-directory redis-server
@@ -35,6 +35,17 @@ test: $(STAMP) lint
 test-unit test-integration test-e2e: test-%: $(STAMP)
 	$(PY) -m pytest tests/$*
 
+# Third-party clients against a live stack (tests/clients): litellm from the `clients` extra, AIPerf in a virtualenv
+# of its own (its pins conflict with the project's). Not part of `make test`, where these tests skip.
+AIPERF_VENV ?= .venv-aiperf
+$(AIPERF_VENV)/bin/aiperf:
+	test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install -q aiperf==0.13.0
+
+test-clients: $(STAMP) $(AIPERF_VENV)/bin/aiperf
+	$(PY) -m pip install -q -e '.[dev,clients]'
+	PDSERVE_CLIENT_TESTS=required PDSERVE_AIPERF=$(AIPERF_VENV)/bin/aiperf $(PY) -m pytest tests/clients
+
 $(DEMO_MODEL)/config.json: | $(STAMP)
 	$(VENV)/bin/pdserve demo-model $(DEMO_MODEL) --arch qwen3_moe --size tiny
 
@@ -51,4 +62,4 @@ gpu-check: $(STAMP)
 	$(PY) benchmarks/gpu_check.py --out gpu_check.json
 
 clean:
-	rm -rf $(VENV) models .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(AIPERF_VENV) models .pytest_cache .ruff_cache

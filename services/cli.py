@@ -178,6 +178,13 @@ def _add_service_commands(sub) -> None:
             help=f"extra flags for every {role} worker, as one shell-quoted string after an = "
             f"(e.g. --{role}-args='--kv-cache-bytes 2147483648'); PDSERVE_* variables reach every worker",
         )
+    for role in ("prefill", "decode", "mixed"):
+        up.add_argument(
+            f"--{role}-devices",
+            metavar="LIST",
+            help=f"devices of the {role} workers, comma-separated (cpu, cuda, cuda:N, or a GPU index N): worker i "
+            f"gets the (i mod count)-th, so fewer devices than workers share them (e.g. --{role}-devices 0)",
+        )
     up.add_argument("--trace-file", help="every service appends its spans here (read with `pdserve trace`)")
     up.add_argument("--drain-timeout-s", type=float, help="on SIGTERM / Ctrl-C: how long services drain (default 60)")
     up.add_argument("--log-dir", help="each service's output in <dir>/<service>.log (default: this terminal)")
@@ -270,6 +277,11 @@ def _up(args: argparse.Namespace) -> int:
             role: tuple(shlex.split(flags))
             for role in ("prefill", "decode", "mixed")
             if (flags := getattr(args, f"{role}_args"))
+        },
+        devices={
+            role: tuple(d for d in devices.split(",") if d.strip())
+            for role in ("prefill", "decode", "mixed")
+            if (devices := getattr(args, f"{role}_devices"))
         },
         trace_file=args.trace_file,
         env=drain_env,

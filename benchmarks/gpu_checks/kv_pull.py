@@ -30,6 +30,7 @@ from shared.engine.sampling import SamplingParams
 from shared.kv.held import HeldKv
 from shared.kv.transfer import EngineKvBlocks, KvTransferClient, KvTransferServer
 from shared.kv.transfer.pair import DECODE_RANK, PREFILL_RANK, Pair, TransferBackend
+from shared.kv.transfer.send_stream import SendStream
 from shared.model.demo import write_demo_checkpoint
 
 # torch.distributed re-exports its C++ TCPStore without marking it public (as in shared/kv/transfer/pair.py)
@@ -94,10 +95,12 @@ def _prefill_main(conn: Connection, ckpt: str, backend: TransferBackend, device:
 
 
 async def _serve(conn: Connection, engine: Engine, backend: TransferBackend, payload: torch.Tensor, n: int) -> None:
-    source = HeldKv(EngineKvBlocks(engine), lease_s=600.0)
+    stream = SendStream(engine.device)  # as the prefill worker: exports and sends off the compute stream
+    source = HeldKv(EngineKvBlocks(engine, send_stream=stream), lease_s=600.0)
     for i in range(n):
         await source.hold(f"kv-{i}", f"kv-{i}", 0)
-    server = KvTransferServer(HOST, 0, source, secret=SECRET, timeout_s=TIMEOUT_S, backend=backend)
+    server = KvTransferServer(HOST, 0, source, secret=SECRET, timeout_s=TIMEOUT_S, backend=backend,
+                              send_stream=stream)  # fmt: skip
     address = await server.start()
     raw_store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
     conn.send(dict(address=address, raw_port=raw_store.port, layout=dataclasses.asdict(engine.layout), n=n))

@@ -26,6 +26,8 @@ from services.gateway.nats_backend import NatsBackend
 from services.gateway.routes import PROBE_ROUTES, V1_ROUTES
 from services.gateway.schemas import API_KEY_REQUIRED, SECURITY_SCHEMES, declare_limits
 from services.gateway.served_model import ServedModel
+from services.gateway.tokenize import TOKENIZE_ROUTES
+from services.gateway.unsupported import document_fields
 from shared.settings import GatewaySettings
 
 
@@ -76,8 +78,15 @@ def create_app(
         guards=[api_key_guard(settings.api_keys)] if settings.api_keys else None,
         security=API_KEY_REQUIRED if settings.api_keys else None,  # what the guard asks for, in the document
     )
+    # vLLM serves /tokenize and /detokenize beside /v1, not under it; they take the same keys
+    tokenizer = Router(
+        "/",
+        route_handlers=TOKENIZE_ROUTES,
+        guards=[api_key_guard(settings.api_keys)] if settings.api_keys else None,
+        security=API_KEY_REQUIRED if settings.api_keys else None,
+    )
     app = Litestar(
-        route_handlers=[v1, *PROBE_ROUTES],
+        route_handlers=[v1, tokenizer, *PROBE_ROUTES],
         dependencies={
             "backend": Provide(_backend, sync_to_thread=False),
             "model": Provide(_model, sync_to_thread=False),
@@ -97,4 +106,5 @@ def create_app(
         ),
     )
     declare_limits(app.openapi_schema, model, settings.max_body_bytes)  # builds the document now, once
+    document_fields(app.openapi_schema)  # OpenAI's fields that are refused or ignored, with their status
     return app

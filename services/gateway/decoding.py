@@ -14,6 +14,7 @@ import msgspec
 from litestar.dto import MsgspecDTO
 
 from services.gateway.errors import APIError
+from services.gateway.unsupported import refuse_unsupported
 
 T = TypeVar("T")
 RequestT = TypeVar("RequestT", bound=msgspec.Struct)  # what litestar's MsgspecDTO accepts (a request schema)
@@ -57,7 +58,9 @@ class StrictJSON(MsgspecDTO[RequestT]):
 
     def decode_bytes(self, value: bytes) -> Any:
         check_content_type(self.asgi_connection.headers.get("content-type"))
-        return decode_body(value, self.model_type)
+        decoded = decode_body(value, self.model_type)
+        refuse_unsupported(value, self.model_type)  # OpenAI's fields that pdserve does not serve: a 400 each
+        return decoded
 
     @classmethod
     def create_openapi_schema(cls, field_definition: Any, handler_id: str, schema_creator: Any) -> Any:

@@ -167,6 +167,7 @@ class Usage(msgspec.Struct):
 class AssistantMessage(msgspec.Struct):
     role: str
     content: str
+    refusal: str | None = None  # required by OpenAI's schema: null, there are no refusals
 
 
 class TopLogprob(msgspec.Struct):

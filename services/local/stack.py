@@ -25,6 +25,7 @@ from pathlib import Path
 
 from services.local.children import popen_options
 from services.local.infra import ServerProcess, free_port, start_nats, start_redis
+from shared.engine.config import EngineConfig
 from shared.urls import split_credentials
 
 
@@ -49,6 +50,9 @@ class StackSpec:
     # Extra flags for one role's workers, after worker_args (so they win): e.g. a KV budget per role, as decode
     # workers hold KV long and prefill workers need activation room: {"decode": ("--kv-cache-bytes", "2147483648")}.
     role_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Devices per role ("cpu", "cuda", "cuda:N"; a bare N means cuda:N): worker i of the role runs on
+    # devices[i % len(devices)], so fewer devices than workers share them. See worker_devices.
+    devices: dict[str, tuple[str, ...]] = field(default_factory=dict)
     gateway_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     trace_file: str | None = None  # every service appends its spans to this JSON-lines file
@@ -62,9 +66,14 @@ class StackSpec:
             ("threads", self.threads),
             ("cpu_affinity", self.cpu_affinity),
             ("role_args", self.role_args),
+            ("devices", self.devices),
         ):
             if unknown := set(per_role) - {"prefill", "decode", "mixed"}:
                 raise ValueError(f"{name}: unknown roles {sorted(unknown)} (prefill, decode, mixed)")
+        for role, devices in self.devices.items():
+            if not devices:
+                raise ValueError(f"devices[{role!r}]: name at least one device")
+            object.__setattr__(self, "devices", self.devices | {role: tuple(map(device_name, devices))})
         if self.cpu_affinity:
             if not hasattr(os, "sched_setaffinity"):
                 raise ValueError("cpu_affinity needs os.sched_setaffinity (Linux)")
@@ -75,6 +84,49 @@ class StackSpec:
                         f"cpu_affinity[{role!r}] = {tuple(cpus)}: not a non-empty subset of the CPUs this "
                         f"process may use, {sorted(have)} ({os.cpu_count()} cores on this machine)"
                     )
+
+    def roles(self) -> list[str]:
+        """The role of every worker, in start order."""
+        return ["mixed"] * self.mixed if self.mixed else ["prefill"] * self.prefill + ["decode"] * self.decode
+
+    def worker_devices(self) -> list[str | None]:
+        """The device of every worker (in roles() order); None where its role has no devices (the worker's own
+        setting applies)."""
+        seen: dict[str, int] = {}
+        out: list[str | None] = []
+        for role in self.roles():
+            i = seen[role] = seen.get(role, -1) + 1
+            devices = self.devices.get(role)
+            out.append(devices[i % len(devices)] if devices else None)
+        return out
+
+    def shared_gpus(self) -> dict[str, int]:
+        """CUDA devices given to more than one worker → how many workers share each."""
+        counts: dict[str, int] = {}
+        for d in self.worker_devices():
+            if d is not None and d.startswith("cuda"):
+                counts[d] = counts.get(d, 0) + 1
+        return {d: n for d, n in counts.items() if n > 1}
+
+    def nccl_pairs(self) -> bool:
+        """Whether every prefill and decode worker is on a CUDA device and no prefill worker shares a GPU with
+        a decode worker: then KV can move over NCCL (it refuses two ranks of a pair on one GPU)."""
+        placed = list(zip(self.roles(), self.worker_devices(), strict=True))
+        if self.mixed or any(d is None or not d.startswith("cuda") for _, d in placed):
+            return False
+        prefill = {d for r, d in placed if r == "prefill"}
+        return not prefill & {d for r, d in placed if r == "decode"}
+
+
+def device_name(spec: str) -> str:
+    """A device as a worker's --device takes it: "cpu", "cuda", "cuda:N"; a bare N is cuda:N."""
+    spec = spec.strip()
+    if spec.isdigit():
+        return f"cuda:{spec}"
+    kind, _, index = spec.partition(":")
+    if kind == "cpu" and not index or kind == "cuda" and (not index or index.isdigit()):
+        return spec
+    raise ValueError(f"unknown device {spec!r}: cpu, cuda, cuda:N or a GPU index N")
 
 
 class Stack:
@@ -127,12 +179,11 @@ class Stack:
                 self._infra_env |= {"PDSERVE_REDIS_URL": split_credentials(self.redis_url)[0],
                                     "PDSERVE_REDIS_PASSWORD": password}  # fmt: skip
             spec = self.spec
-            roles = ["mixed"] * spec.mixed if spec.mixed else ["prefill"] * spec.prefill + ["decode"] * spec.decode
-            for i, role in enumerate(roles):
+            for i, (role, device) in enumerate(zip(spec.roles(), spec.worker_devices(), strict=True)):
                 name = f"{role}-{i}"
                 self.metrics_ports[name] = port = free_port(self.spec.host)
                 flags = ["--worker-id", f"{name}-{os.getpid()}", "--metrics-port", str(port)]
-                self.spawn(name, [role, *flags, *self._worker_flags(role)])
+                self.spawn(name, [role, *flags, *self._worker_flags(role, device)])
             self.spawn("gateway", ["gateway", "--port", str(self.spec.port), "--host", self.spec.host,
                                    *self._common_flags(), *self.spec.gateway_args])  # fmt: skip
         except BaseException:
@@ -149,11 +200,32 @@ class Stack:
         """The /metrics URL of every worker (the gateway's is at url + "/metrics")."""
         return [f"http://{self.spec.host}:{port}/metrics" for port in self.metrics_ports.values()]
 
-    def _worker_flags(self, role: str) -> list[str]:
-        flags = self._common_flags() + ["--metrics-host", self.spec.host] + list(self.spec.worker_args)
-        flags += self.spec.role_args.get(role, ())
+    def _worker_flags(self, role: str, device: str | None = None) -> list[str]:
+        """Flags of one worker: common ones, the device placement's (before the user's, which win), the user's
+        worker_args and role_args, threads."""
+        flags = self._common_flags() + ["--metrics-host", self.spec.host]
+        if device is not None:
+            flags += ["--device", device] + self._placement_flags(role, device)
+        flags += list(self.spec.worker_args) + list(self.spec.role_args.get(role, ()))
         if threads := self.spec.threads.get(role, self.spec.threads_per_worker):
             flags += ["--threads", str(threads)]
+        return flags
+
+    def _placement_flags(self, role: str, device: str) -> list[str]:
+        """What a device placement implies unless the user said otherwise: workers sharing a GPU split the
+        default gpu_memory_utilization (each engine's share is its own budget: together they would ask for
+        k x 0.9 of it), and prefill/decode workers on disjoint GPUs move KV over NCCL."""
+        given = " ".join([*self.spec.worker_args, *self.spec.role_args.get(role, ())])
+        env = self.service_env()
+        flags = []
+        sharing = self.spec.shared_gpus().get(device, 1)
+        budget_given = any(f in given for f in ("--gpu-memory-utilization", "--kv-cache-bytes", "--num-kv-blocks"))
+        budget_given |= any(f"PDSERVE_{v}" in env for v in ("GPU_MEMORY_UTILIZATION", "KV_CACHE_BYTES"))
+        if sharing > 1 and not budget_given:
+            share = EngineConfig.__dataclass_fields__["gpu_memory_utilization"].default
+            flags += ["--gpu-memory-utilization", f"{share / sharing:.4f}"]
+        if self.spec.nccl_pairs() and "--transfer-backend" not in given and "PDSERVE_TRANSFER_BACKEND" not in env:
+            flags += ["--transfer-backend", "nccl"]
         return flags
 
     def service_env(self) -> dict[str, str]:

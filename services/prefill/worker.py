@@ -20,6 +20,7 @@ from shared.engine.engine import RequestOutput
 from shared.engine.request import FinishReason
 from shared.kv.held import HeldKv
 from shared.kv.registry import KvLocation, KvRegistry
+from shared.kv.transfer.send_stream import SendStream
 from shared.kv.transfer.server import KvTransferServer
 from shared.kv.transfer.source import EngineKvBlocks
 from shared.messages import Cancel, DecodeJob, PrefillJob, Role, decode_subject, encode, prefill_subject
@@ -47,7 +48,9 @@ class PrefillWorker(Worker[PrefillJob]):
 
     async def setup(self) -> None:
         kv = self.settings.kv
-        blocks = EngineKvBlocks(self.engine.engine, call=self.engine.call)
+        # one stream for this server's exports and sends, off the engine's compute stream (a no-op on CPU)
+        stream = SendStream(self.engine.engine.device)
+        blocks = EngineKvBlocks(self.engine.engine, call=self.engine.call, send_stream=stream)
         self.held = HeldKv(blocks, kv.lease_s, registry=KvRegistry(self.conn.redis, kv.lease_s))
         self.server = KvTransferServer(
             kv.rpc_host,
@@ -60,6 +63,7 @@ class PrefillWorker(Worker[PrefillJob]):
             fault_send_midway=kv.fault_send_midway,
             advertise_host=kv.advertise_host,
             model_name=self.model_name,
+            send_stream=stream,
         )
         self.rpc_address = await self.server.start()
 

@@ -69,6 +69,9 @@ class EngineConfig:
     """Decode attention and MoE experts: auto = triton on CUDA when triton is installed, else torch; torch =
     the plain-torch path (the CPU path and the kernels' reference); triton = the Triton kernels (on CPU only
     under TRITON_INTERPRET=1, for tests). Resolved once when the engine starts, and logged."""
+    cuda_graphs: bool = True
+    """Replay decode-only steps from CUDA graphs captured at start, one per batch-size bucket (1, 2, 4, 8, 16,
+    24, ... up to max_num_seqs); effective only on CUDA with kernels=triton, else every step runs eagerly."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:

@@ -15,8 +15,10 @@ import torch
 
 from shared.engine.block_manager import BlockManager, NoFreeBlocksError
 from shared.engine.config import EngineConfig
+from shared.engine.decode_graphs import CaptureReport, DecodeGraphs, GraphBackend, bucket_sizes, choose_backend
+from shared.engine.device_setup import exclusive_setup
 from shared.engine.kv_export import KVExport
-from shared.engine.kv_measure import plan_kv_pool
+from shared.engine.kv_measure import outside_torch, plan_kv_pool
 from shared.engine.kv_pool import KVLayout, KVPool
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.request import FinishReason, Request, RequestStatus
@@ -56,12 +58,35 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, model: CausalLM | None = None, graph_backend: GraphBackend | None = None
+    ) -> None:
+        """graph_backend: how decode steps are captured, instead of what the settings choose (CUDA graphs on
+        CUDA with the Triton kernels): tests and the gpu-check's CPU rehearsal pass decode_graphs.EagerReplay.
+        It needs kernels=triton, and cuda_graphs off still turns it off."""
         self.config = config
         self.device = resolve_device(config.device)  # refuses an unknown device or CUDA without one, first
         if config.threads:
             torch.set_num_threads(config.threads)
-        self.model = model or load_model(config.model, dtype=config.dtype, device=self.device)
+        # On CUDA, from the first look at the device until the pool exists, engines sharing the GPU wait for
+        # each other: this engine's non-torch memory is counted from that look (shared/engine/device_setup.py).
+        with exclusive_setup(self.device):
+            non_torch_at_start = outside_torch(torch.cuda, self.device) if self.device.type == "cuda" else 0
+            self.model = model or load_model(config.model, dtype=config.dtype, device=self.device)
+            backend, why_not = self._plan_kv(non_torch_at_start, graph_backend)
+        self.blocks = BlockManager(self.kv_plan.num_blocks, config.block_size)
+        eos = self.model.config.eos_token_ids
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, eos_token_ids=eos)
+        self.graph_capture: CaptureReport | None = None  # what capturing the decode graphs took, when on
+        self.runner = ModelRunner(self.model, self.pool, Sampler(config.seed), self._capture(backend, why_not))
+        self.requests: dict[str, Request] = {}  # live, or finished and holding KV
+        self.stats = EngineStats()
+        self.last_logits: dict[str, torch.Tensor] = {}  # from the latest step, for tests and logprobs
+
+    def _plan_kv(self, non_torch_at_start: int, graph_backend: GraphBackend | None) -> tuple[GraphBackend | None, str]:
+        """Prepack the weights, choose the kernels, plan the KV pool and allocate it (sets kernels, layout,
+        max_model_len, kv_plan, pool). → the decode-graph backend (None: off) and why it is off."""
+        config = self.config
         mc = self.model.config
         weight = next(self.model.parameters())
         if weight.device != self.device:
@@ -77,19 +102,43 @@ class Engine:
         )
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         # after the weights (and their packed twins): on CUDA the plan measures what they left
-        self.kv_plan = plan_kv_pool(config, self.layout, self.max_model_len, self.model)
+        self.kv_plan = plan_kv_pool(
+            config, self.layout, self.max_model_len, self.model, non_torch_at_start=non_torch_at_start
+        )
         log.info("%s", self.kv_plan.summary())
-        self.pool = KVPool(self.layout, self.kv_plan.num_blocks, self.device)
-        self.blocks = BlockManager(self.pool.num_blocks, config.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, eos_token_ids=mc.eos_token_ids)
-        self.runner = ModelRunner(self.model, self.pool, Sampler(config.seed))
-        self.requests: dict[str, Request] = {}  # live, or finished and holding KV
-        self.stats = EngineStats()
-        self.last_logits: dict[str, torch.Tensor] = {}  # from the latest step, for tests and logprobs
+        backend, why_not = choose_backend(config.cuda_graphs, self.device, self.kernels)
+        if graph_backend is not None and config.cuda_graphs:
+            backend = graph_backend
+        # With graphs the pool gets one block more than the plan, the scratch block padded rows write to: the
+        # block manager hands out ids 0..plan-1 only, so the scratch block (id = plan) is nobody's.
+        self.pool = KVPool(self.layout, self.kv_plan.num_blocks + (backend is not None), self.device)
+        return backend, why_not
+
+    def _capture(self, backend: GraphBackend | None, why_not: str) -> DecodeGraphs | None:
+        """The decode graphs, captured over the real pool (after it exists), and the one start-up line."""
+        if backend is None:
+            log.info("decode graphs: %s", why_not)
+            return None
+        graphs = DecodeGraphs(
+            self.model,
+            self.pool.layer_caches(),
+            self.config.block_size,
+            scratch_block=self.kv_plan.num_blocks,
+            max_model_len=self.max_model_len,
+            sizes=bucket_sizes(self.config.scheduler.max_num_seqs),
+            backend=backend,
+        )
+        try:
+            self.graph_capture = graphs.capture()
+        except Exception:  # a first GPU run should not be stopped by an op that refuses capture: run eagerly
+            log.exception("decode graphs: capture failed (%s); every step runs eagerly", backend.name)
+            return None
+        log.info("%s", self.graph_capture.summary())
+        return graphs
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, **overrides) -> Engine:
-        return cls(EngineConfig(model=str(model_dir), **overrides))
+    def from_dir(cls, model_dir: str | Path, graph_backend: GraphBackend | None = None, **overrides) -> Engine:
+        return cls(EngineConfig(model=str(model_dir), **overrides), graph_backend=graph_backend)
 
     # ---- requests -------------------------------------------------------------------------------------
 

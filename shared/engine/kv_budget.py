@@ -4,8 +4,10 @@ is unit-tested on any machine. shared/engine/kv_measure.py measures a CUDA devic
 Three sources, the first that applies wins:
   1. `num_kv_blocks` (tests): that many blocks.
   2. `kv_cache_bytes`: that budget cut into blocks; on a device other than CUDA it defaults to CPU_KV_CACHE_BYTES.
-  3. on CUDA without either: `gpu_memory_utilization` × the device's total memory, minus what the weights, a
-     profiled worst-case step's activations and memory outside torch's allocator take (vLLM's meaning).
+  3. on CUDA without either: `gpu_memory_utilization` × the device's total memory, minus what this engine's
+     weights, a profiled worst-case step's activations and its own memory outside torch's allocator take
+     (vLLM's meaning: other processes on the device are not charged to this engine's share), and never more
+     than the device has free.
 
 A plan that cannot hold one request of max_model_len is refused (ValueError) with what to change.
 """
@@ -61,7 +63,11 @@ class CudaMemory:
     total: int  # the device's memory (torch.cuda.mem_get_info's total)
     weights: int  # allocated by torch in this process before the profiled step: weights and buffers
     activation_peak: int  # the step's peak allocation above that (torch.cuda.max_memory_allocated)
-    non_torch: int  # in use on the device outside torch's allocator: CUDA context, NCCL, other processes
+    # this engine's memory outside torch's allocator that appeared since it started (NCCL buffers, cuBLAS and
+    # Triton workspaces): the used-but-not-reserved memory now minus at the engine's first look at the device.
+    # Other processes' memory is not in it: a share of the device is this engine's own budget.
+    non_torch: int
+    free: int  # free on the device after the step (the allocator's cache emptied): the pool cannot exceed it
 
 
 @dataclass(frozen=True)
@@ -105,21 +111,25 @@ def plan_bytes(budget_bytes: int, shape: KvShape) -> KvPlan:
 
 
 def cuda_kv_bytes(memory: CudaMemory, utilization: float) -> int:
-    """What `utilization` of the device leaves for KV once weights, activations and non-torch memory are
-    counted; negative when they alone exceed it."""
+    """What `utilization` of the device leaves for KV once this engine's weights, activations and non-torch
+    memory are counted; negative when they alone exceed it."""
     return int(memory.total * utilization) - memory.weights - memory.activation_peak - memory.non_torch
 
 
 def plan_cuda(memory: CudaMemory, utilization: float, shape: KvShape) -> KvPlan:
-    """The blocks that fit in `utilization` of a measured CUDA device. ValueError if they hold no max-length
-    request (or nothing is left at all)."""
-    budget = cuda_kv_bytes(memory, utilization)
+    """The blocks that fit in `utilization` of a measured CUDA device and in its free memory. ValueError if
+    they hold no max-length request (or nothing is left at all)."""
+    share = cuda_kv_bytes(memory, utilization)
     how = (
         f"gpu_memory_utilization {utilization:g} x {_size(memory.total)} - weights {_size(memory.weights)} "
-        f"- activations {_size(memory.activation_peak)} - non-torch {_size(memory.non_torch)}"
+        f"- activations {_size(memory.activation_peak)} - non-torch {_size(memory.non_torch)} = {_size(share)}"
     )
+    budget = share
+    if memory.free < share:  # other processes hold what the share would take: the free memory is the limit
+        budget = memory.free
+        how += f", capped by the device's free {_size(memory.free)} (other processes use the rest)"
     blocks = max(budget, 0) // shape.bytes_per_block
-    return _checked(KvPlan(blocks, shape, KvSizing.GPU_MEMORY_UTILIZATION, f"{how} = {_size(budget)}"))
+    return _checked(KvPlan(blocks, shape, KvSizing.GPU_MEMORY_UTILIZATION, how))
 
 
 def _checked(plan: KvPlan) -> KvPlan:

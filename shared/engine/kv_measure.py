@@ -35,11 +35,18 @@ class CudaApi(Protocol):
 
 
 def plan_kv_pool(
-    config: EngineConfig, layout: KVLayout, max_model_len: int, model: CausalLM, cuda: CudaApi = torch.cuda
+    config: EngineConfig,
+    layout: KVLayout,
+    max_model_len: int,
+    model: CausalLM,
+    cuda: CudaApi = torch.cuda,
+    non_torch_at_start: int = 0,
 ) -> KvPlan:
     """The pool's plan for an engine whose model is loaded (num_kv_blocks, else kv_cache_bytes, else on CUDA a
     profiled step). On CUDA without either setting it runs one dummy forward pass (device memory allocated
-    and freed, peak-memory statistics reset). ValueError when the plan holds no max_model_len request."""
+    and freed, peak-memory statistics reset). `non_torch_at_start`: `outside_torch(cuda, device)` before the
+    engine loaded anything (memory of the CUDA context and of other processes, not charged to this engine).
+    ValueError when the plan holds no max_model_len request."""
     shape = KvShape(layout.bytes_per_block, layout.block_size, max_model_len)
     device = torch.device(config.device)
     if config.num_kv_blocks is not None:
@@ -52,13 +59,24 @@ def plan_kv_pool(
     def prepare() -> Callable[[], None]:
         return dummy_step(model, layout, device, num_tokens, max_model_len, min(sched.max_num_seqs, num_tokens))
 
-    return plan_cuda(measure_cuda(cuda, device, prepare), config.gpu_memory_utilization, shape)
+    memory = measure_cuda(cuda, device, prepare, non_torch_at_start)
+    return plan_cuda(memory, config.gpu_memory_utilization, shape)
 
 
-def measure_cuda(cuda: CudaApi, device: torch.device, prepare: Callable[[], Callable[[], None]]) -> CudaMemory:
+def outside_torch(cuda: CudaApi, device: torch.device) -> int:
+    """Memory in use on `device` outside this process's torch allocator: the CUDA context, other libraries'
+    buffers, and every other process on the device."""
+    free, total = cuda.mem_get_info(device)
+    return max(total - free - cuda.memory_reserved(device), 0)
+
+
+def measure_cuda(
+    cuda: CudaApi, device: torch.device, prepare: Callable[[], Callable[[], None]], non_torch_at_start: int = 0
+) -> CudaMemory:
     """`prepare()` allocates a step's inputs (counted as neither weights nor activations) and returns the step;
     the step runs once with peak statistics reset. Then the allocator's cache is emptied and the device's
-    free memory read. Side effects: resets `device`'s peak-memory statistics, empties the cache."""
+    free memory read; non-torch memory is counted from `non_torch_at_start` (see plan_kv_pool). Side effects:
+    resets `device`'s peak-memory statistics, empties the cache."""
     cuda.synchronize(device)
     cuda.empty_cache()
     weights = cuda.memory_allocated(device)
@@ -72,8 +90,8 @@ def measure_cuda(cuda: CudaApi, device: torch.device, prepare: Callable[[], Call
     del step  # frees the step's inputs before the device is read
     cuda.empty_cache()
     free, total = cuda.mem_get_info(device)
-    non_torch = max(total - free - cuda.memory_reserved(device), 0)
-    return CudaMemory(total=total, weights=weights, activation_peak=peak, non_torch=non_torch)
+    non_torch = max(outside_torch(cuda, device) - non_torch_at_start, 0)
+    return CudaMemory(total=total, weights=weights, activation_peak=peak, non_torch=non_torch, free=free)
 
 
 def dummy_step(

@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.engine.decode_graphs import DecodeGraphs
 from shared.engine.kv_pool import KVPool
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.prompt_scoring import score_prompts
+from shared.engine.request import Request
 from shared.engine.sampling import Sampler
 from shared.engine.scheduler import SchedulePlan
 from shared.model.device import to_device
@@ -25,12 +27,14 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, pool: KVPool, sampler: Sampler) -> None:
+    def __init__(self, model: CausalLM, pool: KVPool, sampler: Sampler, graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.pool = pool
         self.sampler = sampler
         self._caches = pool.layer_caches()
         self.device = pool.tensor.device
+        self.graphs = graphs  # captured decode steps (decode_graphs.py); None = every step runs eagerly
+        self.graph_steps = 0  # steps that replayed a graph
 
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan) -> RunnerOutput:
@@ -47,6 +51,29 @@ class ModelRunner:
         # Only sequences that caught up sample; their last token's hidden state gives the logits.
         ends = list(itertools.accumulate(s.num_tokens for s in plan.seqs))
         sampling = [i for i, s in enumerate(plan.seqs) if s.samples]
+        # a request still scoring its prompt needs every row's hidden state: the eager path (prompt_scoring.py)
+        scoring = any(_scoring_prompt(s.request) for s in plan.seqs)
+        if self.graphs is not None and not scoring and self.graphs.fits([s.num_tokens for s in plan.seqs]):
+            logits = self._replay(plan, input_ids, sampling)
+        else:
+            logits = self._eager(plan, input_ids, positions, ends, sampling)
+        if logits is None:
+            return RunnerOutput({}, {})
+        reqs = [plan.seqs[i].request for i in sampling]
+        tokens, logprobs = self.sampler.sample_with_logprobs(
+            logits,
+            [r.params for r in reqs],
+            [len(r.output_token_ids) for r in reqs],
+            [(r.prompt_token_ids, r.output_token_ids) for r in reqs],
+        )
+        ids_ = [r.request_id for r in reqs]
+        wanted = {rid: lp for rid, lp in zip(ids_, logprobs, strict=True) if lp is not None}
+        return RunnerOutput(dict(zip(ids_, tokens, strict=True)), dict(zip(ids_, logits, strict=True)), wanted)
+
+    def _eager(
+        self, plan: SchedulePlan, input_ids: list[int], positions: list[int], ends: list[int], sampling: list[int]
+    ) -> torch.Tensor | None:
+        """The model run op by op: any plan. → (S, V) float32 logits of the sampling rows, None if none."""
         meta = AttentionMetadata.build(
             block_tables=[s.request.block_table for s in plan.seqs],
             context_lens=[s.request.num_computed_tokens + s.num_tokens for s in plan.seqs],
@@ -61,15 +88,25 @@ class ModelRunner:
         hidden = self.model(ids, pos, self._caches, meta)
         score_prompts(self.model, hidden, plan.seqs, ends)  # prompt logprobs, for the requests that asked
         if not sampling:
-            return RunnerOutput({}, {})
-        logits = self.model.logits(hidden[rows])  # (S, V) float32, on the device
-        reqs = [plan.seqs[i].request for i in sampling]
-        tokens, logprobs = self.sampler.sample_with_logprobs(
-            logits,
-            [r.params for r in reqs],
-            [len(r.output_token_ids) for r in reqs],
-            [(r.prompt_token_ids, r.output_token_ids) for r in reqs],
+            return None
+        return self.model.logits(hidden[rows])  # (S, V) float32, on the device
+
+    def _replay(self, plan: SchedulePlan, input_ids: list[int], sampling: list[int]) -> torch.Tensor | None:
+        """A decode-only plan through the captured graph of its bucket (one token per sequence)."""
+        assert self.graphs is not None
+        self.graph_steps += 1
+        logits = self.graphs.run(
+            [s.request.block_table for s in plan.seqs],
+            [s.request.num_computed_tokens + 1 for s in plan.seqs],
+            input_ids,
         )
-        ids_ = [r.request_id for r in reqs]
-        wanted = {rid: lp for rid, lp in zip(ids_, logprobs, strict=True) if lp is not None}
-        return RunnerOutput(dict(zip(ids_, tokens, strict=True)), dict(zip(ids_, logits, strict=True)), wanted)
+        if not sampling:
+            return None
+        if len(sampling) == len(plan.seqs):
+            return logits
+        return logits[to_device(torch.tensor(sampling, dtype=torch.int64), self.device)]
+
+
+def _scoring_prompt(req: Request) -> bool:
+    """True while a request that asked for prompt logprobs has prompt positions left to score."""
+    return req.params.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt_token_ids) - 1

@@ -268,6 +268,17 @@ def test_gpu_profile_reserves_disjoint_gpus():
         assert settings.engine.device == "cpu" and settings.kv.backend == "gloo", name
 
 
+def test_gpu_profile_puts_both_roles_on_one_gpu_when_told():
+    """PREFILL_GPU=0 DECODE_GPU=0 with GPU_TRANSFER_BACKEND=gloo and a share each: the documented one-GPU form."""
+    shell = {"PREFILL_GPU": "0", "DECODE_GPU": "0", "GPU_TRANSFER_BACKEND": "gloo",
+             "PREFILL_GPU_MEMORY_UTILIZATION": "0.45", "DECODE_GPU_MEMORY_UTILIZATION": "0.45"}  # fmt: skip
+    for name in GPU_PROFILE:
+        devices = interpolate(SERVICES[name]["deploy"]["resources"]["reservations"]["devices"], shell)
+        assert [i for d in devices for i in d["device_ids"]] == ["0"], name
+        settings = from_env(WorkerSettings, environment(name, shell), role=role(name))
+        assert (settings.kv.backend, settings.engine.gpu_memory_utilization) == ("gloo", 0.45), name
+
+
 def test_each_worker_role_takes_its_own_kv_budget():
     """PREFILL_* / DECODE_* in the shell size that role's KV pool, CPU and GPU workers alike; unset, every
     worker keeps the engine's defaults (256 MiB on CPU, 0.9 of the GPU)."""

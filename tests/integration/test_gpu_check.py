@@ -21,7 +21,7 @@ from services.local.stack import Stack, StackSpec
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
-CHECKS = ["parity", "kernels", "kv_pull", "stack", "throughput"]
+CHECKS = ["parity", "kernels", "kv_pull", "stack", "throughput", "graphs"]
 
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -54,6 +54,16 @@ def test_every_check_passes_on_cpu_and_the_report_has_its_shape(tmp_path):
     assert checks["stack"]["numbers"]["text_chars"] == checks["stack"]["numbers"]["expected_chars"] > 0
     throughput = checks["throughput"]["numbers"]
     assert throughput["ours_tokens_per_s"] > 0 and throughput["transformers_tokens_per_s"] > 0
+    graphs = checks["graphs"]["numbers"]
+    assert graphs["tokens_equal"] == 1.0 and graphs["graph_steps"] > 0 and graphs["buckets"] == [1, 2, 4]
+    assert all(graphs[f"{n}_seqs"]["eager_ms"] > 0 and graphs[f"{n}_seqs"]["graph_ms"] > 0 for n in (1, 2, 4))
+    assert "EagerReplay" in checks["graphs"]["details"]
+
+
+def test_the_checks_timeouts_sum_to_under_8_minutes():
+    from benchmarks.gpu_check import CHECKS as TIMEOUTS
+
+    assert list(TIMEOUTS) == CHECKS and sum(TIMEOUTS.values()) < 8 * 60
 
 
 def test_without_cuda_it_exits_with_its_own_status_and_writes_nothing(tmp_path):

@@ -116,7 +116,16 @@ OPERATIONS = {
     ("GET", "/v1/models/{model_id}"): False,  # any string is a valid model id: nothing violates the schema
     ("GET", "/health"): False,
     ("GET", "/ready"): False,
+    ("POST", "/tokenize"): True,
+    ("POST", "/detokenize"): True,
 }
+
+
+def _keyed(path: str) -> bool:
+    """Whether the API keys guard `path`: /v1, and vLLM's tokenizer routes beside it."""
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+
+
 CASES = [(op, GenerationMode.POSITIVE) for op in OPERATIONS] + [
     (op, GenerationMode.NEGATIVE) for op, takes_input in OPERATIONS.items() if takes_input
 ]
@@ -182,11 +191,12 @@ def test_fuzz(gateway_schema, operation, mode):
 
 
 def test_fuzz_without_the_api_key(checkpoint, backend):
-    """With API keys set, every /v1 operation answers anything without a key with a documented 401."""
+    """With API keys set, every /v1 operation (and /tokenize, /detokenize) answers anything without a key with a
+    documented 401."""
     app = create_app(settings_for(checkpoint, api_keys=("sk-fuzz",)), backend)
     schema = schemathesis.openapi.from_asgi("/schema/openapi.json", app)
     statuses: collections.Counter[tuple[str, int]] = collections.Counter()
-    for method, path in [op for op in OPERATIONS if op[1].startswith("/v1/")]:
+    for method, path in [op for op in OPERATIONS if _keyed(op[1])]:
 
         @given(case=schema[path][method].as_strategy(generation_mode=GenerationMode.POSITIVE))
         @settings(
@@ -199,7 +209,7 @@ def test_fuzz_without_the_api_key(checkpoint, backend):
 
         fuzz()
     assert {status for _, status in statuses} == {401}, statuses
-    assert len({path for path, _ in statuses}) == 4
+    assert len({path for path, _ in statuses}) == 6
 
 
 def test_fuzz_with_the_api_key(checkpoint, backend):
@@ -210,7 +220,7 @@ def test_fuzz_with_the_api_key(checkpoint, backend):
     config = schemathesis.Config.from_dict({"auth": {"openapi": {API_KEY_SCHEME: {"bearer": key}}}})
     schema = schemathesis.openapi.from_asgi("/schema/openapi.json", app, config=config)
     statuses: collections.Counter[tuple[str, int]] = collections.Counter()
-    for method, path in [op for op in OPERATIONS if op[1].startswith("/v1/")]:
+    for method, path in [op for op in OPERATIONS if _keyed(op[1])]:
 
         @given(case=schema[path][method].as_strategy(generation_mode=GenerationMode.POSITIVE).map(_as_clients_send))
         @settings(
@@ -462,7 +472,7 @@ def test_both_503s_are_documented(checkpoint, backend, monkeypatch):
 
 
 def test_the_api_key_is_documented(checkpoint, backend):
-    """The document did not say that /v1 takes `Authorization: Bearer <key>`: with keys set, every /v1
+    """The document did not say that /v1 takes `Authorization: Bearer <key>`: with keys set, every /v1 (and tokenizer)
     operation requires the bearer scheme, and nothing else does; without keys, nothing requires it."""
     with TestClient(create_app(settings_for(checkpoint, api_keys=("sk-documented",)), backend)) as client:
         keyed = _document(client)
@@ -475,5 +485,5 @@ def test_the_api_key_is_documented(checkpoint, backend):
         assert "security" not in document  # the probes need no key
     for path, item in keyed["paths"].items():
         for operation in item.values():
-            assert operation.get("security") == ([{API_KEY_SCHEME: []}] if path.startswith("/v1/") else None), path
+            assert operation.get("security") == ([{API_KEY_SCHEME: []}] if _keyed(path) else None), path
     assert all("security" not in op for item in open_["paths"].values() for op in item.values())

@@ -184,7 +184,7 @@ def test_chat_completion(client, fake, tokenizer):
     body = r.json()
     assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion" and body["model"] == MODEL
     choice = body["choices"][0]
-    assert choice["message"] == {"role": "assistant", "content": REPLY}
+    assert choice["message"] == {"role": "assistant", "content": REPLY, "refusal": None}
     assert choice["finish_reason"] == "stop"
     prompt = tokenizer.encode_chat(USER)
     completion = len(fake.reply_ids()) + 1  # the EOS counts, and prints nothing

@@ -10,6 +10,7 @@ import pytest
 from litestar.testing import TestClient
 
 from services.gateway import create_app
+from tests.openai_schema import errors, validate, validate_stream_chunk
 from tests.unit.test_gateway import (  # noqa: F401  (fixtures)
     CHAT,
     COMPLETIONS,
@@ -104,3 +105,21 @@ def test_echo_without_logprobs_returns_the_prompt_text(client, fake):
     choice = client.post(COMPLETIONS, json={"prompt": "xyz", "echo": True, "max_tokens": 2}).json()["choices"][0]
     assert choice["text"].startswith("xyz") and choice["logprobs"] is None
     assert json.dumps(choice)  # plain JSON
+
+
+def test_logprobs_responses_validate_against_openais_schemas(client):
+    chat = {"messages": USER, "logprobs": True, "top_logprobs": 2, "max_tokens": 5}
+    validate(client.post(CHAT, json=chat).json(), "CreateChatCompletionResponse")
+    for chunk in stream_chunks(client.post(CHAT, json=chat | {"stream": True}).text):
+        validate_stream_chunk(chunk, chat=True)
+    text = {"prompt": "abc", "logprobs": 2, "max_tokens": 5}
+    validate(client.post(COMPLETIONS, json=text).json(), "CreateCompletionResponse")
+    for chunk in stream_chunks(client.post(COMPLETIONS, json=text | {"stream": True}).text):
+        validate_stream_chunk(chunk, chat=False)
+    # echo's first prompt token has null logprobs (as OpenAI's legacy API and vLLM answer): the one deviation
+    echoed = client.post(COMPLETIONS, json=text | {"echo": True}).json()
+    assert errors(echoed, "CreateCompletionResponse")
+    legacy = echoed["choices"][0]["logprobs"]
+    assert legacy["token_logprobs"][0] is None and legacy["top_logprobs"][0] is None
+    legacy["token_logprobs"][0], legacy["top_logprobs"][0] = 0.0, {}
+    validate(echoed, "CreateCompletionResponse")  # the nulls were all that differed

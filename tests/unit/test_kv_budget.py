@@ -23,7 +23,7 @@ from shared.engine.kv_budget import (
     plan_bytes,
     plan_cuda,
 )
-from shared.engine.kv_measure import dummy_step, measure_cuda, plan_kv_pool
+from shared.engine.kv_measure import dummy_step, measure_cuda, outside_torch, plan_kv_pool
 from shared.engine.kv_pool import KVLayout
 from shared.settings import WorkerSettings, from_args, from_env
 
@@ -52,12 +52,20 @@ def test_num_kv_blocks_is_taken_as_it_is():
 
 
 def test_cuda_budget_is_utilization_of_total_minus_weights_activations_and_non_torch():
-    memory = CudaMemory(total=80 * GIB, weights=16 * GIB, activation_peak=2 * GIB, non_torch=GIB)
+    memory = CudaMemory(total=80 * GIB, weights=16 * GIB, activation_peak=2 * GIB, non_torch=GIB, free=60 * GIB)
     assert cuda_kv_bytes(memory, 0.9) == int(72 * GIB) - 19 * GIB
     plan = plan_cuda(memory, 0.9, KvShape(bytes_per_block=GIB // 1024, block_size=16, max_model_len=4096))
     assert plan.num_blocks == 53 * 1024 and plan.sizing is KvSizing.GPU_MEMORY_UTILIZATION
     assert "gpu_memory_utilization 0.9 x 80.00 GiB - weights 16.00 GiB" in plan.budget
     assert plan_cuda(memory, 0.5, KvShape(GIB // 1024, 16, 4096)).num_blocks == (40 - 19) * 1024
+
+
+def test_cuda_budget_never_exceeds_the_free_memory_other_processes_leave():
+    # another engine holds 40 GiB of the device: this one's 0.9 share (53 GiB for KV) does not fit in what is free
+    memory = CudaMemory(total=80 * GIB, weights=16 * GIB, activation_peak=2 * GIB, non_torch=GIB, free=20 * GIB)
+    plan = plan_cuda(memory, 0.9, KvShape(bytes_per_block=GIB // 1024, block_size=16, max_model_len=4096))
+    assert plan.num_blocks == 20 * 1024
+    assert "capped by the device's free 20.00 GiB" in plan.budget
 
 
 @pytest.mark.parametrize(
@@ -67,7 +75,8 @@ def test_cuda_budget_is_utilization_of_total_minus_weights_activations_and_non_t
         (lambda: plan_bytes(128 * 8192 - 1, SHAPE), "raise kv_cache_bytes (PDSERVE_KV_CACHE_BYTES) or lower"),
         (lambda: plan_bytes(100, SHAPE), "raise kv_cache_bytes"),  # not even one block
         (
-            lambda: plan_cuda(CudaMemory(10 * GIB, 9 * GIB, GIB, 0), 0.9, SHAPE),  # weights + activations > 90 %
+            # weights + activations > 90 %
+            lambda: plan_cuda(CudaMemory(10 * GIB, 9 * GIB, GIB, 0, free=GIB), 0.9, SHAPE),
             "raise gpu_memory_utilization (PDSERVE_GPU_MEMORY_UTILIZATION), free the device, lower "
             "max_num_batched_tokens",
         ),
@@ -165,8 +174,20 @@ def scripted_step(cuda: FakeCuda, scratch: int, activations: int):
 def test_measure_cuda_counts_weights_activation_peak_and_non_torch_but_not_the_step_inputs():
     cuda = FakeCuda(total=80 * GIB, non_torch=GIB // 2, allocated=16 * GIB)  # the weights are loaded
     memory = measure_cuda(cuda, torch.device("cuda"), scripted_step(cuda, scratch=3 * GIB, activations=2 * GIB))
-    assert memory == CudaMemory(total=80 * GIB, weights=16 * GIB, activation_peak=2 * GIB, non_torch=GIB // 2)
+    free = 80 * GIB - 16 * GIB - GIB // 2
+    assert memory == CudaMemory(80 * GIB, weights=16 * GIB, activation_peak=2 * GIB, non_torch=GIB // 2, free=free)
     assert cuda.allocated == 16 * GIB  # the scratch was freed before the device was read
+
+
+def test_non_torch_memory_present_when_the_engine_started_is_not_charged_to_it():
+    # 30 GiB outside this process's allocator before it loaded anything (the CUDA context, another engine);
+    # 1 GiB more appears by the time it plans (its own NCCL and cuBLAS buffers): only that is its own
+    cuda = FakeCuda(total=80 * GIB, non_torch=30 * GIB, allocated=0)
+    at_start = outside_torch(cuda, torch.device("cuda"))
+    cuda.alloc(16 * GIB)  # the weights
+    cuda.non_torch += GIB
+    memory = measure_cuda(cuda, torch.device("cuda"), scripted_step(cuda, scratch=GIB, activations=GIB), at_start)
+    assert (at_start, memory.non_torch, memory.free) == (30 * GIB, GIB, 80 * GIB - 16 * GIB - 31 * GIB)
 
 
 def config(**kw) -> EngineConfig:

@@ -7,6 +7,7 @@ gRPC (proto/kv_transfer.proto) negotiates; the bytes move over a two-rank torch.
 from shared.kv.transfer.client import ClientStats, KvTransferClient
 from shared.kv.transfer.errors import FailureReason, KvTransferError
 from shared.kv.transfer.pair import TransferBackend
+from shared.kv.transfer.send_stream import SendStream
 from shared.kv.transfer.server import KvTransferServer, ServerStats
 from shared.kv.transfer.source import AlreadySending, EngineKvBlocks, KvBlocks, KvSource
 
@@ -21,5 +22,6 @@ __all__ = [
     "KvTransferClient",
     "KvTransferError",
     "KvTransferServer",
+    "SendStream",
     "ServerStats",
 ]

@@ -30,6 +30,7 @@ from google.protobuf.message import DecodeError
 from shared.engine.kv_export import KVExport
 from shared.kv.tickets import TicketError, TicketReason, Tickets
 from shared.kv.transfer.pair import PREFILL_RANK, Pair, TransferBackend, check_backend, store_client
+from shared.kv.transfer.send_stream import SendStream
 from shared.kv.transfer.source import AlreadySending, KvSource
 from shared.kv.transfer.wire import describe, num_pieces, pieces
 from shared.rpc import kv_transfer_pb2 as pb
@@ -113,13 +114,15 @@ class KvTransferServer:
         fault_send_midway: bool = False,
         advertise_host: str | None = None,
         model_name: str = "",
+        send_stream: SendStream | None = None,
     ) -> None:
         """host/port: where gRPC binds (port 0: any free one). secret: the cluster secret tickets are
         signed with (at least 16 bytes). advertise_host: the name decode workers dial for gRPC, the store
         and gloo (default: host, or this machine's FQDN when host is a wildcard). timeout_s bounds a pair's
         forming and each send; a send that times out frees the KV all the same. chunk_bytes: the largest
         piece a send moves (0 = one piece). fault_send_midway: testing only, every send fails after its first
-        piece (see `_send`). model_name labels this server's spans and metrics."""
+        piece (see `_send`). model_name labels this server's spans and metrics. send_stream: the stream sends run
+        on, shared with the source's exports (send_stream.py; None: no stream, as on CPU)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if chunk_bytes != 0 and chunk_bytes < MIN_CHUNK_BYTES:
@@ -132,6 +135,7 @@ class KvTransferServer:
         self.chunk_bytes = chunk_bytes
         self.fault_send_midway = fault_send_midway
         self.model_name = model_name
+        self.send_stream = send_stream or SendStream("cpu")
         self._tickets = Tickets(secret)
         self.stats = ServerStats()
         # Where decode workers reach this machine, for the store and for gloo's listening socket.
@@ -320,15 +324,7 @@ class KvTransferServer:
         labels = (self.model_name, "prefill")
         error = None
         try:
-            # gloo sends host memory (a CUDA pool's export is copied down); NCCL sends from the GPU as is.
-            blocks = (kv.blocks if self.backend is TransferBackend.NCCL else kv.blocks.cpu()).contiguous()
-            parts = pieces(blocks, self.chunk_bytes)
-            run = asyncio.get_running_loop().run_in_executor
-            if self.fault_send_midway:
-                sent = parts[:1] if len(parts) > 1 else []
-                await run(self._executor, pair.send, sent, tag)
-                raise InjectedFault(f"injected fault: sent {len(sent)} of {len(parts)} pieces, then dropped the pair")
-            await run(self._executor, pair.send, parts, tag)
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._send_blocking, pair, kv, tag)
             self.stats.bytes_sent += kv.nbytes
             metrics.KV_TRANSFER_BYTES.labels(*labels).inc(kv.nbytes)
             metrics.KV_TRANSFER_SECONDS.labels(*labels).observe(time.perf_counter() - started)
@@ -346,6 +342,18 @@ class KvTransferServer:
                 log.exception("ending the send of %s failed", rid)
             span.set_attribute(tracing.KV_DURATION, time.perf_counter() - started)
             tracing.end_span(span, error=error)
+
+    def _send_blocking(self, pair: Pair, kv: KVExport, tag: int) -> None:
+        """On a send thread, on the send stream: returns once the send's work is done (its buffer is free)."""
+        with self.send_stream.sending([kv.blocks]):
+            # gloo sends host memory (a CUDA pool's export is copied down); NCCL sends from the GPU as is.
+            blocks = (kv.blocks if self.backend is TransferBackend.NCCL else kv.blocks.cpu()).contiguous()
+            parts = pieces(blocks, self.chunk_bytes)
+            if self.fault_send_midway:
+                sent = parts[:1] if len(parts) > 1 else []
+                pair.send(sent, tag)
+                raise InjectedFault(f"injected fault: sent {len(sent)} of {len(parts)} pieces, then dropped the pair")
+            pair.send(parts, tag)
 
     def _join(self, pair_id: str, store_port: int) -> Pair:
         """Blocking: our rank of the pair's group, over a store connection of its own (to our store's port)."""

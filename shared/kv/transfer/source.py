@@ -20,6 +20,7 @@ from shared.engine.engine import Engine
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVLayout
 from shared.kv.transfer.buffers import BufferPool
+from shared.kv.transfer.send_stream import SendStream
 
 
 class AlreadySending(Exception):
@@ -71,7 +72,8 @@ class EngineKvBlocks:
     `call(fn)` runs fn(engine) where the engine lives: pass the worker's `AsyncEngine.call` when a thread
     steps the engine; the default runs it inline (tests and benchmarks that step on the loop). Exports copy
     into reused buffers (no first-touch page faults), each given back when its request is released, which
-    `HeldKv` does only after the send.
+    `HeldKv` does only after the send. `send_stream`: the stream the exports' gathers run on (on CUDA, off the
+    compute stream); pass the same one to the KvTransferServer that sends them (send_stream.py).
     """
 
     def __init__(
@@ -79,8 +81,10 @@ class EngineKvBlocks:
         engine: Engine,
         call: Callable[[Callable[[Engine], Any]], Awaitable[Any]] | None = None,
         buffer_bytes: int = 256 << 20,
+        send_stream: SendStream | None = None,
     ) -> None:
         self.engine = engine
+        self.send_stream = send_stream or SendStream("cpu")
         self._call = call or _inline(engine)
         self._buffers = BufferPool(buffer_bytes, str(engine.pool.tensor.device))
         self._buffers_lock = threading.Lock()  # taken on the engine's thread, given back on the loop
@@ -91,7 +95,7 @@ class EngineKvBlocks:
         return self.engine.layout
 
     async def export_kv(self, request_id: str) -> KVExport:
-        kv = await self._call(lambda e: e.export_kv(request_id, alloc=self._take))
+        kv = await self._call(lambda e: self._export(e, request_id))
         self._lent[request_id] = kv.blocks
         return kv
 
@@ -101,6 +105,10 @@ class EngineKvBlocks:
         if lent is not None:
             with self._buffers_lock:
                 self._buffers.give_back(lent)
+
+    def _export(self, engine: Engine, request_id: str) -> KVExport:
+        with self.send_stream.exporting():
+            return engine.export_kv(request_id, alloc=self._take)
 
     def _take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         with self._buffers_lock:
