@@ -21,6 +21,8 @@ from typing import Annotated, TypeVar
 
 import msgspec
 
+from shared.structured.spec import StructuredSpec
+
 _log = logging.getLogger(__name__)
 
 JOBS_STREAM = "PD_JOBS"
@@ -160,6 +162,7 @@ class Sampling(msgspec.Struct, frozen=True):
     logit_bias: dict[int, LogitBias] = {}  # token id → bias
     logprobs: TopLogprobs | None = None  # per generated token: its logprob and this many alternatives
     prompt_logprobs: TopLogprobs | None = None  # per prompt token (from the second): the same
+    structured: StructuredSpec | None = None  # the output must match it (validated by the gateway)
 
 
 class PrefillJob(msgspec.Struct, frozen=True):

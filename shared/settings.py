@@ -77,6 +77,14 @@ class CommonSettings:
         return self.model_name or os.path.basename(os.path.normpath(checkpoint))
 
 
+class ToolCallParser(StrEnum):
+    """How the gateway reads tool calls out of model output (services/gateway/tools/)."""
+
+    AUTO = "auto"  # from the chat template
+    HERMES = "hermes"
+    LLAMA3_JSON = "llama3_json"
+
+
 @dataclass(frozen=True)
 class GatewaySettings(CommonSettings):
     model: str = DEFAULT_MODEL
@@ -107,6 +115,8 @@ class GatewaySettings(CommonSettings):
     """Admission: requests dispatched and still waiting for their first token; past it, 429."""
     kv_overcommit: float = 1.0
     """Admission: in-flight tokens may reach this multiple of the live workers' KV capacity; past it, 429."""
+    tool_call_parser: ToolCallParser = ToolCallParser.AUTO
+    """How model output is read back into tool_calls: hermes (Qwen), llama3_json, or auto (from the chat template)."""
 
     @property
     def served_model_name(self) -> str:

@@ -86,11 +86,13 @@ class Progress:
                 raise TimeoutError(f"progress never got there: counts {self.counts}, ended {self.ended}")
 
 
-def stream_completion(url: str, prompt: str, max_tokens: int, progress: Progress | None = None, i: int = 0) -> Outcome:
-    """One streaming completion (greedy, ignore_eos, with usage), read to its end."""
+def stream_completion(
+    url: str, prompt: str, max_tokens: int, progress: Progress | None = None, i: int = 0, extra: dict | None = None
+) -> Outcome:
+    """One streaming completion (greedy, ignore_eos, with usage, and `extra` body fields), read to its end."""
     out = Outcome(prompt, max_tokens)
     body = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            "stream": True, "stream_options": {"include_usage": True}} | (extra or {})  # fmt: skip
     try:
         with (
             httpx.Client(timeout=CLIENT_TIMEOUT_S) as client,
@@ -129,11 +131,12 @@ def stream_completion(url: str, prompt: str, max_tokens: int, progress: Progress
 class Load:
     """`prompts` streamed concurrently, one thread each; `results()` waits for every outcome."""
 
-    def __init__(self, url: str, prompts: list[str], max_tokens: int) -> None:
+    def __init__(self, url: str, prompts: list[str], max_tokens: int, extra: dict | None = None) -> None:
         self.progress = Progress(len(prompts))
         self._pool = ThreadPoolExecutor(len(prompts))
         self._futures: list[Future[Outcome]] = [
-            self._pool.submit(stream_completion, url, p, max_tokens, self.progress, i) for i, p in enumerate(prompts)
+            self._pool.submit(stream_completion, url, p, max_tokens, self.progress, i, extra)
+            for i, p in enumerate(prompts)
         ]
 
     def results(self, timeout_s: float = CLIENT_TIMEOUT_S + 30) -> list[Outcome]:

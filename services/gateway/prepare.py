@@ -13,7 +13,8 @@ the limit has tokens; stop strings (matched against every generated token) and s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
 from typing import Any
 
 from services.gateway.errors import APIError
@@ -26,8 +27,12 @@ from services.gateway.schemas import (  # the limits live with the schema, which
     CompletionRequest,
 )
 from services.gateway.served_model import ServedModel
+from services.gateway.structured import checked, requested_spec
+from services.gateway.tools.choice import ToolPlan, plan_tools
+from services.gateway.tools.parsers import ToolParser, parser_for
 from shared.messages import Sampling
 from shared.model.tokenizer import ChatTemplateError
+from shared.structured.spec import StructuredSpec
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -41,19 +46,20 @@ class Prepared:
     stream: bool
     include_usage: bool  # streaming: send the usage chunk
     scoring: Scoring = Scoring()  # logprobs and echo
+    tool_parser: ToolParser | None = None  # chat with tools: the output is read back into tool_calls
 
 
 def prepare_chat(req: ChatCompletionRequest, model: ServedModel) -> Prepared:
     _check_model(req.model, model)
     _check_common(req)
     scoring = chat_scoring(req)
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(400, "response_format other than text is not supported", "response_format")
-    prompt = _chat_prompt(req, model)
+    tools = plan_tools(req, parser_for(model.tool_call_parser, model.tokenizer.chat_template))
+    prompt = _chat_prompt(req, model, tools)
     requested = req.max_completion_tokens or req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     max_tokens = _max_tokens(requested, param, _fitting(prompt, "messages", model), model, default=None)
-    return _prepared(req, prompt, max_tokens, model, scoring)
+    prepared = _prepared(req, prompt, max_tokens, model, scoring, tools)
+    return replace(prepared, tool_parser=tools.parser) if tools is not None else prepared
 
 
 def prepare_completion(req: CompletionRequest, model: ServedModel) -> Prepared:
@@ -68,6 +74,19 @@ def prepare_completion(req: CompletionRequest, model: ServedModel) -> Prepared:
     return _prepared(req, prompt, max_tokens, model, scoring)
 
 
+def _structured(
+    req: ChatCompletionRequest | CompletionRequest, model: ServedModel, tools: ToolPlan | None
+) -> StructuredSpec | None:
+    """The output constraint (compiled, so that a bad one is a 400 here): the request's own, or the tool call
+    that tool_choice required / named. Both at once is a 400."""
+    asked = requested_spec(req)
+    if tools is not None and tools.constraint is not None:
+        if asked is not None:
+            raise APIError(400, f"{asked[1]} cannot be combined with a required or named tool_choice", asked[1])
+        asked = (tools.constraint, "tools")
+    return checked(*asked, model.grammars) if asked is not None else None
+
+
 def _check_model(requested: str | None, model: ServedModel) -> None:
     if requested is not None and requested != model.name:
         raise APIError(404, f"The model `{requested}` does not exist; this server serves `{model.name}`", "model")
@@ -78,7 +97,7 @@ def _check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
         raise APIError(400, f"only n=1 is supported, got n={req.n}", "n")
 
 
-def _chat_prompt(req: ChatCompletionRequest, model: ServedModel) -> list[int]:
+def _chat_prompt(req: ChatCompletionRequest, model: ServedModel, tools: ToolPlan | None) -> list[int]:
     if not req.messages:
         raise APIError(400, "messages must contain at least one message", "messages")
     if len(req.messages) > model.max_prompt_tokens:
@@ -93,17 +112,32 @@ def _chat_prompt(req: ChatCompletionRequest, model: ServedModel) -> list[int]:
         message: dict[str, Any] = {"role": m.role, "content": _text_content(m.content, i)}
         if m.name is not None:
             message["name"] = m.name
+        if m.tool_calls:  # arguments as objects, as chat templates (and transformers) expect them
+            message["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
         messages.append(message)
         chars += len(message["content"]) + len(m.name or "")
     _check_text_length(chars, "messages", model)  # before the template renders: it only adds text
     add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
     try:
-        text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        rendered = tools.template_tools if tools is not None else None
+        text = model.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=rendered
+        )
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), "messages") from exc
     _check_text_length(len(text), "messages", model)
     # The template already writes any BOS it wants (Tokenizer.encode_chat, in two steps).
     return model.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _template_call(call: Any) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except (json.JSONDecodeError, RecursionError):  # not JSON (or nested past the parser): the text as it is
+        arguments = call.function.arguments
+    return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
 
 
 def _check_text_length(chars: int, param: str, model: ServedModel) -> None:
@@ -196,6 +230,7 @@ def _prepared(
     max_tokens: int,
     model: ServedModel,
     scoring: Scoring,
+    tools: ToolPlan | None = None,
 ) -> Prepared:
     stop_token_ids = list(req.stop_token_ids or [])
     if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
@@ -217,6 +252,7 @@ def _prepared(
         logprobs=scoring.logprobs,
         prompt_logprobs=scoring.prompt_logprobs,
         **distribution_fields(req, model),
+        structured=_structured(req, model, tools),
     )
     return Prepared(
         prompt_token_ids=prompt,

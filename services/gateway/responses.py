@@ -27,6 +27,8 @@ from services.gateway.schemas import (
     CompletionLogprobs,
     Usage,
 )
+from services.gateway.tools.output import ToolDeltas, tool_message
+from services.gateway.tools.parsers import ToolParser
 from shared.messages import Logprob
 from shared.model.tokenizer import Tokenizer
 
@@ -46,6 +48,7 @@ class ResponseWriter:
         request_id: str,
         model: str,
         chat: bool,
+        tool_parser: ToolParser | None = None,
         tokenizer: Tokenizer | None = None,  # needed with logprobs or echo
         scoring: Scoring | None = None,  # None = no logprobs, no echo
         prompt_token_ids: list[int] | None = None,  # echo
@@ -55,6 +58,8 @@ class ResponseWriter:
         self.chat = chat
         self.created = int(time.time())
         self._role_sent = False
+        self.tool_parser = tool_parser  # chat with tools: text is read back into tool_calls (tools/output.py)
+        self._tool_deltas = ToolDeltas(tool_parser) if tool_parser is not None else None
         self.scoring = scoring = scoring or Scoring()
         self._texts = TokenTexts(tokenizer) if tokenizer is not None else None
         self._prompt = list(prompt_token_ids or [])
@@ -64,9 +69,12 @@ class ResponseWriter:
     def whole(self, gen: Generation) -> msgspec.Struct:
         """The non-streaming response, after gen ran to its end."""
         if self.chat:
-            message = AssistantMessage(role="assistant", content=gen.text.text)
+            message = AssistantMessage(role="assistant", refusal=None, content=gen.text.text)
+            finish_reason = gen.finish_reason
+            if self.tool_parser is not None:
+                message, finish_reason = tool_message(gen.text.text, self.tool_parser, finish_reason)
             logprobs = self._chat_logprobs(gen.token_ids, gen.logprobs)
-            choice = ChatChoice(index=0, message=message, finish_reason=gen.finish_reason, logprobs=logprobs)
+            choice = ChatChoice(index=0, message=message, finish_reason=finish_reason, logprobs=logprobs)
             return ChatCompletion(self.id, "chat.completion", self.created, self.model, [choice], usage_of(gen))
         text, ids, lps = self._completion_parts(gen, gen.text.text, gen.token_ids, gen.logprobs)
         logprobs = self._legacy(ids, lps)
@@ -90,6 +98,21 @@ class ResponseWriter:
         logprobs = self._chat_logprobs(list(piece.token_ids), list(piece.logprobs))
         choice = ChatChunkChoice(index=0, delta=delta, finish_reason=piece.finish_reason, logprobs=logprobs)
         return ChatCompletionChunk(self.id, "chat.completion.chunk", self.created, self.model, [choice])
+
+    def chunks(self, piece: Piece, gen: Generation | None = None) -> list[msgspec.Struct]:
+        """A token's chunks: one, or with tools what the parser lets out (none while it holds a possible call,
+        several when a call completes; those carry no logprobs)."""
+        if self._tool_deltas is None:
+            return [self.chunk(piece, gen)]
+        chunks: list[msgspec.Struct] = []
+        for out in self._tool_deltas.feed(piece.text, piece.finish_reason):
+            delta = out.delta
+            if not self._role_sent:
+                delta.role = "assistant"
+                self._role_sent = True
+            choice = ChatChunkChoice(index=0, delta=delta, finish_reason=out.finish_reason)
+            chunks.append(ChatCompletionChunk(self.id, "chat.completion.chunk", self.created, self.model, [choice]))
+        return chunks
 
     def _chat_logprobs(self, ids: list[int], logprobs: list[Logprob]) -> ChatLogprobs | None:
         if self.scoring.logprobs is None or self._texts is None:

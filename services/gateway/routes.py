@@ -110,7 +110,9 @@ async def _complete(
     )
     job = GenerationJob(request_id, model.name, prepared.prompt_token_ids, prepared.sampling, observer.trace_context())
     gen = Generation(backend, job, model.tokenizer, prepared.stop, observer, log_prompts=model.log_prompts)
-    writer = ResponseWriter(request_id, model.name, chat, model.tokenizer, prepared.scoring, prepared.prompt_token_ids)
+    writer = ResponseWriter(
+        request_id, model.name, chat, prepared.tool_parser, model.tokenizer, prepared.scoring, prepared.prompt_token_ids
+    )
     try:
         await gen.open()
     except BackendUnavailable as exc:

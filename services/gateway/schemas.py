@@ -52,6 +52,7 @@ def _only(*values: Any) -> Meta:
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+_FORMATS = ["text", "json_object", "json_schema"]
 _NULL = {"type": "null"}
 _TOKEN_ID = {"type": "integer", "minimum": 0}  # and below the vocabulary size: declare_limits
 _STOP_STRING = {"type": "string", "maxLength": MAX_STOP_CHARS}
@@ -114,10 +115,35 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class FunctionDef(msgspec.Struct):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; None = no arguments
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct):
+    function: FunctionDef
+    type: Annotated[str, _documented(enum=["function"])] = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: Annotated[str, _documented(enum=list(CHAT_ROLES))]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message: which call it answers
 
 
 class _Common(msgspec.Struct, kw_only=True):
@@ -139,6 +165,12 @@ class _Common(msgspec.Struct, kw_only=True):
     repetition_penalty: RepetitionPenalty | None = None
     min_p: MinP | None = None
     logit_bias: LogitBiasMap = None
+    # output constraints, vLLM's spellings (services/gateway/structured.py): one of json / regex / choice / grammar
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None  # a JSON Schema (object or JSON text)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -146,8 +178,10 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: MaxTokens | None = None  # the newer name of max_tokens; wins when both are set
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None  # with logprobs: alternatives per token
-    response_format: Annotated[dict[str, Any] | None, _documented(properties={"type": {"enum": ["text"]}})] = None
+    response_format: Annotated[dict[str, Any] | None, _documented(properties={"type": {"enum": _FORMATS}})] = None
     add_generation_prompt: bool | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # none | auto | required | {"type": "function", ...}
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -156,6 +190,7 @@ class CompletionRequest(_Common, kw_only=True):
     logprobs: CompletionLogprobsCount | None = None  # alternatives per token; 0 = the tokens' own only
     echo: bool | None = None  # the prompt before the completion (with logprobs: the prompt's too)
     best_of: Annotated[int | None, _only(1)] = None
+    response_format: Annotated[dict[str, Any] | None, _documented(properties={"type": {"enum": _FORMATS}})] = None
 
 
 class Usage(msgspec.Struct):
@@ -164,10 +199,11 @@ class Usage(msgspec.Struct):
     total_tokens: int
 
 
-class AssistantMessage(msgspec.Struct):
+class AssistantMessage(msgspec.Struct, omit_defaults=True):
     role: str
-    content: str
-    refusal: str | None = None  # required by OpenAI's schema: null, there are no refusals
+    content: str | None  # None when the message is tool calls
+    refusal: None  # required by OpenAI's schema (no default, so omit_defaults keeps it): there are no refusals
+    tool_calls: list[ToolCall] | None = None  # omitted when there are none
 
 
 class TopLogprob(msgspec.Struct):
@@ -213,9 +249,22 @@ class ChatCompletion(msgspec.Struct):
     usage: Usage
 
 
+class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None  # on a call's first delta
+    arguments: str | None = None  # fragments, to be concatenated
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    index: int
+    function: FunctionCallDelta
+    id: str | None = None  # on a call's first delta, with type
+    type: str | None = None
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None  # only on the first chunk
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 from shared.model.config import ModelConfig
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
+from shared.structured.grammar import Grammars
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,12 @@ class ServedModel:
     max_prompt_tokens: int  # the longest prompt accepted: settings.max_prompt_tokens within the context
     max_prompt_chars: int  # text longer than this cannot fit in max_prompt_tokens: refused without tokenizing
     log_prompts: bool = False  # settings.log_prompts: requests' prompt and completion text in the log
+    tool_call_parser: str = "auto"  # settings.tool_call_parser
+
+    @cached_property
+    def grammars(self) -> Grammars:
+        """Structured output's compiler for this tokenizer (built on first use; caches compiled specs)."""
+        return Grammars(self.tokenizer.to_json(), self.vocab_size, self.tokenizer.eos_token_ids)
 
     @classmethod
     def load(cls, settings: GatewaySettings) -> ServedModel:
@@ -42,6 +50,7 @@ class ServedModel:
             max_prompt_tokens=max_prompt_tokens,
             max_prompt_chars=max_prompt_tokens * _longest_token_chars(tokenizer),
             log_prompts=settings.log_prompts,
+            tool_call_parser=str(settings.tool_call_parser),
         )
 
 

@@ -28,7 +28,8 @@ async def events(gen: Generation, writer: ResponseWriter, include_usage: bool) -
     try:
         try:
             async for piece in gen.pieces():
-                yield event(writer.chunk(piece, gen))
+                for chunk in writer.chunks(piece, gen):
+                    yield event(chunk)
             if include_usage:
                 yield event(writer.usage_chunk(gen))
         except GenerationError as exc:

@@ -87,7 +87,7 @@ def _tokens(data: TokenizeRequest, model: ServedModel) -> list[int]:
         raise APIError(400, "continue_final_message is not supported", "continue_final_message")
     assert data.messages is not None
     chat = ChatCompletionRequest(messages=data.messages, add_generation_prompt=data.add_generation_prompt)
-    tokens = _chat_prompt(chat, model)  # the template already wrote any special tokens it wants
+    tokens = _chat_prompt(chat, model, None)  # the template already wrote any special tokens it wants (no tools)
     if data.add_special_tokens:  # as vLLM does: the post-processor's own as well (a second BOS, say)
         text = model.tokenizer.decode(tokens, skip_special_tokens=False)
         tokens = model.tokenizer.encode(text, add_special_tokens=True)

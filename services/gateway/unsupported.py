@@ -45,6 +45,8 @@ _CHAT_REFUSED = {
     "functions": Refused("functions (deprecated: tools) are not served", off=([],)),
     "function_call": Refused("function_call (deprecated: tool_choice) is not served", off=("none",)),
     "stream_options.include_obfuscation": Refused("stream obfuscation is not served", off=(False,)),
+    # the tool-call parsers return every call the model writes; limiting a reply to one is not served
+    "parallel_tool_calls": Refused("a reply may hold several tool calls; false is not served", off=(True,)),
 }
 _COMPLETION_REFUSED = {
     "suffix": Refused("insertion (suffix) is not served", off=("",)),
@@ -73,12 +75,8 @@ BOOKKEEPING: dict[type[msgspec.Struct], dict[str, str]] = {
 _OWNERS = {
     "n": "nseq",
     "best_of": "nseq",
-    "response_format": "structured",
-    "tools": "structured",
-    "tool_choice": "structured",
-    "parallel_tool_calls": "structured",
 }
-_CHAT_BUILT = ("n", "response_format", "tools", "tool_choice", "parallel_tool_calls")
+_CHAT_BUILT = ("n",)
 _COMPLETION_BUILT = ("n", "best_of")
 BEING_BUILT: dict[type[msgspec.Struct], dict[str, str]] = {
     ChatCompletionRequest: {f: _OWNERS[f] for f in _CHAT_BUILT},

@@ -25,11 +25,13 @@ from shared.engine.request import FinishReason, Request, RequestStatus
 from shared.engine.runner import ModelRunner
 from shared.engine.sampling import Sampler, SamplingParams
 from shared.engine.scheduler import Scheduler
+from shared.engine.structured import StructuredDecoding
 from shared.model.device import resolve_device
 from shared.model.kernels.choice import resolve_kernels
 from shared.model.linear import can_prepack, prepack
 from shared.model.loader import load_model
 from shared.model.transformer import CausalLM
+from shared.structured.grammar import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +77,17 @@ class Engine:
             self.model = model or load_model(config.model, dtype=config.dtype, device=self.device)
             backend, why_not = self._plan_kv(non_torch_at_start, graph_backend)
         self.blocks = BlockManager(self.kv_plan.num_blocks, config.block_size)
-        eos = self.model.config.eos_token_ids
-        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, eos_token_ids=eos)
+        self.scheduler = Scheduler(
+            config.scheduler, self.blocks, self.max_model_len, eos_token_ids=self.model.config.eos_token_ids
+        )
         self.graph_capture: CaptureReport | None = None  # what capturing the decode graphs took, when on
-        self.runner = ModelRunner(self.model, self.pool, Sampler(config.seed), self._capture(backend, why_not))
+        # grammar matchers of the requests with structured output (the tokenizer is read on first use)
+        mc = self.model.config
+        self.structured = StructuredDecoding(
+            lambda: Grammars.from_model_dir(config.model, mc.vocab_size, mc.eos_token_ids)
+        )
+        graphs = self._capture(backend, why_not)
+        self.runner = ModelRunner(self.model, self.pool, Sampler(config.seed), graphs, self.structured)
         self.requests: dict[str, Request] = {}  # live, or finished and holding KV
         self.stats = EngineStats()
         self.last_logits: dict[str, torch.Tensor] = {}  # from the latest step, for tests and logprobs
@@ -156,6 +165,7 @@ class Engine:
         self._validate(request_id, prompt_token_ids + (output_token_ids or []))
         req = Request(request_id, list(prompt_token_ids), params, hold_kv=hold_kv)
         req.output_token_ids = list(output_token_ids or [])
+        self.structured.add(request_id, params.structured, req.output_token_ids)  # replays the output so far
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -176,6 +186,7 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks (held ones too). False if the id is unknown."""
         req = self.requests.pop(request_id, None)
+        self.structured.remove(request_id)
         if req is None:
             return False
         if req.is_finished:  # held for export
@@ -220,6 +231,9 @@ class Engine:
         outputs = []
         for r in self.scheduler.update_from_output(plan, out.sampled):
             req = r.request
+            self.structured.accept(req.request_id, r.new_token_id)
+            if r.finished:
+                self.structured.remove(req.request_id)
             if r.finished and not req.hold_kv:
                 self.requests.pop(req.request_id, None)
             outputs.append(self._output(req, r.new_token_id, out.logprobs.get(req.request_id)))
@@ -315,6 +329,11 @@ class Engine:
         if len(self.scheduler.running) >= self.config.scheduler.max_num_seqs:
             raise NoFreeBlocksError(f"{self.config.scheduler.max_num_seqs} requests already running")
         blocks = self.blocks.allocate(self.blocks.blocks_for(kv.num_tokens))
+        try:  # the matcher replays the output so far (the prefill worker sampled the first token under it)
+            self.structured.add(request_id, params.structured, output_token_ids)
+        except ValueError:
+            self.blocks.free(blocks)
+            raise
         self.pool.write(blocks, kv.reblock(self.layout.block_size))
         req = Request(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids))
         req.block_table = blocks

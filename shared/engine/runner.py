@@ -14,6 +14,7 @@ from shared.engine.prompt_scoring import score_prompts
 from shared.engine.request import Request
 from shared.engine.sampling import Sampler
 from shared.engine.scheduler import SchedulePlan
+from shared.engine.structured import StructuredDecoding
 from shared.model.device import to_device
 from shared.model.paged_attention import AttentionMetadata
 from shared.model.transformer import CausalLM
@@ -27,10 +28,18 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, pool: KVPool, sampler: Sampler, graphs: DecodeGraphs | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: KVPool,
+        sampler: Sampler,
+        graphs: DecodeGraphs | None = None,
+        structured: StructuredDecoding | None = None,
+    ) -> None:
         self.model = model
         self.pool = pool
         self.sampler = sampler
+        self.structured = structured  # grammar matchers of the requests with structured output
         self._caches = pool.layer_caches()
         self.device = pool.tensor.device
         self.graphs = graphs  # captured decode steps (decode_graphs.py); None = every step runs eagerly
@@ -51,6 +60,9 @@ class ModelRunner:
         # Only sequences that caught up sample; their last token's hidden state gives the logits.
         ends = list(itertools.accumulate(s.num_tokens for s in plan.seqs))
         sampling = [i for i, s in enumerate(plan.seqs) if s.samples]
+        reqs = [plan.seqs[i].request for i in sampling]
+        # grammar masks: filled in a thread while the forward runs, applied before sampling
+        masks = self.structured.begin([r.request_id for r in reqs]) if self.structured else None
         # a request still scoring its prompt needs every row's hidden state: the eager path (prompt_scoring.py)
         scoring = any(_scoring_prompt(s.request) for s in plan.seqs)
         if self.graphs is not None and not scoring and self.graphs.fits([s.num_tokens for s in plan.seqs]):
@@ -59,7 +71,8 @@ class ModelRunner:
             logits = self._eager(plan, input_ids, positions, ends, sampling)
         if logits is None:
             return RunnerOutput({}, {})
-        reqs = [plan.seqs[i].request for i in sampling]
+        if self.structured is not None:
+            logits = self.structured.apply(masks, logits)
         tokens, logprobs = self.sampler.sample_with_logprobs(
             logits,
             [r.params for r in reqs],

@@ -19,6 +19,7 @@ import torch
 
 from shared.engine.logits_process import filter_batch, process_batch
 from shared.engine.logprobs import TokenLogprobs, gather_logprobs
+from shared.structured.spec import StructuredSpec
 
 _SEED_STRIDE = 1_000_003  # distinct generator states per output position
 # Below this a temperature means greedy, as in vLLM: logits / t would overflow float32 and the softmax give NaN.
@@ -41,6 +42,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
     logprobs: int | None = None  # per sampled token: its logprob and this many top alternatives; None = off
     prompt_logprobs: int | None = None  # per prompt token (from the second): the same; None = off
+    structured: StructuredSpec | None = None  # the output must match it (shared/engine/structured.py)
 
     def __post_init__(self) -> None:
         # 0 = score the prompt only: the engine computes it (and its prompt logprobs) and ends without a token

@@ -20,10 +20,36 @@ from shared.model.loader import DTYPES, checkpoint_name, checkpoint_targets
 from shared.model.transformer import CausalLM
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# ChatML, as Qwen models use it.
+# ChatML, as Qwen models use it; with `tools`, Qwen 2.5's Hermes-style tool calling: the tools in a system block,
+# an assistant's calls as <tool_call>{"name", "arguments"}</tool_call>, tool results as <tool_response> in a user
+# turn. Without tools (and tool messages) it renders exactly the plain ChatML it always did.
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n'"
+    " + 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and arguments within '"
+    ' + \'<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": \''
+    " + '<args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% if message['content'] or not loop.first %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": '"
+    " + (call['function']['arguments'] | tojson) + '}\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

@@ -71,7 +71,16 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def to_json(self) -> str:
+        """tokenizer.json's content (what a grammar engine builds its token tables from)."""
+        return self._tok.to_str()
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; use the completions API")
         if self._template is None:
@@ -86,6 +95,7 @@ class Tokenizer:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,  # as transformers passes them (None without tools)
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )

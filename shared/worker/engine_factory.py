@@ -24,6 +24,7 @@ def sampling_params(s: Sampling, max_tokens: int | None = None) -> SamplingParam
         logit_bias=tuple(sorted(s.logit_bias.items())),
         logprobs=s.logprobs,
         prompt_logprobs=s.prompt_logprobs,
+        structured=s.structured,
     )
 
 

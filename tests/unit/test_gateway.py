@@ -394,7 +394,8 @@ BAD_INPUTS = [
     (CHAT, {"messages": USER, "stream": "yes"}, "application/json", 400, "stream"),
     (CHAT, {"messages": USER, "stream": True, "stream_options": 1}, "application/json", 400, "stream_options"),
     (CHAT, {"messages": USER, "seed": "abc"}, "application/json", 400, "seed"),
-    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, None, 400, "response_format"),
+    (CHAT, {"messages": USER, "response_format": {"type": "json_schema"}}, None, 400, "response_format"),
+    (CHAT, {"messages": USER, "response_format": {"type": "xml"}}, None, 400, "response_format"),
     (CHAT, {"messages": USER, "stop_token_ids": [-1]}, "application/json", 400, "stop_token_ids"),
 ]
 
