@@ -4,6 +4,7 @@ the same checkpoint; max_tokens 0 (score only); penalties identical across a KV 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from shared.engine.engine import Engine, RequestOutput
 from shared.engine.request import FinishReason
 from shared.engine.sampling import SamplingParams
 from shared.model.demo import write_demo_checkpoint
+from shared.structured import spec as specs
 
 BUDGET = 16  # prompts longer than this are prefilled in chunks
 
@@ -153,3 +155,20 @@ def test_penalised_tokens_are_the_same_after_a_migration(checkpoint, extra):
     moved = engine(checkpoint)
     moved.add_request("m", prompt, params, output_token_ids=whole[:13])
     assert whole[:13] + [t for o in iter_steps(moved) for t in o.new_token_ids] == whole
+
+
+def test_logprobs_of_a_constrained_request_come_from_the_masked_distribution(checkpoint):
+    """With a grammar (structured output) the mask applies before sampling, so the logprobs are those of the
+    allowed tokens: every top alternative is one the grammar allows, and they sum to at most 1."""
+    e = engine(checkpoint)
+    choices = ["alpha", "beta"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=5, structured=specs.choice(choices))
+    outs = run(e, prompt_of(6, e.model.config.vocab_size), params)
+    tokens = [t for o in outs for t in o.new_token_ids]
+    first = outs[0].logprobs
+    assert first is not None
+    lp = first[0]
+    allowed = [lp.top_logprobs[i] for i, _ in enumerate(lp.top_ids) if lp.top_logprobs[i] > -9999.0]
+    assert 1 <= len(allowed) <= 2  # the first character of one of the two choices
+    assert sum(math.exp(v) for v in allowed) == pytest.approx(1.0, abs=1e-4)
+    assert lp.top_ids[0] == tokens[0]
