@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2], over generated tokens")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2], over generated tokens")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0, over prompt and generated tokens")
+    gen.add_argument("--min-p", type=float, default=0.0, help="[0, 1]")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     gen.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     gen.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -71,6 +75,8 @@ def _generate(args: argparse.Namespace) -> int:
     from shared.model.detokenizer import IncrementalDetokenizer
     from shared.model.tokenizer import Tokenizer
 
+    if args.max_tokens < 1:  # the engine takes 0 (score a prompt only); this command prints what it generates
+        raise ValueError(f"max_tokens (--max-tokens) must be at least 1, got {args.max_tokens}")
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -78,6 +84,10 @@ def _generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        min_p=args.min_p,
     )
     tokenizer = Tokenizer(args.model)
     prompt_ids = (

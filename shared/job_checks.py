@@ -74,7 +74,9 @@ def sampling_problem(sampling: Sampling, vocab_size: int) -> str | None:
         problem = _range_problem(field.name, getattr(sampling, field.name), field.type)
         if problem is not None:
             return problem
-    return _token_ids_problem(sampling.stop_token_ids, "stop_token_ids", vocab_size)
+    return _token_ids_problem(sampling.stop_token_ids, "stop_token_ids", vocab_size) or _token_ids_problem(
+        list(sampling.logit_bias), "logit_bias", vocab_size
+    )
 
 
 def _range_problem(name: str, value: object, kind: msgspec.inspect.Type) -> str | None:

@@ -136,18 +136,32 @@ MaxTokens = Annotated[int, msgspec.Meta(ge=1)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, msgspec.Meta(ge=1)]  # None = off
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]  # presence / frequency (OpenAI's range)
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0)]  # 1 = off
+MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+LogitBias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
+MAX_LOGPROBS = 20  # top alternatives per position at most (OpenAI's top_logprobs bound)
+TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]  # None = no logprobs
+ScoreOrMaxTokens = Annotated[int, msgspec.Meta(ge=0)]  # 0 = compute the prompt (its logprobs) and generate nothing
 
 
 class Sampling(msgspec.Struct, frozen=True):
     """The wire form of shared.engine.sampling.SamplingParams (validated by the gateway)."""
 
-    max_tokens: MaxTokens
+    max_tokens: ScoreOrMaxTokens
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     top_k: TopK | None = None
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    min_p: MinP = 0.0
+    logit_bias: dict[int, LogitBias] = {}  # token id → bias
+    logprobs: TopLogprobs | None = None  # per generated token: its logprob and this many alternatives
+    prompt_logprobs: TopLogprobs | None = None  # per prompt token (from the second): the same
     structured: StructuredSpec | None = None  # the output must match it (validated by the gateway)
 
 
@@ -236,6 +250,15 @@ _KINDS_WITHOUT_OUTPUT = (EventKind.TAKEN, EventKind.QUEUED)
 _NORMAL_ENDS = (FinishReason.STOP, FinishReason.LENGTH)
 
 
+class Logprob(msgspec.Struct, frozen=True, array_like=True):
+    """One position's logprobs (shared/engine/logprobs.py says which distribution): the token's own, and the top
+    alternatives, most likely first. Arrays on the wire: one per generated token."""
+
+    logprob: float
+    top_ids: list[_TokenId] = []
+    top_logprobs: list[float] = []
+
+
 class TokenEvent(msgspec.Struct, frozen=True):
     """One event of a request, to the gateway that owns it; `kind` says which (build one with the constructors
     below). `seq` is the output position of token_ids[0] (0 = the first generated token), whatever the attempt:
@@ -258,9 +281,13 @@ class TokenEvent(msgspec.Struct, frozen=True):
     prompt_tokens: _Count = 0
     worker_id: str = ""
     status: _HttpStatus = 500  # FAILED: the HTTP status it means (400 = the request itself was refused)
+    logprobs: list[Logprob] = []  # one per token_ids entry when the request asked (Sampling.logprobs)
+    prompt_logprobs: list[Logprob] = []  # prompt positions 1.., on the first event of the worker that computed them
 
     def __post_init__(self) -> None:
         kind = self.kind
+        if self.logprobs and len(self.logprobs) != len(self.token_ids):
+            raise ValueError("an event carries one logprobs entry per token, or none")
         if kind in _KINDS_WITHOUT_OUTPUT and (self.token_ids or self.finish_reason or self.error):
             raise ValueError(f"a {kind} event carries no tokens, finish_reason or error")
         if kind is EventKind.TOKENS and (not self.token_ids or self.finish_reason or self.error):
@@ -277,10 +304,26 @@ class TokenEvent(msgspec.Struct, frozen=True):
 
     @classmethod
     def tokens(
-        cls, request_id: str, attempt: int, seq: int, token_ids: list[int], worker_id: str = "", prompt_tokens: int = 0
+        cls,
+        request_id: str,
+        attempt: int,
+        seq: int,
+        token_ids: list[int],
+        worker_id: str = "",
+        prompt_tokens: int = 0,
+        logprobs: list[Logprob] | None = None,
+        prompt_logprobs: list[Logprob] | None = None,
     ) -> TokenEvent:
         return cls(
-            request_id, attempt, seq, EventKind.TOKENS, token_ids, prompt_tokens=prompt_tokens, worker_id=worker_id
+            request_id,
+            attempt,
+            seq,
+            EventKind.TOKENS,
+            token_ids,
+            prompt_tokens=prompt_tokens,
+            worker_id=worker_id,
+            logprobs=logprobs or [],
+            prompt_logprobs=prompt_logprobs or [],
         )
 
     @classmethod
@@ -293,9 +336,23 @@ class TokenEvent(msgspec.Struct, frozen=True):
         reason: FinishReason,
         worker_id: str = "",
         prompt_tokens: int = 0,
+        logprobs: list[Logprob] | None = None,
+        prompt_logprobs: list[Logprob] | None = None,
     ) -> TokenEvent:
         """The request's last tokens (maybe none) and why it ended."""
-        return cls(request_id, attempt, seq, EventKind.FINISHED, token_ids, reason, None, prompt_tokens, worker_id)
+        return cls(
+            request_id,
+            attempt,
+            seq,
+            EventKind.FINISHED,
+            token_ids,
+            reason,
+            None,
+            prompt_tokens,
+            worker_id,
+            logprobs=logprobs or [],
+            prompt_logprobs=prompt_logprobs or [],
+        )
 
     @classmethod
     def queued(cls, request_id: str, attempt: int, seq: int, worker_id: str) -> TokenEvent:

@@ -14,6 +14,7 @@ with its last token.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 from nats.aio.msg import Msg
@@ -76,7 +77,8 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
         assert self.client is not None  # set up (setup) before any job is taken
         job, key, span = entry.job, entry.key, entry.span
         try:
-            params = sampling_params(job.sampling)
+            # the prefill worker reported the prompt's logprobs: a recomputation here need not score it again
+            params = dataclasses.replace(sampling_params(job.sampling), prompt_logprobs=None)
             kv, failure = await self._pull(job)
             group = self._group(entry)
             if entry.cancelled:  # during the pull (the gateway cancels a group's choices together)

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 import msgspec
 
 from shared.choices import choice_request_id, choice_seed
-from shared.messages import Sampling
+from shared.messages import Logprob, Sampling
 
 
 class BackendUnavailable(Exception):
@@ -54,6 +54,8 @@ class Update:
     finish_reason: str | None = None
     error: str | None = None
     status: int = 500
+    logprobs: list[Logprob] = field(default_factory=list)  # one per token_ids entry when the request asked
+    prompt_logprobs: list[Logprob] = field(default_factory=list)  # prompt positions 1.., on one update at most
 
     @property
     def finished(self) -> bool:

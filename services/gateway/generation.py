@@ -16,6 +16,7 @@ from services.gateway.backend import GatewayBackend, GenerationJob, RequestStrea
 from services.gateway.observe import RequestObserver
 from services.gateway.prompt_log import log_completion, log_prompt
 from services.gateway.textstream import TextAssembler
+from shared.messages import Logprob
 from shared.model.tokenizer import Tokenizer
 
 _CLOSE_TIMEOUT_S = 5.0
@@ -34,6 +35,8 @@ class GenerationError(Exception):
 class Piece:
     text: str  # may be "" (half a character, a possible stop-string start, a special token)
     finish_reason: str | None = None  # "stop" | "length", on the last piece only
+    token_ids: tuple[int, ...] = ()  # the token(s) this piece comes from (none: score only)
+    logprobs: tuple[Logprob, ...] = ()  # theirs, when the request asked
 
 
 class Generation:
@@ -56,6 +59,9 @@ class Generation:
         self._tokenizer = tokenizer
         self.text = TextAssembler(tokenizer, stop)
         self.completion_tokens = 0
+        self.token_ids: list[int] = []  # delivered, up to a stop string's match
+        self.logprobs: list[Logprob] = []  # theirs, when the request asked
+        self.prompt_logprobs: list[Logprob] = []  # prompt positions 1.., when the request asked
         self.finish_reason: str | None = None
         self._stream: RequestStream | None = None
         self._first: Update | None = None
@@ -108,21 +114,25 @@ class Generation:
 
     def _pieces_of(self, update: Update) -> list[Piece]:
         self._worker_finished = update.finished  # the worker let go of the request: nothing to cancel
+        self.prompt_logprobs = self.prompt_logprobs or update.prompt_logprobs
         pieces = []
-        for token_id in update.token_ids:
+        for i, token_id in enumerate(update.token_ids):
             self.completion_tokens += 1
+            self.token_ids.append(token_id)
+            logprobs = tuple(update.logprobs[i : i + 1])
+            self.logprobs += logprobs
             text = self.text.add(token_id)
             if self.text.stopped:  # later tokens are dropped; close() cancels the rest upstream
                 self.finish_reason = "stop"
                 self._observe_tokens(len(pieces) + 1)
-                return [*pieces, Piece(text, "stop")]
-            pieces.append(Piece(text))
+                return [*pieces, Piece(text, "stop", (token_id,), logprobs)]
+            pieces.append(Piece(text, None, (token_id,), logprobs))
         self._observe_tokens(len(update.token_ids))
         if update.finished:
             tail = self.text.finish()
             self.finish_reason = "stop" if self.text.stopped else update.finish_reason
             last = pieces.pop() if pieces else Piece("")
-            pieces.append(Piece(last.text + tail, self.finish_reason))
+            pieces.append(Piece(last.text + tail, self.finish_reason, last.token_ids, last.logprobs))
         return pieces
 
     async def _next(self) -> Update:

@@ -15,7 +15,7 @@ from). State is pure (no I/O, no clock): NatsBackend feeds it from its one token
 from __future__ import annotations
 
 from services.gateway.backend import Update
-from shared.messages import EventKind, FinishReason, TokenEvent
+from shared.messages import EventKind, FinishReason, Logprob, TokenEvent
 
 _DEFAULT_ERROR = {
     FinishReason.ERROR: "a worker failed the request",
@@ -30,6 +30,7 @@ class TokenOrder:
         self.finished = False
         self.tokens: list[int] = []  # the ids at positions [0, delivered)
         self._early: dict[int, TokenEvent] = {}  # seq → event waiting for positions before it
+        self._prompt_scored = False  # an update carried the prompt's logprobs already
 
     def push(self, event: TokenEvent) -> list[Update]:
         """Feed one event; return the updates now deliverable, in order (often one, maybe none)."""
@@ -53,7 +54,7 @@ class TokenOrder:
         updates = [self._take(event)]
         while not self.finished and (ready := self._next_early()) is not None:
             updates.append(self._take(ready))
-        return [u for u in updates if u.token_ids or u.finished]
+        return [u for u in updates if u.token_ids or u.finished or u.prompt_logprobs]
 
     def move_on(self, attempt: int) -> None:
         """A newer attempt starts (the request moved to another worker): older events are stale from now."""
@@ -69,13 +70,21 @@ class TokenOrder:
     def _take(self, event: TokenEvent) -> Update:
         """An event starting at or before `delivered`: its new positions (maybe none) go out."""
         fresh = event.token_ids[self.delivered - event.seq :]
+        logprobs = event.logprobs[self.delivered - event.seq :]
         self.delivered += len(fresh)
         self.tokens.extend(fresh)
         reason = event.finish_reason.value if event.kind is EventKind.FINISHED and event.finish_reason else None
         if reason is not None:
             self.finished = True
             self._early.clear()
-        return Update(list(fresh), reason)
+        return Update(list(fresh), reason, logprobs=list(logprobs), prompt_logprobs=self._prompt_logprobs(event))
+
+    def _prompt_logprobs(self, event: TokenEvent) -> list[Logprob]:
+        """The prompt's logprobs, the first time an event brings them (a re-dispatched attempt computes them again)."""
+        if not event.prompt_logprobs or self._prompt_scored:
+            return []
+        self._prompt_scored = True
+        return list(event.prompt_logprobs)
 
     def _next_early(self) -> TokenEvent | None:
         for seq in sorted(self._early):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from services.gateway.errors import APIError
+from services.gateway.sampling_fields import Scoring, chat_scoring, completion_scoring, distribution_fields
 from services.gateway.schemas import (  # the limits live with the schema, which declares them in /schema
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -44,6 +45,7 @@ class Prepared:
     stop: tuple[str, ...]  # stop strings, applied by the gateway on the text
     stream: bool
     include_usage: bool  # streaming: send the usage chunk
+    scoring: Scoring = Scoring()  # logprobs and echo
     tool_parser: ToolParser | None = None  # chat with tools: the output is read back into tool_calls
     n: int = 1  # choices: the prompt is computed once, choice i seeded seed + i (shared/choices.py)
 
@@ -51,37 +53,31 @@ class Prepared:
 def prepare_chat(req: ChatCompletionRequest, model: ServedModel) -> Prepared:
     _check_model(req.model, model)
     _check_common(req)
-    if req.logprobs:
-        raise APIError(400, "logprobs are not supported", "logprobs")
-    if req.top_logprobs:
-        raise APIError(400, "top_logprobs are not supported", "top_logprobs")
+    scoring = chat_scoring(req)
     tools = plan_tools(req, parser_for(model.tool_call_parser, model.tokenizer.chat_template))
     prompt = _chat_prompt(req, model, tools)
     requested = req.max_completion_tokens or req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     max_tokens = _max_tokens(requested, param, _fitting(prompt, "messages", model), model, default=None)
-    prepared = _prepared(req, prompt, max_tokens, model, tools)
+    prepared = _prepared(req, prompt, max_tokens, model, scoring, tools)
     return replace(prepared, tool_parser=tools.parser) if tools is not None else prepared
 
 
 def prepare_completion(req: CompletionRequest, model: ServedModel) -> Prepared:
     _check_model(req.model, model)
     _check_common(req)
-    if req.logprobs is not None:
-        raise APIError(400, "logprobs are not supported", "logprobs")
-    if req.echo:
-        raise APIError(400, "echo is not supported", "echo")
+    scoring = completion_scoring(req)
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise APIError(
             400,
-            f"best_of must equal n ({req.n or 1}), got {req.best_of}: ranking more candidates than are returned needs "
-            "their cumulative logprobs, which this server does not compute yet",
+            f"best_of must equal n ({req.n or 1}), got {req.best_of}: ranking more candidates than are returned is "
+            "not served",
             "best_of",
         )
     prompt = _completion_prompt(req.prompt, model)
     prompt_len = _fitting(prompt, "prompt", model)
     max_tokens = _max_tokens(req.max_tokens, "max_tokens", prompt_len, model, COMPLETIONS_DEFAULT_MAX_TOKENS)
-    return _prepared(req, prompt, max_tokens, model)
+    return _prepared(req, prompt, max_tokens, model, scoring)
 
 
 def _structured(
@@ -239,6 +235,7 @@ def _prepared(
     prompt: list[int],
     max_tokens: int,
     model: ServedModel,
+    scoring: Scoring,
     tools: ToolPlan | None = None,
 ) -> Prepared:
     stop_token_ids = list(req.stop_token_ids or [])
@@ -258,6 +255,9 @@ def _prepared(
         seed=req.seed,
         stop_token_ids=stop_token_ids,
         ignore_eos=bool(req.ignore_eos),
+        logprobs=scoring.logprobs,
+        prompt_logprobs=scoring.prompt_logprobs,
+        **distribution_fields(req, model),
         structured=_structured(req, model, tools),
     )
     return Prepared(
@@ -267,6 +267,7 @@ def _prepared(
         stream=bool(req.stream),
         include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
         n=_choices(req.n, model),
+        scoring=scoring,
     )
 
 

@@ -114,7 +114,9 @@ async def _complete(
     )
     kind = ChoiceSet if prepared.n > 1 else Generation  # n choices: one dispatch, the prompt computed once
     gen = kind(backend, job, model.tokenizer, prepared.stop, observer, log_prompts=model.log_prompts)
-    writer = ResponseWriter(request_id, model.name, chat, prepared.tool_parser)
+    writer = ResponseWriter(
+        request_id, model.name, chat, prepared.tool_parser, model.tokenizer, prepared.scoring, prepared.prompt_token_ids
+    )
     try:
         await gen.open()
     except BackendUnavailable as exc:

@@ -72,6 +72,25 @@ MaxTokens = Annotated[wire.MaxTokens, Meta(description="tokens to generate at mo
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0, description="0 = greedy"), _documented(minimum=0.0)]
 TopP = Annotated[wire.TopP, _documented(exclusive_minimum=0.0)]
 TopK = Annotated[int, Meta(ge=-1, description="0 or -1 = off")]
+PresencePenalty = Annotated[wire.Penalty, Meta(description="once for every token generated so far")]
+FrequencyPenalty = Annotated[wire.Penalty, Meta(description="times each token's count in the tokens generated so far")]
+RepetitionPenalty = Annotated[
+    wire.RepetitionPenalty,
+    Meta(description="over prompt and generated tokens; 1 = off"),
+    _documented(exclusive_minimum=0.0),
+]
+MinP = Annotated[
+    wire.MinP, Meta(description="drop tokens below min_p times the top probability; 0 = off"), _documented(minimum=0.0)
+]
+LogitBiasMap = Annotated[
+    dict[str, float] | None, _documented(description="token id (as a string) → bias in [-100, 100]")
+]
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's bound on `logprobs`
+TopLogprobs = Annotated[int, Meta(ge=0, le=wire.MAX_LOGPROBS), _documented(minimum=0)]
+CompletionLogprobsCount = Annotated[int, Meta(ge=0, le=MAX_COMPLETION_LOGPROBS), _documented(minimum=0)]
+ScoreOrMaxTokens = Annotated[
+    int, Meta(ge=0, description="tokens to generate at most; 0 with echo = score the prompt"), _documented(minimum=0)
+]
 # Annotated around the whole Optional: `oneOf` replaces what litestar would write, null included.
 Stop = Annotated[
     str | list[str] | None,
@@ -143,6 +162,11 @@ class _Common(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
     user: str | None = None
+    presence_penalty: PresencePenalty | None = None
+    frequency_penalty: FrequencyPenalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_p: MinP | None = None
+    logit_bias: LogitBiasMap = None
     # output constraints, vLLM's spellings (services/gateway/structured.py): one of json / regex / choice / grammar
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None  # a JSON Schema (object or JSON text)
@@ -154,8 +178,8 @@ class _Common(msgspec.Struct, kw_only=True):
 class ChatCompletionRequest(_Common, kw_only=True):
     messages: Annotated[list[ChatMessage], _documented(min_items=1)]
     max_completion_tokens: MaxTokens | None = None  # the newer name of max_tokens; wins when both are set
-    logprobs: Annotated[bool | None, _only(False)] = None
-    top_logprobs: Annotated[int | None, _only(0)] = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None  # with logprobs: alternatives per token
     response_format: Annotated[dict[str, Any] | None, _documented(properties={"type": {"enum": _FORMATS}})] = None
     add_generation_prompt: bool | None = None
     tools: list[Tool] | None = None
@@ -164,8 +188,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
 
 class CompletionRequest(_Common, kw_only=True):
     prompt: Prompt
-    logprobs: Annotated[int | None, _only()] = None
-    echo: Annotated[bool | None, _only(False)] = None
+    max_tokens: ScoreOrMaxTokens | None = None  # 0 only with echo
+    logprobs: CompletionLogprobsCount | None = None  # alternatives per token; 0 = the tokens' own only
+    echo: bool | None = None  # the prompt before the completion (with logprobs: the prompt's too)
     best_of: (
         Annotated[int, Meta(ge=1, description="must equal n (ranking more candidates is not supported)")] | None
     ) = None
@@ -185,11 +210,38 @@ class AssistantMessage(msgspec.Struct, omit_defaults=True):
     tool_calls: list[ToolCall] | None = None  # omitted when there are none
 
 
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(msgspec.Struct):
+    """The legacy shape: parallel lists, one entry per token (a prompt's first token has null logprobs)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct):
@@ -223,7 +275,7 @@ class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
@@ -239,7 +291,7 @@ class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(msgspec.Struct, omit_defaults=True):

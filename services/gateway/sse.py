@@ -29,7 +29,7 @@ async def events(gen: Generation, writer: ResponseWriter, include_usage: bool) -
     try:
         try:
             async for piece in gen.pieces():
-                for chunk in writer.chunks(piece):
+                for chunk in writer.chunks(piece, gen):
                     yield event(chunk)
             if include_usage:
                 yield event(writer.usage_chunk(gen))
@@ -46,7 +46,7 @@ async def choice_events(choices: ChoiceSet, writer: ResponseWriter, include_usag
     try:
         try:
             async for index, piece in choices.pieces():
-                for chunk in writer.chunks(piece, index):
+                for chunk in writer.chunks(piece, choices.gens[index], index):
                     yield event(chunk)
             if include_usage:
                 yield event(writer.usage_chunk(choices))

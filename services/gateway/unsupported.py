@@ -3,10 +3,9 @@
 The rule: a field of OpenAI's CreateChatCompletionRequest / CreateCompletionRequest that would change the output
 and that pdserve would ignore is refused (`REFUSED`), unless its value asks for nothing pdserve lacks (null, and
 each entry's `off` values: `store: false`, `modalities: ["text"]`). Bookkeeping that changes no output is accepted
-and ignored (`BOOKKEEPING`). Fields not in OpenAI's schema stay ignored (benchmark clients send extras). Fields
-other engineers are building (`BEING_BUILT`) keep today's handling in schemas.py / prepare.py until their owner
-lifts it. tests/unit/test_api_fields.py holds these tables to the published document, field by field, and
-docs/api.md lists the same status for each.
+and ignored (`BOOKKEEPING`). Fields not in OpenAI's schema stay ignored (benchmark clients send extras); every
+other field is supported (decoded by schemas.py). tests/unit/test_api_fields.py holds these tables to the published
+document, field by field, and docs/api.md lists the same status for each.
 
 The body is decoded a second time into a struct of just these fields (msgspec skips the rest without building
 it), after the strict decode has accepted it. `document_fields` writes both tables into the served OpenAPI
@@ -69,22 +68,6 @@ _CHAT_BOOKKEEPING = {
 BOOKKEEPING: dict[type[msgspec.Struct], dict[str, str]] = {
     ChatCompletionRequest: _CHAT_BOOKKEEPING,
     CompletionRequest: {"user": _CHAT_BOOKKEEPING["user"]},
-}
-
-# Being built on other branches (issue 16); handled today as schemas.py / prepare.py say.
-_OWNERS = {
-    "logprobs": "sampling",
-    "top_logprobs": "sampling",
-    "echo": "sampling",
-    "presence_penalty": "sampling",
-    "frequency_penalty": "sampling",
-    "logit_bias": "sampling",
-}
-_CHAT_BUILT = ("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias")
-_COMPLETION_BUILT = ("logprobs", "echo", "presence_penalty", "frequency_penalty", "logit_bias")
-BEING_BUILT: dict[type[msgspec.Struct], dict[str, str]] = {
-    ChatCompletionRequest: {f: _OWNERS[f] for f in _CHAT_BUILT},
-    CompletionRequest: {f: _OWNERS[f] for f in _COMPLETION_BUILT},
 }
 
 

@@ -86,7 +86,11 @@ class PrefillWorker(Worker[PrefillJob]):
         live = [j for j in jobs if self.ledger.get(j.key) in entries]
         try:
             # one token more than it has: a request moved here mid-stream resumes after its tokens so far
-            params = [sampling_params(j.sampling, max_tokens=len(j.output_token_ids) + 1) for j in live]
+            # max_tokens 0: score the prompt only (prompt logprobs), nothing to sample or hand on
+            params = [
+                sampling_params(j.sampling, max_tokens=len(j.output_token_ids) + 1 if j.sampling.max_tokens else 0)
+                for j in live
+            ]
             choices = engine_choices(live, params)
             await self.engine.call(lambda e: e.add_group(job.prompt_token_ids, choices, hold_kv=True))
         except Exception as exc:  # ValueError: the engine refused the job; anything else: a bug, answered as such
@@ -110,7 +114,7 @@ class PrefillWorker(Worker[PrefillJob]):
     ) -> None:
         job, span = entry.job, entry.span
         spans.record_prefill(job, out, span, self.labels)
-        metrics.GENERATION_TOKENS.labels(*self.labels).inc(1 + len(group))
+        metrics.GENERATION_TOKENS.labels(*self.labels).inc(sum(len(o.new_token_ids) for _, o in [(entry, out), *group]))
         with tracing.use_span(span):  # log lines and the decode publish join its trace
             try:
                 await self._hand_on(job, [(entry, out), *group])
@@ -132,14 +136,11 @@ class PrefillWorker(Worker[PrefillJob]):
         going_on: list[tuple[PrefillJob, int]] = []
         for e, out in group:
             one = choice_jobs(e.job)[0]  # the choice alone (the group's first entry holds the whole job)
-            token = out.new_token_ids[0]
             finished = out.finish_reason is FinishReason.STOP or out.num_output_tokens >= one.sampling.max_tokens
             reason = out.finish_reason if finished else None
-            self.emit(
-                one.reply_subject, first_token_event(one, token, finished, reason, out.num_prompt_tokens, worker_id)
-            )
+            self.emit(one.reply_subject, first_token_event(one, out, finished, reason, worker_id))
             if not finished and not self.is_cancelled(one.request_id, one.attempt):
-                going_on.append((one, token))
+                going_on.append((one, out.new_token_ids[0]))
         others = [e.key for e, _ in group if e.key != key]
         if others:  # forked choices that ended at once hold no block: forgotten
             await self.engine.call(lambda e: [e.release_kv(k) for k in others])

@@ -21,6 +21,7 @@ from shared.engine.fork import Choice, PendingForks, fork_children
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_measure import outside_torch, plan_kv_pool
 from shared.engine.kv_pool import KVLayout, KVPool
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.request import FinishReason, Request, RequestStatus
 from shared.engine.runner import ModelRunner
 from shared.engine.sampling import Sampler, SamplingParams
@@ -45,6 +46,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     scheduled_at: float | None = None  # wall clock of the request's first scheduling (end of its queue wait)
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when params.logprobs asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # positions 1.. of the prompt, on the request's first output
 
 
 @dataclass
@@ -201,7 +204,7 @@ class Engine:
             self._validate(c.request_id, parent.prompt_token_ids + list(c.output_token_ids))
         made = fork_children(self.scheduler, self.pool, parent, children, hold_kv=parent.hold_kv)
         self._register_children(made)
-        return [self._output(r, r.output_token_ids[-1:], True) for r in made if r.is_finished]
+        return [self._output(r, r.output_token_ids[-1:], None) for r in made if r.is_finished]
 
     def _register_children(self, made: list[Request]) -> None:
         """Put forked children in the engine: the live ones (each with its own grammar matcher when constrained,
@@ -224,25 +227,23 @@ class Engine:
             return []
         params = [c.params for c in pending.children]
         rows = logits.unsqueeze(0).expand(len(params), -1)
-        tokens = self.runner.sampler.sample(rows, params, [0] * len(params))
+        history = (parent.prompt_token_ids, [])  # penalties count the prompt and nothing generated yet
+        tokens, logprobs = self.runner.sampler.sample_with_logprobs(
+            rows, params, [0] * len(params), [history] * len(params)
+        )
         children = [Choice(c.request_id, c.params, (t,)) for c, t in zip(pending.children, tokens, strict=True)]
+        first_logprobs = {c.request_id: lp for c, lp in zip(pending.children, logprobs, strict=True)}
         made = fork_children(self.scheduler, self.pool, parent, children, hold_kv=pending.parent_holds_kv)
         parent.hold_kv = pending.parent_holds_kv
         if parent.is_finished and not parent.hold_kv:
             self.release_kv(parent.request_id)
         self._register_children(made)
-        return [self._output(r, r.output_token_ids, r.is_finished) for r in made]
-
-    def _output(self, req: Request, new_token_ids: list[int], finished: bool) -> RequestOutput:
-        return RequestOutput(
-            req.request_id,
-            list(new_token_ids),
-            finished,
-            req.finish_reason,
-            len(req.prompt_token_ids),
-            len(req.output_token_ids),
-            req.scheduled_at,
-        )
+        outputs = []
+        for r in made:
+            r.prompt_logprobs = list(parent.prompt_logprobs)  # the same prompt: echo's logprobs for every choice
+            lp = first_logprobs.get(r.request_id)
+            outputs.append(self._output(r, r.output_token_ids, None if lp is None else [lp]))
+        return outputs
 
     def _validate(self, request_id: str, tokens: list[int]) -> None:
         if request_id in self.requests:
@@ -317,20 +318,32 @@ class Engine:
                 self.structured.remove(req.request_id)
             if r.finished and not req.hold_kv:
                 self.requests.pop(req.request_id, None)
-            outputs.append(
-                RequestOutput(
-                    req.request_id,
-                    [r.new_token_id],
-                    r.finished,
-                    req.finish_reason,
-                    len(req.prompt_token_ids),
-                    len(req.output_token_ids),
-                    req.scheduled_at,
-                )
-            )
+            logprobs = out.logprobs.get(req.request_id)
+            outputs.append(self._output(req, [r.new_token_id], None if logprobs is None else [logprobs]))
             if req.request_id in self.pending_forks:  # a group's parent sampled its first token
                 outputs += self._fork_at_first_token(req, out.logits[req.request_id])
         return outputs
+
+    def _output(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None) -> RequestOutput:
+        """The output of `req`'s new `tokens` (their logprobs when asked), with the prompt's logprobs on its first."""
+        new, token_logprobs = list(tokens), logprobs
+        if req.params.max_tokens == 0:  # score only: the prompt was computed, the token it sampled is dropped
+            req.output_token_ids.pop()
+            new, token_logprobs, req.finish_reason = [], None, FinishReason.LENGTH
+        prompt_lp = None
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            prompt_lp, req.prompt_logprobs_sent = list(req.prompt_logprobs), True
+        return RequestOutput(
+            req.request_id,
+            new,
+            req.is_finished,
+            req.finish_reason,
+            len(req.prompt_token_ids),
+            len(req.output_token_ids),
+            req.scheduled_at,
+            token_logprobs,
+            prompt_lp,
+        )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion; output token ids in prompt order (a convenience for tools and tests)."""

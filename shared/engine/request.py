@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling import SamplingParams
 
 
@@ -40,6 +41,10 @@ class Request:
     # Wall clock (time.time()) when the engine first gave it compute (or imported its KV): the end of its
     # queue wait. Kept across preemptions.
     scheduled_at: float | None = None
+    # params.prompt_logprobs: those of prompt positions 1.. computed so far (across prefill chunks), and whether
+    # an output carried them yet
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     @property
     def num_tokens(self) -> int:

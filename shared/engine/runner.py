@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from shared.engine.decode_graphs import DecodeGraphs
 from shared.engine.kv_pool import KVPool
+from shared.engine.logprobs import TokenLogprobs
+from shared.engine.prompt_scoring import score_prompts
+from shared.engine.request import Request
 from shared.engine.sampling import Sampler
 from shared.engine.scheduler import SchedulePlan
 from shared.engine.structured import StructuredDecoding
@@ -21,6 +24,7 @@ from shared.model.transformer import CausalLM
 class RunnerOutput:
     sampled: dict[str, int]  # request id → next token, for every sequence that sampled
     logits: dict[str, torch.Tensor]  # request id → (V,) float32 logits the token was sampled from (on the device)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # for the requests that asked
 
 
 class ModelRunner:
@@ -59,7 +63,9 @@ class ModelRunner:
         reqs = [plan.seqs[i].request for i in sampling]
         # grammar masks: filled in a thread while the forward runs, applied before sampling
         masks = self.structured.begin([r.request_id for r in reqs]) if self.structured else None
-        if self.graphs is not None and self.graphs.fits([s.num_tokens for s in plan.seqs]):
+        # a request still scoring its prompt needs every row's hidden state: the eager path (prompt_scoring.py)
+        scoring = any(_scoring_prompt(s.request) for s in plan.seqs)
+        if self.graphs is not None and not scoring and self.graphs.fits([s.num_tokens for s in plan.seqs]):
             logits = self._replay(plan, input_ids, sampling)
         else:
             logits = self._eager(plan, input_ids, positions, ends, sampling)
@@ -67,9 +73,15 @@ class ModelRunner:
             return RunnerOutput({}, {})
         if self.structured is not None:
             logits = self.structured.apply(masks, logits)
-        tokens = self.sampler.sample(logits, [r.params for r in reqs], [len(r.output_token_ids) for r in reqs])
+        tokens, logprobs = self.sampler.sample_with_logprobs(
+            logits,
+            [r.params for r in reqs],
+            [len(r.output_token_ids) for r in reqs],
+            [(r.prompt_token_ids, r.output_token_ids) for r in reqs],
+        )
         ids_ = [r.request_id for r in reqs]
-        return RunnerOutput(dict(zip(ids_, tokens, strict=True)), dict(zip(ids_, logits, strict=True)))
+        wanted = {rid: lp for rid, lp in zip(ids_, logprobs, strict=True) if lp is not None}
+        return RunnerOutput(dict(zip(ids_, tokens, strict=True)), dict(zip(ids_, logits, strict=True)), wanted)
 
     def _eager(
         self, plan: SchedulePlan, input_ids: list[int], positions: list[int], ends: list[int], sampling: list[int]
@@ -87,6 +99,7 @@ class ModelRunner:
         staged = torch.tensor(input_ids + positions + [ends[i] - 1 for i in sampling], dtype=torch.int64)
         ids, pos, rows = to_device(staged, self.device).split([t, t, len(sampling)])
         hidden = self.model(ids, pos, self._caches, meta)
+        score_prompts(self.model, hidden, plan.seqs, ends)  # prompt logprobs, for the requests that asked
         if not sampling:
             return None
         return self.model.logits(hidden[rows])  # (S, V) float32, on the device
@@ -105,3 +118,8 @@ class ModelRunner:
         if len(sampling) == len(plan.seqs):
             return logits
         return logits[to_device(torch.tensor(sampling, dtype=torch.int64), self.device)]
+
+
+def _scoring_prompt(req: Request) -> bool:
+    """True while a request that asked for prompt logprobs has prompt positions left to score."""
+    return req.params.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt_token_ids) - 1

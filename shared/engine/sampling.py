@@ -1,5 +1,9 @@
 """Per-request sampling: parameters (validated at the edge) and a batched sampler.
 
+A step's logits go through logits_process.py (logit_bias → penalties → temperature), then the filters (min_p →
+top_k → top_p), then argmax (greedy rows) or a draw. Logprobs (logprobs.py) come from the processed logits, before
+the filters: the distribution the token was drawn from, less the truncation.
+
 Randomness is keyed by (seed, output position): the token at position i of a seeded request is the same
 whether the request ran in one engine, was preempted and recomputed, or moved to another engine after
 a KV hand-off.
@@ -8,10 +12,13 @@ a KV hand-off.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from shared.engine.logits_process import filter_batch, process_batch
+from shared.engine.logprobs import TokenLogprobs, gather_logprobs
 from shared.structured.spec import StructuredSpec
 
 _SEED_STRIDE = 1_000_003  # distinct generator states per output position
@@ -28,17 +35,51 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # [-2, 2], over output tokens (OpenAI)
+    frequency_penalty: float = 0.0  # [-2, 2], over output tokens (OpenAI)
+    repetition_penalty: float = 1.0  # > 0, over prompt + output tokens (HF / vLLM); 1 = off
+    min_p: float = 0.0  # [0, 1]; 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
+    logprobs: int | None = None  # per sampled token: its logprob and this many top alternatives; None = off
+    prompt_logprobs: int | None = None  # per prompt token (from the second): the same; None = off
     structured: StructuredSpec | None = None  # the output must match it (shared/engine/structured.py)
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        # 0 = score the prompt only: the engine computes it (and its prompt logprobs) and ends without a token
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be at least 0, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be at least 1 (or None for off), got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be above 0, got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")
+
+    @property
+    def scale(self) -> float:
+        """What the logits are divided by: the temperature, or 1 for a greedy temperature (below GREEDY_BELOW)."""
+        return 1.0 if self.temperature < GREEDY_BELOW else self.temperature
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """True when bias or penalties change the logits (temperature aside)."""
+        return self.has_penalties or bool(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -56,21 +97,46 @@ class Sampler:
         self._seed = seed if seed is not None else random.getrandbits(63)
         self._generators: dict[torch.device, torch.Generator] = {}  # unseeded requests draw from these
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
-        """logits (N, V) float32; positions[i] = index of the output token being sampled for row i."""
-        tokens = logits.argmax(dim=-1)  # (N,) on the device; sampled rows overwrite their entry
-        for i, (p, pos) in enumerate(zip(params, positions, strict=True)):
-            if not p.greedy:
-                tokens[i] = self._sample_row(logits[i], p, pos)
-        return tokens.cpu().tolist()
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        positions: list[int],
+        histories: Sequence[tuple[list[int], list[int]]] | None = None,
+    ) -> list[int]:
+        """logits (N, V) float32; positions[i] = index of the output token being sampled for row i;
+        histories[i] = row i's (prompt ids, output ids so far), needed when a row has penalties."""
+        return self.sample_with_logprobs(logits, params, positions, histories)[0]
 
-    def _sample_row(self, logits: torch.Tensor, p: SamplingParams, position: int) -> torch.Tensor:
-        """→ the token id as a one-element tensor on the logits' device (no host read)."""
-        probs = torch.softmax(filter_logits(logits / p.temperature, p.top_k, p.top_p), dim=-1)
+    def sample_with_logprobs(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        positions: list[int],
+        histories: Sequence[tuple[list[int], list[int]]] | None = None,
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The sampled ids, and for each row that asked (params.logprobs) the sampled token's logprob and the top
+        alternatives under the processed logits; ids and logprobs cross to the host in one copy."""
+        if histories is None:
+            if any(p.has_penalties for p in params):
+                raise ValueError("penalties need the rows' token histories")
+            histories = [([], [])] * len(params)
+        plain = not any(p.processes_logits or not p.greedy or p.logprobs is not None for p in params)
+        processed = logits if plain else process_batch(logits, params, histories)
+        tokens = processed.argmax(dim=-1)  # (N,) on the device; sampled rows overwrite their entry
+        drawn = [i for i, p in enumerate(params) if not p.greedy]
+        if drawn:
+            probs = torch.softmax(filter_batch(processed[drawn], [params[i] for i in drawn]), dim=-1)
+            for j, i in enumerate(drawn):
+                tokens[i] = self._draw(probs[j], params[i], positions[i])
+        return gather_logprobs(processed, tokens, [p.logprobs for p in params])
+
+    def _draw(self, probs: torch.Tensor, p: SamplingParams, position: int) -> torch.Tensor:
+        """→ the token id as a one-element tensor on the probabilities' device (no host read)."""
         if p.seed is not None:
-            gen = torch.Generator(logits.device).manual_seed((p.seed * _SEED_STRIDE + position) % (1 << 63))
+            gen = torch.Generator(probs.device).manual_seed((p.seed * _SEED_STRIDE + position) % (1 << 63))
         else:
-            gen = self._engine_generator(logits.device)
+            gen = self._engine_generator(probs.device)
         return torch.multinomial(probs, 1, generator=gen)[0]
 
     def _engine_generator(self, device: torch.device) -> torch.Generator:

@@ -10,13 +10,20 @@ from shared.settings import WorkerSettings
 
 def sampling_params(s: Sampling, max_tokens: int | None = None) -> SamplingParams:
     return SamplingParams(
-        max_tokens=max_tokens or s.max_tokens,
+        max_tokens=s.max_tokens if max_tokens is None else max_tokens,
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=s.top_k,
         seed=s.seed,
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        min_p=s.min_p,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        logprobs=s.logprobs,
+        prompt_logprobs=s.prompt_logprobs,
         structured=s.structured,
     )
 

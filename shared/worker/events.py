@@ -4,8 +4,9 @@ constructor of its kind (shared/messages.py)."""
 from __future__ import annotations
 
 from shared.engine.engine import RequestOutput
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.request import FinishReason as EngineFinishReason
-from shared.messages import DecodeJob, FinishReason, PrefillJob, TokenEvent
+from shared.messages import DecodeJob, FinishReason, Logprob, PrefillJob, TokenEvent
 
 
 def wire_finish_reason(reason: EngineFinishReason | None) -> FinishReason:
@@ -13,17 +14,24 @@ def wire_finish_reason(reason: EngineFinishReason | None) -> FinishReason:
     return FinishReason(reason.value) if reason is not None else FinishReason.LENGTH
 
 
+def wire_logprobs(logprobs: list[TokenLogprobs] | None) -> list[Logprob]:
+    """The engine's logprobs as the wire carries them (none when the request did not ask)."""
+    return [Logprob(lp.logprob, list(lp.top_ids), list(lp.top_logprobs)) for lp in logprobs or ()]
+
+
 def token_event(request_id: str, attempt: int, out: RequestOutput, worker_id: str) -> TokenEvent:
-    """The wire event of one engine output: its new tokens, and the end when it finished."""
+    """The wire event of one engine output: its new tokens (with their logprobs, and the prompt's on the first
+    output, when asked), and the end when it finished."""
     seq, tokens, prompt_tokens = (
         out.num_output_tokens - len(out.new_token_ids),
         out.new_token_ids,
         out.num_prompt_tokens,
     )
+    lps, prompt_lps = wire_logprobs(out.logprobs), wire_logprobs(out.prompt_logprobs)
     if out.finished:
         reason = wire_finish_reason(out.finish_reason)
-        return TokenEvent.finished(request_id, attempt, seq, tokens, reason, worker_id, prompt_tokens)
-    return TokenEvent.tokens(request_id, attempt, seq, tokens, worker_id, prompt_tokens)
+        return TokenEvent.finished(request_id, attempt, seq, tokens, reason, worker_id, prompt_tokens, lps, prompt_lps)
+    return TokenEvent.tokens(request_id, attempt, seq, tokens, worker_id, prompt_tokens, lps, prompt_lps)
 
 
 def error_event(job: PrefillJob | DecodeJob, message: str, worker_id: str, status: int = 400) -> TokenEvent:
@@ -39,18 +47,21 @@ def announce_event(job: PrefillJob | DecodeJob, worker_id: str) -> TokenEvent:
 
 def first_token_event(
     job: PrefillJob,
-    token: int,
+    out: RequestOutput,
     finished: bool,
     reason: EngineFinishReason | None,
-    prompt_tokens: int,
     worker_id: str,
 ) -> TokenEvent:
-    """A prefill worker's one sampled token, at the position after the tokens the job already carries; the
+    """A prefill worker's one sampled token (none when max_tokens is 0: the prompt was only scored), at the
+    position after the tokens the job already carries, with its logprobs and the prompt's when asked; the
     request's end too when that token finished it."""
     rid, attempt, seq = job.request_id, job.attempt, len(job.output_token_ids)
+    tokens, prompt_tokens = out.new_token_ids[:1], out.num_prompt_tokens
+    lps, prompt_lps = wire_logprobs(out.logprobs), wire_logprobs(out.prompt_logprobs)
     if finished:
-        return TokenEvent.finished(rid, attempt, seq, [token], wire_finish_reason(reason), worker_id, prompt_tokens)
-    return TokenEvent.tokens(rid, attempt, seq, [token], worker_id, prompt_tokens)
+        reason_ = wire_finish_reason(reason)
+        return TokenEvent.finished(rid, attempt, seq, tokens, reason_, worker_id, prompt_tokens, lps, prompt_lps)
+    return TokenEvent.tokens(rid, attempt, seq, tokens, worker_id, prompt_tokens, lps, prompt_lps)
 
 
 def queued_event(job: PrefillJob, worker_id: str) -> TokenEvent:

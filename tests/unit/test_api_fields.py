@@ -1,5 +1,5 @@
 """Every request field of OpenAI's CreateChatCompletionRequest / CreateCompletionRequest has one status in
-pdserve (supported, refused with a 400 naming it, accepted as bookkeeping, or being built on another branch),
+pdserve (supported, refused with a 400 naming it, or accepted as bookkeeping),
 docs/api.md states the same status for each, and a refused field is a 400 naming it while its "off" values and
 fields OpenAI does not define are accepted."""
 
@@ -14,7 +14,7 @@ from litestar.testing import TestClient
 
 from services.gateway import create_app
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from services.gateway.unsupported import BEING_BUILT, BOOKKEEPING, REFUSED
+from services.gateway.unsupported import BOOKKEEPING, REFUSED
 from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from tests.openai_schema import SCHEMAS
@@ -46,9 +46,7 @@ def statuses(api: str) -> dict[str, str]:
     kind, name = APIS[api]
     out = {}
     for field in openai_fields(name):
-        if field in BEING_BUILT[kind]:
-            out[field] = "being built"
-        elif field in BOOKKEEPING[kind]:
+        if field in BOOKKEEPING[kind]:
             out[field] = "bookkeeping"
         elif field in REFUSED[kind]:
             out[field] = "refused"
@@ -66,7 +64,7 @@ def test_every_openai_field_has_a_status(api):
     assert len(found) > 10
     assert [f for f, s in found.items() if s == "UNACCOUNTED"] == []
     # and the tables name only fields OpenAI defines (a typo would refuse nothing)
-    listed = {f.split(".", 1)[0] for f in [*REFUSED[kind], *BOOKKEEPING[kind], *BEING_BUILT[kind]]}
+    listed = {f.split(".", 1)[0] for f in [*REFUSED[kind], *BOOKKEEPING[kind]]}
     assert listed <= openai_fields(name)
 
 

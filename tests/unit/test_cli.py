@@ -10,6 +10,8 @@ import sys
 import pytest
 
 from services.cli import main
+from shared.engine.engine import Engine
+from shared.engine.sampling import SamplingParams
 from shared.model.tokenizer import Tokenizer
 
 
@@ -79,3 +81,14 @@ def test_parser_builds_without_docstrings():
         )
         assert done.returncode == 0, done.stderr
         assert f"pdserve {command}" in done.stdout
+
+
+def test_generate_penalty_flags_change_the_tokens_as_the_engine_does(demo_dir, capsys):
+    base = ["generate", "--model", str(demo_dir), "--max-tokens", "24", "--ignore-eos", "--json", "hi"]
+    outs = []
+    for extra in ([], ["--presence-penalty", "2", "--repetition-penalty", "1.5"]):
+        assert main(base + extra) == 0
+        outs.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert outs[0] != outs[1]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, presence_penalty=2, repetition_penalty=1.5)
+    assert Engine.from_dir(demo_dir).generate([Tokenizer(demo_dir).encode("hi")], params)[0] == outs[1]

@@ -111,8 +111,8 @@ def _metadata_left_on_host(engine, monkeypatch):
 
 
 def _sampling_on_host(engine, monkeypatch):
-    sample = engine.runner.sampler.sample
-    monkeypatch.setattr(engine.runner.sampler, "sample", lambda logits, *a: sample(logits.cpu(), *a))
+    sample = engine.runner.sampler.sample_with_logprobs
+    monkeypatch.setattr(engine.runner.sampler, "sample_with_logprobs", lambda logits, *a: sample(logits.cpu(), *a))
 
 
 def _arange_in_forward(engine, monkeypatch):
@@ -147,6 +147,27 @@ def test_guard_catches_logits_read_back_for_sampling(moe_checkpoint, monkeypatch
     _sampling_on_host(engine, monkeypatch)
     with pytest.raises(AssertionError, match="expected only the sampled ids"):
         run_steps(engine, DeviceGuard(META))
+
+
+def test_penalties_filters_and_logprobs_stay_on_the_device(moe_checkpoint):
+    """Bias, penalties and top-k logprobs run on the device: each step still reads back one copy, the sampled ids
+    with the logprobs' k values and ids (float64). Greedy: the meta device has no generators to draw with."""
+    engine = meta_engine(moe_checkpoint)
+    k = 3
+    params = SamplingParams(
+        max_tokens=8, temperature=0.0, presence_penalty=0.5,
+        frequency_penalty=0.3, repetition_penalty=1.2, logit_bias=((2, 1.0),), logprobs=k, ignore_eos=True,
+    )  # fmt: skip
+    engine.add_request("short", SHORT, params)
+    engine.add_request("long", LONG, params)
+    guard = DeviceGuard(META)
+    guard.watch(engine.model)
+    with guard:
+        for expected in EXPECTED_SAMPLERS:
+            guard.readbacks.clear()
+            assert {o.request_id for o in engine.step()} == expected
+            n = len(expected)
+            assert guard.readbacks == [((n + n + 2 * n * k,), torch.float64)], guard.readbacks
 
 
 # ---- the device setting ------------------------------------------------------------------------------------

@@ -303,13 +303,13 @@ def test_what_prepare_refuses_is_documented(client):
     completion = schemas["CompletionRequest"]["properties"]
     assert (completion["n"]["minimum"], completion["n"]["maximum"]) == (1, 16)  # maximum: settings.max_n
     assert completion["best_of"]["minimum"] == 1
-    assert completion["echo"]["enum"] == [False, None] and completion["logprobs"]["enum"] == [None]
+    assert completion["logprobs"]["maximum"] == 5 and completion["logprobs"]["minimum"] == 0
     assert [f["minLength"] for f in completion["prompt"]["oneOf"] if f["type"] == "string"] == [1]
     assert schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
     for body in (
         {"prompt": "hi", "n": 17},
         {"prompt": "hi", "best_of": 2},
-        {"prompt": "hi", "echo": True},
+        {"prompt": "hi", "max_tokens": 0},
         {"prompt": ""},
     ):
         assert client.post("/v1/completions", json=body).status_code == 400

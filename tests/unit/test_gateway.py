@@ -22,6 +22,7 @@ from litestar.testing import TestClient
 
 from services.gateway import create_app
 from services.gateway.backend import BackendUnavailable, GenerationJob, Update
+from shared.messages import Logprob
 from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
@@ -51,6 +52,11 @@ class FakeStream:
 
     async def aclose(self) -> None:
         self._backend.closed += 1
+
+
+def fake_logprob(token: int, k: int) -> Logprob:
+    """A made-up logprob for `token` that a worker could have sent: the token first among k alternatives."""
+    return Logprob(-0.25, [token, *range(k - 1)][:k], [-0.25 - i for i in range(k)])
 
 
 class FakeBackend:
@@ -89,9 +95,16 @@ class FakeBackend:
             (ids[:limit], "length") if len(ids) >= limit else (ids + [self.tokenizer.eos_token_ids[0]], "stop")
         )
         n = self.tokens_per_update
-        groups = [ids[i : i + n] for i in range(0, len(ids), n)]
-        yield from (Update(g) for g in groups[:-1])
-        yield Update(groups[-1], reason)
+        groups = [ids[i : i + n] for i in range(0, len(ids), n)] or [[]]  # max_tokens 0: score only
+        k = job.sampling.logprobs
+        lps = [[fake_logprob(t, k) for t in g] if k is not None else [] for g in groups]
+        k = job.sampling.prompt_logprobs
+        prompt = [fake_logprob(t, k) for t in job.prompt_token_ids[1:]] if k is not None else []
+        yield from (
+            Update(g, logprobs=lp, prompt_logprobs=prompt if i == 0 else [])
+            for i, (g, lp) in enumerate(zip(groups[:-1], lps, strict=False))
+        )
+        yield Update(groups[-1], reason, logprobs=lps[-1], prompt_logprobs=prompt if len(groups) == 1 else [])
 
     async def open(self, job: GenerationJob) -> FakeStream:
         if self.unavailable:
@@ -364,9 +377,21 @@ BAD_INPUTS = [
     (CHAT, {"messages": USER, "top_k": -2}, "application/json", 400, "top_k"),
     (CHAT, {"messages": USER, "stop": 5}, "application/json", 400, "stop"),
     (CHAT, {"messages": USER, "stop": ["a", 1]}, "application/json", 400, "stop[1]"),
-    (CHAT, {"messages": USER, "logprobs": True}, "application/json", 400, "logprobs"),
-    (COMPLETIONS, {"prompt": "hi", "logprobs": 1}, "application/json", 400, "logprobs"),
-    (COMPLETIONS, {"prompt": "hi", "echo": True}, "application/json", 400, "echo"),
+    (CHAT, {"messages": USER, "logprobs": "yes"}, "application/json", 400, "logprobs"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "application/json", 400, "top_logprobs"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": -1}, "application/json", 400, "top_logprobs"),
+    (CHAT, {"messages": USER, "top_logprobs": 2}, "application/json", 400, "top_logprobs"),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": 6}, "application/json", 400, "logprobs"),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": -1}, "application/json", 400, "logprobs"),
+    (COMPLETIONS, {"prompt": "hi", "echo": 1}, "application/json", 400, "echo"),
+    (CHAT, {"messages": USER, "presence_penalty": 2.5}, "application/json", 400, "presence_penalty"),
+    (CHAT, {"messages": USER, "frequency_penalty": -2.01}, "application/json", 400, "frequency_penalty"),
+    (COMPLETIONS, {"prompt": "hi", "repetition_penalty": 0}, "application/json", 400, "repetition_penalty"),
+    (COMPLETIONS, {"prompt": "hi", "min_p": 1.5}, "application/json", 400, "min_p"),
+    (CHAT, {"messages": USER, "logit_bias": {"99999": 1}}, "application/json", 400, "logit_bias"),
+    (CHAT, {"messages": USER, "logit_bias": {"abc": 1}}, "application/json", 400, "logit_bias"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"5": 101}}, "application/json", 400, "logit_bias"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"5": "x"}}, "application/json", 400, "logit_bias[...]"),
     (COMPLETIONS, {"prompt": "hi", "best_of": 2}, "application/json", 400, "best_of"),
     (CHAT, {"messages": USER, "stream": "yes"}, "application/json", 400, "stream"),
     (CHAT, {"messages": USER, "stream": True, "stream_options": 1}, "application/json", 400, "stream_options"),

@@ -58,8 +58,13 @@ def draw(sampler: Sampler, logits: torch.Tensor, params: SamplingParams, n: int 
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"max_tokens": 0},
         {"max_tokens": -3},
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -2.1},
+        {"repetition_penalty": 0.0},
+        {"min_p": 1.5},
+        {"logit_bias": ((3, 101.0),)},
+        {"logprobs": -1},
         {"temperature": -0.01},
         {"temperature": 100.5},
         {"temperature": float("nan")},
@@ -77,7 +82,15 @@ def test_invalid_sampling_params_raise(kwargs):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"max_tokens": 1}, {"temperature": 0.0}, {"temperature": 100.0}, {"top_p": 1.0}, {"top_p": 1e-6}, {"top_k": 1}],
+    [
+        {"max_tokens": 0},
+        {"max_tokens": 1},
+        {"temperature": 0.0},
+        {"temperature": 100.0},
+        {"top_p": 1.0},
+        {"top_p": 1e-6},
+        {"top_k": 1},
+    ],
 )
 def test_boundary_sampling_params_are_accepted(kwargs):
     SamplingParams(**kwargs)
