@@ -172,3 +172,33 @@ def test_logprobs_of_a_constrained_request_come_from_the_masked_distribution(che
     assert 1 <= len(allowed) <= 2  # the first character of one of the two choices
     assert sum(math.exp(v) for v in allowed) == pytest.approx(1.0, abs=1e-4)
     assert lp.top_ids[0] == tokens[0]
+
+
+def test_each_of_n_choices_has_the_logprobs_of_its_single_request_and_the_prompts(checkpoint):
+    """n > 1: the forked choices' first tokens carry logprobs (penalties counted over the shared prompt) and the
+    prompt's logprobs, equal to what each choice's single request reports."""
+    from shared.engine.fork import Choice, choice_params
+
+    base = SamplingParams(
+        max_tokens=4, temperature=0.9, seed=3, logprobs=3, prompt_logprobs=1, repetition_penalty=1.3, ignore_eos=True
+    )
+    e = engine(checkpoint)
+    prompt = prompt_of(11, e.model.config.vocab_size)
+    e.add_group(prompt, [Choice(f"c{i}", choice_params(base, i)) for i in range(3)])
+    group: dict[str, list[RequestOutput]] = {}
+    while e.has_unfinished():
+        for o in e.step():
+            group.setdefault(o.request_id, []).append(o)
+    e.check_integrity()
+    for i in range(3):
+        single = run(engine(checkpoint), prompt, choice_params(base, i), rid="s")
+        got = group[f"c{i}"]
+        assert [o.new_token_ids for o in got] == [o.new_token_ids for o in single], f"choice {i}"
+        for mine, theirs in zip(got, single, strict=True):
+            assert mine.logprobs is not None and theirs.logprobs is not None
+            for a, b in zip(mine.logprobs, theirs.logprobs, strict=True):
+                assert a.top_ids == b.top_ids and math.isclose(a.logprob, b.logprob, abs_tol=1e-4)
+        assert got[0].prompt_logprobs and single[0].prompt_logprobs
+        assert [lp.logprob for lp in got[0].prompt_logprobs] == pytest.approx(
+            [lp.logprob for lp in single[0].prompt_logprobs], abs=1e-4
+        )
