@@ -141,6 +141,8 @@ def job_problem(
     )
     if problem is not None:
         return problem
+    if output_token_ids and sampling.max_tokens < 1:  # 0 scores a prompt; a job with tokens goes on generating
+        return f"max_tokens must be at least 1 for a job that carries output tokens, got {sampling.max_tokens}"
     tokens = len(prompt_token_ids) + len(output_token_ids)
     if tokens >= max_model_len:
         return (
