@@ -13,6 +13,7 @@ from services.gateway.backend import GenerationJob, Update
 from shared.job_checks import MAX_CHOICES, job_refusal
 from shared.messages import DecodeJob, PrefillJob, Sampling, Sibling, decode, encode, token_subject
 from shared.worker.choices import choice_jobs
+from tests.openai_schema import validate, validate_stream_chunk
 from tests.unit.test_gateway import CHAT, COMPLETIONS, FakeBackend, checkpoint, settings_for, stream_chunks, tokenizer
 
 __all__ = ["checkpoint", "tokenizer"]  # fixtures, used by name
@@ -45,6 +46,7 @@ def test_completion_choices_are_indexed_and_usage_counts_the_prompt_once(client,
     resp = client.post(COMPLETIONS, json=body)
     assert resp.status_code == 200, resp.text
     out = resp.json()
+    validate(out, "CreateCompletionResponse")  # n choices in OpenAI's published shape
     assert [(c["index"], c["text"], c["finish_reason"]) for c in out["choices"]] == [
         (i, r, "stop") for i, r in enumerate(REPLIES)
     ]
@@ -69,6 +71,8 @@ def test_chat_chunks_name_their_choice_and_each_choice_gets_the_role(client):
     resp = client.post(CHAT, json=body)
     assert resp.status_code == 200, resp.text
     chunks = stream_chunks(resp.text)
+    for chunk in chunks:
+        validate_stream_chunk(chunk, chat=True)
     texts: dict[int, str] = {}
     roles: dict[int, str | None] = {}
     reasons: dict[int, str] = {}

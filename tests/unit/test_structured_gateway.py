@@ -15,6 +15,7 @@ from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from shared.structured import spec as specs
 from shared.structured.spec import StructuredKind
+from tests.openai_schema import validate, validate_stream_chunk
 from tests.unit.test_gateway import CHAT, COMPLETIONS, MODEL, USER, FakeBackend, assert_error, serve, settings_for
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -130,6 +131,22 @@ def test_required_and_named_tool_choice_constrain_the_output(client, fake):
     assert "<tools>" in prompt and '"get_weather"' in prompt
     client.post(CHAT, json={"messages": USER, "tools": [WEATHER], "tool_choice": "none"})
     assert "<tools>" not in fake.tokenizer.decode(fake.jobs[-1].prompt_token_ids, skip_special_tokens=False)
+
+
+def test_tool_call_responses_have_openais_published_shape(checkpoint, tokenizer):
+    """tool_calls whole and streamed validate against OpenAI's schemas (the message keeps refusal: null)."""
+    fake = FakeBackend(tokenizer)
+    fake.reply = CALL_TEXT
+    with TestClient(create_app(settings_for(checkpoint), fake)) as client:
+        body = {"messages": USER, "tools": [WEATHER], "max_tokens": 200}
+        whole = client.post(CHAT, json=body).json()
+        validate(whole, "CreateChatCompletionResponse")
+        assert whole["choices"][0]["message"]["tool_calls"] and whole["choices"][0]["message"]["refusal"] is None
+        streamed = client.post(CHAT, json=body | {"stream": True}).text
+        chunks = [json.loads(line[6:]) for line in streamed.split("\n\n") if line.startswith("data: {")]
+        assert any(c["choices"] and c["choices"][0]["delta"].get("tool_calls") for c in chunks)
+        for chunk in chunks:
+            validate_stream_chunk(chunk, chat=True)
 
 
 def test_tool_calls_through_the_openai_client(checkpoint, tokenizer):
