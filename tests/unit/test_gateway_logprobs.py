@@ -123,3 +123,24 @@ def test_logprobs_responses_validate_against_openais_schemas(client):
     assert legacy["token_logprobs"][0] is None and legacy["top_logprobs"][0] is None
     legacy["token_logprobs"][0], legacy["top_logprobs"][0] = 0.0, {}
     validate(echoed, "CreateCompletionResponse")  # the nulls were all that differed
+
+
+def test_each_of_n_choices_echoes_the_prompt_with_its_own_offsets(client, fake, tokenizer):  # noqa: F811
+    """n > 1 with echo and logprobs: every choice's text and logprobs start with the prompt (its first token's
+    logprob null), and each choice's text offsets count from its own start, whole and streamed."""
+    prompt = "abc de"
+    ids = tokenizer.encode(prompt)
+    body = {"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 3, "n": 2, "seed": 1}
+    whole = client.post(COMPLETIONS, json=body).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1]
+    for c in whole["choices"]:
+        assert c["text"].startswith(tokenizer.decode(ids))
+        lp = c["logprobs"]
+        assert lp["token_logprobs"][0] is None and len(lp["tokens"]) == len(ids) + 3
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+    streamed = stream_chunks(client.post(COMPLETIONS, json=body | {"stream": True}).text)
+    for i, c in enumerate(whole["choices"]):
+        mine = [ch["choices"][0] for ch in streamed if ch["choices"] and ch["choices"][0]["index"] == i]
+        assert "".join(m["text"] for m in mine) == c["text"]
+        assert [t for m in mine for t in m["logprobs"]["tokens"]] == c["logprobs"]["tokens"]
+        assert [o for m in mine for o in m["logprobs"]["text_offset"]] == c["logprobs"]["text_offset"]
