@@ -134,10 +134,7 @@ async def _complete(
             await until_disconnect(request.receive, gen.collect())
             return Response(writer.whole(gen))
         await until_disconnect(request.receive, gen.wait_first())
-        if isinstance(gen, ChoiceSet):
-            body = sse.choice_events(gen, writer, prepared.include_usage)
-        else:
-            body = sse.events(gen, writer, prepared.include_usage)
+        body = sse.events(gen, writer, prepared.include_usage)
         # the background close covers a client gone before the body generator ever started
         stream = Stream(body, media_type="text/event-stream", headers=sse.HEADERS, background=BackgroundTask(gen.close))
         streaming = True

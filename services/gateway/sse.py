@@ -11,7 +11,7 @@ import msgspec
 
 from services.gateway.choices import ChoiceSet
 from services.gateway.errors import error_body
-from services.gateway.generation import Generation, GenerationError
+from services.gateway.generation import Generation, GenerationError, Piece
 from services.gateway.responses import ResponseWriter
 
 DONE = b"data: [DONE]\n\n"
@@ -23,13 +23,16 @@ def event(payload: msgspec.Struct) -> bytes:
     return b"data: " + _encoder.encode(payload) + b"\n\n"
 
 
-async def events(gen: Generation, writer: ResponseWriter, include_usage: bool) -> AsyncIterator[bytes]:
-    """The response body of a streaming request, one event per token. Closes `gen` however it ends
-    (a client disconnect cancels this generator, and close() cancels the request upstream)."""
+async def events(gen: Generation | ChoiceSet, writer: ResponseWriter, include_usage: bool) -> AsyncIterator[bytes]:
+    """The response body of a streaming request, one event per token: of one choice, or of n, whose chunks
+    interleave as they come, each naming its choice's index; one usage chunk at the end (the prompt once, every
+    choice's completion tokens). Closes `gen` however it ends (a client disconnect cancels this generator, and
+    close() cancels the request upstream)."""
     try:
         try:
-            async for piece in gen.pieces():
-                for chunk in writer.chunks(piece, gen):
+            async for index, piece in _indexed(gen):
+                choice = gen.gens[index] if isinstance(gen, ChoiceSet) else gen
+                for chunk in writer.chunks(piece, choice, index):
                     yield event(chunk)
             if include_usage:
                 yield event(writer.usage_chunk(gen))
@@ -40,18 +43,11 @@ async def events(gen: Generation, writer: ResponseWriter, include_usage: bool) -
         await gen.close()
 
 
-async def choice_events(choices: ChoiceSet, writer: ResponseWriter, include_usage: bool) -> AsyncIterator[bytes]:
-    """`events` for n choices: their chunks interleave as they come, each naming its choice's index; one usage
-    chunk at the end (the prompt once, every choice's completion tokens). Closes every choice however it ends."""
-    try:
-        try:
-            async for index, piece in choices.pieces():
-                for chunk in writer.chunks(piece, choices.gens[index], index):
-                    yield event(chunk)
-            if include_usage:
-                yield event(writer.usage_chunk(choices))
-        except GenerationError as exc:
-            yield event(error_body(exc.status, exc.message))
-        yield DONE
-    finally:
-        await choices.close()
+async def _indexed(gen: Generation | ChoiceSet) -> AsyncIterator[tuple[int, Piece]]:
+    """(choice index, piece): one choice's pieces are choice 0's."""
+    if isinstance(gen, ChoiceSet):
+        async for indexed in gen.pieces():
+            yield indexed
+    else:
+        async for piece in gen.pieces():
+            yield 0, piece
