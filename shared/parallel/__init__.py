@@ -1,0 +1,5 @@
+"""Parallelism inside one worker: a worker group of R ranks (processes), tensor- and expert-parallel.
+
+`layout.py`: the degrees and who owns what (query heads, KV heads, experts); `group.py`: the ranks' process
+group and the collectives the model uses; `launch.py`: starting the other ranks of a group.
+"""
