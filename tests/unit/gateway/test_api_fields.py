@@ -18,9 +18,9 @@ from services.gateway.unsupported import BOOKKEEPING, REFUSED
 from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from tests.openai_schema import SCHEMAS
-from tests.unit.test_gateway import MODEL, FakeBackend, assert_error, settings_for
+from tests.unit.gateway.harness import MODEL, FakeBackend, assert_error, settings_for
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 APIS = {
     "chat": (ChatCompletionRequest, "CreateChatCompletionRequest"),
     "completions": (CompletionRequest, "CreateCompletionRequest"),

@@ -18,7 +18,7 @@ from services.gateway.backend import Update
 from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from tests.openai_schema import SCHEMAS, errors, validate, validate_error, validate_stream_chunk
-from tests.unit.test_gateway import MODEL, FakeBackend, settings_for, stream_chunks
+from tests.unit.gateway.harness import MODEL, FakeBackend, settings_for, stream_chunks
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

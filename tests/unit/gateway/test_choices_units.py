@@ -14,9 +14,14 @@ from shared.job_checks import MAX_CHOICES, job_refusal
 from shared.messages import DecodeJob, PrefillJob, Sampling, Sibling, decode, encode, token_subject
 from shared.worker.choices import choice_jobs
 from tests.openai_schema import validate, validate_stream_chunk
-from tests.unit.test_gateway import CHAT, COMPLETIONS, FakeBackend, checkpoint, settings_for, stream_chunks, tokenizer
+from tests.unit.gateway.harness import (
+    CHAT,
+    COMPLETIONS,
+    FakeBackend,
+    settings_for,
+    stream_chunks,
+)
 
-__all__ = ["checkpoint", "tokenizer"]  # fixtures, used by name
 REPLIES = ["one", "two two", "three three three"]
 SEED = 40
 
@@ -33,12 +38,6 @@ class SeededBackend(FakeBackend):
 @pytest.fixture
 def fake(tokenizer):
     return SeededBackend(tokenizer)
-
-
-@pytest.fixture
-def client(checkpoint, fake):
-    with TestClient(create_app(settings_for(checkpoint), fake)) as c:
-        yield c
 
 
 def test_completion_choices_are_indexed_and_usage_counts_the_prompt_once(client, fake, tokenizer):

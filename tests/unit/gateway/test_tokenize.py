@@ -8,33 +8,10 @@ import pytest
 from litestar.testing import TestClient
 
 from services.gateway import create_app
-from shared.model.demo import write_demo_checkpoint
-from shared.model.tokenizer import Tokenizer
-from tests.unit.test_gateway import MODEL, FakeBackend, assert_error, settings_for
+from tests.unit.gateway.harness import MODEL, assert_error, settings_for
 
 TEXT = "héllo 世界, tokenize me"
 USER = [{"role": "system", "content": "be brief"}, {"role": "user", "content": TEXT}]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("ckpt"), arch="qwen3_moe", size="tiny")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(checkpoint):
-    return Tokenizer(checkpoint)
-
-
-@pytest.fixture
-def fake(tokenizer):
-    return FakeBackend(tokenizer)
-
-
-@pytest.fixture
-def client(checkpoint, fake):
-    with TestClient(create_app(settings_for(checkpoint), fake)) as c:
-        yield c
 
 
 def test_tokenize_prompt_counts_what_a_completion_sends(client, fake, tokenizer):

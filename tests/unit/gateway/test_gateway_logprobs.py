@@ -6,33 +6,14 @@ from __future__ import annotations
 
 import json
 
-import pytest
-from litestar.testing import TestClient
-
-from services.gateway import create_app
 from tests.openai_schema import errors, validate, validate_stream_chunk
-from tests.unit.test_gateway import (  # noqa: F401  (fixtures)
+from tests.unit.gateway.harness import (
     CHAT,
     COMPLETIONS,
     USER,
-    FakeBackend,
-    checkpoint,
     fake_logprob,
-    settings_for,
     stream_chunks,
-    tokenizer,
 )
-
-
-@pytest.fixture
-def fake(tokenizer):  # noqa: F811
-    return FakeBackend(tokenizer)
-
-
-@pytest.fixture
-def client(checkpoint, fake):  # noqa: F811
-    with TestClient(create_app(settings_for(checkpoint), fake)) as c:
-        yield c
 
 
 def test_sampling_fields_reach_the_job(client, fake):

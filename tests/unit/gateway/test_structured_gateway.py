@@ -11,12 +11,10 @@ import pytest
 from litestar.testing import TestClient
 
 from services.gateway import create_app
-from shared.model.demo import write_demo_checkpoint
-from shared.model.tokenizer import Tokenizer
 from shared.structured import spec as specs
 from shared.structured.spec import StructuredKind
 from tests.openai_schema import validate, validate_stream_chunk
-from tests.unit.test_gateway import CHAT, COMPLETIONS, MODEL, USER, FakeBackend, assert_error, serve, settings_for
+from tests.unit.gateway.harness import CHAT, COMPLETIONS, MODEL, USER, FakeBackend, assert_error, serve, settings_for
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 WEATHER = {
@@ -27,27 +25,6 @@ WEATHER = {
     },
 }
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("ckpt"), arch="qwen3_moe", size="tiny")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(checkpoint):
-    return Tokenizer(checkpoint)
-
-
-@pytest.fixture
-def fake(tokenizer):
-    return FakeBackend(tokenizer)
-
-
-@pytest.fixture
-def client(checkpoint, fake):
-    with TestClient(create_app(settings_for(checkpoint), fake)) as c:
-        yield c
 
 
 @pytest.mark.parametrize(

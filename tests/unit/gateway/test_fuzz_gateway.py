@@ -38,7 +38,7 @@ from shared.messages import PrefillJob, decode, encode, token_subject
 from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from shared.worker import sampling_params
-from tests.unit.test_gateway import MODEL, FakeBackend, FakeStream, settings_for
+from tests.unit.gateway.harness import MODEL, FakeBackend, FakeStream, settings_for
 
 EXAMPLES = 100  # per operation and generation mode: the whole file runs in well under a minute
 NEGATIVE_STATUSES = {400, 404, 413, 415}  # how schema-violating data is refused
