@@ -6,6 +6,7 @@ Scenarios are batched into few spawns (each spawned rank imports torch, ~3 s).""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,15 @@ import torch
 
 import shared.model.loader as loader
 from shared.engine.config import EngineConfig, SchedulerConfig
+from shared.engine.decode_graphs import EagerReplay
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
+from shared.model.attention import Attention
 from shared.model.config import ARCHITECTURES
 from shared.model.demo import write_demo_checkpoint
+from shared.model.kernels.choice import KernelChoice
 from shared.model.loader import load_model, model_weight_bytes
+from shared.model.transformer import CausalLM, DecoderLayer
 from shared.parallel.group import RankGroup
 from shared.parallel.launch import run_on_ranks
 from shared.parallel.layout import LayoutError, ParallelLayout
@@ -34,7 +39,7 @@ CASES = [(arch, "tiny", True) for arch in ARCHITECTURES] + [
 ]
 
 
-def _config(model_dir: str, tp: int, prepack: bool) -> EngineConfig:
+def _config(model_dir: str, tp: int, prepack: bool, kernels: KernelChoice = KernelChoice.TORCH) -> EngineConfig:
     return EngineConfig(
         model=model_dir,
         tp=tp,
@@ -42,6 +47,7 @@ def _config(model_dir: str, tp: int, prepack: bool) -> EngineConfig:
         num_kv_blocks=64,
         max_model_len=256,
         prepack_weights=prepack,
+        kernels=kernels,
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
     )
 
@@ -67,6 +73,14 @@ def _rank_generates(group: RankGroup, cases: list[tuple[str, bool]]) -> list[dic
     return out
 
 
+def _rank_generates_with_kernels(group: RankGroup, model_dir: str) -> list[list[int]]:
+    """The Triton kernels (interpreted on CPU) and decode-step replay (EagerReplay) over this rank's shard."""
+    config = _config(model_dir, group.world, prepack=False, kernels=KernelChoice.TRITON)
+    engine = Engine(config, graph_backend=EagerReplay(), group=group)
+    assert engine.runner.graphs is not None, "decode steps were not replayed"
+    return _generate(engine)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[tuple[str, str], Path]:
     root = tmp_path_factory.mktemp("tp")
@@ -88,6 +102,15 @@ def test_tp2_greedy_output_matches_the_single_rank_engine_for_every_architecture
         kv_heads = [got["kv_heads"] for got in per_rank]
         assert kv_heads == ([(0,), (0,)] if size == "tiny_mqa" else [(0,), (1,)])
         assert per_rank[0]["blocks"] == per_rank[1]["blocks"] == 64
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernels need TRITON_INTERPRET=1")
+def test_tp2_triton_kernels_and_decode_graphs_run_on_the_local_shards(checkpoints):
+    pytest.importorskip("triton", reason="the kernels need triton")
+    model_dir = str(checkpoints["qwen3_moe", "tiny_mqa"])  # one KV head, replicated: heads of width 16 per rank
+    reference = _generate(Engine(_config(model_dir, 1, prepack=False)))
+    for rank, tokens in enumerate(run_on_ranks(2, _rank_generates_with_kernels, (model_dir,))):
+        assert tokens == reference, f"rank {rank} with the Triton kernels differs from the single-rank engine"
 
 
 def _sharded_bytes(cfg_model: torch.nn.Module) -> tuple[int, int]:
@@ -160,10 +183,16 @@ def test_each_rank_loads_its_slices_only(checkpoints, monkeypatch, arch, size):
         assert sum(read) < 0.7 * (split + replicated)
         assert model_weight_bytes(shard) < 0.7 * model_weight_bytes(full)
         # this rank's query heads' rows of layer 0's q_proj are the single-rank model's
-        q = shard.model.layers[0].self_attn
+        q, whole = _first_attention(shard), _first_attention(full)
         rows = slice(q.q_rows.start, q.q_rows.stop)
-        assert torch.equal(q.qkv_proj[: q.q_size], full.model.layers[0].self_attn.qkv_proj[rows])
-        assert torch.equal(q.o_proj, full.model.layers[0].self_attn.o_proj[:, rows])
+        assert torch.equal(q.qkv_proj[: q.q_size], whole.qkv_proj[rows])
+        assert torch.equal(q.o_proj, whole.o_proj[:, rows])
+
+
+def _first_attention(model: CausalLM) -> Attention:
+    layer = model.model.layers[0]
+    assert isinstance(layer, DecoderLayer)
+    return layer.self_attn
 
 
 def test_layouts_the_model_cannot_take_are_refused(checkpoints):
