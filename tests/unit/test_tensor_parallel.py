@@ -6,6 +6,7 @@ Scenarios are batched into few spawns (each spawned rank imports torch, ~3 s).""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import shared.model.loader as loader
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.decode_graphs import EagerReplay
 from shared.engine.engine import Engine
+from shared.engine.kv_pool import KVLayout
 from shared.engine.sampling import SamplingParams
 from shared.model.attention import Attention
 from shared.model.config import ARCHITECTURES
@@ -23,6 +25,7 @@ from shared.model.demo import write_demo_checkpoint
 from shared.model.kernels.choice import KernelChoice
 from shared.model.loader import load_model, model_weight_bytes
 from shared.model.transformer import CausalLM, DecoderLayer
+from shared.parallel.agree import agree_min
 from shared.parallel.group import RankGroup
 from shared.parallel.launch import run_on_ranks
 from shared.parallel.layout import LayoutError, ParallelLayout
@@ -58,7 +61,7 @@ def _generate(engine: Engine) -> list[list[int]]:
 
 def _rank_generates(group: RankGroup, cases: list[tuple[str, bool]]) -> list[dict]:
     """Per case on this rank: the tokens, the KV pool's heads and blocks, the weight bytes."""
-    out = []
+    out: list[dict] = [{"agreed": agree_min(group, 100 - group.rank)}]  # ranks offering different numbers
     for model_dir, prepack in cases:
         engine = Engine(_config(model_dir, group.world, prepack), group=group)
         out.append(
@@ -94,6 +97,7 @@ def test_tp2_greedy_output_matches_the_single_rank_engine_for_every_architecture
         engine = Engine(_config(model_dir, 1, prepack))
         reference.append((_generate(engine), engine.layout.fingerprint, model_weight_bytes(engine.model)))
     ranks = run_on_ranks(2, _rank_generates, (cases,))
+    assert [r.pop(0)["agreed"] for r in ranks] == [99, 99]
     for (arch, size, _), (tokens, fingerprint, full_bytes), *per_rank in zip(CASES, reference, *ranks, strict=True):
         for rank, got in enumerate(per_rank):
             assert got["tokens"] == tokens, f"{arch} {size}: rank {rank} differs from the single-rank engine"
@@ -195,15 +199,33 @@ def _first_attention(model: CausalLM) -> Attention:
     return layer.self_attn
 
 
-def test_layouts_the_model_cannot_take_are_refused(checkpoints):
+def test_layouts_the_model_cannot_take_are_refused(checkpoints, tmp_path):
     model_dir = checkpoints["qwen3_moe", "tiny"]  # 4 heads, 2 KV heads, expert intermediate 32
     with pytest.raises(LayoutError, match="4 attention heads do not split over tp=3"):
         load_model(model_dir, group=RankGroup(0, 3, None), layout=ParallelLayout(tp=3))
     with pytest.raises(LayoutError, match="tp=8 is not a multiple|8 attention heads|do not split over tp=8"):
         load_model(model_dir, group=RankGroup(0, 8, None), layout=ParallelLayout(tp=8))
+    odd = tmp_path / "odd"  # the model is built (and refused) before any weight is read: a config is enough
+    odd.mkdir()
+    raw = json.loads((model_dir / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps(raw | {"moe_intermediate_size": 33}))
+    with pytest.raises(LayoutError, match="the experts' intermediate size of 33 does not split into 2 equal parts"):
+        load_model(odd, group=RankGroup(1, 2, None), layout=ParallelLayout(tp=2))
     with pytest.raises(LayoutError, match="needs 2 ranks, the group has 1"):
         load_model(model_dir, layout=ParallelLayout(tp=2))
     with pytest.raises(LayoutError, match="each 1 or the group size"):
         EngineConfig(model=str(model_dir), tp=2, ep=4)
     with pytest.raises(ValueError, match="needs a group of 2 ranks"):
         Engine(EngineConfig(model=str(model_dir), tp=2))
+
+
+def test_a_ranks_kv_layout_names_its_heads_and_keeps_the_models_fingerprint():
+    whole = KVLayout(2, 2, 16, 16, "float32")
+    rank1 = KVLayout(2, 1, 16, 16, "float32", kv_heads=(1,), total_kv_heads=2)
+    assert whole.heads == (0, 1) and whole.holds_all_heads and whole.model_kv_heads == 2
+    assert rank1.heads == (1,) and not rank1.holds_all_heads and rank1.model_kv_heads == 2
+    assert rank1.fingerprint == whole.fingerprint  # the same model shape
+    assert rank1.bytes_per_block * 2 == whole.bytes_per_block
+    assert KVLayout(2, 1, 16, 16, "float32").fingerprint != whole.fingerprint  # a model with one KV head
+    with pytest.raises(ValueError, match="does not list num_kv_heads=1"):
+        KVLayout(2, 1, 16, 16, "float32", kv_heads=(0, 1), total_kv_heads=2)
