@@ -75,7 +75,7 @@ def measure(group: RankGroup | None, model: str, threads: int, args: dict) -> di
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--model", help="checkpoint directory (default: the small qwen3_moe demo, generated once)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "tp_bench.json"))
     ap.add_argument("--threads", type=int, default=2, help="threads of TP 1; each TP 2 rank gets half")
