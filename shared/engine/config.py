@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from shared.model.kernels.choice import KernelChoice
+from shared.parallel.layout import ParallelLayout
 
 # cpu, cuda, cuda:N (meta: tensors without data, for placement tests); availability is checked when the
 # engine starts (shared/model/device.py resolve_device), this only refuses what can never be a device.
@@ -72,6 +73,12 @@ class EngineConfig:
     cuda_graphs: bool = True
     """Replay decode-only steps from CUDA graphs captured at start, one per batch-size bucket (1, 2, 4, 8, 16,
     24, ... up to max_num_seqs); effective only on CUDA with kernels=triton, else every step runs eagerly."""
+    tp: int = 1
+    """Tensor-parallel degree: attention heads, dense MLPs, the experts' intermediate size and the untied LM
+    head's vocabulary split over this many ranks of the worker group (shared/parallel/layout.py)."""
+    ep: int = 1
+    """Expert-parallel degree: routed experts partitioned over this many ranks. Each of tp and ep is 1 or the
+    group size (max(tp, ep) ranks)."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -89,3 +96,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        ParallelLayout(self.tp, self.ep)  # refuses degrees a group cannot have (LayoutError, a ValueError)
+
+    @property
+    def parallel(self) -> ParallelLayout:
+        return ParallelLayout(self.tp, self.ep)

@@ -2,13 +2,19 @@
 
 Single-threaded by design: callers (the services) drive `step()` from one loop and call `add_request`,
 `abort`, `export_kv`, `import_kv` between steps.
+
+On a worker group (config.tp / config.ep > 1, `group` this rank's RankGroup) the engine holds this rank's
+shard of the model and a KV pool of its KV heads only; the pool's block count is agreed (the minimum over the
+ranks). Every rank's model call is a collective, so the ranks must run the same steps: in SPMD use (tests)
+every rank runs the same requests and the deterministic scheduler makes the same plans; the logits are full on
+every rank, so greedy sampling agrees.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -32,6 +38,9 @@ from shared.model.kernels.choice import resolve_kernels
 from shared.model.linear import can_prepack, prepack
 from shared.model.loader import load_model
 from shared.model.transformer import CausalLM
+from shared.parallel.agree import agree_min
+from shared.parallel.group import RankGroup
+from shared.parallel.layout import kv_head_range
 from shared.structured.grammar import Grammars
 
 log = logging.getLogger(__name__)
@@ -62,12 +71,23 @@ class EngineStats:
 
 class Engine:
     def __init__(
-        self, config: EngineConfig, model: CausalLM | None = None, graph_backend: GraphBackend | None = None
+        self,
+        config: EngineConfig,
+        model: CausalLM | None = None,
+        graph_backend: GraphBackend | None = None,
+        group: RankGroup | None = None,
     ) -> None:
         """graph_backend: how decode steps are captured, instead of what the settings choose (CUDA graphs on
         CUDA with the Triton kernels): tests and the gpu-check's CPU rehearsal pass decode_graphs.EagerReplay.
-        It needs kernels=triton, and cuda_graphs off still turns it off."""
+        It needs kernels=triton, and cuda_graphs off still turns it off. group: this rank's worker group when
+        config.tp or config.ep is above 1 (None: a single rank)."""
         self.config = config
+        self.group = group or RankGroup.single()
+        self.parallel = config.parallel
+        if self.group.world != self.parallel.world:
+            raise ValueError(
+                f"tp={config.tp} ep={config.ep} needs a group of {self.parallel.world} ranks, got {self.group.world}"
+            )
         self.device = resolve_device(config.device)  # refuses an unknown device or CUDA without one, first
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -75,7 +95,9 @@ class Engine:
         # each other: this engine's non-torch memory is counted from that look (shared/engine/device_setup.py).
         with exclusive_setup(self.device):
             non_torch_at_start = outside_torch(torch.cuda, self.device) if self.device.type == "cuda" else 0
-            self.model = model or load_model(config.model, dtype=config.dtype, device=self.device)
+            self.model = model or load_model(
+                config.model, dtype=config.dtype, device=self.device, group=self.group, layout=self.parallel
+            )
             backend, why_not = self._plan_kv(non_torch_at_start, graph_backend)
         self.blocks = BlockManager(self.kv_plan.num_blocks, config.block_size)
         self.scheduler = Scheduler(
@@ -108,16 +130,34 @@ class Engine:
         self.kernels = resolve_kernels(config.kernels, self.device, config.block_size)
         self.model.use_kernels(self.kernels)  # before the KV plan: its dummy step runs the chosen kernels
         log.info("kernels: %s (setting %s, device %s)", self.kernels, config.kernels, self.device)
+        if self.model.layout != self.parallel:
+            raise ValueError(
+                f"the model was built for {self.model.layout}, the engine is configured for {self.parallel}"
+            )
+        kv_heads = kv_head_range(mc.num_kv_heads, self.parallel.tp, self.group.rank if self.parallel.tp > 1 else 0)
         self.layout = KVLayout(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, str(dtype).removeprefix("torch.")
+            mc.num_layers,
+            len(kv_heads),
+            mc.head_dim,
+            config.block_size,
+            str(dtype).removeprefix("torch."),
+            kv_heads=tuple(kv_heads) if self.parallel.tp > 1 else (),
+            total_kv_heads=mc.num_kv_heads if self.parallel.tp > 1 else 0,
         )
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         # after the weights (and their packed twins): on CUDA the plan measures what they left
         self.kv_plan = plan_kv_pool(
             config, self.layout, self.max_model_len, self.model, non_torch_at_start=non_torch_at_start
         )
+        agreed = agree_min(self.group, self.kv_plan.num_blocks)  # the group runs on its smallest rank's pool
+        if agreed != self.kv_plan.num_blocks:
+            budget = f"{self.kv_plan.budget}, the group's smallest rank: {agreed} blocks"
+            self.kv_plan = replace(self.kv_plan, num_blocks=agreed, budget=budget)
         log.info("%s", self.kv_plan.summary())
         backend, why_not = choose_backend(config.cuda_graphs, self.device, self.kernels)
+        if backend is not None and self.group.world > 1:
+            # the step's collectives would be captured too: not verified on NCCL yet, impossible on gloo
+            backend, why_not = None, f"off (a worker group of {self.group.world} ranks: collectives not captured)"
         if graph_backend is not None and config.cuda_graphs:
             backend = graph_backend
         # With graphs the pool gets one block more than the plan, the scratch block padded rows write to: the
@@ -407,6 +447,11 @@ class Engine:
             raise ValueError("import needs at least the first sampled token")
         if kv.layout.fingerprint != self.layout.fingerprint:
             raise ValueError(f"KV layout {kv.layout} does not match this engine's {self.layout}")
+        if kv.layout.heads != self.layout.heads:
+            raise ValueError(
+                f"KV of KV heads {kv.layout.heads} cannot fill this pool of heads {self.layout.heads}: "
+                "re-slice it to this rank's heads first"
+            )
         if kv.num_tokens != len(prompt_token_ids) + len(output_token_ids) - 1:
             raise ValueError(
                 f"KV covers {kv.num_tokens} tokens; expected prompt + output - 1 = "

@@ -14,13 +14,36 @@ import torch
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What two engines must agree on to exchange KV blocks."""
+    """What two engines must agree on to exchange KV blocks.
+
+    A tensor-parallel rank's pool holds only its KV heads: `num_kv_heads` is that local count, `kv_heads` which
+    of the model's heads they are (in pool order), `model_kv_heads` the model's total. Defaults: the whole
+    model's heads (a single-rank engine)."""
 
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # heads in this pool (the rank's; the model's on a single rank)
     head_dim: int
     block_size: int
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+    kv_heads: tuple[int, ...] = ()  # the model's KV head ids this pool holds, in order; () = all of them
+    total_kv_heads: int = 0  # the model's KV heads; 0 = num_kv_heads (this pool holds all)
+
+    def __post_init__(self) -> None:
+        if self.kv_heads and len(self.kv_heads) != self.num_kv_heads:
+            raise ValueError(f"kv_heads {self.kv_heads} does not list num_kv_heads={self.num_kv_heads} heads")
+
+    @property
+    def model_kv_heads(self) -> int:
+        return self.total_kv_heads or self.num_kv_heads
+
+    @property
+    def heads(self) -> tuple[int, ...]:
+        """The model's KV head ids in this pool, in pool order."""
+        return self.kv_heads or tuple(range(self.num_kv_heads))
+
+    @property
+    def holds_all_heads(self) -> bool:
+        return self.heads == tuple(range(self.model_kv_heads))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -33,8 +56,10 @@ class KVLayout:
 
     @property
     def fingerprint(self) -> str:
-        """Stable id of the token-level layout (block size excluded: blocks can be re-cut on import)."""
-        key = f"{self.num_layers}:{self.num_kv_heads}:{self.head_dim}:{self.dtype}"
+        """Stable id of the model's token-level KV shape (block size excluded: blocks can be re-cut on import;
+        which heads a pool holds excluded too: equal fingerprints mean the same model shape, and pools of
+        different tensor-parallel ranks compare `heads` to see what they can exchange)."""
+        key = f"{self.num_layers}:{self.model_kv_heads}:{self.head_dim}:{self.dtype}"
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

@@ -1,4 +1,10 @@
-"""The attention layer: fused QKV projection, optional q/k norm, RoPE, paged attention, output projection."""
+"""The attention layer: fused QKV projection, optional q/k norm, RoPE, paged attention, output projection.
+
+Tensor-parallel (shard.tp > 1): this rank computes its query heads and holds its KV heads (replicated when there
+are fewer KV heads than ranks, shared/parallel/layout.py); qkv_proj holds only their rows, o_proj only their
+input columns (row-parallel), and the output is all-reduced. A FULL q/k norm needs the variance over the whole
+projection width: the per-token sums of squares are all-reduced (one (T, 2) all-reduce for q and k).
+"""
 
 from __future__ import annotations
 
@@ -9,17 +15,26 @@ from shared.model.config import ModelConfig, QKNorm
 from shared.model.layers import RMSNorm, apply_rotary
 from shared.model.linear import PackedWeights, linear
 from shared.model.paged_attention import AttentionMetadata, paged_attention
+from shared.model.tensor_parallel import TensorShard
+from shared.parallel.layout import head_range, kv_head_holders, kv_head_range
 
 
 class Attention(nn.Module, PackedWeights):
     LINEAR_WEIGHTS = ("qkv_proj", "o_proj")
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TensorShard = TensorShard.SINGLE) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.shard = shard
+        hd = cfg.head_dim
+        heads = head_range(cfg.num_heads, shard.tp, shard.rank)
+        kv_heads = kv_head_range(cfg.num_kv_heads, shard.tp, shard.rank)
+        self.num_heads, self.num_kv_heads, self.head_dim = len(heads), len(kv_heads), hd
+        self.q_size = self.num_heads * hd  # this rank's width (the whole projection at tp = 1)
+        self.kv_size = self.num_kv_heads * hd
+        # the rows of the checkpoint's q_proj and k_proj/v_proj this rank holds
+        self.q_rows = range(heads.start * hd, heads.stop * hd)
+        self.kv_rows = range(kv_heads.start * hd, kv_heads.stop * hd)
+        self.scale = hd**-0.5
         self.clip_qkv = cfg.clip_qkv
         qkv_rows = self.q_size + 2 * self.kv_size
         self.qkv_proj = nn.Parameter(torch.empty(qkv_rows, cfg.hidden_size))
@@ -27,19 +42,33 @@ class Attention(nn.Module, PackedWeights):
         self.o_proj = nn.Parameter(torch.empty(cfg.hidden_size, self.q_size))
         self.qk_norm = cfg.arch.qk_norm
         if self.qk_norm is QKNorm.PER_HEAD:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         elif self.qk_norm is QKNorm.FULL:
             self.q_norm = RMSNorm(self.q_size, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps)
+            self.full_q_size, self.full_kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
+            # a replicated KV head is in the k-norm's variance once: only its first holder counts it
+            first_holder = kv_head_holders(cfg.num_kv_heads, shard.tp)[kv_heads.start][0] == shard.rank
+            self.k_counts = 1.0 if first_holder else 0.0
 
-    def checkpoint_shards(self) -> dict[str, tuple[str, tuple]]:
+    def checkpoint_shards(self) -> dict[str, tuple]:
         q, kv = self.q_size, self.kv_size
-        parts = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
-        shards = {f"{name}_proj.weight": ("qkv_proj", (rows,)) for name, rows in parts.items()}
+        parts = {
+            "q": (slice(0, q), self.q_rows),
+            "k": (slice(q, q + kv), self.kv_rows),
+            "v": (slice(q + kv, q + 2 * kv), self.kv_rows),
+        }
+        src = self.shard.source
+        shards = {f"{name}_proj.weight": ("qkv_proj", (rows,), src(cut)) for name, (rows, cut) in parts.items()}
         if self.qkv_bias is not None:
-            shards |= {f"{name}_proj.bias": ("qkv_bias", (rows,)) for name, rows in parts.items()}
-        return shards | {"o_proj.weight": ("o_proj", ())}
+            shards |= {f"{name}_proj.bias": ("qkv_bias", (rows,), src(cut)) for name, (rows, cut) in parts.items()}
+        if self.qk_norm is QKNorm.FULL:
+            shards |= {
+                "q_norm.weight": ("q_norm.weight", (), src(self.q_rows)),
+                "k_norm.weight": ("k_norm.weight", (), src(self.kv_rows)),
+            }
+        return shards | {"o_proj.weight": ("o_proj", (), src(None, self.q_rows))}
 
     def forward(
         self,
@@ -52,7 +81,7 @@ class Attention(nn.Module, PackedWeights):
         qkv = linear(x, self.w("qkv_proj"), self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm is QKNorm.FULL:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._full_qk_norm(q, k) if self.shard.split else (self.q_norm(q), self.k_norm(k))
         if self.clip_qkv is not None:
             q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -62,4 +91,15 @@ class Attention(nn.Module, PackedWeights):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, rope)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return linear(out.reshape(t, self.q_size), self.w("o_proj"))
+        return self.shard.all_reduce_(linear(out.reshape(t, self.q_size), self.w("o_proj")))
+
+    def _full_qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm of this rank's columns of q (T, q_size) and k (T, kv_size) with the variance over the whole
+        width: the sums of squares of every rank, all-reduced. The same float32 arithmetic as RMSNorm."""
+        q32, k32 = q.float(), k.float()
+        squares = torch.stack([q32.pow(2).sum(-1), k32.pow(2).sum(-1) * self.k_counts], dim=-1)  # (T, 2)
+        self.shard.all_reduce_(squares)
+        eps = self.q_norm.eps
+        q32 = q32 * torch.rsqrt(squares[:, :1] / self.full_q_size + eps)
+        k32 = k32 * torch.rsqrt(squares[:, 1:] / self.full_kv_size + eps)
+        return self.q_norm.weight * q32.to(q.dtype), self.k_norm.weight * k32.to(k.dtype)

@@ -76,6 +76,20 @@ SIZES: dict[str, dict[str, int]] = {
         shared_intermediate=64,
         max_position=2048,
     ),
+    # tiny with a single KV head (multi-query attention): fewer KV heads than a TP = 2 group's ranks, so each
+    # rank holds a replica of it
+    "tiny_mqa": dict(
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=1,
+        head_dim=16,
+        intermediate=128,
+        experts=8,
+        expert_intermediate=32,
+        shared_intermediate=64,
+        max_position=2048,
+    ),
     # ~100M parameters in total, ~30M active: big enough that benchmarks measure the model, not Python
     "small": dict(
         hidden=512,
@@ -155,7 +169,7 @@ def demo_config(arch: str, size: str = "tiny") -> dict[str, Any]:
             "norm_topk_prob": arch == "qwen3_moe",
             "use_sliding_window": False,
             # the last layer dense: exercises the interleaving both Qwen-MoE variants allow
-            "mlp_only_layers": [s["layers"] - 1] if size == "tiny" else [],
+            "mlp_only_layers": [s["layers"] - 1] if size.startswith("tiny") else [],
         }
         if arch == "qwen2_moe":
             cfg["shared_expert_intermediate_size"] = s["shared_intermediate"]

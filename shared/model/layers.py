@@ -13,6 +13,7 @@ from torch import nn
 
 from shared.model.config import RopeConfig
 from shared.model.linear import PackedWeights, linear
+from shared.model.tensor_parallel import TensorShard
 
 
 class RMSNorm(nn.Module):
@@ -91,27 +92,37 @@ def _scale_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 class GatedMLP(nn.Module, PackedWeights):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one (2I, D) weight."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one (2I, D) weight.
+
+    Tensor-parallel: this rank holds 1/tp of the intermediate size (gate/up rows, down columns) and its output
+    is a partial sum, all-reduced here unless `reduce` is off (the MoE's shared expert: the MoE block reduces
+    its routed and shared outputs together, once)."""
 
     LINEAR_WEIGHTS = ("gate_up_proj", "down_proj")
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, shard: TensorShard = TensorShard.SINGLE, reduce: bool = True
+    ) -> None:
         super().__init__()
-        self.intermediate = intermediate
-        self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(hidden, intermediate))
+        self.shard, self.reduce = shard, reduce
+        self.rows = shard.part(intermediate, "the MLP's intermediate size")  # this rank's intermediate rows
+        self.intermediate = len(self.rows)
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * self.intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(hidden, self.intermediate))
 
-    # Checkpoint tensor (relative name) → (our parameter, the slice of it that tensor fills).
-    def checkpoint_shards(self) -> dict[str, tuple[str, tuple]]:
-        i = self.intermediate
+    # Checkpoint tensor (relative name) → (our parameter, the slice of it that tensor fills, the slice of the
+    # checkpoint tensor this rank reads: () = all of it).
+    def checkpoint_shards(self) -> dict[str, tuple]:
+        i, src = self.intermediate, self.shard.source
         return {
-            "gate_proj.weight": ("gate_up_proj", (slice(0, i),)),
-            "up_proj.weight": ("gate_up_proj", (slice(i, 2 * i),)),
-            "down_proj.weight": ("down_proj", ()),
+            "gate_proj.weight": ("gate_up_proj", (slice(0, i),), src(self.rows)),
+            "up_proj.weight": ("gate_up_proj", (slice(i, 2 * i),), src(self.rows)),
+            "down_proj.weight": ("down_proj", (), src(None, self.rows)),
         }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gated_mlp(x, self.w("gate_up_proj"), self.w("down_proj"))
+        out = gated_mlp(x, self.w("gate_up_proj"), self.w("down_proj"))
+        return self.shard.all_reduce_(out) if self.reduce else out
 
 
 def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

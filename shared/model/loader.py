@@ -3,6 +3,11 @@
 The mapping from checkpoint names to our parameters is declarative: every parameter loads from the tensor
 of the same name, except where a module's `checkpoint_shards()` says a checkpoint tensor fills a slice of
 a fused/stacked parameter (q/k/v → qkv_proj, gate/up → gate_up_proj, experts.N.* → stacked experts).
+
+Sharded (tensor-parallel) loading: a declaration may add the slice of the checkpoint tensor this rank reads
+(rows, columns); the loader then reads only that slice from the file (`safe_open(...).get_slice(name)[...]`),
+never the whole tensor. A parent module's declaration of a child's parameter wins over the plain mapping
+(Attention cuts its FULL q/k norm weights).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from tqdm import tqdm
 
 from shared.model.config import ModelConfig
 from shared.model.transformer import CausalLM
+from shared.parallel.group import RankGroup
+from shared.parallel.layout import ParallelLayout
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +65,19 @@ class CheckpointError(ValueError):
 class _Sharded(Protocol):
     """A module whose parameters are filled from pieces of several checkpoint tensors."""
 
-    def checkpoint_shards(self) -> dict[str, tuple[str, tuple]]: ...
+    def checkpoint_shards(self) -> dict[str, tuple]: ...
+
+
+# A module's declaration: checkpoint tensor (relative name) → (parameter (dotted name), the slice of it the
+# tensor fills[, the slice of the checkpoint tensor this rank reads]); () = all of it.
+Shard = tuple[str, tuple] | tuple[str, tuple, tuple]
 
 
 @dataclass(frozen=True)
 class _Target:
     param: torch.Tensor
     index: tuple  # the slice of `param` this checkpoint tensor fills; () = all of it
+    source: tuple = ()  # the slice of the checkpoint tensor this rank reads; () = all of it
 
 
 def resolve_dtype(requested: str | torch.dtype | None, checkpoint_dtype: str | None) -> torch.dtype:
@@ -82,11 +95,16 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
     progress: bool | None = None,
+    group: RankGroup | None = None,
+    layout: ParallelLayout | None = None,
 ) -> CausalLM:
+    """The model of `model_dir`, or with `group` and `layout` (tp > 1) this rank's shard of it, reading only
+    its slices from the files. LayoutError when the model cannot take the layout (heads, KV heads or an
+    intermediate size that does not split)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = CausalLM(cfg, group, layout)
     model.to(resolve_dtype(dtype, cfg.torch_dtype)).to_empty(device=device)
     load_weights(model, model_dir, progress)
     model.init_runtime()
@@ -127,11 +145,16 @@ def load_weights(model: CausalLM, model_dir: Path, progress: bool | None = None)
                         if not (IGNORED.search(name) or (name == "lm_head.weight" and model.lm_head is None)):
                             log.warning("ignoring unexpected checkpoint tensor %s", raw_name)
                         continue
-                    tensor = shard.get_tensor(raw_name)
+                    if target.source:
+                        tensor = shard.get_slice(raw_name)[target.source]
+                    else:
+                        tensor = shard.get_tensor(raw_name)
                     dest = target.param[target.index]
                     if tuple(dest.shape) != tuple(tensor.shape):
+                        got = tuple(shard.get_slice(raw_name).get_shape()) if target.source else tuple(tensor.shape)
                         raise CheckpointError(
-                            f"tensor {raw_name} has shape {tuple(tensor.shape)}, the config implies {tuple(dest.shape)}"
+                            f"tensor {raw_name} has shape {got}, the config implies "
+                            f"{tuple(dest.shape) if not target.source else 'a slice ' + str(tuple(dest.shape))}"
                         )
                     dest.copy_(tensor)
                     loaded.add(name)
@@ -151,18 +174,23 @@ def checkpoint_name(model_type: str, canonical: str) -> str:
 def checkpoint_targets(model: CausalLM) -> dict[str, _Target]:
     """Checkpoint tensor name (canonical spelling) → the parameter slice it loads into."""
     targets: dict[str, _Target] = {}
-    for prefix, module in model.named_modules():
+    for prefix, module in model.named_modules():  # parents before children: a parent's declaration wins
         shards = _shards(module)
-        covered = {param for param, _ in shards.values()}
-        for suffix, (param, index) in shards.items():
-            targets[_join(prefix, suffix)] = _Target(getattr(module, param), index)
+        covered = {declared[0] for declared in shards.values()}
+        for suffix, (param, index, *source) in shards.items():
+            targets[_join(prefix, suffix)] = _Target(module.get_parameter(param), index, *source)
         for name, param in module.named_parameters(recurse=False):
             if name not in covered:
-                targets[_join(prefix, name)] = _Target(param, ())
+                targets.setdefault(_join(prefix, name), _Target(param, ()))
     return targets
 
 
-def _shards(module: torch.nn.Module) -> dict[str, tuple[str, tuple]]:
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters on this rank (its shard; oneDNN-packed twins not counted)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _shards(module: torch.nn.Module) -> dict[str, Shard]:
     return module.checkpoint_shards() if isinstance(module, _Sharded) else {}
 
 

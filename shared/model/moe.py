@@ -2,6 +2,10 @@
 
 Shape legend: T tokens, D hidden, E experts, A = experts per token (top-k), I expert intermediate size.
 Expert weights are stacked: gate_up (E, 2I, D), down (E, D, I).
+
+Tensor-parallel with ep = 1 (shard.tp > 1): every rank holds every expert, each expert's intermediate cut
+to this rank's 1/tp (I is then the local size); the router is replicated, so every rank routes alike, and
+the block's output (routed experts + shared expert, both partial sums) is all-reduced once.
 """
 
 from __future__ import annotations
@@ -16,25 +20,31 @@ from shared.model.config import ModelConfig
 from shared.model.kernels.choice import KernelChoice
 from shared.model.layers import GatedMLP, gated_mlp
 from shared.model.linear import PackedWeights, linear, pack
+from shared.model.tensor_parallel import TensorShard
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(
+        self, num_experts: int, hidden: int, intermediate: int, shard: TensorShard = TensorShard.SINGLE
+    ) -> None:
         super().__init__()
-        self.num_experts, self.intermediate = num_experts, intermediate
+        self.shard = shard
+        self.rows = shard.part(intermediate, "the experts' intermediate size")  # this rank's rows of each expert
+        self.num_experts, self.intermediate = num_experts, len(self.rows)
+        intermediate = self.intermediate
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self._packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         # TORCH or TRITON, set by CausalLM.use_kernels when the engine starts
         self.kernels = KernelChoice.TORCH
 
-    def checkpoint_shards(self) -> dict[str, tuple[str, tuple]]:
-        i = self.intermediate
+    def checkpoint_shards(self) -> dict[str, tuple]:
+        i, rows, cols = self.intermediate, self.shard.source(self.rows), self.shard.source(None, self.rows)
         shards = {}
         for e in range(self.num_experts):
-            shards[f"{e}.gate_proj.weight"] = ("gate_up", (e, slice(0, i)))
-            shards[f"{e}.up_proj.weight"] = ("gate_up", (e, slice(i, 2 * i)))
-            shards[f"{e}.down_proj.weight"] = ("down", (e,))
+            shards[f"{e}.gate_proj.weight"] = ("gate_up", (e, slice(0, i)), rows)
+            shards[f"{e}.up_proj.weight"] = ("gate_up", (e, slice(i, 2 * i)), rows)
+            shards[f"{e}.down_proj.weight"] = ("down", (e,), cols)
         return shards
 
     def prepack(self) -> None:
@@ -144,16 +154,17 @@ def _sorted_pairs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 class MoE(nn.Module, PackedWeights):
     expert_load: torch.Tensor  # (E,) buffer, see __init__
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TensorShard = TensorShard.SINGLE) -> None:
         super().__init__()
+        self.shard = shard
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, shard)
         self.shared_expert = None
         self.LINEAR_WEIGHTS = ("gate.weight",)
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, shard, reduce=False)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
             self.LINEAR_WEIGHTS += ("shared_expert_gate.weight",)
         # (E,) tokens routed to each expert since the last read (CausalLM.take_expert_load, once per heartbeat):
@@ -181,4 +192,4 @@ class MoE(nn.Module, PackedWeights):
         if self.shared_expert is not None:
             gate = torch.sigmoid(linear(x, self.w("shared_expert_gate.weight")))
             out = out + gate * self.shared_expert(x)
-        return out
+        return self.shard.all_reduce_(out)  # routed + shared partial sums, one all-reduce per block

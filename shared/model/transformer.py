@@ -2,6 +2,12 @@
 
 Parameter names follow the Hugging Face checkpoints (model.layers.N.self_attn..., lm_head) so the loader
 maps them one to one; fused and stacked parameters declare their checkpoint pieces in `checkpoint_shards`.
+
+Tensor-parallel (a `group` and a `layout` with tp > 1): attention and MLPs hold this rank's shard (see their
+modules). The embedding is replicated: a lookup of T rows has no compute to split, and splitting the vocabulary
+would add a (T, D) all-reduce per step. An untied LM head is vocabulary-parallel (the big matmul of a step's
+sampling rows is split) and its logits all-gathered, so every rank has the full (N, V) logits and samples alike;
+a tied LM head uses the replicated embedding and computes the full logits on every rank.
 """
 
 from __future__ import annotations
@@ -16,16 +22,19 @@ from shared.model.layers import GatedMLP, RMSNorm, Rotary
 from shared.model.linear import PackedWeights, linear
 from shared.model.moe import MoE
 from shared.model.paged_attention import AttentionMetadata
+from shared.model.tensor_parallel import TensorShard
+from shared.parallel.group import RankGroup
+from shared.parallel.layout import LayoutError, ParallelLayout
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, shard: TensorShard = TensorShard.SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         sparse = cfg.layer_is_sparse(index)
-        self.mlp: nn.Module = MoE(cfg) if sparse else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp: nn.Module = MoE(cfg, shard) if sparse else GatedMLP(cfg.hidden_size, cfg.intermediate_size, shard)
 
     def forward(self, x, rope, kv_cache, meta) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
@@ -33,11 +42,34 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TensorShard = TensorShard.SINGLE) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class VocabHead(nn.Module):
+    """The untied LM head's weight: all V rows at tp = 1; at tp > 1 this rank's ceil(V / tp) rows of the
+    vocabulary, the last rank's padded with zero rows so every rank's logits have one width for the all-gather
+    (the padding's columns are cut off after it)."""
+
+    def __init__(self, cfg: ModelConfig, shard: TensorShard = TensorShard.SINGLE) -> None:
+        super().__init__()
+        self.shard = shard
+        per = -(-cfg.vocab_size // shard.tp)
+        start = min(shard.rank * per, cfg.vocab_size)
+        self.rows = range(start, min(start + per, cfg.vocab_size))  # the vocabulary rows this rank reads
+        self.weight = nn.Parameter(torch.empty(per, cfg.hidden_size))
+
+    def checkpoint_shards(self) -> dict[str, tuple]:
+        if not self.shard.split:
+            return {}
+        return {"weight": ("weight", (slice(0, len(self.rows)),), self.shard.source(self.rows))}
+
+    def zero_padding(self) -> None:
+        with torch.no_grad():
+            self.weight[len(self.rows) :].zero_()
 
 
 class CausalLM(nn.Module, PackedWeights):
@@ -48,11 +80,19 @@ class CausalLM(nn.Module, PackedWeights):
     non-persistent buffers: they live on the model's device, like the weights, and move with it.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, group: RankGroup | None = None, layout: ParallelLayout | None = None) -> None:
+        """group, layout: this rank's worker group and its degrees (both None: the whole model, one rank)."""
         super().__init__()
+        layout = layout or ParallelLayout()
+        if layout.ep > 1:
+            raise LayoutError(f"expert parallelism (layout {layout}) is not implemented in this model yet")
         self.config = cfg
-        self.model = Backbone(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.layout = layout
+        self.shard = TensorShard.of(group, layout)
+        self.model = Backbone(cfg, self.shard)
+        self.lm_head = None if cfg.tie_word_embeddings else VocabHead(cfg, self.shard)
+        # logits are computed per vocabulary shard and all-gathered (untied head at tp > 1)
+        self.vocab_parallel = self.lm_head is not None and self.shard.split
         self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.runtime_ready = False
         self.kernels = KernelChoice.TORCH  # see use_kernels
@@ -61,6 +101,8 @@ class CausalLM(nn.Module, PackedWeights):
     def init_runtime(self) -> None:
         """Fill the runtime buffers on whatever device the model is on (after `to_empty` they hold garbage)."""
         self.rotary.fill()
+        if self.lm_head is not None:
+            self.lm_head.zero_padding()
         for moe in self.sparse_layers().values():
             moe.expert_load.zero_()
         self.runtime_ready = True
@@ -96,7 +138,11 @@ class CausalLM(nn.Module, PackedWeights):
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.w(self.LINEAR_WEIGHTS[0])).float()
+        """hidden (N, D) → full logits (N, V) float32, on every rank."""
+        logits = linear(hidden, self.w(self.LINEAR_WEIGHTS[0])).float()
+        if self.vocab_parallel:  # (N, V/tp padded) per rank → (N, V)
+            logits = self.shard.group.all_gather(logits, dim=-1)[:, : self.config.vocab_size]
+        return logits
 
     def take_expert_load(self) -> dict[int, torch.Tensor]:
         """Tokens routed per expert in each sparse layer since the last call, as host tensors (E,); resets

@@ -49,3 +49,43 @@ def spawn_followers(rdv: Rendezvous, target: Callable[..., Any], args: tuple = (
 def local_rendezvous(world: int, backend: str = "gloo", timeout_s: float = 30.0) -> Rendezvous:
     """A rendezvous on a free loopback port (one machine: tests, `pdserve generate`, local workers)."""
     return Rendezvous("127.0.0.1", free_port(), world, backend, timeout_s)
+
+
+def run_on_ranks(world: int, target: Callable[..., Any], args: tuple = (), timeout_s: float = 120.0) -> list[Any]:
+    """Run `target(group, *args)` on every rank of a fresh local group of `world` (this process is rank 0,
+    the others spawned) and return each rank's result, in rank order (SPMD: tests, benchmarks). A rank that
+    raises makes this raise RuntimeError with that rank's error. `target`, `args` and the results must be
+    picklable; `timeout_s` bounds every collective (model loading included)."""
+    rdv = local_rendezvous(world, timeout_s=timeout_s)
+    procs = spawn_followers(rdv, _run_and_report, (target, args))
+    group = RankGroup.join(rdv, 0)
+    try:
+        results = _gather_results(group, _outcome(target, group, args))
+    finally:
+        group.close()
+        for p in procs:
+            p.join(timeout=timeout_s)
+            if p.is_alive():
+                p.kill()
+    for rank, (ok, value) in enumerate(results):
+        if not ok:
+            raise RuntimeError(f"rank {rank} of {world} failed: {value}")
+    return [value for _, value in results]
+
+
+def _run_and_report(group: RankGroup, target: Callable[..., Any], args: tuple) -> None:
+    _gather_results(group, _outcome(target, group, args))
+
+
+def _outcome(target: Callable[..., Any], group: RankGroup, args: tuple) -> tuple[bool, Any]:
+    try:
+        return True, target(group, *args)
+    except Exception as e:  # reported to rank 0, which raises it: a test sees which rank failed and why
+        import traceback
+
+        return False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+
+
+def _gather_results(group: RankGroup, mine: tuple[bool, Any]) -> list[tuple[bool, Any]]:
+    """Every rank's (ok, value), in rank order, on every rank (one broadcast per rank)."""
+    return [group.broadcast_object(mine if r == group.rank else None, src=r) for r in range(group.world)]
