@@ -14,13 +14,10 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Backend as C10dGroup
 
 # pyright: reportPrivateImportUsage=false
 
@@ -43,10 +40,10 @@ class RankGroup:
     """One rank's handle on its group. Collectives block (the caller's thread) and raise RuntimeError on a
     timeout or a lost peer; after that the group is unusable (gloo closes it) and the worker group exits."""
 
-    def __init__(self, rank: int, world: int, group: C10dGroup | None, store: dist.Store | None = None) -> None:
+    def __init__(self, rank: int, world: int, group: Any, store: dist.Store | None = None) -> None:
         self.rank = rank
         self.world = world
-        self._group = group
+        self._group = group  # ProcessGroupGloo / ProcessGroupNCCL (torch's stubs type them without collectives)
         self._store = store  # kept alive: rank 0's store is the rendezvous of every rank
 
     @classmethod

@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import socket
 from collections.abc import Callable
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from shared.parallel.group import RankGroup, Rendezvous
@@ -34,7 +35,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def spawn_followers(rdv: Rendezvous, target: Callable[..., Any], args: tuple = ()) -> list[mp.process.BaseProcess]:
+def spawn_followers(rdv: Rendezvous, target: Callable[..., Any], args: tuple = ()) -> list[BaseProcess]:
     """Start ranks 1..world-1 running `target(group, *args)`; the caller then joins as rank 0
     (`RankGroup.join(rdv, 0)`). `target` and `args` must be picklable (module-level)."""
     ctx = mp.get_context("spawn")
