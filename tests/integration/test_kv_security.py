@@ -1,13 +1,13 @@
 """Who may use the KV transfer plane: signed tickets, and calls sent straight to the server.
 
 Tickets first (mint / verify, every refusal reason), then a real KvTransferServer over an engine holding
-KV, called with raw gRPC: no ticket, a forged, expired, another worker's or another request's one, garbage
-bytes, empty and oversized fields, an unknown backend, a wrong fingerprint, an unknown request, a ticket
-replayed after its pull. Every call gets an error status; after each the server still serves a valid pull,
-the refused KV is still held and the pool passes check_integrity(). Server and puller share this process
-(the gloo pair joins over loopback as between two processes).
+KV, called with raw gRPC: no ticket, a forged, expired, replayed, another worker's or another request's one,
+garbage bytes, empty and oversized fields, an unknown backend, a wrong fingerprint, an unknown request.
+Every call gets an error status; after each the server still serves a valid pull, the refused KV is still
+held and the pool passes check_integrity(). Then single use (ReplayCache; replayed pull and connect tickets)
+and the rendezvous (a stranger who reads the store, scribbles in it and joins a pair; pair ids). Server and
+puller share this process (the gloo pair joins over loopback as between two processes). TLS: test_kv_tls.py.
 """
-
 from __future__ import annotations
 
 import asyncio

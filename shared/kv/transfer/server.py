@@ -127,13 +127,14 @@ class KvTransferServer:
         replay_capacity: int = DEFAULT_CAPACITY,
     ) -> None:
         """host/port: where gRPC binds (port 0: any free one). secret: the cluster secret tickets are
-                signed with (at least 16 bytes). advertise_host: the name decode workers dial for gRPC, the store
-                and gloo (default: host, or this machine's FQDN when host is a wildcard). timeout_s bounds a pair's
-                forming and each send; a send that times out frees the KV all the same. chunk_bytes: the largest
-                piece a send moves (0 = one piece). fault_send_midway: testing only, every send fails after its first
-                piece (see `_send`). model_name labels this server's spans and metrics. send_stream: the stream sends run
-                on, shared with the source's exports (send_stream.py; None: no stream, as on CPU). tls: serve gRPC over
-        TLS with client certificates (None: plaintext). replay_capacity: the most unexpired tickets remembered."""
+        signed with (at least 16 bytes). advertise_host: the name decode workers dial for gRPC, the store
+        and gloo (default: host, or this machine's FQDN when host is a wildcard). timeout_s bounds a pair's
+        forming and each send; a send that times out frees the KV all the same. chunk_bytes: the largest
+        piece a send moves (0 = one piece). fault_send_midway: testing only, every send fails after its first
+        piece (see `_send`). model_name labels this server's spans and metrics. send_stream: the stream sends
+        run on, shared with the source's exports (send_stream.py; None: no stream, as on CPU). tls: serve gRPC
+        over TLS with client certificates (None: plaintext). replay_capacity: the most unexpired tickets
+        remembered against replay."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if chunk_bytes != 0 and chunk_bytes < MIN_CHUNK_BYTES:
