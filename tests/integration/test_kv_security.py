@@ -8,6 +8,7 @@ held and the pool passes check_integrity(). Then single use (ReplayCache; replay
 and the rendezvous (a stranger who reads the store, scribbles in it and joins a pair; pair ids). Server and
 puller share this process (the gloo pair joins over loopback as between two processes). TLS: test_kv_tls.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -203,11 +204,18 @@ async def join_pair(reply: pb.ConnectReply, secret: bytes) -> Pair:
 
 
 @contextlib.asynccontextmanager
-async def serving(checkpoint, model):
+async def serving(checkpoint, model, **server_options):
     engine = Engine(EngineConfig(model=str(checkpoint), **ENGINE_OPTS), model)
     source = HeldKv(EngineKvBlocks(engine), lease_s=LEASE_S)
     server = KvTransferServer(
-        "127.0.0.1", 0, source, secret=SECRET, timeout_s=TIMEOUT_S, chunk_bytes=4096, model_name=MODEL_NAME
+        "127.0.0.1",
+        0,
+        source,
+        secret=SECRET,
+        timeout_s=TIMEOUT_S,
+        chunk_bytes=4096,
+        model_name=MODEL_NAME,
+        **server_options,
     )
     address = await server.start()
     channel = grpc.aio.insecure_channel(address)
@@ -458,6 +466,24 @@ def test_replayed_pull_and_connect_tickets_are_refused_and_the_kv_stays_pullable
             finally:
                 await client.close()
             await p.settle()
+
+    asyncio.run(run())
+
+
+def test_a_full_replay_cache_refuses_calls_instead_of_forgetting_tickets(checkpoint, model):
+    async def run():
+        async with serving(checkpoint, model, replay_capacity=2) as p:
+            await p.hold("r")
+            first = p.connect_fields("decode-a")
+            for fields in (first, p.connect_fields("decode-a")):
+                assert (await p.call("Connect", **fields))[0] is Code.OK
+            before = _refusals("ticket_overloaded")
+            got, details = await p.call("Connect", **p.connect_fields("decode-a"))
+            assert got is Code.RESOURCE_EXHAUSTED and "overloaded" in details
+            got, details = await p.call("Connect", **first)  # still remembered: a replay, not a fresh ticket
+            assert got is Code.PERMISSION_DENIED and "replayed" in details
+            assert _refusals("ticket_overloaded") == before + 1 and p.server.stats.pairs_created == 2
+            p.assert_holds("r")
 
     asyncio.run(run())
 

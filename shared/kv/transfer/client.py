@@ -53,6 +53,7 @@ REFUSALS = frozenset(
         grpc.StatusCode.PERMISSION_DENIED,
         grpc.StatusCode.FAILED_PRECONDITION,
         grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,  # a message too big for gRPC, or the server's replay cache full
     }
 )
 
