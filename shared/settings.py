@@ -185,12 +185,36 @@ class KvTransferSettings:
     """Decode workers, when the KV cannot be pulled: recompute (the prompt again) | fail (a clear error)."""
     fault_send_midway: bool = flat("fault_kv_send_midway", False)
     """Testing only: every KV send stops after its first piece and drops the pair (an injected failure)."""
+    # Mutual TLS on the transfer gRPC (shared/kv/transfer/channel_tls.py): all three files, or none.
+    tls_ca: str | None = None
+    """CA bundle that signs every prefill and decode worker's KV transfer certificate; with kv_tls_cert and
+    kv_tls_key it turns TLS with client certificates on for KV transfer gRPC."""
+    tls_cert: str | None = None
+    """This worker's certificate for KV transfer gRPC (prefill: must name the advertised transfer host)."""
+    tls_key: str | None = None
+    """Key of kv_tls_cert."""
+    tls_server_name: str | None = None
+    """Decode workers: the name expected in prefill workers' certificates instead of the host dialled."""
+    replay_cache_entries: int = 1 << 18
+    """Prefill workers: the most unexpired tickets remembered to refuse their reuse; when full, calls are
+    refused until some expire (about 4000 calls/s at the default 65 s ticket window)."""
 
     def __post_init__(self) -> None:
         if self.lease_s <= 0:
             raise ValueError("kv_lease_s must be positive")
         if self.timeout_s <= 0 or self.chunk_bytes < 0:
             raise ValueError("kv_transfer_timeout_s must be positive, kv_chunk_bytes >= 0")
+        if self.replay_cache_entries < 1:
+            raise ValueError("kv_replay_cache_entries must be at least 1")
+        tls = {"CA": self.tls_ca, "CERT": self.tls_cert, "KEY": self.tls_key}
+        if any(tls.values()) and not all(tls.values()):
+            missing = ", ".join(f"PDSERVE_KV_TLS_{name}" for name, value in tls.items() if not value)
+            raise ValueError(f"KV transfer TLS needs PDSERVE_KV_TLS_CA, _CERT and _KEY together; missing: {missing}")
+
+    @property
+    def tls_files(self) -> tuple[str | None, str | None, str | None, str | None]:
+        """(ca, cert, key, server name), as KvTls.load takes them."""
+        return self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name
 
 
 @dataclass(frozen=True)

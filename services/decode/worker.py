@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 from shared.engine.block_manager import NoFreeBlocksError
 from shared.engine.kv_export import KVExport
 from shared.kv.registry import KvRegistry
+from shared.kv.transfer.channel_tls import KvTls
 from shared.kv.transfer.client import KvTransferClient
 from shared.kv.transfer.errors import KvTransferError
 from shared.messages import DecodeJob, Role, decode_subject
@@ -52,6 +53,7 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
             backend=self.settings.kv.backend,
             timeout_s=self.settings.kv.timeout_s,
             model_name=self.model_name,
+            tls=KvTls.load(*self.settings.kv.tls_files),
         )
 
     async def teardown(self) -> None:

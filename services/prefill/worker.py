@@ -20,6 +20,7 @@ from shared.engine.engine import RequestOutput
 from shared.engine.request import FinishReason
 from shared.kv.held import HeldKv
 from shared.kv.registry import KvLocation, KvRegistry
+from shared.kv.transfer.channel_tls import KvTls
 from shared.kv.transfer.send_stream import SendStream
 from shared.kv.transfer.server import KvTransferServer
 from shared.kv.transfer.source import EngineKvBlocks
@@ -65,6 +66,8 @@ class PrefillWorker(Worker[PrefillJob]):
             advertise_host=kv.advertise_host,
             model_name=self.model_name,
             send_stream=stream,
+            tls=KvTls.load(*kv.tls_files),
+            replay_capacity=kv.replay_cache_entries,
         )
         self.rpc_address = await self.server.start()
 

@@ -6,14 +6,15 @@ id, mints a ticket for each call it makes; the prefill worker's transfer server 
 - a *connect* ticket binds (decode worker id, expiry): it lets that worker open a transfer pair.
 A ticket of one kind never passes for the other (a connect ticket names no request).
 
-Shape: `v1.<claims>.<mac>`, both parts unpadded base64url; claims = JSON `[worker, request or null,
-expiry in ms since the epoch]`; mac = HMAC-SHA256(secret, domain || "v1." || claims). The claims are
+Shape: `v2.<claims>.<mac>`, both parts unpadded base64url; claims = JSON `[worker, request or null,
+expiry in ms since the epoch, nonce]`; mac = HMAC-SHA256(secret, domain || "v2." || claims). The nonce (16
+random bytes, base64url) makes every ticket unique: the verifier remembers the nonces it accepted until they
+expire and refuses a second use (shared/kv/replay.py; `verify` returns the claims it needs). The claims are
 readable by whoever holds the ticket (they are not secret, only unforgeable). Verification checks the
 signature (constant time) before it reads the claims, then worker, request and expiry, and says which
 check failed (`TicketError.reason`) without ever repeating the ticket itself.
 
-Expiry uses wall clocks on two machines: a small skew allowance (`skew_s`) absorbs clock drift. A ticket
-is not single-use; what stops a replay after a completed pull is that the KV is gone by then.
+Expiry uses wall clocks on two machines: a small skew allowance (`skew_s`) absorbs clock drift.
 """
 
 from __future__ import annotations
@@ -21,16 +22,18 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import secrets
 import time
 from enum import StrEnum
 
 import msgspec
 
-VERSION = "v1"
+VERSION = "v2"  # v1 tickets had no nonce
 DEFAULT_LIFETIME_S = 60.0  # a decode worker mints right before the call: a minute covers any retry
 DEFAULT_SKEW_S = 5.0  # clock drift between the minting and the verifying machine
 MIN_SECRET_BYTES = 16
 MAX_TICKET_CHARS = 4096  # a longer string is not a ticket: refused before any decoding
+NONCE_BYTES = 16
 _DOMAIN = b"pdserve/kv-transfer-ticket\n"  # keeps these MACs apart from anything else keyed by the secret
 
 
@@ -41,6 +44,8 @@ class TicketReason(StrEnum):
     EXPIRED = "expired"  # signed, but past its expiry (plus the skew allowance)
     WRONG_WORKER = "wrong_worker"  # signed for another decode worker
     WRONG_REQUEST = "wrong_request"  # signed for another request, or the other kind of ticket
+    REPLAYED = "replayed"  # valid, but used once already (the verifier's replay cache, shared/kv/replay.py)
+    OVERLOADED = "overloaded"  # the replay cache is full of unexpired tickets: refused rather than forgotten
 
 
 class TicketError(Exception):
@@ -51,10 +56,17 @@ class TicketError(Exception):
         self.reason = reason
 
 
-class _Claims(msgspec.Struct, array_like=True, frozen=True):
+class Claims(msgspec.Struct, array_like=True, frozen=True):
+    """What a ticket says (readable by its holder; only the signature makes it trustworthy)."""
+
     worker_id: str
     request_id: str | None  # None: a connect ticket
     expires_ms: int
+    nonce: str  # unique per ticket: the key of the verifier's replay cache
+
+    @property
+    def expires_s(self) -> float:
+        return self.expires_ms / 1000
 
 
 class Tickets:
@@ -80,18 +92,20 @@ class Tickets:
         if not worker_id or request_id == "":
             raise ValueError("a ticket needs a worker id, and a request id unless it is a connect ticket")
         expires_ms = int(((time.time() if now is None else now) + self.lifetime_s) * 1000)
-        claims = _b64(msgspec.json.encode(_Claims(worker_id, request_id, expires_ms)))
+        nonce = _b64(secrets.token_bytes(NONCE_BYTES))
+        claims = _b64(msgspec.json.encode(Claims(worker_id, request_id, expires_ms, nonce)))
         return f"{VERSION}.{claims}.{_b64(self._mac(claims))}"
 
-    def verify(self, ticket: str, worker_id: str, request_id: str | None = None, *, now: float | None = None) -> None:
-        """Pass silently if `ticket` lets `worker_id` pull `request_id` (None: connect); else TicketError."""
+    def verify(self, ticket: str, worker_id: str, request_id: str | None = None, *, now: float | None = None) -> Claims:
+        """The claims of `ticket` if it lets `worker_id` pull `request_id` (None: connect); else TicketError.
+        Single use is the caller's to enforce (ReplayCache.admit with the claims' nonce and expiry)."""
         if not ticket:
             raise TicketError(TicketReason.MISSING, "no ticket")
         claims_part, mac = self._split(ticket)
         if not hmac.compare_digest(mac, self._mac(claims_part)):
             raise TicketError(TicketReason.FORGED, "the ticket's signature does not match this cluster's secret")
         try:
-            claims = msgspec.json.decode(_unb64(claims_part), type=_Claims)
+            claims = msgspec.json.decode(_unb64(claims_part), type=Claims)
         except (msgspec.DecodeError, ValueError):  # signed by a holder of the secret, yet unreadable
             raise TicketError(TicketReason.MALFORMED, "the ticket's claims cannot be read") from None
         if claims.worker_id != worker_id:
@@ -104,6 +118,7 @@ class Tickets:
         late_s = (time.time() if now is None else now) - claims.expires_ms / 1000
         if late_s > self.skew_s:
             raise TicketError(TicketReason.EXPIRED, f"the ticket expired {late_s:.1f} s ago")
+        return claims
 
     def _mac(self, claims_part: str) -> bytes:
         return hmac.new(self._key, _DOMAIN + f"{VERSION}.{claims_part}".encode(), hashlib.sha256).digest()

@@ -15,6 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from redis.asyncio import Redis
@@ -29,7 +30,7 @@ from shared import bus
 from shared.redis_client import explain_redis_error, redis_client
 from shared.settings import CommonSettings, GatewaySettings, from_env
 from shared.urls import redact, split_credentials, with_credentials
-from tests.e2e_support import start_stack
+from tests.e2e_support import heartbeats, start_stack
 
 CONNECT_TIMEOUT_S = 1.5  # a refused client retries forever: give up on it after this long
 
@@ -473,3 +474,46 @@ def test_stop_lists_are_bounded(model_dir):
     assert _refusal(prepare_completion, completion(stop="s" * (MAX_STOP_CHARS + 1)), model).param == "stop"
     error = _refusal(prepare_completion, completion(stop_token_ids=[1] * 257), model)
     assert error.param == "stop_token_ids"
+
+
+def test_kv_moves_between_real_workers_over_mutual_tls(pki, model_dir):
+    """A 1p1d stack whose KV transfer gRPC speaks only mutual TLS: the prefill worker serves with the server
+    certificate, the decode worker pulls with the client certificate, and every prompt's KV is pulled (the
+    decode worker computes no prompt)."""
+    role_args = {
+        "prefill": ("--kv-tls-cert", pki["server.pem"], "--kv-tls-key", pki["server.key"]),
+        "decode": ("--kv-tls-cert", pki["client.pem"], "--kv-tls-key", pki["client.key"]),
+    }
+    spec = StackSpec(
+        model=str(model_dir), port=free_port(), threads_per_worker=1, env={"PDSERVE_KV_TLS_CA": pki["ca.pem"]},
+        role_args=role_args,
+    )  # fmt: skip
+    stack = start_stack(spec)
+    try:
+        for prompt in ("over TLS", "and once more"):
+            body = {"model": "demo", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+            r = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+        time.sleep(0.5)
+        beats = list(heartbeats(stack.nats_url).values())
+        decode = [b for b in beats if b.role == "decode"]
+        assert len(decode) == 1 and decode[0].prefill_tokens == 0 and decode[0].decode_tokens > 0
+        # The port speaks TLS only: a plaintext call does not get through the handshake.
+        (prefill,) = [b for b in beats if b.role == "prefill"]
+        assert prefill.rpc_address and _plaintext_call_code(prefill.rpc_address) == "UNAVAILABLE"
+    finally:
+        stack.stop()
+
+
+def _plaintext_call_code(address: str) -> str:
+    """The status of a plaintext Connect with an empty body (INVALID_ARGUMENT from a plaintext server)."""
+
+    async def call() -> str:
+        async with grpc.aio.insecure_channel(address) as channel:
+            try:
+                await channel.unary_unary("/pdserve.kv.v1.KvTransfer/Connect")(b"", timeout=5)
+            except grpc.aio.AioRpcError as e:
+                return e.code().name
+        return "OK"
+
+    return asyncio.run(call())

@@ -1,11 +1,12 @@
 """Who may use the KV transfer plane: signed tickets, and calls sent straight to the server.
 
 Tickets first (mint / verify, every refusal reason), then a real KvTransferServer over an engine holding
-KV, called with raw gRPC: no ticket, a forged, expired, another worker's or another request's one, garbage
-bytes, empty and oversized fields, an unknown backend, a wrong fingerprint, an unknown request, a ticket
-replayed after its pull. Every call gets an error status; after each the server still serves a valid pull,
-the refused KV is still held and the pool passes check_integrity(). Server and puller share this process
-(the gloo pair joins over loopback as between two processes).
+KV, called with raw gRPC: no ticket, a forged, expired, replayed, another worker's or another request's one,
+garbage bytes, empty and oversized fields, an unknown backend, a wrong fingerprint, an unknown request.
+Every call gets an error status; after each the server still serves a valid pull, the refused KV is still
+held and the pool passes check_integrity(). Then single use (ReplayCache; replayed pull and connect tickets)
+and the rendezvous (a stranger who reads the store, scribbles in it and joins a pair; pair ids). Server and
+puller share this process (the gloo pair joins over loopback as between two processes). TLS: test_kv_tls.py.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.kv.held import HeldKv
+from shared.kv.replay import ReplayCache
 from shared.kv.tickets import MAX_TICKET_CHARS, TicketError, TicketReason, Tickets
 from shared.kv.transfer import EngineKvBlocks, FailureReason, KvTransferClient, KvTransferError, KvTransferServer
+from shared.kv.transfer import server as server_module
 from shared.kv.transfer.pair import DECODE_RANK, Pair, TransferBackend, store_client
+from shared.kv.transfer.pair_proof import PairProofs, PairRefused
 from shared.kv.transfer.server import MAX_ID_CHARS, SERVICE
 from shared.kv.transfer.wire import pieces
 from shared.model.demo import write_demo_checkpoint
@@ -80,11 +84,12 @@ def test_forged_tampered_and_malformed_tickets_are_told_apart():
     cases = {
         "": TicketReason.MISSING,
         "not a ticket": TicketReason.MALFORMED,
-        f"v2.{claims}.{mac}": TicketReason.MALFORMED,
+        f"v1.{claims}.{mac}": TicketReason.MALFORMED,  # the version before nonces
+        f"v3.{claims}.{mac}": TicketReason.MALFORMED,
         f"{version}.{claims}.{mac}=": TicketReason.MALFORMED,  # one spelling per ticket: no padding
         f"{version}.{claims}.{mac}.x": TicketReason.MALFORMED,
         f"{version}.{claims}.{mac[:-1]}é": TicketReason.MALFORMED,
-        "v1." + "A" * MAX_TICKET_CHARS: TicketReason.MALFORMED,
+        "v2." + "A" * MAX_TICKET_CHARS: TicketReason.MALFORMED,
         FORGER.mint("decode-a", "req-1"): TicketReason.FORGED,  # signed with another secret
         f"{version}.{other_claims}.{mac}": TicketReason.FORGED,  # claims swapped under a real signature
         f"{version}.{claims}.{mac[:-2]}AA": TicketReason.FORGED,
@@ -169,10 +174,7 @@ class Prefill:
     async def open_pair(self, worker: str) -> Pair:
         """Connect as `worker` and join the pair's decode rank, as KvTransferClient does."""
         reply = await pb_grpc.KvTransferStub(self.channel).Connect(pb.ConnectRequest(**self.connect_fields(worker)))
-        store = store_client(reply.store_host, reply.store_port, TIMEOUT_S)
-        return await asyncio.to_thread(
-            Pair.join, TransferBackend.GLOO, store, reply.pair_id, DECODE_RANK, TIMEOUT_S, "127.0.0.1"
-        )
+        return await join_pair(reply, SECRET)
 
     def pull_fields(self, rid: str, worker: str, pair: Pair, **changes) -> dict:
         fields = dict(
@@ -189,12 +191,31 @@ class Prefill:
         return kv.num_tokens
 
 
+async def join_pair(reply: pb.ConnectReply, secret: bytes) -> Pair:
+    """Join the decode rank of the pair `reply` names and exchange proofs under `secret`, as the client does."""
+
+    def join() -> Pair:
+        store = store_client(reply.store_host, reply.store_port, TIMEOUT_S)
+        pair = Pair.join(TransferBackend.GLOO, store, reply.pair_id, DECODE_RANK, TIMEOUT_S, "127.0.0.1")
+        PairProofs(secret).confirm(pair)
+        return pair
+
+    return await asyncio.to_thread(join)
+
+
 @contextlib.asynccontextmanager
-async def serving(checkpoint, model):
+async def serving(checkpoint, model, **server_options):
     engine = Engine(EngineConfig(model=str(checkpoint), **ENGINE_OPTS), model)
     source = HeldKv(EngineKvBlocks(engine), lease_s=LEASE_S)
     server = KvTransferServer(
-        "127.0.0.1", 0, source, secret=SECRET, timeout_s=TIMEOUT_S, chunk_bytes=4096, model_name=MODEL_NAME
+        "127.0.0.1",
+        0,
+        source,
+        secret=SECRET,
+        timeout_s=TIMEOUT_S,
+        chunk_bytes=4096,
+        model_name=MODEL_NAME,
+        **server_options,
     )
     address = await server.start()
     channel = grpc.aio.insecure_channel(address)
@@ -265,8 +286,11 @@ def test_pulls_without_a_valid_ticket_are_refused_and_leave_the_kv_held(checkpoi
             await asyncio.to_thread(pair.recv, pieces(received, reply.chunk_bytes), reply.tag)
             assert reply.num_tokens == 40 and len(pieces(received, reply.chunk_bytes)) > 1
             await p.settle()
+            got, details = await p.call("Pull", **fields)
+            assert got is Code.PERMISSION_DENIED and "replayed" in details  # a ticket is good for one call
+            fields["ticket"] = TICKETS.mint("decode-a", "r")
             got, _ = await p.call("Pull", **fields)
-            assert got is Code.NOT_FOUND  # the replay finds nothing: the pull freed the KV
+            assert got is Code.NOT_FOUND  # a fresh ticket finds nothing: the pull freed the KV
             pair.close()
             p.assert_holds()
 
@@ -378,5 +402,145 @@ def test_malformed_calls_get_an_error_status_and_the_server_keeps_serving(checkp
             finally:
                 await client.close()
             await p.settle()
+
+    asyncio.run(run())
+
+
+# ---- single use -------------------------------------------------------------------------------------------
+
+
+def test_the_replay_cache_admits_a_ticket_once_until_it_expires_and_refuses_when_full():
+    now = time.time()
+    a, b, c = (
+        TICKETS.verify(TICKETS.mint("decode-a", f"r{i}", now=now), "decode-a", f"r{i}", now=now) for i in range(3)
+    )
+    assert len({a.nonce, b.nonce, c.nonce}) == 3  # same worker, same second: still three tickets
+    assert (
+        TICKETS.verify(TICKETS.mint("d", "r", now=now), "d", "r", now=now).nonce
+        != TICKETS.verify(TICKETS.mint("d", "r", now=now), "d", "r", now=now).nonce
+    )
+    cache = ReplayCache(capacity=2, skew_s=TICKETS.skew_s)
+    cache.admit(a, now=now)
+    with pytest.raises(TicketError) as replayed:
+        cache.admit(a, now=now + 1)
+    assert replayed.value.reason is TicketReason.REPLAYED
+    cache.admit(b, now=now)
+    with pytest.raises(TicketError) as full:  # two live entries: refused, not an early forgetting
+        cache.admit(c, now=now + 1)
+    assert full.value.reason is TicketReason.OVERLOADED and len(cache) == 2
+    with pytest.raises(TicketError):  # within lifetime + skew, `a` is still remembered
+        cache.admit(a, now=a.expires_s + TICKETS.skew_s - 0.5)
+    cache.admit(c, now=a.expires_s + TICKETS.skew_s + 0.5)  # a and b expired (and verify would refuse them)
+    assert len(cache) == 1
+    with pytest.raises(ValueError):
+        ReplayCache(capacity=0)
+
+
+def test_replayed_pull_and_connect_tickets_are_refused_and_the_kv_stays_pullable(checkpoint, model, caplog):
+    caplog.set_level(logging.WARNING, logger="shared.kv.transfer.server")
+
+    async def run():
+        async with serving(checkpoint, model) as p:
+            await p.hold("r")
+            connect = p.connect_fields("decode-a")
+            assert (await p.call("Connect", **connect))[0] is Code.OK
+            before = _refusals("ticket_replayed")
+            got, details = await p.call("Connect", **connect)  # the same connect ticket again
+            assert got is Code.PERMISSION_DENIED and "replayed" in details, (got, details)
+            assert p.server.stats.pairs_created == 1 and _refusals("ticket_replayed") == before + 1
+
+            pair = await p.open_pair("decode-a")
+            fields = p.pull_fields("r", "decode-a", pair, layout_fingerprint="not-ours")
+            # Accepted ticket, refused call (wrong fingerprint): the ticket is spent all the same.
+            assert (await p.call("Pull", **fields))[0] is Code.FAILED_PRECONDITION
+            got, details = await p.call("Pull", **fields | {"layout_fingerprint": p.engine.layout.fingerprint})
+            assert got is Code.PERMISSION_DENIED and "replayed" in details
+            assert _refusals("ticket_replayed") == before + 2
+            p.assert_holds("r")
+            assert fields["ticket"] not in caplog.text and "ticket replayed" in caplog.text
+            pair.close()
+
+            client = _client("decode-a")  # mints a fresh ticket per call, and for its retry on a new pair
+            try:
+                assert await p.pull_with(client, "r") == 40
+            finally:
+                await client.close()
+            await p.settle()
+
+    asyncio.run(run())
+
+
+def test_a_full_replay_cache_refuses_calls_instead_of_forgetting_tickets(checkpoint, model):
+    async def run():
+        async with serving(checkpoint, model, replay_capacity=2) as p:
+            await p.hold("r")
+            first = p.connect_fields("decode-a")
+            for fields in (first, p.connect_fields("decode-a")):
+                assert (await p.call("Connect", **fields))[0] is Code.OK
+            before = _refusals("ticket_overloaded")
+            got, details = await p.call("Connect", **p.connect_fields("decode-a"))
+            assert got is Code.RESOURCE_EXHAUSTED and "overloaded" in details
+            got, details = await p.call("Connect", **first)  # still remembered: a replay, not a fresh ticket
+            assert got is Code.PERMISSION_DENIED and "replayed" in details
+            assert _refusals("ticket_overloaded") == before + 1 and p.server.stats.pairs_created == 2
+            p.assert_holds("r")
+
+    asyncio.run(run())
+
+
+# ---- the rendezvous ---------------------------------------------------------------------------------------
+
+
+def test_a_stranger_in_the_rendezvous_store_gets_no_pair_and_breaks_none(checkpoint, model):
+    """The store answers anyone: list its keys, scribble random ones, join a pair found there as its decode
+    rank. The pair's proof exchange refuses the stranger; honest pulls before and after go through."""
+
+    async def run():
+        async with serving(checkpoint, model) as p:
+            for rid in ("r1", "r2", "r3"):
+                await p.hold(rid)
+            honest = _client("decode-a")
+            try:
+                assert await p.pull_with(honest, "r1") == 40
+                stranger = store_client("127.0.0.1", p.server._store.port, TIMEOUT_S)  # pyright: ignore
+                rng = random.Random(15)
+                for key in stranger.list_keys() + [f"decode-a/{rng.randbytes(8).hex()}" for _ in range(50)]:
+                    stranger.set(f"{key}{rng.choice(['', '/rank_1', '/0'])}", rng.randbytes(rng.randrange(1, 64)))
+                    stranger.add(f"{key}/counter", rng.randrange(1, 10))
+                assert await p.pull_with(honest, "r2") == 40  # the pair in use is untouched
+
+                # A pair id is unguessable, but the store lists it: a stranger who joins first gets refused.
+                reply = await pb_grpc.KvTransferStub(p.channel).Connect(pb.ConnectRequest(**p.connect_fields("d-b")))
+                assert len(reply.pair_id.split("/")[1]) >= 32
+                deadline = time.monotonic() + 10  # the server's rank writes its keys as it starts joining
+                while reply.pair_id not in str(stranger.list_keys()) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                assert reply.pair_id in str(stranger.list_keys())
+                before = _refusals("pair_refused")
+                with pytest.raises(PairRefused):  # the server closed the pair on our wrong proof
+                    await join_pair(reply, b"the-stranger-guesses-a-secret")
+                deadline = time.monotonic() + 10
+                while _refusals("pair_refused") == before and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                assert _refusals("pair_refused") == before + 1
+                assert p.server.num_pairs == 1  # decode-a's; decode-b's was dropped
+                p.assert_holds("r3")
+                assert await p.pull_with(honest, "r3") == 40
+            finally:
+                await honest.close()
+            await p.settle()
+
+    asyncio.run(run())
+
+
+def test_pair_ids_are_never_handed_out_twice(checkpoint, model, monkeypatch):
+    async def run():
+        async with serving(checkpoint, model) as p:
+            first = await pb_grpc.KvTransferStub(p.channel).Connect(pb.ConnectRequest(**p.connect_fields("d")))
+            assert (await p.call("Connect", **p.connect_fields("d")))[0] is Code.OK
+            monkeypatch.setattr(server_module.secrets, "token_urlsafe", lambda n: first.pair_id.split("/")[1])
+            got, details = await p.call("Connect", **p.connect_fields("d"))
+            assert got is Code.INTERNAL and "twice" in details
+            assert p.server.stats.pairs_created == 2
 
     asyncio.run(run())

@@ -28,6 +28,7 @@ from shared.kv.tickets import Tickets
 from shared.kv.transfer import EngineKvBlocks, FailureReason, KvTransferClient, KvTransferError, KvTransferServer
 from shared.kv.transfer.buffers import BufferPool
 from shared.kv.transfer.pair import DECODE_RANK, Pair, TransferBackend, store_client
+from shared.kv.transfer.pair_proof import PairProofs
 from shared.kv.transfer.wire import announced_layout, num_pieces, pieces
 from shared.model.demo import write_demo_checkpoint
 from shared.model.loader import load_model
@@ -327,9 +328,10 @@ def test_a_peer_that_never_joins_stalls_no_other_pair(prefill, checkpoint, model
             await client.close()
         # The ghost joins after all: the server's join ends now rather than at its timeout.
         store = store_client(ghost.store_host, ghost.store_port, TIMEOUT_S)
-        await asyncio.to_thread(
+        late = await asyncio.to_thread(
             Pair.join, TransferBackend.GLOO, store, ghost.pair_id, DECODE_RANK, TIMEOUT_S, "127.0.0.1"
         )
+        await asyncio.to_thread(PairProofs(SECRET).confirm, late)  # the server's join ends with the proofs
         await channel.close()
         return kv, elapsed
 

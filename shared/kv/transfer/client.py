@@ -4,7 +4,10 @@ The first pull from an address negotiates a pair (Connect RPC, then both sides j
 later pulls reuse it. A pull is one Pull RPC (the server exports, announces shape/dtype/tag/chunk size and
 starts sending) and the recv of its pieces into a buffer of the announced shape: new memory, or memory a
 caller handed back with `recycle` after importing an earlier pull. Each call carries a ticket this client
-mints with the cluster secret for its own worker id (shared/kv/tickets.py). Blocking joins and recv waits
+mints with the cluster secret for its own worker id (shared/kv/tickets.py), a fresh one per call (the
+server accepts each ticket once: a retry mints anew). With `tls` the channel is TLS, presenting this
+worker's certificate (channel_tls.py). A joined pair is used only once the prefill side proved it holds the
+cluster secret (pair_proof.py). Blocking joins and recv waits
 run in this client's thread pool, so the decode loop keeps stepping while KV arrives. Every failure
 surfaces as KvTransferError; one that may have left the pair mid-transfer closes and forgets it, so the
 next pull negotiates a fresh pair.
@@ -24,6 +27,7 @@ from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVLayout
 from shared.kv.tickets import Tickets
 from shared.kv.transfer.buffers import BufferPool
+from shared.kv.transfer.channel_tls import KvTls
 from shared.kv.transfer.errors import FailureReason, KvTransferError
 from shared.kv.transfer.pair import (
     DECODE_RANK,
@@ -33,6 +37,7 @@ from shared.kv.transfer.pair import (
     local_address_towards,
     store_client,
 )
+from shared.kv.transfer.pair_proof import PairProofs
 from shared.kv.transfer.wire import announced_layout, pieces
 from shared.rpc import kv_transfer_pb2 as pb
 from shared.rpc import kv_transfer_pb2_grpc as pb_grpc
@@ -48,6 +53,7 @@ REFUSALS = frozenset(
         grpc.StatusCode.PERMISSION_DENIED,
         grpc.StatusCode.FAILED_PRECONDITION,
         grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,  # a message too big for gRPC, or the server's replay cache full
     }
 )
 
@@ -84,15 +90,19 @@ class KvTransferClient:
         device: str | None = None,
         recv_cache_bytes: int = 256 << 20,
         model_name: str = "",
+        tls: KvTls | None = None,
     ) -> None:
         """secret: the cluster secret (at least 16 bytes) this client signs its tickets with. timeout_s
-        bounds each RPC, forming a pair, and each transfer's receive."""
+        bounds each RPC, forming a pair, and each transfer's receive. tls: TLS with this worker's certificate
+        (None: plaintext gRPC)."""
         if not worker_id:
             raise ValueError("worker_id must not be empty")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.worker_id = worker_id
         self._tickets = Tickets(secret)
+        self._proofs = PairProofs(secret)
+        self.tls = tls
         self.backend = check_backend(backend)
         self.timeout_s = timeout_s
         self.model_name = model_name  # labels this client's spans and metrics
@@ -210,7 +220,7 @@ class KvTransferClient:
     async def _connect(self, address: str, layout: KVLayout) -> _Connection:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = self._channel(address)
         stub = pb_grpc.KvTransferStub(channel)
         request = pb.ConnectRequest(
             decode_worker_id=self.worker_id,
@@ -226,11 +236,18 @@ class KvTransferClient:
         self.stats.connects += 1
         return _Connection(stub, pair, contextlib.nullcontext() if self.backend.tagged else asyncio.Lock())
 
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if self.tls is None:
+            return grpc.aio.insecure_channel(address)
+        return grpc.aio.secure_channel(address, self.tls.channel_credentials(), options=self.tls.channel_options())
+
     def _join(self, reply: pb.ConnectReply) -> Pair:
-        """Blocking: reach the prefill worker's store, then build our rank of the pair's group."""
+        """Blocking: reach the prefill worker's store, build our rank of the pair's group, exchange proofs."""
         store = store_client(reply.store_host, reply.store_port, self.timeout_s)
         local = local_address_towards(reply.store_host) if self.backend is TransferBackend.GLOO else None
-        return Pair.join(self.backend, store, reply.pair_id, DECODE_RANK, self.timeout_s, local)
+        pair = Pair.join(self.backend, store, reply.pair_id, DECODE_RANK, self.timeout_s, local)
+        self._proofs.confirm(pair)  # PairRefused (pair closed): the rank 0 we reached is not the prefill worker
+        return pair
 
     def _forget(self, address: str, conn: _Connection) -> None:
         """Stop using `conn`'s pair: the next pull from `address` negotiates a new one. Closing our side

@@ -5,7 +5,10 @@ prefix). Threading: gRPC handlers run on the event loop; pair construction and s
 run in this server's thread pool, so the loop (and the engine steps it drives) keeps going.
 
 Every call is checked before it touches anything: readable message, ids present and of sane length,
-then a ticket signed with the cluster secret for this caller (and, on Pull, this request). A refused call
+then a ticket signed with the cluster secret for this caller (and, on Pull, this request), used for the
+first time (replay.py: each ticket is single-use). With `tls` the gRPC port speaks only TLS and requires a
+client certificate signed by the deployment's CA (channel_tls.py). A pair is used only after its peer proved
+it holds the cluster secret (pair_proof.py); its id is unguessable, yet not secret from the store. A refused call
 changes nothing (the KV stays held), is logged with its reason (never the ticket) and counted in
 `pdserve:kv_transfer_failures_total`. Sends go out in pieces of at most `chunk_bytes`;
 `fault_send_midway` (tests only) stops each send after its first piece and drops the pair.
@@ -15,9 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import socket
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,8 +31,11 @@ import torch.distributed as dist
 from google.protobuf.message import DecodeError
 
 from shared.engine.kv_export import KVExport
+from shared.kv.replay import DEFAULT_CAPACITY, ReplayCache
 from shared.kv.tickets import TicketError, TicketReason, Tickets
+from shared.kv.transfer.channel_tls import KvTls
 from shared.kv.transfer.pair import PREFILL_RANK, Pair, TransferBackend, check_backend, store_client
+from shared.kv.transfer.pair_proof import PairProofs, PairRefused
 from shared.kv.transfer.send_stream import SendStream
 from shared.kv.transfer.source import AlreadySending, KvSource
 from shared.kv.transfer.wire import describe, num_pieces, pieces
@@ -53,7 +59,9 @@ SERVICE = pb.DESCRIPTOR.services_by_name["KvTransfer"].full_name
 _TICKET_CODES = {
     TicketReason.MISSING: grpc.StatusCode.UNAUTHENTICATED,
     TicketReason.MALFORMED: grpc.StatusCode.UNAUTHENTICATED,
+    TicketReason.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,  # a valid ticket, no room to remember it
 }
+PAIR_ID_BYTES = 24  # of CSPRNG output in each pair id
 
 
 class InjectedFault(RuntimeError):
@@ -115,14 +123,18 @@ class KvTransferServer:
         advertise_host: str | None = None,
         model_name: str = "",
         send_stream: SendStream | None = None,
+        tls: KvTls | None = None,
+        replay_capacity: int = DEFAULT_CAPACITY,
     ) -> None:
         """host/port: where gRPC binds (port 0: any free one). secret: the cluster secret tickets are
         signed with (at least 16 bytes). advertise_host: the name decode workers dial for gRPC, the store
         and gloo (default: host, or this machine's FQDN when host is a wildcard). timeout_s bounds a pair's
         forming and each send; a send that times out frees the KV all the same. chunk_bytes: the largest
         piece a send moves (0 = one piece). fault_send_midway: testing only, every send fails after its first
-        piece (see `_send`). model_name labels this server's spans and metrics. send_stream: the stream sends run
-        on, shared with the source's exports (send_stream.py; None: no stream, as on CPU)."""
+        piece (see `_send`). model_name labels this server's spans and metrics. send_stream: the stream sends
+        run on, shared with the source's exports (send_stream.py; None: no stream, as on CPU). tls: serve gRPC
+        over TLS with client certificates (None: plaintext). replay_capacity: the most unexpired tickets
+        remembered against replay."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if chunk_bytes != 0 and chunk_bytes < MIN_CHUNK_BYTES:
@@ -137,11 +149,15 @@ class KvTransferServer:
         self.model_name = model_name
         self.send_stream = send_stream or SendStream("cpu")
         self._tickets = Tickets(secret)
+        self._replays = ReplayCache(replay_capacity, self._tickets.skew_s)
+        self._proofs = PairProofs(secret)
+        self.tls = tls
         self.stats = ServerStats()
         # Where decode workers reach this machine, for the store and for gloo's listening socket.
         self.public_host = advertise_host or (socket.getfqdn() if host in WILDCARD_HOSTS else host)
         self._executor = ThreadPoolExecutor(MAX_BLOCKING_THREADS, thread_name_prefix="kv-send")
         self._pairs: dict[str, _Slot] = {}  # by decode worker id
+        self._issued: set[str] = set()  # every pair id handed out: one Connect's worth of bytes each
         self._sends: set[asyncio.Task[None]] = set()
         self._store: dist.TCPStore | None = None
         self._server: grpc.aio.Server | None = None
@@ -161,7 +177,11 @@ class KvTransferServer:
         self._server.add_registered_method_handlers(SERVICE, handlers)  # pyright: ignore[reportAttributeAccessIssue]
         if self.fault_send_midway:
             log.warning("KV transfer fault injection is on: every send stops after its first piece")
-        self.port = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        bind = f"{self.host}:{self.port}"
+        if self.tls is None:
+            self.port = self._server.add_insecure_port(bind)
+        else:
+            self.port = self._server.add_secure_port(bind, self.tls.server_credentials())
         await self._server.start()
         return f"{self.public_host}:{self.port}"
 
@@ -195,7 +215,12 @@ class KvTransferServer:
         await self._check_fingerprint(request.layout_fingerprint, context)
         store = self._store
         assert store is not None  # start() sets it before the server takes calls; stop() unsets it after
-        pair_id = f"{worker}/{uuid.uuid4().hex[:12]}"
+        # Unguessable, but readable by any client of the store (list_keys): the pair proof is what keeps
+        # strangers out. A reused id would meet the old pair's keys in the store.
+        pair_id = f"{worker}/{secrets.token_urlsafe(PAIR_ID_BYTES)}"
+        if pair_id in self._issued:
+            await context.abort(grpc.StatusCode.INTERNAL, "a pair id came up twice; connect again")
+        self._issued.add(pair_id)
         joining = asyncio.get_running_loop().run_in_executor(self._executor, self._join, pair_id, store.port)
         # A reconnecting worker replaces its old pair: transfers still on it finish or fail on their own.
         old = self._pairs.get(worker)
@@ -285,7 +310,7 @@ class KvTransferServer:
     ) -> None:
         """Pass if `ticket` lets `worker` make this call (pull `request_id`; None: connect); else refuse."""
         try:
-            self._tickets.verify(ticket, worker, request_id)
+            self._replays.admit(self._tickets.verify(ticket, worker, request_id))
         except TicketError as e:
             self.stats.refused += 1
             metrics.KV_TRANSFER_FAILURES.labels(self.model_name, "prefill", f"ticket_{e.reason}").inc()
@@ -358,9 +383,13 @@ class KvTransferServer:
     def _join(self, pair_id: str, store_port: int) -> Pair:
         """Blocking: our rank of the pair's group, over a store connection of its own (to our store's port)."""
         store = store_client(self.public_host, store_port, self.timeout_s)
-        return Pair.join(self.backend, store, pair_id, PREFILL_RANK, self.timeout_s, self.public_host)
+        pair = Pair.join(self.backend, store, pair_id, PREFILL_RANK, self.timeout_s, self.public_host)
+        self._proofs.confirm(pair)  # PairRefused: a stranger joined first, or the peer never proved itself
+        return pair
 
     def _on_joined(self, slot: _Slot, joining: asyncio.Future[Pair]) -> None:
+        if not joining.cancelled() and isinstance(joining.exception(), PairRefused):
+            metrics.KV_TRANSFER_FAILURES.labels(self.model_name, "prefill", "pair_refused").inc()
         if joining.cancelled() or joining.exception() is not None:
             log.warning("pair %s did not form: %r", slot.pair_id, None if joining.cancelled() else joining.exception())
             self._drop(slot)
