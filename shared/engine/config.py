@@ -10,6 +10,9 @@ from enum import StrEnum
 
 from shared.model.kernels.choice import KernelChoice
 
+# the enum only: shared/model/expert_parallel.py imports torch, so the enum lives in a torch-free module
+from shared.parallel.dispatch import EPDispatch
+
 # cpu, cuda, cuda:N (meta: tensors without data, for placement tests); availability is checked when the
 # engine starts (shared/model/device.py resolve_device), this only refuses what can never be a device.
 _DEVICE = re.compile(r"cpu|meta|cuda(:\d+)?")
@@ -72,9 +75,23 @@ class EngineConfig:
     cuda_graphs: bool = True
     """Replay decode-only steps from CUDA graphs captured at start, one per batch-size bucket (1, 2, 4, 8, 16,
     24, ... up to max_num_seqs); effective only on CUDA with kernels=triton, else every step runs eagerly."""
+    ep: int = 1
+    """Expert-parallel degree: the routed experts of every sparse layer are spread over this many ranks of
+    the worker group (shared/model/expert_parallel.py); 1 = every rank holds all of them."""
+    ep_dispatch: EPDispatch = EPDispatch.ALLTOALL
+    """How expert-parallel ranks combine: alltoall = each rank sends its 1/ep of the tokens to the experts'
+    ranks and back, then all-gathers; allreduce = every rank computes its experts for all tokens, one
+    all-reduce (the baseline; docs/benchmarks.md compares them)."""
+    expert_placement: str | None = None
+    """JSON file from `pdserve experts plan`: which experts (and redundant replicas) each EP rank holds per
+    layer; None = a contiguous 1/ep of the experts per rank. Refused when it does not match the model or ep."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        if self.ep < 1:
+            raise ValueError(f"ep must be at least 1, got {self.ep}")
+        if self.ep_dispatch not in tuple(EPDispatch):
+            raise ValueError(f"unknown ep_dispatch {self.ep_dispatch!r}; choose one of {', '.join(EPDispatch)}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if not _DEVICE.fullmatch(self.device):

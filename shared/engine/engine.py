@@ -75,6 +75,11 @@ class Engine:
         # each other: this engine's non-torch memory is counted from that look (shared/engine/device_setup.py).
         with exclusive_setup(self.device):
             non_torch_at_start = outside_torch(torch.cuda, self.device) if self.device.type == "cuda" else 0
+            if model is None and config.ep > 1:
+                raise ValueError(
+                    f"ep={config.ep}: each rank's model is loaded with its worker group "
+                    "(load_model(..., group=, layout=, expert_placement=)) and passed to the engine"
+                )
             self.model = model or load_model(config.model, dtype=config.dtype, device=self.device)
             backend, why_not = self._plan_kv(non_torch_at_start, graph_backend)
         self.blocks = BlockManager(self.kv_plan.num_blocks, config.block_size)

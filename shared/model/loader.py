@@ -19,7 +19,11 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from shared.model.config import ModelConfig
+from shared.model.expert_parallel import EPDispatch, shard_experts
 from shared.model.transformer import CausalLM
+from shared.parallel.group import RankGroup
+from shared.parallel.layout import ParallelLayout
+from shared.parallel.placement import ExpertPlacement
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,14 @@ class _Sharded(Protocol):
     def checkpoint_shards(self) -> dict[str, tuple[str, tuple]]: ...
 
 
+@runtime_checkable
+class _Partial(Protocol):
+    """A module holding only part of the checkpoint's tensors under its name (expert parallelism): the rest
+    belong to other ranks, and the loader skips them without reading them or warning."""
+
+    def checkpoint_ignored(self) -> set[str]: ...
+
+
 @dataclass(frozen=True)
 class _Target:
     param: torch.Tensor
@@ -82,11 +94,21 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
     progress: bool | None = None,
+    group: RankGroup | None = None,
+    layout: ParallelLayout | None = None,
+    expert_placement: ExpertPlacement | None = None,
+    ep_dispatch: EPDispatch | str = EPDispatch.ALLTOALL,
 ) -> CausalLM:
+    """With `layout.ep > 1`, this rank (`group`) gets only its experts (`expert_placement`, or a contiguous
+    1/ep) and reads only their tensors; `ep_dispatch` combines them across the group."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg)
+    if layout is not None and layout.ep > 1:
+        if group is None or group.world != layout.ep:
+            raise ValueError(f"ep={layout.ep} needs its worker group of {layout.ep} ranks")
+        shard_experts(model, group, expert_placement, ep_dispatch)
     model.to(resolve_dtype(dtype, cfg.torch_dtype)).to_empty(device=device)
     load_weights(model, model_dir, progress)
     model.init_runtime()
@@ -109,6 +131,7 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def load_weights(model: CausalLM, model_dir: Path, progress: bool | None = None) -> None:
     targets = checkpoint_targets(model)
+    others = checkpoint_ignored(model)
     renames = [(re.compile(a), b) for a, b in RENAMES.get(model.config.model_type, [])]
     files = checkpoint_files(model_dir)
     if progress is None:
@@ -124,6 +147,8 @@ def load_weights(model: CausalLM, model_dir: Path, progress: bool | None = None)
                         name = pattern.sub(repl, name)
                     target = targets.get(name)
                     if target is None:
+                        if name in others:  # another rank's (its experts): never read
+                            continue
                         if not (IGNORED.search(name) or (name == "lm_head.weight" and model.lm_head is None)):
                             log.warning("ignoring unexpected checkpoint tensor %s", raw_name)
                         continue
@@ -160,6 +185,16 @@ def checkpoint_targets(model: CausalLM) -> dict[str, _Target]:
             if name not in covered:
                 targets[_join(prefix, name)] = _Target(param, ())
     return targets
+
+
+def checkpoint_ignored(model: CausalLM) -> set[str]:
+    """Checkpoint tensor names (canonical) that other ranks of the worker group load, not this one."""
+    return {
+        _join(prefix, name)
+        for prefix, module in model.named_modules()
+        if isinstance(module, _Partial)
+        for name in module.checkpoint_ignored()
+    }
 
 
 def _shards(module: torch.nn.Module) -> dict[str, tuple[str, tuple]]:

@@ -13,17 +13,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.config import ModelConfig
+from shared.model.expert_parallel import ExpertParallel
 from shared.model.kernels.choice import KernelChoice
 from shared.model.layers import GatedMLP, gated_mlp
 from shared.model.linear import PackedWeights, linear, pack
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, slots: list[int] | None = None) -> None:
+        """slots: under expert parallelism, the logical expert of each of this rank's stacked slots (the
+        placement's, shared/model/expert_parallel.py); None = all `num_experts`, in order."""
         super().__init__()
-        self.num_experts, self.intermediate = num_experts, intermediate
-        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.slots = list(range(num_experts)) if slots is None else list(slots)
+        self.total_experts = num_experts  # the model's, per layer
+        self.num_experts, self.intermediate = len(self.slots), intermediate  # num_experts: stacked here
+        self.gate_up = nn.Parameter(torch.empty(self.num_experts, 2 * intermediate, hidden))
+        self.down = nn.Parameter(torch.empty(self.num_experts, hidden, intermediate))
         self._packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         # TORCH or TRITON, set by CausalLM.use_kernels when the engine starts
         self.kernels = KernelChoice.TORCH
@@ -31,11 +36,17 @@ class Experts(nn.Module):
     def checkpoint_shards(self) -> dict[str, tuple[str, tuple]]:
         i = self.intermediate
         shards = {}
-        for e in range(self.num_experts):
-            shards[f"{e}.gate_proj.weight"] = ("gate_up", (e, slice(0, i)))
-            shards[f"{e}.up_proj.weight"] = ("gate_up", (e, slice(i, 2 * i)))
-            shards[f"{e}.down_proj.weight"] = ("down", (e,))
+        for slot, e in enumerate(self.slots):
+            shards[f"{e}.gate_proj.weight"] = ("gate_up", (slot, slice(0, i)))
+            shards[f"{e}.up_proj.weight"] = ("gate_up", (slot, slice(i, 2 * i)))
+            shards[f"{e}.down_proj.weight"] = ("down", (slot,))
         return shards
+
+    def checkpoint_ignored(self) -> set[str]:
+        """The checkpoint tensors of the experts other ranks hold: the loader skips them without reading."""
+        held = set(self.slots)
+        others = (e for e in range(self.total_experts) if e not in held)
+        return {f"{e}.{proj}.weight" for e in others for proj in ("gate_proj", "up_proj", "down_proj")}
 
     def prepack(self) -> None:
         self._packed = [(pack(self.gate_up[e]), pack(self.down[e])) for e in range(self.num_experts)]
@@ -159,6 +170,9 @@ class MoE(nn.Module, PackedWeights):
         # (E,) tokens routed to each expert since the last read (CausalLM.take_expert_load, once per heartbeat):
         # a buffer, so it accumulates on the model's device without a host read per layer.
         self.register_buffer("expert_load", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
+        # expert parallelism (shared/model/expert_parallel.py shard_experts): this rank's experts are some
+        # slots, and the routed sum is computed across the group; None = all experts here
+        self.dispatch: ExpertParallel | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """→ topk_ids (T, A) int64, topk_weights (T, A) float32."""
@@ -174,7 +188,9 @@ class MoE(nn.Module, PackedWeights):
         # (E,) per-expert counts on the device (bincount would read the max id on the host under CUDA)
         counts = torch.zeros_like(self.expert_load).index_add_(0, flat, torch.ones_like(flat))
         self.expert_load += counts
-        if reference:
+        if self.dispatch is not None:
+            out = self.dispatch.forward(self.experts, x, ids, weights)
+        elif reference:
             out = self.experts.forward_reference(x, ids, weights)
         else:
             out = self.experts(x, ids, weights, counts)
