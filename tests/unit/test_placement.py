@@ -143,3 +143,16 @@ def test_the_cli_writes_a_placement_a_worker_can_load(tmp_path, capsys):
     _check_placement(p, 16, 2, 2)
     assert "without replicas ->" in capsys.readouterr().out
     assert main(["experts", "plan", "--stats", str(stats), "--ep", "3", "--out", str(out)]) == 2
+
+
+def test_the_rank_imbalance_metric_reads_the_busiest_rank_over_the_mean():
+    from shared.model.expert_parallel import RankLoad
+
+    load = RankLoad(per_rank=[30, 10], peak=30)  # one forward: 30 and 10 pairs
+    assert load.imbalance == pytest.approx(1.5)
+    metrics.record_rank_load("imbalance-model", "decode", load.per_rank, load.imbalance)
+    metrics.record_rank_load("imbalance-model", "decode", [0, 0], 1.0)  # an idle interval keeps the last value
+    text = metrics.exposition()[0].decode()
+    assert 'pdserve:moe_rank_imbalance{model_name="imbalance-model",role="decode"} 1.5' in text
+    assert 'pdserve:moe_rank_tokens_total{model_name="imbalance-model",rank="0",role="decode"} 30.0' in text
+    assert 'pdserve:moe_rank_imbalance_ratio_count{model_name="imbalance-model",role="decode"} 1.0' in text
