@@ -97,7 +97,7 @@ def load_model(
     group: RankGroup | None = None,
     layout: ParallelLayout | None = None,
     expert_placement: ExpertPlacement | None = None,
-    ep_dispatch: EPDispatch | str = EPDispatch.ALLTOALL,
+    ep_dispatch: EPDispatch | str = EPDispatch.ALLREDUCE,
 ) -> CausalLM:
     """With `layout.ep > 1`, this rank (`group`) gets only its experts (`expert_placement`, or a contiguous
     1/ep) and reads only their tensors; `ep_dispatch` combines them across the group."""
