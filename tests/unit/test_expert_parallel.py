@@ -6,6 +6,7 @@ deterministic, so the ranks' steps line up)."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
+from shared.engine.group_model import load_rank_model
 from shared.engine.sampling import SamplingParams
 from shared.model.config import ARCHITECTURES
 from shared.model.demo import write_demo_checkpoint
@@ -73,6 +75,7 @@ def _layer_errors(group: RankGroup, ckpt: str) -> list[str]:
                 ckpt, group=group, layout=ParallelLayout(ep=EP), expert_placement=placement, ep_dispatch=mode
             )
             moe = model.sparse_layers()[0]
+            assert moe.dispatch is not None
             for t in TOKENS:
                 for top_k in (1, 2, 3, 4):
                     x = torch.randn(t, full.gate.in_features, generator=torch.Generator().manual_seed(t * 10 + top_k))
@@ -102,14 +105,16 @@ def test_moe_layer_at_ep2_equals_the_single_rank_layer(checkpoints):
 PROMPTS = [[1, 5, 9, 2, 7], [3, 3, 8], list(range(10, 60)), [42]]
 
 
-def _generate(group: RankGroup | None, ckpt: str, mode: str) -> dict:
+def _generate(group: RankGroup | None, ckpt: str, mode: str, placement: str | None = None) -> dict:
     config = EngineConfig(
-        model=ckpt, num_kv_blocks=64, max_model_len=256, ep=group.world if group else 1, ep_dispatch=EPDispatch(mode)
+        model=ckpt,
+        num_kv_blocks=64,
+        max_model_len=256,
+        ep=group.world if group else 1,
+        ep_dispatch=EPDispatch(mode),
+        expert_placement=placement,
     )
-    model = None
-    if group is not None:
-        model = load_model(ckpt, group=group, layout=ParallelLayout(ep=group.world), ep_dispatch=mode)
-    engine = Engine(config, model=model)
+    engine = Engine(config, model=load_rank_model(config, group) if group is not None else None)
     engine.model.take_expert_load()
     tokens = engine.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     load = {layer: c.tolist() for layer, c in engine.model.take_expert_load().items()}
@@ -117,13 +122,20 @@ def _generate(group: RankGroup | None, ckpt: str, mode: str) -> dict:
     return {"tokens": tokens, "load": load, "rank_load": rank_load and rank_load.per_rank}
 
 
-def _generate_all(group: RankGroup, checkpoints: dict) -> dict:
-    return {(arch, mode): _generate(group, ckpt, mode) for arch, ckpt in checkpoints.items() for mode in EPDispatch}
+def _generate_all(group: RankGroup, checkpoints: dict, placement: str) -> dict:
+    runs = {(arch, mode, None): (ckpt, mode, None) for arch, ckpt in checkpoints.items() for mode in EPDispatch}
+    # with replicas (expert 0 and 5 on both ranks), through the configuration's placement file
+    runs[("qwen3_moe", "alltoall", "replicated")] = (checkpoints["qwen3_moe"], "alltoall", placement)
+    runs[("qwen3_moe", "allreduce", "replicated")] = (checkpoints["qwen3_moe"], "allreduce", placement)
+    return {key: _generate(group, *args) for key, args in runs.items()}
 
 
-def test_greedy_generation_at_ep2_is_token_exact_for_every_moe_architecture(checkpoints):
-    leader, followers = _spmd(_generate_all, checkpoints)
-    for (arch, _mode), got in leader.items():
+def test_greedy_generation_at_ep2_is_token_exact_for_every_moe_architecture(checkpoints, tmp_path):
+    placement = tmp_path / "placement.json"
+    placement.write_text(json.dumps(REPLICATED))
+    leader, followers = _spmd(_generate_all, checkpoints, str(placement))
+    assert len(leader) == 2 * len(MOE_ARCHS) + 2
+    for (arch, _mode, _placement), got in leader.items():
         want = _generate(None, checkpoints[arch], EPDispatch.ALLTOALL)
         assert got["tokens"] == want["tokens"], arch
         # the router is replicated: every rank's per-expert counters are the group's, equal to one rank's
@@ -133,7 +145,7 @@ def test_greedy_generation_at_ep2_is_token_exact_for_every_moe_architecture(chec
     assert followers == [leader]
 
 
-def test_a_placement_that_does_not_match_the_model_is_refused(checkpoints):
+def test_a_placement_that_does_not_match_the_model_is_refused(checkpoints, tmp_path):
     model_dir = checkpoints["qwen3_moe"]
     group = RankGroup(0, EP, None)  # never runs a collective: the refusal comes first
     layout = ParallelLayout(ep=EP)
@@ -146,6 +158,13 @@ def test_a_placement_that_does_not_match_the_model_is_refused(checkpoints):
     wrong_e = ExpertPlacement.from_json({"ep": 2, "num_experts": 4, "layers": {"0": [[0, 1], [2, 3]]}})
     with pytest.raises(PlacementError, match="4 experts"):
         load_model(model_dir, group=group, layout=layout, expert_placement=wrong_e)
+    # the same refusal through the engine configuration's --expert-placement file
+    path = tmp_path / "wrong.json"
+    path.write_text(json.dumps(wrong_e.to_json()))
+    with pytest.raises(PlacementError, match="the model has 8"):
+        load_rank_model(EngineConfig(model=model_dir, ep=EP, expert_placement=str(path)), group)
+    with pytest.raises(ValueError, match="passed to the engine"):
+        Engine(EngineConfig(model=model_dir, ep=EP))
 
 
 def test_a_rank_loads_only_its_experts_and_reads_no_other(checkpoints, monkeypatch, caplog):
