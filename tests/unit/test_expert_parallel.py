@@ -123,7 +123,9 @@ def _generate(group: RankGroup | None, ckpt: str, mode: str, placement: str | No
 
 
 def _generate_all(group: RankGroup, checkpoints: dict, placement: str) -> dict:
-    runs = {(arch, mode, None): (ckpt, mode, None) for arch, ckpt in checkpoints.items() for mode in EPDispatch}
+    runs: dict[tuple[str, str, str | None], tuple[str, str, str | None]] = {
+        (arch, str(mode), None): (ckpt, str(mode), None) for arch, ckpt in checkpoints.items() for mode in EPDispatch
+    }
     # with replicas (expert 0 and 5 on both ranks), through the configuration's placement file
     runs[("qwen3_moe", "alltoall", "replicated")] = (checkpoints["qwen3_moe"], "alltoall", placement)
     runs[("qwen3_moe", "allreduce", "replicated")] = (checkpoints["qwen3_moe"], "allreduce", placement)
