@@ -18,13 +18,13 @@ from shared.engine.group_model import load_rank_model
 from shared.engine.sampling import SamplingParams
 from shared.model.config import ARCHITECTURES
 from shared.model.demo import write_demo_checkpoint
-from shared.model.expert_parallel import take_rank_load
 from shared.model.loader import load_model
 from shared.parallel.dispatch import EPDispatch
 from shared.parallel.group import RankGroup
 from shared.parallel.launch import local_rendezvous, spawn_followers
 from shared.parallel.layout import ParallelLayout
 from shared.parallel.placement import ExpertPlacement, PlacementError
+from shared.worker.heartbeat import beat_facts
 
 MOE_ARCHS = sorted(a for a, spec in ARCHITECTURES.items() if spec.moe)
 EP = 2
@@ -117,8 +117,8 @@ def _generate(group: RankGroup | None, ckpt: str, mode: str, placement: str | No
     engine = Engine(config, model=load_rank_model(config, group) if group is not None else None)
     engine.model.take_expert_load()
     tokens = engine.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    load = {layer: c.tolist() for layer, c in engine.model.take_expert_load().items()}
-    rank_load = take_rank_load(engine.model)
+    integrity, load, rank_load = beat_facts(engine)  # what the worker's heartbeat path reads
+    assert integrity is None
     return {"tokens": tokens, "load": load, "rank_load": rank_load and rank_load.per_rank}
 
 
