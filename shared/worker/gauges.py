@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from shared.model.expert_parallel import RankLoad
+from typing import TYPE_CHECKING
+
 from shared.telemetry import metrics
 from shared.worker.engine_load import EngineLoad
+
+if TYPE_CHECKING:  # torch-free at import, like the rest of this module
+    from shared.model.expert_parallel import RankLoad
 
 
 def record_load(labels: tuple[str, str], load: EngineLoad) -> None:
