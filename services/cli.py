@@ -10,6 +10,7 @@ import sys
 import time
 
 from services.bench.cli import add_bench_command
+from services.experts_cli import add_experts_command
 from services.trace.timeline import add_trace_command
 from shared.model.config import ARCHITECTURES
 
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_service_commands(sub)
     add_trace_command(sub)
     add_bench_command(sub)
+    add_experts_command(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

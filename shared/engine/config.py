@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from shared.model.kernels.choice import KernelChoice
+
+# the enum only: shared/model/expert_parallel.py imports torch, so the enum lives in a torch-free module
+from shared.parallel.dispatch import EPDispatch
 from shared.parallel.layout import ParallelLayout
 
 # cpu, cuda, cuda:N (meta: tensors without data, for placement tests); availability is checked when the
@@ -79,9 +82,21 @@ class EngineConfig:
     ep: int = 1
     """Expert-parallel degree: routed experts partitioned over this many ranks. Each of tp and ep is 1 or the
     group size (max(tp, ep) ranks)."""
+    ep_dispatch: EPDispatch = EPDispatch.ALLREDUCE
+    """How expert-parallel ranks combine: alltoall = each rank sends its 1/ep of the tokens to the experts'
+    ranks and back, then all-gathers; allreduce = every rank computes its experts for all tokens, one
+    all-reduce. allreduce is the default: at EP = 2 on CPU (gloo) it measured faster for prefill- and
+    decode-sized batches (one collective against four all-to-alls and an all-gather; docs/benchmarks.md)."""
+    expert_placement: str | None = None
+    """JSON file from `pdserve experts plan`: which experts (and redundant replicas) each EP rank holds per
+    layer; None = a contiguous 1/ep of the experts per rank. Refused when it does not match the model or ep."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        if self.ep < 1:
+            raise ValueError(f"ep must be at least 1, got {self.ep}")
+        if self.ep_dispatch not in tuple(EPDispatch):
+            raise ValueError(f"unknown ep_dispatch {self.ep_dispatch!r}; choose one of {', '.join(EPDispatch)}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if not _DEVICE.fullmatch(self.device):

@@ -24,6 +24,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.decode_graphs import CaptureReport, DecodeGraphs, GraphBackend, bucket_sizes, choose_backend
 from shared.engine.device_setup import exclusive_setup
 from shared.engine.fork import Choice, PendingForks, fork_children
+from shared.engine.group_model import load_rank_model
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_measure import outside_torch, plan_kv_pool
 from shared.engine.kv_pool import KVLayout, KVPool
@@ -36,7 +37,6 @@ from shared.engine.structured import StructuredDecoding
 from shared.model.device import resolve_device
 from shared.model.kernels.choice import resolve_kernels
 from shared.model.linear import can_prepack, prepack
-from shared.model.loader import load_model
 from shared.model.transformer import CausalLM
 from shared.parallel.agree import agree_min
 from shared.parallel.group import RankGroup
@@ -95,9 +95,7 @@ class Engine:
         # each other: this engine's non-torch memory is counted from that look (shared/engine/device_setup.py).
         with exclusive_setup(self.device):
             non_torch_at_start = outside_torch(torch.cuda, self.device) if self.device.type == "cuda" else 0
-            self.model = model or load_model(
-                config.model, dtype=config.dtype, device=self.device, group=self.group, layout=self.parallel
-            )
+            self.model = model or load_rank_model(config, self.group)
             backend, why_not = self._plan_kv(non_torch_at_start, graph_backend)
         self.blocks = BlockManager(self.kv_plan.num_blocks, config.block_size)
         self.scheduler = Scheduler(
@@ -160,6 +158,8 @@ class Engine:
             backend, why_not = None, f"off (a worker group of {self.group.world} ranks: collectives not captured)"
         if graph_backend is not None and config.cuda_graphs:
             backend = graph_backend
+        if config.ep > 1 and backend is not None:  # the EP combine reads pair counts on the host per layer
+            backend, why_not = None, "off (expert parallelism, ep > 1: its combine is not capturable)"
         # With graphs the pool gets one block more than the plan, the scratch block padded rows write to: the
         # block manager hands out ids 0..plan-1 only, so the scratch block (id = plan) is nobody's.
         self.pool = KVPool(self.layout, self.kv_plan.num_blocks + (backend is not None), self.device)

@@ -24,9 +24,11 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from shared.model.config import ModelConfig
+from shared.model.expert_parallel import EPDispatch, shard_experts
 from shared.model.transformer import CausalLM
 from shared.parallel.group import RankGroup
 from shared.parallel.layout import ParallelLayout
+from shared.parallel.placement import ExpertPlacement
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,14 @@ class _Sharded(Protocol):
 Shard = tuple[str, tuple] | tuple[str, tuple, tuple]
 
 
+@runtime_checkable
+class _Partial(Protocol):
+    """A module holding only part of the checkpoint's tensors under its name (expert parallelism): the rest
+    belong to other ranks, and the loader skips them without reading them or warning."""
+
+    def checkpoint_ignored(self) -> set[str]: ...
+
+
 @dataclass(frozen=True)
 class _Target:
     param: torch.Tensor
@@ -97,14 +107,20 @@ def load_model(
     progress: bool | None = None,
     group: RankGroup | None = None,
     layout: ParallelLayout | None = None,
+    expert_placement: ExpertPlacement | None = None,
+    ep_dispatch: EPDispatch | str = EPDispatch.ALLREDUCE,
 ) -> CausalLM:
-    """The model of `model_dir`, or with `group` and `layout` (tp > 1) this rank's shard of it, reading only
-    its slices from the files. LayoutError when the model cannot take the layout (heads, KV heads or an
-    intermediate size that does not split)."""
+    """The model of `model_dir`, or with `group` and `layout` this rank's shard of it, reading only its slices
+    from the files: tp > 1 splits heads and widths; ep > 1 gives this rank only its experts
+    (`expert_placement`, or a contiguous 1/ep), combined across the group by `ep_dispatch`. LayoutError when
+    the model cannot take the layout (heads, KV heads or an intermediate size that does not split)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg, group, layout)
+    if layout is not None and layout.ep > 1:
+        assert group is not None  # CausalLM checked the group's size against the layout
+        shard_experts(model, group, expert_placement, ep_dispatch)
     model.to(resolve_dtype(dtype, cfg.torch_dtype)).to_empty(device=device)
     load_weights(model, model_dir, progress)
     model.init_runtime()
@@ -127,6 +143,7 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def load_weights(model: CausalLM, model_dir: Path, progress: bool | None = None) -> None:
     targets = checkpoint_targets(model)
+    others = checkpoint_ignored(model)
     renames = [(re.compile(a), b) for a, b in RENAMES.get(model.config.model_type, [])]
     files = checkpoint_files(model_dir)
     if progress is None:
@@ -142,6 +159,8 @@ def load_weights(model: CausalLM, model_dir: Path, progress: bool | None = None)
                         name = pattern.sub(repl, name)
                     target = targets.get(name)
                     if target is None:
+                        if name in others:  # another rank's (its experts): never read
+                            continue
                         if not (IGNORED.search(name) or (name == "lm_head.weight" and model.lm_head is None)):
                             log.warning("ignoring unexpected checkpoint tensor %s", raw_name)
                         continue
@@ -188,6 +207,16 @@ def checkpoint_targets(model: CausalLM) -> dict[str, _Target]:
 def model_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's parameters on this rank (its shard; oneDNN-packed twins not counted)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def checkpoint_ignored(model: CausalLM) -> set[str]:
+    """Checkpoint tensor names (canonical) that other ranks of the worker group load, not this one."""
+    return {
+        _join(prefix, name)
+        for prefix, module in model.named_modules()
+        if isinstance(module, _Partial)
+        for name in module.checkpoint_ignored()
+    }
 
 
 def _shards(module: torch.nn.Module) -> dict[str, Shard]:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.config import ModelConfig
+from shared.model.expert_parallel import ExpertParallel
 from shared.model.kernels.choice import KernelChoice
 from shared.model.layers import GatedMLP, gated_mlp
 from shared.model.linear import PackedWeights, linear, pack
@@ -25,15 +26,25 @@ from shared.model.tensor_parallel import TensorShard
 
 class Experts(nn.Module):
     def __init__(
-        self, num_experts: int, hidden: int, intermediate: int, shard: TensorShard = TensorShard.SINGLE
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        shard: TensorShard = TensorShard.SINGLE,
+        slots: list[int] | None = None,
     ) -> None:
+        """shard: tensor parallelism splits each expert's intermediate size. slots: under expert parallelism,
+        the logical expert of each of this rank's stacked slots (the placement's,
+        shared/model/expert_parallel.py); None = all `num_experts`, in order."""
         super().__init__()
         self.shard = shard
         self.rows = shard.part(intermediate, "the experts' intermediate size")  # this rank's rows of each expert
-        self.num_experts, self.intermediate = num_experts, len(self.rows)
+        self.slots = list(range(num_experts)) if slots is None else list(slots)
+        self.total_experts = num_experts  # the model's, per layer
+        self.num_experts, self.intermediate = len(self.slots), len(self.rows)  # num_experts: stacked here
         intermediate = self.intermediate
-        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.gate_up = nn.Parameter(torch.empty(self.num_experts, 2 * intermediate, hidden))
+        self.down = nn.Parameter(torch.empty(self.num_experts, hidden, intermediate))
         self._packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         # TORCH or TRITON, set by CausalLM.use_kernels when the engine starts
         self.kernels = KernelChoice.TORCH
@@ -41,11 +52,17 @@ class Experts(nn.Module):
     def checkpoint_shards(self) -> dict[str, tuple]:
         i, rows, cols = self.intermediate, self.shard.source(self.rows), self.shard.source(None, self.rows)
         shards = {}
-        for e in range(self.num_experts):
-            shards[f"{e}.gate_proj.weight"] = ("gate_up", (e, slice(0, i)), rows)
-            shards[f"{e}.up_proj.weight"] = ("gate_up", (e, slice(i, 2 * i)), rows)
-            shards[f"{e}.down_proj.weight"] = ("down", (e,), cols)
+        for slot, e in enumerate(self.slots):
+            shards[f"{e}.gate_proj.weight"] = ("gate_up", (slot, slice(0, i)), rows)
+            shards[f"{e}.up_proj.weight"] = ("gate_up", (slot, slice(i, 2 * i)), rows)
+            shards[f"{e}.down_proj.weight"] = ("down", (slot,), cols)
         return shards
+
+    def checkpoint_ignored(self) -> set[str]:
+        """The checkpoint tensors of the experts other ranks hold: the loader skips them without reading."""
+        held = set(self.slots)
+        others = (e for e in range(self.total_experts) if e not in held)
+        return {f"{e}.{proj}.weight" for e in others for proj in ("gate_proj", "up_proj", "down_proj")}
 
     def prepack(self) -> None:
         self._packed = [(pack(self.gate_up[e]), pack(self.down[e])) for e in range(self.num_experts)]
@@ -154,13 +171,16 @@ def _sorted_pairs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 class MoE(nn.Module, PackedWeights):
     expert_load: torch.Tensor  # (E,) buffer, see __init__
 
-    def __init__(self, cfg: ModelConfig, shard: TensorShard = TensorShard.SINGLE) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TensorShard = TensorShard.SINGLE, split_experts: bool = True) -> None:
+        """shard: tensor parallelism (the shared expert is split over it, and the routed experts' intermediate
+        size unless `split_experts` is False: under expert parallelism each rank holds whole experts)."""
         super().__init__()
         self.shard = shard
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, shard)
+        expert_shard = shard if split_experts else TensorShard.SINGLE
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, expert_shard)
         self.shared_expert = None
         self.LINEAR_WEIGHTS = ("gate.weight",)
         if cfg.shared_expert_intermediate_size:
@@ -170,6 +190,9 @@ class MoE(nn.Module, PackedWeights):
         # (E,) tokens routed to each expert since the last read (CausalLM.take_expert_load, once per heartbeat):
         # a buffer, so it accumulates on the model's device without a host read per layer.
         self.register_buffer("expert_load", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
+        # expert parallelism (shared/model/expert_parallel.py shard_experts): this rank's experts are some
+        # slots, and the routed sum is computed across the group; None = all experts here
+        self.dispatch: ExpertParallel | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """→ topk_ids (T, A) int64, topk_weights (T, A) float32."""
@@ -185,10 +208,17 @@ class MoE(nn.Module, PackedWeights):
         # (E,) per-expert counts on the device (bincount would read the max id on the host under CUDA)
         counts = torch.zeros_like(self.expert_load).index_add_(0, flat, torch.ones_like(flat))
         self.expert_load += counts
-        if reference:
+        if self.dispatch is not None:
+            out = self.dispatch.forward(self.experts, x, ids, weights)
+        elif reference:
             out = self.experts.forward_reference(x, ids, weights)
         else:
             out = self.experts(x, ids, weights, counts)
+        if self.dispatch is not None:  # the routed sum is whole on every rank: only the shared expert's is partial
+            if self.shared_expert is not None:
+                gate = torch.sigmoid(linear(x, self.w("shared_expert_gate.weight")))
+                out = out + self.shard.all_reduce_(gate * self.shared_expert(x))
+            return out
         if self.shared_expert is not None:
             gate = torch.sigmoid(linear(x, self.w("shared_expert_gate.weight")))
             out = out + gate * self.shared_expert(x)

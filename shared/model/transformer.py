@@ -24,17 +24,23 @@ from shared.model.moe import MoE
 from shared.model.paged_attention import AttentionMetadata
 from shared.model.tensor_parallel import TensorShard
 from shared.parallel.group import RankGroup
-from shared.parallel.layout import LayoutError, ParallelLayout
+from shared.parallel.layout import ParallelLayout
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, shard: TensorShard = TensorShard.SINGLE) -> None:
+    def __init__(
+        self, cfg: ModelConfig, index: int, shard: TensorShard = TensorShard.SINGLE, split_experts: bool = True
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         sparse = cfg.layer_is_sparse(index)
-        self.mlp: nn.Module = MoE(cfg, shard) if sparse else GatedMLP(cfg.hidden_size, cfg.intermediate_size, shard)
+        self.mlp: nn.Module
+        if sparse:
+            self.mlp = MoE(cfg, shard, split_experts)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, shard)
 
     def forward(self, x, rope, kv_cache, meta) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
@@ -42,10 +48,10 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: TensorShard = TensorShard.SINGLE) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TensorShard = TensorShard.SINGLE, split_experts: bool = True) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard, split_experts) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -84,12 +90,11 @@ class CausalLM(nn.Module, PackedWeights):
         """group, layout: this rank's worker group and its degrees (both None: the whole model, one rank)."""
         super().__init__()
         layout = layout or ParallelLayout()
-        if layout.ep > 1:
-            raise LayoutError(f"expert parallelism (layout {layout}) is not implemented in this model yet")
         self.config = cfg
         self.layout = layout
         self.shard = TensorShard.of(group, layout)
-        self.model = Backbone(cfg, self.shard)
+        # under expert parallelism a rank holds whole experts (shard_experts gives it its slots)
+        self.model = Backbone(cfg, self.shard, split_experts=layout.ep == 1)
         self.lm_head = None if cfg.tie_word_embeddings else VocabHead(cfg, self.shard)
         # logits are computed per vocabulary shard and all-gathered (untied head at tp > 1)
         self.vocab_parallel = self.lm_head is not None and self.shard.split

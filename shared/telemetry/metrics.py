@@ -8,7 +8,8 @@ Who records what:
                  requests_rejected by reason (admission, draining)
     workers      request_queue_time (created at the gateway → first scheduled), prompt/generation tokens
                  the engine computed and sampled, num_requests_running|waiting, kv_cache_usage_perc,
-                 moe_expert_tokens (routed tokens per layer and expert)
+                 moe_expert_tokens (routed tokens per layer and expert); with expert parallelism
+                 moe_rank_tokens (pairs each EP rank computed) and moe_rank_imbalance (busiest rank / mean)
     transfers    kv_transfer_seconds / bytes / failures: decode side (pull) and prefill side (send)
 
 Summed over the workers of a P/D stack, generation tokens equal the gateway's: the prefill worker samples
@@ -85,6 +86,24 @@ MOE_EXPERT_TOKENS = Counter(
     f"{PREFIX}moe_expert_tokens", "Tokens routed to each expert (top-k counts each).", (*LABELS, "layer", "expert")
 )
 
+MOE_RANK_TOKENS = Counter(
+    f"{PREFIX}moe_rank_tokens",
+    "Expert parallelism: (token, expert) pairs each rank of the worker group computed, all sparse layers.",
+    (*LABELS, "rank"),
+)
+MOE_RANK_IMBALANCE = Gauge(
+    f"{PREFIX}moe_rank_imbalance",
+    "Expert parallelism: the busiest rank's pairs over the mean rank's, per layer step, weighted over the "
+    "steps since the previous heartbeat (1 = balanced; the MoE layers wait for the busiest rank).",
+    LABELS,
+)
+MOE_RANK_IMBALANCE_HIST = Histogram(
+    f"{PREFIX}moe_rank_imbalance_ratio",
+    "Expert parallelism: moe_rank_imbalance, observed once per heartbeat interval that saw MoE traffic.",
+    LABELS,
+    buckets=(1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 8.0),
+)
+
 
 def exposition() -> tuple[bytes, str]:
     """The current text exposition and its content type (for a /metrics route)."""
@@ -124,3 +143,13 @@ def record_expert_load(model_name: str, role: str, load: dict[int, list[int]]) -
         for expert, n in enumerate(counts):
             if n:
                 MOE_EXPERT_TOKENS.labels(model_name, role, str(layer), str(expert)).inc(n)
+
+
+def record_rank_load(model_name: str, role: str, per_rank: list[int], imbalance: float) -> None:
+    """Add each EP rank's pairs since the last call; set and observe the interval's imbalance (when it had
+    traffic: an idle interval says nothing about balance)."""
+    for rank, n in enumerate(per_rank):
+        MOE_RANK_TOKENS.labels(model_name, role, str(rank)).inc(n)
+    if sum(per_rank):
+        MOE_RANK_IMBALANCE.labels(model_name, role).set(imbalance)
+        MOE_RANK_IMBALANCE_HIST.labels(model_name, role).observe(imbalance)

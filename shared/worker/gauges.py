@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from shared.telemetry import metrics
 from shared.worker.engine_load import EngineLoad
+
+if TYPE_CHECKING:  # torch-free at import, like the rest of this module
+    from shared.model.expert_parallel import RankLoad
 
 
 def record_load(labels: tuple[str, str], load: EngineLoad) -> None:
@@ -16,3 +21,9 @@ def record_load(labels: tuple[str, str], load: EngineLoad) -> None:
 def record_expert_load(labels: tuple[str, str], expert_load: dict[int, list[int]]) -> None:
     """Tokens routed to each expert of each layer since the last call."""
     metrics.record_expert_load(*labels, expert_load)
+
+
+def record_rank_load(labels: tuple[str, str], rank_load: RankLoad | None) -> None:
+    """Expert parallelism: each rank's pairs and the imbalance since the last call (None: no EP, nothing)."""
+    if rank_load is not None:
+        metrics.record_rank_load(*labels, rank_load.per_rank, rank_load.imbalance)

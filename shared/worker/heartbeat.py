@@ -11,6 +11,7 @@ from nats.aio.client import Client as NATS
 
 from shared.engine.engine import Engine
 from shared.messages import Heartbeat, Role, encode
+from shared.model.expert_parallel import RankLoad, take_rank_load
 from shared.worker.engine_load import EngineLoad
 
 HEARTBEAT_S = 1.0
@@ -61,7 +62,9 @@ def _integrity_error(engine: Engine) -> str | None:
     return None
 
 
-def beat_facts(engine: Engine) -> tuple[str | None, dict[int, list[int]]]:
-    """On the engine thread: the integrity verdict and the expert load routed since the last beat."""
+def beat_facts(engine: Engine) -> tuple[str | None, dict[int, list[int]], RankLoad | None]:
+    """On the engine thread: the integrity verdict, the expert load routed since the last beat, and with
+    expert parallelism the per-rank load (both counted on the device in the steps, read here once). The
+    router runs replicated on every rank, so the leader's counters are the whole group's."""
     load = {layer: counts.tolist() for layer, counts in engine.model.take_expert_load().items()}
-    return _integrity_error(engine), load
+    return _integrity_error(engine), load, take_rank_load(engine.model)

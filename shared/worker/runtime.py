@@ -357,8 +357,9 @@ class Worker(Generic[Job]):
         """Integrity and expert load from the engine thread, between its steps (a long step delays this,
         never the heartbeat: the gateway judges liveness by the beat)."""
         while True:
-            self._integrity, expert_load = await self.engine.call(beat_facts)
+            self._integrity, expert_load, rank_load = await self.engine.call(beat_facts)
             gauges.record_expert_load(self.labels, expert_load)
+            gauges.record_rank_load(self.labels, rank_load)
             await asyncio.sleep(HEARTBEAT_S)
 
     def heartbeat(self) -> Heartbeat:

@@ -1,0 +1,192 @@
+"""Expert parallelism: each rank of a worker group holds some of a sparse layer's experts (its slots, per an
+ExpertPlacement: by default a contiguous 1/ep, or a planned placement with redundant replicas), and the
+MoE block's routed-expert sum is computed across the ranks.
+
+Invariant at the MoE input: every rank holds the same (T, D) hidden states (attention is replicated, or
+tensor-parallel and all-reduced), and the router runs replicated over all T tokens (T x D x E: cheap), so
+every rank computes the same routing. Consequences: the per-expert counters (MoE.expert_load) on every rank
+already hold the group's totals (the leader's read is the group's, nothing to sum), and every rank can count
+each rank's load (`rank_load`) without a collective.
+
+Each (token, expert) pair is computed by exactly one replica of its expert: replica `token % replicas`
+(global token index), so replicas split an expert's tokens evenly. Two ways to combine:
+
+- allreduce (baseline): every rank computes its slots' pairs for all T tokens into a (T, D) partial sum,
+  then one all-reduce.
+- alltoall: rank r takes its ragged 1/R of the tokens, sends each pair's hidden row to the rank holding the
+  chosen replica (all_to_all of the counts, then of the slot ids and rows), computes what it received,
+  sends the results back (all_to_all), combines them weighted, and an all_gather of the token slices gives
+  every rank the full (T, D) again.
+
+The all-to-all needs the split sizes on the host (one device read per layer on an accelerator, as in every
+naive all-to-all dispatch); the counters never leave the device in the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from shared.parallel.dispatch import EPDispatch
+from shared.parallel.group import RankGroup
+from shared.parallel.placement import ExpertPlacement
+
+if TYPE_CHECKING:
+    from shared.model.moe import Experts
+    from shared.model.transformer import CausalLM
+
+
+class ExpertParallel:
+    """One sparse layer's expert-parallel state on one rank: where each logical expert's replicas are, the
+    chosen combine, and the per-rank load counters (on the model's device)."""
+
+    def __init__(self, group: RankGroup, ranks: list[list[int]], num_experts: int, mode: EPDispatch) -> None:
+        if len(ranks) != group.world:
+            raise ValueError(f"placement has {len(ranks)} ranks, the group {group.world}")
+        self.group, self.mode = group, EPDispatch(mode)
+        replicas: list[list[tuple[int, int]]] = [[] for _ in range(num_experts)]
+        for rank, slots in enumerate(ranks):
+            for slot, expert in enumerate(slots):
+                replicas[expert].append((rank, slot))
+        most = max(len(r) for r in replicas)
+        # (E, most) tables, padded by repeating the first replica (never chosen: index < num_replicas)
+        self._rank = torch.tensor([[r for r, _ in rep] + [rep[0][0]] * (most - len(rep)) for rep in replicas])
+        self._slot = torch.tensor([[s for _, s in rep] + [rep[0][1]] * (most - len(rep)) for rep in replicas])
+        self._count = torch.tensor([len(rep) for rep in replicas])
+        self.num_slots = len(ranks[group.rank])
+        # since the last take_rank_load: pairs each rank computed (R,), and Σ over forwards of the busiest
+        # rank's pairs (the step waits for it): the imbalance is peak / (total / R)
+        self.rank_load = torch.zeros(group.world, dtype=torch.int64)
+        self.peak_load = torch.zeros((), dtype=torch.int64)
+
+    def _on(self, device: torch.device) -> None:
+        if self._rank.device != device:
+            self._rank, self._slot, self._count = (t.to(device) for t in (self._rank, self._slot, self._count))
+            self.rank_load, self.peak_load = self.rank_load.to(device), self.peak_load.to(device)
+
+    def assign(self, ids: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids (N, A) logical experts of tokens with global indices `token` (N,) → (rank, local slot) of the
+        replica computing each pair, (N, A) each."""
+        j = token.unsqueeze(1) % self._count[ids]
+        return self._rank[ids, j], self._slot[ids, j]
+
+    def forward(self, experts: Experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        self._on(x.device)
+        t = x.shape[0]
+        if t == 0:  # every rank sees the same T: all skip the collectives together
+            return torch.zeros_like(x)
+        token = torch.arange(t, device=x.device)
+        dest_rank, dest_slot = self.assign(ids, token)
+        per_rank = torch.zeros_like(self.rank_load).index_add_(0, dest_rank.flatten(), torch.ones_like(ids).flatten())
+        self.rank_load += per_rank
+        self.peak_load += per_rank.max()
+        if self.mode is EPDispatch.ALLREDUCE:
+            return self._allreduce(experts, x, ids, weights, dest_rank, dest_slot)
+        return self._alltoall(experts, x, weights, dest_rank, dest_slot)
+
+    def _compute(self, experts: Experts, rows: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """rows (N, D) each for local slot `slot` (N,) → the slot expert's output (N, D), unweighted."""
+        if rows.shape[0] == 0:
+            return rows.clone()
+        counts = torch.zeros(self.num_slots, dtype=torch.int64, device=rows.device)
+        counts.index_add_(0, slot, torch.ones_like(slot))
+        ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
+        return experts(rows, slot.unsqueeze(1), ones, counts)
+
+    def _allreduce(self, experts, x, ids, weights, dest_rank, dest_slot) -> torch.Tensor:
+        a = ids.shape[1]
+        mine = (dest_rank.flatten() == self.group.rank).nonzero().squeeze(1)  # this rank's pairs
+        token = mine // a
+        y = self._compute(experts, x[token], dest_slot.flatten()[mine])
+        w = weights.flatten()[mine].unsqueeze(1).to(x.dtype)
+        out = torch.zeros_like(x).index_add_(0, token, y * w)
+        return self.group.all_reduce_(out)
+
+    def _alltoall(self, experts, x, weights, dest_rank, dest_slot) -> torch.Tensor:
+        group, world = self.group, self.group.world
+        t, a = dest_rank.shape
+        sizes = [t // world + (r < t % world) for r in range(world)]  # ragged token slices, in rank order
+        lo = sum(sizes[: group.rank])
+        hi = lo + sizes[group.rank]
+        # this rank's pairs, sorted by the rank that computes them (stable: a token's pairs keep their order)
+        flat_rank = dest_rank[lo:hi].flatten()
+        order = flat_rank.argsort(stable=True)
+        token = order // a  # within the slice
+        send_rows = x[lo:hi][token]
+        send_slot = dest_slot[lo:hi].flatten()[order]
+        send = torch.zeros(world, dtype=torch.int64, device=x.device).index_add_(
+            0, flat_rank, torch.ones_like(flat_rank)
+        )
+        recv = group.all_to_all(torch.empty_like(send), send, [1] * world, [1] * world)
+        send_splits, recv_splits = send.tolist(), recv.tolist()
+        n = sum(recv_splits)
+        recv_slot = group.all_to_all(send_slot.new_empty(n), send_slot, recv_splits, send_splits)
+        recv_rows = group.all_to_all(x.new_empty(n, x.shape[1]), send_rows, recv_splits, send_splits)
+        y = self._compute(experts, recv_rows, recv_slot)
+        back = group.all_to_all(torch.empty_like(send_rows), y, send_splits, recv_splits)
+        w = weights[lo:hi].flatten()[order].unsqueeze(1).to(x.dtype)
+        part = x.new_zeros(max(sizes), x.shape[1])  # padded to the largest slice: all_gather takes equal shapes
+        part.index_add_(0, token, back * w)
+        gathered = group.all_gather(part, dim=0)  # (R * max, D)
+        keep = torch.cat(
+            [torch.arange(r * max(sizes), r * max(sizes) + s, device=x.device) for r, s in enumerate(sizes)]
+        )
+        return gathered[keep]
+
+
+@dataclass(frozen=True)
+class RankLoad:
+    """Expert-parallel load since the last read, summed over the sparse layers."""
+
+    per_rank: list[int]  # (token, expert) pairs each rank computed
+    peak: int  # Σ over layer forwards of the busiest rank's pairs
+
+    @property
+    def imbalance(self) -> float:
+        """The busiest rank's pairs over the mean rank's, weighted over the steps (1.0 = balanced)."""
+        total = sum(self.per_rank)
+        return self.peak * len(self.per_rank) / total if total else 1.0
+
+
+def shard_experts(
+    model: CausalLM, group: RankGroup, placement: ExpertPlacement | None, mode: EPDispatch | str
+) -> ExpertPlacement:
+    """Give every sparse layer of a model still on the meta device (before `to_empty`) only this rank's
+    expert slots, and its ExpertParallel; → the placement used (the default when None)."""
+    from shared.model.moe import Experts
+
+    cfg = model.config
+    layers = sorted(model.sparse_layers())
+    placement = placement or ExpertPlacement.default(cfg.num_experts, group.world, layers)
+    placement.check_model(cfg.num_experts, layers, group.world)
+    for index, moe in model.sparse_layers().items():
+        old = moe.experts
+        if old.gate_up.device.type != "meta":
+            raise RuntimeError("shard_experts runs before the weights are allocated (the model on meta)")
+        with torch.device("meta"):
+            experts = Experts(
+                cfg.num_experts, old.gate_up.shape[2], old.intermediate, slots=placement.slots(index, group.rank)
+            )
+        experts.kernels = old.kernels
+        moe.experts = experts
+        moe.dispatch = ExpertParallel(group, placement.layers[index], cfg.num_experts, EPDispatch(mode))
+    return placement
+
+
+def take_rank_load(model: nn.Module) -> RankLoad | None:
+    """The per-rank load since the last call (one host read), and reset; None without expert parallelism."""
+    from shared.model.moe import MoE
+
+    dispatches = [m.dispatch for m in model.modules() if isinstance(m, MoE) and m.dispatch is not None]
+    if not dispatches:
+        return None
+    per_rank = torch.stack([d.rank_load for d in dispatches]).sum(0)
+    peak = torch.stack([d.peak_load for d in dispatches]).sum()
+    host = torch.cat([per_rank, peak.unsqueeze(0)]).cpu().tolist()
+    for d in dispatches:
+        d.rank_load.zero_()
+        d.peak_load.zero_()
+    return RankLoad(per_rank=host[:-1], peak=host[-1])
