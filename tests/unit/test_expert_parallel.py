@@ -114,7 +114,7 @@ def _generate(group: RankGroup | None, ckpt: str, mode: str, placement: str | No
         ep_dispatch=EPDispatch(mode),
         expert_placement=placement,
     )
-    engine = Engine(config, model=load_rank_model(config, group) if group is not None else None)
+    engine = Engine(config, group=group)  # loads this rank's shard (load_rank_model)
     engine.model.take_expert_load()
     tokens = engine.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     integrity, load, rank_load = beat_facts(engine)  # what the worker's heartbeat path reads
@@ -165,7 +165,7 @@ def test_a_placement_that_does_not_match_the_model_is_refused(checkpoints, tmp_p
     path.write_text(json.dumps(wrong_e.to_json()))
     with pytest.raises(PlacementError, match="the model has 8"):
         load_rank_model(EngineConfig(model=model_dir, ep=EP, expert_placement=str(path)), group)
-    with pytest.raises(ValueError, match="passed to the engine"):
+    with pytest.raises(ValueError, match="needs a group of 2 ranks"):  # an engine at ep=2 alone
         Engine(EngineConfig(model=model_dir, ep=EP))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from shared.model.kernels.choice import KernelChoice
 from shared.model.loader import load_model, model_weight_bytes
 from shared.model.transformer import CausalLM, DecoderLayer
 from shared.parallel.agree import agree_min
+from shared.parallel.dispatch import EPDispatch
 from shared.parallel.group import RankGroup
 from shared.parallel.launch import run_on_ranks
 from shared.parallel.layout import LayoutError, ParallelLayout
@@ -106,6 +108,33 @@ def test_tp2_greedy_output_matches_the_single_rank_engine_for_every_architecture
         kv_heads = [got["kv_heads"] for got in per_rank]
         assert kv_heads == ([(0,), (0,)] if size == "tiny_mqa" else [(0,), (1,)])
         assert per_rank[0]["blocks"] == per_rank[1]["blocks"] == 64
+
+
+MOE_CASES = [("mixtral", "tiny"), ("olmoe", "tiny_mqa"), ("qwen2_moe", "tiny"), ("qwen3_moe", "tiny_mqa")]
+
+
+def _rank_generates_tp_with_ep(group: RankGroup, cases: list[tuple[str, str]]) -> list[list[list[int]]]:
+    """TP = 2 with EP = 2 on the same two ranks: attention and the shared expert split by heads / width, the
+    routed experts partitioned (each rank whole experts), in each combine mode."""
+    out = []
+    for model_dir, dispatch in cases:
+        config = replace(_config(model_dir, 2, prepack=False), ep=2, ep_dispatch=EPDispatch(dispatch))
+        engine = Engine(config, group=group)
+        for moe in engine.model.sparse_layers().values():  # half the experts, each whole; attention split
+            assert moe.experts.num_experts * 2 == moe.experts.total_experts and moe.dispatch is not None
+            assert moe.experts.intermediate == engine.model.config.moe_intermediate_size
+        assert engine.model.shard.split
+        out.append(_generate(engine))
+    return out
+
+
+def test_tp2_with_ep2_matches_the_single_rank_engine_for_every_moe_architecture(checkpoints):
+    dirs = [str(checkpoints[a, s]) for a, s in MOE_CASES]
+    reference = [_generate(Engine(_config(d, 1, prepack=False))) for d in dirs]
+    cases = [(d, str(mode)) for d in dirs for mode in EPDispatch]
+    for rank, got in enumerate(run_on_ranks(2, _rank_generates_tp_with_ep, (cases,))):
+        for (d, mode), tokens in zip(cases, got, strict=True):
+            assert tokens == reference[dirs.index(d)], f"{Path(d).name} {mode}: rank {rank} differs"
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernels need TRITON_INTERPRET=1")
