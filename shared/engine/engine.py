@@ -376,7 +376,7 @@ class Engine:
                 2,
                 n,
                 self.layout.block_size,
-                self.layout.num_kv_heads,
+                self.layout.num_held_kv_heads,
                 self.layout.head_dim,
             )
             out = alloc(shape, self.layout.torch_dtype)

@@ -21,6 +21,23 @@ class KVLayout:
     head_dim: int
     block_size: int
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+    # Global ids of the KV heads this pool holds, in pool order (a tensor-parallel rank holds a slice);
+    # empty = all `num_kv_heads`. Not part of the fingerprint: slices of one model's KV are compatible.
+    kv_heads: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if any(not 0 <= h < self.num_kv_heads for h in self.kv_heads) or len(set(self.kv_heads)) != len(self.kv_heads):
+            raise ValueError(f"kv_heads {self.kv_heads} must be distinct ids below num_kv_heads={self.num_kv_heads}")
+
+    @property
+    def held_kv_heads(self) -> tuple[int, ...]:
+        """The global KV head ids in this pool, in order (all of them unless `kv_heads` names a slice)."""
+        return self.kv_heads or tuple(range(self.num_kv_heads))
+
+    @property
+    def num_held_kv_heads(self) -> int:
+        """The pool tensor's KV-head dimension."""
+        return len(self.held_kv_heads)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -29,7 +46,7 @@ class KVLayout:
     @property
     def bytes_per_block(self) -> int:
         itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return self.num_layers * 2 * self.block_size * self.num_held_kv_heads * self.head_dim * itemsize
 
     @property
     def fingerprint(self) -> str:
@@ -44,7 +61,7 @@ class KVPool:
             raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
         self.layout = layout
         self.num_blocks = num_blocks
-        shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_held_kv_heads, layout.head_dim)
         self.tensor = torch.zeros(shape, dtype=layout.torch_dtype, device=device)
 
     def layer_caches(self) -> list[torch.Tensor]:
