@@ -140,7 +140,7 @@ async def _forward(group: Group, leader: GroupHeldKv) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "kv_reslice.json"))

@@ -122,3 +122,23 @@ def register_pull(
 
     agent.register("kv.pull", pull)
     agent.register("kv.drop", drop)
+
+
+class Agents(Protocol):
+    """The decode leader's handle on its group's rank agents (the `groups` runtime)."""
+
+    async def call_all(self, name: str, payloads_by_rank: dict[int, Any]) -> dict[int, Any]: ...
+
+
+async def pull_group_kv(agents: Agents, dst_tp: int, request_id: str, record: GroupKv) -> str | None:
+    """The decode leader's step: every rank pulls its heads into its StagedKv at once. None: all staged, the
+    import op may copy them into the blocks; else the first failure's reason, and every rank has dropped its
+    staged data (the leader recomputes or fails per `kv_fallback`). Glue for the groups runtime: untested
+    here, where that runtime does not exist yet."""
+    job = PullJob(request_id, record, dst_tp)
+    results = await agents.call_all("kv.pull", {rank: job for rank in range(dst_tp)})
+    failures = [reason for _, reason in sorted(results.items()) if reason is not None]
+    if not failures:
+        return None
+    await agents.call_all("kv.drop", {rank: {"key": request_id} for rank in range(dst_tp)})
+    return failures[0]
