@@ -135,12 +135,11 @@ class Engine:
         kv_heads = kv_head_range(mc.num_kv_heads, self.parallel.tp, self.group.rank if self.parallel.tp > 1 else 0)
         self.layout = KVLayout(
             mc.num_layers,
-            len(kv_heads),
+            mc.num_kv_heads,
             mc.head_dim,
             config.block_size,
             str(dtype).removeprefix("torch."),
             kv_heads=tuple(kv_heads) if self.parallel.tp > 1 else (),
-            total_kv_heads=mc.num_kv_heads if self.parallel.tp > 1 else 0,
         )
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         # after the weights (and their packed twins): on CUDA the plan measures what they left
@@ -416,7 +415,7 @@ class Engine:
                 2,
                 n,
                 self.layout.block_size,
-                self.layout.num_kv_heads,
+                self.layout.num_held_kv_heads,
                 self.layout.head_dim,
             )
             out = alloc(shape, self.layout.torch_dtype)
@@ -447,9 +446,9 @@ class Engine:
             raise ValueError("import needs at least the first sampled token")
         if kv.layout.fingerprint != self.layout.fingerprint:
             raise ValueError(f"KV layout {kv.layout} does not match this engine's {self.layout}")
-        if kv.layout.heads != self.layout.heads:
+        if kv.layout.held_kv_heads != self.layout.held_kv_heads:
             raise ValueError(
-                f"KV of KV heads {kv.layout.heads} cannot fill this pool of heads {self.layout.heads}: "
+                f"KV of KV heads {kv.layout.held_kv_heads} cannot fill this pool of heads {self.layout.held_kv_heads}: "
                 "re-slice it to this rank's heads first"
             )
         if kv.num_tokens != len(prompt_token_ids) + len(output_token_ids) - 1:

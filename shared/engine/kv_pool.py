@@ -16,34 +16,32 @@ import torch
 class KVLayout:
     """What two engines must agree on to exchange KV blocks.
 
-    A tensor-parallel rank's pool holds only its KV heads: `num_kv_heads` is that local count, `kv_heads` which
-    of the model's heads they are (in pool order), `model_kv_heads` the model's total. Defaults: the whole
-    model's heads (a single-rank engine)."""
+    A tensor-parallel rank's pool holds only its KV heads: `num_kv_heads` is the model's count, `kv_heads` which
+    of them this pool holds (in pool order; the pool tensor's head dimension is `num_held_kv_heads`). Default:
+    all of them (a single-rank engine)."""
 
     num_layers: int
-    num_kv_heads: int  # heads in this pool (the rank's; the model's on a single rank)
+    num_kv_heads: int  # the model's KV heads (all ranks together)
     head_dim: int
     block_size: int
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
-    kv_heads: tuple[int, ...] = ()  # the model's KV head ids this pool holds, in order; () = all of them
-    total_kv_heads: int = 0  # the model's KV heads; 0 = num_kv_heads (this pool holds all)
+    # Global ids of the KV heads this pool holds, in pool order (a tensor-parallel rank holds a slice);
+    # empty = all `num_kv_heads`. Not part of the fingerprint: slices of one model's KV are compatible.
+    kv_heads: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kv_heads and len(self.kv_heads) != self.num_kv_heads:
-            raise ValueError(f"kv_heads {self.kv_heads} does not list num_kv_heads={self.num_kv_heads} heads")
+        if any(not 0 <= h < self.num_kv_heads for h in self.kv_heads) or len(set(self.kv_heads)) != len(self.kv_heads):
+            raise ValueError(f"kv_heads {self.kv_heads} must be distinct ids below num_kv_heads={self.num_kv_heads}")
 
     @property
-    def model_kv_heads(self) -> int:
-        return self.total_kv_heads or self.num_kv_heads
-
-    @property
-    def heads(self) -> tuple[int, ...]:
-        """The model's KV head ids in this pool, in pool order."""
+    def held_kv_heads(self) -> tuple[int, ...]:
+        """The global KV head ids in this pool, in order (all of them unless `kv_heads` names a slice)."""
         return self.kv_heads or tuple(range(self.num_kv_heads))
 
     @property
-    def holds_all_heads(self) -> bool:
-        return self.heads == tuple(range(self.model_kv_heads))
+    def num_held_kv_heads(self) -> int:
+        """The pool tensor's KV-head dimension."""
+        return len(self.held_kv_heads)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -52,14 +50,14 @@ class KVLayout:
     @property
     def bytes_per_block(self) -> int:
         itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return self.num_layers * 2 * self.block_size * self.num_held_kv_heads * self.head_dim * itemsize
 
     @property
     def fingerprint(self) -> str:
         """Stable id of the model's token-level KV shape (block size excluded: blocks can be re-cut on import;
         which heads a pool holds excluded too: equal fingerprints mean the same model shape, and pools of
-        different tensor-parallel ranks compare `heads` to see what they can exchange)."""
-        key = f"{self.num_layers}:{self.model_kv_heads}:{self.head_dim}:{self.dtype}"
+        different tensor-parallel ranks compare `held_kv_heads` to see what they can exchange)."""
+        key = f"{self.num_layers}:{self.num_kv_heads}:{self.head_dim}:{self.dtype}"
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -69,7 +67,7 @@ class KVPool:
             raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
         self.layout = layout
         self.num_blocks = num_blocks
-        shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_held_kv_heads, layout.head_dim)
         self.tensor = torch.zeros(shape, dtype=layout.torch_dtype, device=device)
 
     def layer_caches(self) -> list[torch.Tensor]:

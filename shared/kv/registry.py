@@ -20,12 +20,34 @@ def kv_key(request_id: str) -> str:
     return f"{KV_PREFIX}{request_id}"
 
 
-class KvLocation(msgspec.Struct, frozen=True):
+class RankKv(msgspec.Struct, frozen=True):
+    """One rank of a prefill group as a puller needs it: its KvTransfer address and the KV heads it holds."""
+
+    rank: int
+    rpc_address: str  # host:port of that rank's KvTransfer service
+    kv_heads: list[int]  # global KV head ids in that rank's pool, in pool order
+
+
+class GroupKv(msgspec.Struct, frozen=True):
+    """The prefill group's KV layout (shared/kv/reslice.py reads it): enough for a decode group of any TP
+    to plan which rank each of its ranks pulls which heads from, and to refuse an incompatible model."""
+
+    tp: int
+    ranks: list[RankKv]  # by rank, 0..tp-1
+    num_layers: int
+    num_kv_heads: int  # the model's, all ranks together
+    head_dim: int
+    dtype: str
+    block_size: int
+
+
+class KvLocation(msgspec.Struct, frozen=True, omit_defaults=True):
     request_id: str
     worker_id: str
-    rpc_address: str  # host:port of the prefill worker's KvTransfer service
+    rpc_address: str  # host:port of the prefill worker's KvTransfer service (a group's: its leader's)
     num_tokens: int
-    fingerprint: str  # KVLayout.fingerprint of the holder
+    fingerprint: str  # KVLayout.fingerprint of the holder: same model KV shape, whatever the TP
+    group: GroupKv | None = None  # None: a single-process worker that serves whole-KV pulls (omitted on the wire)
 
 
 class KvRegistry:

@@ -69,7 +69,7 @@ def _rank_generates(group: RankGroup, cases: list[tuple[str, bool]]) -> list[dic
         out.append(
             {
                 "tokens": _generate(engine),
-                "kv_heads": engine.layout.heads,
+                "kv_heads": engine.layout.held_kv_heads,
                 "blocks": engine.kv_plan.num_blocks,
                 "fingerprint": engine.layout.fingerprint,
                 "weight_bytes": model_weight_bytes(engine.model),
@@ -250,11 +250,11 @@ def test_layouts_the_model_cannot_take_are_refused(checkpoints, tmp_path):
 
 def test_a_ranks_kv_layout_names_its_heads_and_keeps_the_models_fingerprint():
     whole = KVLayout(2, 2, 16, 16, "float32")
-    rank1 = KVLayout(2, 1, 16, 16, "float32", kv_heads=(1,), total_kv_heads=2)
-    assert whole.heads == (0, 1) and whole.holds_all_heads and whole.model_kv_heads == 2
-    assert rank1.heads == (1,) and not rank1.holds_all_heads and rank1.model_kv_heads == 2
+    rank1 = KVLayout(2, 2, 16, 16, "float32", kv_heads=(1,))
+    assert whole.held_kv_heads == (0, 1) and whole.num_held_kv_heads == 2
+    assert rank1.held_kv_heads == (1,) and rank1.num_held_kv_heads == 1
     assert rank1.fingerprint == whole.fingerprint  # the same model shape
     assert rank1.bytes_per_block * 2 == whole.bytes_per_block
     assert KVLayout(2, 1, 16, 16, "float32").fingerprint != whole.fingerprint  # a model with one KV head
-    with pytest.raises(ValueError, match="does not list num_kv_heads=1"):
-        KVLayout(2, 1, 16, 16, "float32", kv_heads=(0, 1), total_kv_heads=2)
+    with pytest.raises(ValueError, match="must be distinct ids below num_kv_heads=2"):
+        KVLayout(2, 2, 16, 16, "float32", kv_heads=(0, 2))

@@ -29,6 +29,7 @@ from shared.kv.tickets import Tickets
 from shared.kv.transfer.buffers import BufferPool
 from shared.kv.transfer.channel_tls import KvTls
 from shared.kv.transfer.errors import FailureReason, KvTransferError
+from shared.kv.transfer.heads import head_fields
 from shared.kv.transfer.pair import (
     DECODE_RANK,
     Pair,
@@ -91,10 +92,12 @@ class KvTransferClient:
         recv_cache_bytes: int = 256 << 20,
         model_name: str = "",
         tls: KvTls | None = None,
+        group_id: str | None = None,
     ) -> None:
         """secret: the cluster secret (at least 16 bytes) this client signs its tickets with. timeout_s
         bounds each RPC, forming a pair, and each transfer's receive. tls: TLS with this worker's certificate
-        (None: plaintext gRPC)."""
+        (None: plaintext gRPC). group_id: the decode group whose pull tickets this rank's pulls carry
+        (shared/kv/rank_transfer.py); None: worker_id's own."""
         if not worker_id:
             raise ValueError("worker_id must not be empty")
         if timeout_s <= 0:
@@ -103,6 +106,7 @@ class KvTransferClient:
         self._tickets = Tickets(secret)
         self._proofs = PairProofs(secret)
         self.tls = tls
+        self.group_id = group_id or worker_id
         self.backend = check_backend(backend)
         self.timeout_s = timeout_s
         self.model_name = model_name  # labels this client's spans and metrics
@@ -113,9 +117,10 @@ class KvTransferClient:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._connections: dict[str, asyncio.Task[_Connection]] = {}
 
-    async def pull(self, address: str, request_id: str, layout: KVLayout) -> KVExport:
+    async def pull(self, address: str, request_id: str, layout: KVLayout, group_pulls: int = 0) -> KVExport:
         """Fetch the KV of `request_id` from the prefill worker at `address`; `layout` is the receiving
-        engine's (block size may differ: the result carries the source's, `reblock` re-cuts). The prefill
+        engine's (block size may differ: the result carries the source's, `reblock` re-cuts); a layout naming
+        `kv_heads` pulls only those (contiguous) heads from a group rank, one of `group_pulls`. The prefill
         side frees its blocks once the bytes are out. Raises KvTransferError (see its `reason`).
         Traced as a `pull_kv` span (child of the current one) whose context travels in the gRPC metadata."""
         labels = (self.model_name, "decode")
@@ -126,9 +131,9 @@ class KvTransferClient:
         ) as span:
             try:
                 try:
-                    kv = await self._pull_once(address, request_id, layout)
+                    kv = await self._pull_once(address, request_id, layout, group_pulls)
                 except _StalePair:  # a new pair, once; a second stale answer propagates as UNAVAILABLE
-                    kv = await self._pull_once(address, request_id, layout)
+                    kv = await self._pull_once(address, request_id, layout, group_pulls)
             except KvTransferError as e:
                 metrics.KV_TRANSFER_FAILURES.labels(*labels, e.reason.value).inc()
                 span.set_attribute(tracing.KV_OUTCOME, f"failed: {e.reason.value}")
@@ -163,14 +168,15 @@ class KvTransferClient:
         self._channels.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _pull_once(self, address: str, request_id: str, layout: KVLayout) -> KVExport:
+    async def _pull_once(self, address: str, request_id: str, layout: KVLayout, group_pulls: int) -> KVExport:
         conn = await self._connection(address, layout)
         request = pb.PullRequest(
             request_id=request_id,
-            ticket=self._tickets.mint(self.worker_id, request_id),
+            ticket=self._tickets.mint(self.group_id, request_id),
             decode_worker_id=self.worker_id,
             pair_id=conn.pair.pair_id,
             layout_fingerprint=layout.fingerprint,
+            **head_fields(layout, group_pulls),
         )
         async with conn.order:
             call = conn.stub.Pull(request, timeout=self.timeout_s, metadata=tracing.grpc_metadata())

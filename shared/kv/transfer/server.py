@@ -21,6 +21,7 @@ import logging
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,6 +35,7 @@ from shared.engine.kv_export import KVExport
 from shared.kv.replay import DEFAULT_CAPACITY, ReplayCache
 from shared.kv.tickets import TicketError, TicketReason, Tickets
 from shared.kv.transfer.channel_tls import KvTls
+from shared.kv.transfer.heads import HeadsRefused, begin_send
 from shared.kv.transfer.pair import PREFILL_RANK, Pair, TransferBackend, check_backend, store_client
 from shared.kv.transfer.pair_proof import PairProofs, PairRefused
 from shared.kv.transfer.send_stream import SendStream
@@ -125,6 +127,7 @@ class KvTransferServer:
         send_stream: SendStream | None = None,
         tls: KvTls | None = None,
         replay_capacity: int = DEFAULT_CAPACITY,
+        ticket_holder: Callable[[str], str] | None = None,
     ) -> None:
         """host/port: where gRPC binds (port 0: any free one). secret: the cluster secret tickets are
         signed with (at least 16 bytes). advertise_host: the name decode workers dial for gRPC, the store
@@ -134,7 +137,8 @@ class KvTransferServer:
         piece (see `_send`). model_name labels this server's spans and metrics. send_stream: the stream sends
         run on, shared with the source's exports (send_stream.py; None: no stream, as on CPU). tls: serve gRPC
         over TLS with client certificates (None: plaintext). replay_capacity: the most unexpired tickets
-        remembered against replay."""
+        remembered against replay. ticket_holder: the id a caller's pull ticket must name (a group rank's: its
+        group's, shared/kv/rank_transfer.py); None: the caller's own."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if chunk_bytes != 0 and chunk_bytes < MIN_CHUNK_BYTES:
@@ -152,6 +156,7 @@ class KvTransferServer:
         self._replays = ReplayCache(replay_capacity, self._tickets.skew_s)
         self._proofs = PairProofs(secret)
         self.tls = tls
+        self._ticket_holder = ticket_holder or (lambda worker: worker)
         self.stats = ServerStats()
         # Where decode workers reach this machine, for the store and for gloo's listening socket.
         self.public_host = advertise_host or (socket.getfqdn() if host in WILDCARD_HOSTS else host)
@@ -252,7 +257,7 @@ class KvTransferServer:
     async def _accept(self, request: pb.PullRequest, context: grpc.aio.ServicerContext, span) -> pb.PullReply:
         started = time.perf_counter()
         rid, worker = request.request_id, request.decode_worker_id
-        await self._authorize(context, "Pull", request.ticket, worker, rid)
+        await self._authorize(context, "Pull", request.ticket, self._ticket_holder(worker), rid)
         slot = self._pairs.get(worker)
         if slot is None or slot.pair_id != request.pair_id:
             await context.abort(grpc.StatusCode.ABORTED, f"pair {request.pair_id!r} is not open here; connect again")
@@ -265,11 +270,13 @@ class KvTransferServer:
             self._drop(slot)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"pair {slot.pair_id!r} did not form: {e!r}")
         try:  # from here until the send task's end_send, the source counts the request as sending
-            kv = await self.source.begin_send(rid)
+            kv = await begin_send(self.source, rid, request)
         except KeyError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]) if e.args else repr(e))
         except AlreadySending as e:  # a second pull got past the check above during the join
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except HeadsRefused as e:  # heads this source does not hold, or one that serves whole KV only
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         span.set_attributes(
             {
                 tracing.KV_EXPORT_TIME: time.perf_counter() - started,

@@ -1,0 +1,173 @@
+"""KV hand-off between worker groups: prefill TP 2 → decode TP 1 against TP 1 → TP 1, in one run.
+
+    .venv/bin/python benchmarks/kv_reslice_bench.py [--tokens 4096] [--repeats 9] [--out JSON]
+
+The KV is that of a `tokens`-token prompt of the `small` demo model's layout (8 layers, 2 KV heads, head
+dim 64, float32: 33.6 MB at 4k tokens), random values (the bytes' values do not change the cost). Each
+prefill rank is a spawned process with its slice of the pool (`kv_head_range`) and its own KvTransferServer
+(`serve_rank_kv`); this process is the decode rank (`pull_rank_kv`: the plan's pulls from every source rank at
+once, assembled into one tensor of its heads) and plays the prefill leader (`GroupHeldKv`: holds the key on
+every rank before a pull, frees it once the group's pulls ended). Timed: `pull_rank_kv`, from the call to
+the assembled tensor, after one warm-up that forms the pairs; medians of `repeats`; the layouts alternate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from datetime import UTC, datetime
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a script from anywhere, installed or not
+
+from benchmarks.host_info import cpu_info  # noqa: E402
+from shared.engine.kv_pool import KVLayout, KVPool  # noqa: E402
+from shared.kv.group_held import GroupHeldKv  # noqa: E402
+from shared.kv.rank_transfer import pull_rank_kv, rank_worker_id, serve_rank_kv  # noqa: E402
+from shared.kv.reslice import group_record  # noqa: E402
+from shared.kv.transfer import KvTransferClient  # noqa: E402
+from shared.parallel.layout import kv_head_range  # noqa: E402
+
+SECRET = b"kv-reslice-bench-secret-0123"
+TIMEOUT_S = 120.0
+MODEL = KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+
+
+def _rank_main(conn: Connection, reports: mp.Queue, rank: int, layout: KVLayout, blocks: int) -> None:
+    async def serve() -> None:
+        pool = KVPool(layout, blocks)
+        pool.tensor.copy_(torch.randn(pool.tensor.shape, generator=torch.Generator().manual_seed(rank)))
+
+        async def report(key: str, rank: int, ok: bool, pulls: int) -> None:
+            reports.put((key, rank, ok, pulls))
+
+        held, server, address = await serve_rank_kv(None, pool, rank, report, host="127.0.0.1", secret=SECRET)
+        conn.send(address)
+        while (command := await asyncio.to_thread(conn.recv))[0] != "stop":
+            op, *args = command
+            conn.send(await (held.hold(*args) if op == "hold" else held.retire(*args)))
+        await server.stop()
+
+    asyncio.run(serve())
+
+
+class Group:
+    def __init__(self, tp: int, blocks: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.reports = ctx.Queue()
+        self.links = []
+        for rank in range(tp):
+            layout = dataclasses.replace(MODEL, kv_heads=tuple(kv_head_range(MODEL.num_kv_heads, tp, rank)))
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, args=(theirs, self.reports, rank, layout, blocks), daemon=True)
+            proc.start()
+            self.links.append(_Link(proc, ours, ours.recv()))
+        self.record = group_record(MODEL, tp, [link.address for link in self.links])
+
+    def stop(self) -> None:
+        for link in self.links:
+            link.conn.send(("stop",))
+            link.proc.join(10)
+
+
+@dataclasses.dataclass
+class _Link:
+    proc: BaseProcess
+    conn: Connection
+    address: str
+
+    async def hold(self, key: str, block_ids: list[int], num_tokens: int) -> None:
+        await asyncio.to_thread(self._call, "hold", key, block_ids, num_tokens)
+
+    async def retire(self, key: str) -> None:
+        await asyncio.to_thread(self._call, "retire", key)
+
+    def _call(self, *command):
+        self.conn.send(command)
+        return self.conn.recv()
+
+
+async def _bench(groups: dict[str, Group], tokens: int, repeats: int) -> dict[str, dict]:
+    blocks = -(-tokens // MODEL.block_size)
+    out: dict[str, dict] = {}
+    leaders, forwards, clients, times = {}, {}, {}, {name: [] for name in groups}
+    for name, group in groups.items():
+        leaders[name] = leader = GroupHeldKv(group.links, _noop, lease_s=600.0)  # pyright: ignore[reportArgumentType]
+        forwards[name] = asyncio.create_task(_forward(group, leader))
+        clients[name] = KvTransferClient(
+            rank_worker_id(f"bench-{name}", 0), secret=SECRET, timeout_s=TIMEOUT_S, group_id=f"bench-{name}"
+        )
+    for i in range(repeats + 1):  # the first round forms the pairs: not timed
+        for name, group in groups.items():
+            key = f"{name}-{i}"
+            await leaders[name].hold(key, list(range(blocks)), tokens)
+            started = time.perf_counter()
+            kv = await pull_rank_kv(clients[name], group.record, key, MODEL, 1, 0)
+            elapsed = time.perf_counter() - started
+            if i:
+                times[name].append(elapsed)
+            out[name] = {"bytes": kv.nbytes, "pulls_per_request": len(group.record.ranks)}
+            while leaders[name].count():  # freed once the group's pulls ended: the next key starts clean
+                await asyncio.sleep(0.001)
+    for name, group in groups.items():
+        group.reports.put(None)
+        await forwards[name]
+        await clients[name].close()
+        t = times[name]
+        out[name] |= {"median_ms": 1e3 * statistics.median(t), "min_ms": 1e3 * min(t), "max_ms": 1e3 * max(t)}
+        out[name]["gbytes_per_s"] = out[name]["bytes"] / statistics.median(t) / 1e9
+    return out
+
+
+async def _noop(key: str) -> None:
+    return None
+
+
+async def _forward(group: Group, leader: GroupHeldKv) -> None:
+    while (report := await asyncio.to_thread(group.reports.get)) is not None:
+        await leader.send_ended(*report)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "kv_reslice.json"))
+    args = parser.parse_args()
+    blocks = -(-args.tokens // MODEL.block_size)
+    groups = {"p_tp1_to_d_tp1": Group(1, blocks), "p_tp2_to_d_tp1": Group(2, blocks)}
+    try:
+        results = asyncio.run(_bench(groups, args.tokens, args.repeats))
+    finally:
+        for group in groups.values():
+            group.stop()
+    ratio = results["p_tp2_to_d_tp1"]["median_ms"] / results["p_tp1_to_d_tp1"]["median_ms"]
+    result = {
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+        "cpu": cpu_info(),
+        "tokens": args.tokens,
+        "repeats": args.repeats,
+        "layout": dataclasses.asdict(MODEL),
+        "results": results,
+        "tp2_over_tp1_time": ratio,
+    }
+    for name, r in results.items():
+        print(f"{name}: {r['bytes'] / 1e6:.1f} MB in {r['median_ms']:.1f} ms (median; {r['gbytes_per_s']:.2f} GB/s)")
+    print(f"TP 2 -> TP 1 takes {ratio:.2f}x the time of TP 1 -> TP 1")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
