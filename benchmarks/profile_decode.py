@@ -29,10 +29,25 @@ from shared.engine.sampling import SamplingParams  # noqa: E402
 from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
 
 PROMPT = 128
+# op classes of the breakdown: the first class whose any substring is in the op's name takes it
+OP_CLASSES = (
+    ("matmuls", ("linear", "mm", "addmm", "matmul", "bmm")),
+    ("attention (SDPA)", ("scaled_dot_product", "_softmax")),
+    ("indexing (KV gather/write, routing)", ("index", "scatter", "gather", "sort", "topk", "take")),
+    ("copies, allocation, views", ("copy", "empty", "cat", "stack", "view", "slice", "narrow", "strided", "chunk",
+                                   "split", "select", "reshape", "transpose", "unsqueeze", "flatten", "fill", "zero",
+                                   "pad", "clone", "contiguous", "to", "detach", "alias", "expand")),
+    ("elementwise (norms, rope, silu, residual)", ("",)),
+)  # fmt: skip
+
+
+def op_class(name: str) -> str:
+    short = name.split("::")[-1]
+    return next(label for label, keys in OP_CLASSES if any(k in short for k in keys))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -67,6 +82,13 @@ def main() -> None:
     print(f"\n{args.batch} sequences, {args.threads} threads, prepack {'off' if args.no_prepack else 'on'}, "
           f"{torch.__version__}: median step {step_ms:.2f} ms (under the profiler), "
           f"ops {op_us / 1000:.2f} ms/step, {calls:.0f} op calls/step")  # fmt: skip
+    by_class: dict[str, float] = {}
+    for e in events:
+        by_class[op_class(e.key)] = by_class.get(op_class(e.key), 0.0) + e.self_cpu_time_total / args.steps / 1000
+    by_class["outside ops (Python, metadata, dispatch gaps)"] = max(0.0, step_ms - op_us / 1000)
+    print("\nper op class, ms per step (self time):")
+    for label, ms in sorted(by_class.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:48s} {ms:8.2f}  {100 * ms / step_ms:5.1f}%")
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=48))
 
 

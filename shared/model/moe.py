@@ -152,20 +152,23 @@ class _Pairs:
     """The (token, expert) pairs of a batch, sorted by expert (stable: a token's pairs keep their order)."""
 
     rows: torch.Tensor  # (T*A, D) the pairs' input rows, gathered from x
-    token: torch.Tensor  # (T*A,) int64: the token each pair came from
-    weight: torch.Tensor  # (T*A, 1) routing weight of each pair, in x's dtype
-    out: torch.Tensor  # (T, D) zeros: what `combine` adds into
+    order: torch.Tensor  # (T*A,) int64: sorted pair i is pair order[i] of the flat (T, A) routing
+    weights: torch.Tensor  # (T, A) routing weights in routing order, in x's dtype
 
     def combine(self, y: torch.Tensor) -> torch.Tensor:
-        """y: (T*A, D) expert outputs of the sorted pairs → (T, D) routing-weighted sum per token."""
-        return self.out.index_add_(0, self.token, y * self.weight)
+        """y: (T*A, D) expert outputs of the sorted pairs → (T, D) routing-weighted sum per token. The outputs
+        are put back in routing order (one index_put) and summed over A: no index_add_, whose CPU kernel
+        (scatter_add_) was the slowest op of a loaded two-thread decode step (docs/benchmarks.md). Products
+        and, for A = 2, sums round exactly as the index_add_ into zeros did."""
+        t, a = self.weights.shape
+        unsorted = torch.empty_like(y)
+        unsorted[self.order] = y
+        return (unsorted.view(t, a, y.shape[1]) * self.weights.unsqueeze(2)).sum(1)
 
 
 def _sorted_pairs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> _Pairs:
     order = topk_ids.flatten().argsort(stable=True)
-    token = order // topk_ids.shape[1]
-    weight = topk_weights.flatten()[order].unsqueeze(1).to(x.dtype)
-    return _Pairs(x[token], token, weight, torch.zeros_like(x))
+    return _Pairs(x[order // topk_ids.shape[1]], order, topk_weights.to(x.dtype))
 
 
 class MoE(nn.Module, PackedWeights):
