@@ -72,6 +72,14 @@ class EngineConfig:
     cuda_graphs: bool = True
     """Replay decode-only steps from CUDA graphs captured at start, one per batch-size bucket (1, 2, 4, 8, 16,
     24, ... up to max_num_seqs); effective only on CUDA with kernels=triton, else every step runs eagerly."""
+    tp: int = 1
+    """Tensor-parallel degree: the worker is a group of this many ranks (processes) splitting attention heads
+    and dense MLPs (shared/parallel). 1 = one process."""
+    ep: int = 1
+    """Expert-parallel degree: routed experts partitioned over this many ranks; with tp > 1 it is 1 or tp."""
+    group_timeout_s: float = 30.0
+    """A worker group's collectives (and its ranks' start) fail after this long instead of waiting forever on
+    a dead or hung rank; a follower idle between steps waits for its leader without limit."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -89,3 +97,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.tp < 1 or self.ep < 1:
+            raise ValueError(f"tp and ep must be at least 1, got tp={self.tp} ep={self.ep}")
+        if min(self.tp, self.ep) != 1 and self.tp != self.ep:
+            raise ValueError(f"tp={self.tp} with ep={self.ep}: each degree is 1 or the group size")
+        if self.group_timeout_s <= 0:
+            raise ValueError(f"group_timeout_s must be positive, got {self.group_timeout_s}")

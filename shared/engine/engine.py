@@ -6,6 +6,7 @@ Single-threaded by design: callers (the services) drive `step()` from one loop a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,8 +31,10 @@ from shared.engine.structured import StructuredDecoding
 from shared.model.device import resolve_device
 from shared.model.kernels.choice import resolve_kernels
 from shared.model.linear import can_prepack, prepack
-from shared.model.loader import load_model
 from shared.model.transformer import CausalLM
+from shared.parallel.group import RankGroup
+from shared.parallel.layout import ParallelLayout
+from shared.parallel.rank_model import load_rank_model
 from shared.structured.grammar import Grammars
 
 log = logging.getLogger(__name__)
@@ -62,12 +65,24 @@ class EngineStats:
 
 class Engine:
     def __init__(
-        self, config: EngineConfig, model: CausalLM | None = None, graph_backend: GraphBackend | None = None
+        self,
+        config: EngineConfig,
+        model: CausalLM | None = None,
+        graph_backend: GraphBackend | None = None,
+        group: RankGroup | None = None,
     ) -> None:
         """graph_backend: how decode steps are captured, instead of what the settings choose (CUDA graphs on
         CUDA with the Triton kernels): tests and the gpu-check's CPU rehearsal pass decode_graphs.EagerReplay.
-        It needs kernels=triton, and cuda_graphs off still turns it off."""
+        It needs kernels=triton, and cuda_graphs off still turns it off. group: this rank's worker group when
+        config.tp or config.ep > 1 (every rank builds its engine; shared/parallel/group_engine.py starts them)."""
         self.config = config
+        self.parallel = ParallelLayout(config.tp, config.ep)
+        self.group = group or RankGroup.single()
+        if self.group.world != self.parallel.world:
+            raise ValueError(
+                f"{self.parallel} needs a group of {self.parallel.world} ranks, got {self.group.world}: "
+                "a parallel engine is started by shared.parallel.group_engine.start_group"
+            )
         self.device = resolve_device(config.device)  # refuses an unknown device or CUDA without one, first
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -75,7 +90,7 @@ class Engine:
         # each other: this engine's non-torch memory is counted from that look (shared/engine/device_setup.py).
         with exclusive_setup(self.device):
             non_torch_at_start = outside_torch(torch.cuda, self.device) if self.device.type == "cuda" else 0
-            self.model = model or load_model(config.model, dtype=config.dtype, device=self.device)
+            self.model = model or load_rank_model(config, self.group, self.parallel, self.device)
             backend, why_not = self._plan_kv(non_torch_at_start, graph_backend)
         self.blocks = BlockManager(self.kv_plan.num_blocks, config.block_size)
         self.scheduler = Scheduler(
@@ -116,10 +131,15 @@ class Engine:
         self.kv_plan = plan_kv_pool(
             config, self.layout, self.max_model_len, self.model, non_torch_at_start=non_torch_at_start
         )
+        if self.group.world > 1:  # a group's ranks share one block manager (the leader's): the smallest pool
+            fewest = self.group.agree_min(self.kv_plan.num_blocks)
+            self.kv_plan = dataclasses.replace(self.kv_plan, num_blocks=fewest)
         log.info("%s", self.kv_plan.summary())
         backend, why_not = choose_backend(config.cuda_graphs, self.device, self.kernels)
         if graph_backend is not None and config.cuda_graphs:
             backend = graph_backend
+        if self.group.world > 1 and backend is not None:  # followers run each step from the op stream, eagerly
+            backend, why_not = None, f"off in a worker group of {self.group.world} ranks (captured on rank 0 only)"
         # With graphs the pool gets one block more than the plan, the scratch block padded rows write to: the
         # block manager hands out ids 0..plan-1 only, so the scratch block (id = plan) is nobody's.
         self.pool = KVPool(self.layout, self.kv_plan.num_blocks + (backend is not None), self.device)
@@ -420,7 +440,7 @@ class Engine:
         except ValueError:
             self.blocks.free(blocks)
             raise
-        self.pool.write(blocks, kv.reblock(self.layout.block_size))
+        self.pool.write_export(blocks, kv)  # in a worker group: on every rank (shared/parallel/mirror.py)
         req = Request(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids))
         req.block_table = blocks
         req.num_computed_tokens = kv.num_tokens

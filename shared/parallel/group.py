@@ -119,6 +119,16 @@ class RankGroup:
         self._group.alltoall_base(out, inp.contiguous(), out_splits, in_splits, dist.AllToAllOptions()).wait()
         return out
 
+    def agree_min(self, value: int) -> int:
+        """The smallest of every rank's `value` (e.g. the KV blocks each rank's memory allows), on every rank."""
+        if self._group is None:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self._group.allreduce([t], opts).wait()
+        return int(t.item())
+
     def barrier(self) -> None:
         if self._group is not None:
             self.all_reduce_(torch.zeros(1))
