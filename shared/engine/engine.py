@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from shared.parallel.group import RankGroup
 from shared.parallel.layout import ParallelLayout
 from shared.parallel.rank_model import load_rank_model
 from shared.structured.grammar import Grammars
+
+if TYPE_CHECKING:
+    from shared.parallel.group_engine import WorkerGroup
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +112,7 @@ class Engine:
         self.stats = EngineStats()
         self.last_logits: dict[str, torch.Tensor] = {}  # from the latest step, for tests and logprobs
         self.pending_forks = PendingForks()  # children forked at their parent's first token
+        self.worker_group: WorkerGroup | None = None  # on a group's leader: its ranks (parallel/group_engine.py)
 
     def _plan_kv(self, non_torch_at_start: int, graph_backend: GraphBackend | None) -> tuple[GraphBackend | None, str]:
         """Prepack the weights, choose the kernels, plan the KV pool and allocate it (sets kernels, layout,
@@ -132,7 +137,7 @@ class Engine:
             config, self.layout, self.max_model_len, self.model, non_torch_at_start=non_torch_at_start
         )
         if self.group.world > 1:  # a group's ranks share one block manager (the leader's): the smallest pool
-            fewest = self.group.agree_min(self.kv_plan.num_blocks)
+            fewest = self.group.agree_min("kv_blocks", self.kv_plan.num_blocks)
             self.kv_plan = dataclasses.replace(self.kv_plan, num_blocks=fewest)
         log.info("%s", self.kv_plan.summary())
         backend, why_not = choose_backend(config.cuda_graphs, self.device, self.kernels)

@@ -16,9 +16,7 @@ from shared.parallel.group import RankGroup
 from shared.parallel.layout import ParallelLayout
 
 
-def load_rank_model(
-    config: EngineConfig, group: RankGroup, layout: ParallelLayout, device: torch.device
-) -> CausalLM:
+def load_rank_model(config: EngineConfig, group: RankGroup, layout: ParallelLayout, device: torch.device) -> CausalLM:
     """This rank's model on `device` (the resolved config.device); replicated for now: `group` and `layout` say
     which shard it will be."""
     del group, layout  # the sharded load: load_model(..., group=group, layout=layout)
