@@ -20,7 +20,6 @@ from shared.engine.structured import StructuredDecoding
 from shared.model.device import to_device
 from shared.model.transformer import CausalLM
 
-
 # (inputs, on_scored) → the sampling rows' logits: forward_step on this process's model, or in a worker group
 # the leader's op stream (shared/parallel/ops.py), which sends the inputs to the followers first
 StepFn = Callable[[StepInputs, ScoredFn], "torch.Tensor | None"]

@@ -30,10 +30,10 @@ import torch
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVPool
 from shared.engine.step_inputs import ScoredFn, StepInputs, forward_step
+from shared.model.transformer import CausalLM
 from shared.parallel.agents import StagedExport, StagedKv
 from shared.parallel.channel import recv_frame, send_frame
 from shared.parallel.group import RankGroup
-from shared.model.transformer import CausalLM
 
 log = logging.getLogger(__name__)
 

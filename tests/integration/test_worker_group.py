@@ -6,8 +6,11 @@ follower never joins times out instead of hanging; a follower that dies is repor
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -152,3 +155,19 @@ def test_rank_placements_split_cores_and_threads(tmp_path) -> None:
     assert [p.cores for p in rank_placements(cfg, 2, available=[5])] == [None, None]
     gpu = rank_placements(EngineConfig(model=str(tmp_path), device="cuda:2", tp=2), 2)
     assert [p.device for p in gpu] == ["cuda:2", "cuda:3"]
+
+
+def test_generate_cli_with_tp_2_prints_the_single_process_text(model_dir) -> None:
+    """`pdserve generate --tp 2` (its own process: the leader spawns its follower) gives the text without."""
+    env = os.environ | {"PYTHONPATH": os.getcwd()}
+    base = [sys.executable, "-m", "services.cli", "generate", "--model", str(model_dir), "--max-tokens", "10"]
+    base += ["--ignore-eos", "--json", "--threads", "1", "the worker group"]
+    runs = [
+        subprocess.run(base + extra, capture_output=True, text=True, env=env, timeout=300)
+        for extra in ([], ["--tp", "2"])
+    ]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    single, group = (json.loads(r.stdout) for r in runs)
+    assert group["token_ids"] == single["token_ids"] and group["text"] == single["text"]
+    assert "rank 1: the step loop ends (stop)" in runs[1].stderr  # the follower ran the steps, and stopped
