@@ -247,6 +247,14 @@ def _add_service_commands(sub) -> None:
             help=f"devices of the {role} workers, comma-separated (cpu, cuda, cuda:N, or a GPU index N): worker i "
             f"gets the (i mod count)-th, so fewer devices than workers share them (e.g. --{role}-devices 0)",
         )
+    for role in ("prefill", "decode", "mixed"):
+        for degree, what in (("tp", "tensor"), ("ep", "expert")):
+            up.add_argument(
+                f"--{role}-{degree}",
+                type=int,
+                default=1,
+                help=f"{what}-parallel ranks of each {role} worker (a worker group of that many processes)",
+            )
     up.add_argument("--trace-file", help="every service appends its spans here (read with `pdserve trace`)")
     up.add_argument("--drain-timeout-s", type=float, help="on SIGTERM / Ctrl-C: how long services drain (default 60)")
     up.add_argument("--log-dir", help="each service's output in <dir>/<service>.log (default: this terminal)")
@@ -349,6 +357,11 @@ def _up(args: argparse.Namespace) -> int:
             role: tuple(d for d in devices.split(",") if d.strip())
             for role in ("prefill", "decode", "mixed")
             if (devices := getattr(args, f"{role}_devices"))
+        },
+        parallel={
+            role: (tp, ep)
+            for role in ("prefill", "decode", "mixed")
+            if max(tp := getattr(args, f"{role}_tp"), ep := getattr(args, f"{role}_ep")) > 1
         },
         trace_file=args.trace_file,
         env=drain_env,
