@@ -77,7 +77,7 @@ class StackSpec:
         ):
             if unknown := set(per_role) - {"prefill", "decode", "mixed"}:
                 raise ValueError(f"{name}: unknown roles {sorted(unknown)} (prefill, decode, mixed)")
-        for role, (tp, ep) in self.parallel.items():
+        for tp, ep in self.parallel.values():
             ParallelLayout(tp, ep)  # a LayoutError (ValueError) names what to change
         for role, devices in self.devices.items():
             if not devices:

@@ -50,7 +50,7 @@ class FollowerWatch:
         if not self._armed.is_set():
             return
         for sentinel in ready:
-            if sentinel in self._procs:
+            if isinstance(sentinel, int) and sentinel in self._procs:
                 rank, proc = self._procs[sentinel]
                 proc.join(1)  # the sentinel fired: its status is a moment away
                 log.critical(
