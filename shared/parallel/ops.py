@@ -8,6 +8,7 @@ stays what the leader's is (byte-identical while the models are replicated):
 - `write`: imported KV written into blocks, the data broadcast from the leader (a KV export the leader pulled);
 - `import_staged`: imported KV written into blocks from what each rank staged itself (agents.StagedKv: each
   rank pulled its own heads, nothing funnelled through the leader);
+- `sync`: a barrier: the leader knows every follower has run every earlier op;
 - `stop`: the follower's loop ends.
 
 An op's header (a small tuple) goes over the follower's "ops" channel (channel.py); its data (the step's
@@ -125,6 +126,12 @@ class LeaderOps:
         self._announce(("import_staged", key, blocks))
         self.state.import_staged(key, blocks)
 
+    def sync(self) -> None:
+        """Returns once every follower has run every op sent before (followers run ops asynchronously to the
+        leader): before reading a follower's pool through its agent, e.g. blocks the last step wrote."""
+        self._announce(("sync",))
+        self.group.barrier()
+
     def stop(self) -> None:
         """Ends every follower's loop; a follower already gone is not an error here."""
         for sock in self._channels:
@@ -182,6 +189,8 @@ def follow(
             state.write(header[1], data)
         elif kind == "import_staged":
             state.import_staged(header[1], header[2])
+        elif kind == "sync":
+            group.barrier()
         else:
             raise ValueError(f"unknown op {kind!r} from the leader")
         if on_op is not None:
