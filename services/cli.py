@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     gen.add_argument("--device", default="cpu", help="torch device of the model and the KV cache: cpu, cuda, cuda:N")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (a worker group of processes)")
+    gen.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (1 or the group size)")
     gen.add_argument(
         "--n", type=int, default=1, help="choices: the prompt computed once, choice i seeded seed + i (default 1)"
     )
@@ -71,10 +73,23 @@ def _demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _generate_engine(args: argparse.Namespace):
+    """The engine of `generate`: one process, or with --tp/--ep > 1 a worker group led by this process."""
+    from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
+
+    config = EngineConfig(
+        model=str(args.model), dtype=args.dtype, threads=args.threads, device=args.device, tp=args.tp, ep=args.ep
+    )
+    if max(args.tp, args.ep) == 1:
+        return Engine(config)
+    from shared.parallel.group_engine import start_group
+
+    return start_group(config).engine
+
+
+def _generate(args: argparse.Namespace) -> int:
     from shared.engine.sampling import SamplingParams
-    from shared.model.detokenizer import IncrementalDetokenizer
     from shared.model.tokenizer import Tokenizer
 
     if args.max_tokens < 1:  # the engine takes 0 (score a prompt only); this command prints what it generates
@@ -97,7 +112,17 @@ def _generate(args: argparse.Namespace) -> int:
         if args.chat
         else tokenizer.encode(args.prompt)
     )
-    engine = Engine.from_dir(args.model, dtype=args.dtype, threads=args.threads, device=args.device)
+    engine = _generate_engine(args)
+    try:
+        return _generate_with(args, engine, tokenizer, prompt_ids, params)
+    finally:
+        if engine.worker_group is not None:  # a planned stop: the followers leave their loops
+            engine.worker_group.close()
+
+
+def _generate_with(args: argparse.Namespace, engine, tokenizer, prompt_ids: list[int], params) -> int:
+    from shared.model.detokenizer import IncrementalDetokenizer
+
     if args.n != 1:
         return _generate_choices(args, engine, tokenizer, prompt_ids, params)
     detok = IncrementalDetokenizer(tokenizer)
@@ -224,6 +249,14 @@ def _add_service_commands(sub) -> None:
             help=f"devices of the {role} workers, comma-separated (cpu, cuda, cuda:N, or a GPU index N): worker i "
             f"gets the (i mod count)-th, so fewer devices than workers share them (e.g. --{role}-devices 0)",
         )
+    for role in ("prefill", "decode", "mixed"):
+        for degree, what in (("tp", "tensor"), ("ep", "expert")):
+            up.add_argument(
+                f"--{role}-{degree}",
+                type=int,
+                default=1,
+                help=f"{what}-parallel ranks of each {role} worker (a worker group of that many processes)",
+            )
     up.add_argument("--trace-file", help="every service appends its spans here (read with `pdserve trace`)")
     up.add_argument("--drain-timeout-s", type=float, help="on SIGTERM / Ctrl-C: how long services drain (default 60)")
     up.add_argument("--log-dir", help="each service's output in <dir>/<service>.log (default: this terminal)")
@@ -272,7 +305,12 @@ def _worker(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.stop)
-        await worker.run()
+        try:
+            await worker.run()
+        finally:
+            group = worker.engine.engine.worker_group
+            if group is not None:  # a planned stop: the followers leave their loops (no rank-death exit)
+                group.close()
         return worker.failure is None
 
     return 0 if asyncio.run(serve()) else 1  # 1: the engine failed (logged)
@@ -321,6 +359,11 @@ def _up(args: argparse.Namespace) -> int:
             role: tuple(d for d in devices.split(",") if d.strip())
             for role in ("prefill", "decode", "mixed")
             if (devices := getattr(args, f"{role}_devices"))
+        },
+        parallel={
+            role: (tp, ep)
+            for role in ("prefill", "decode", "mixed")
+            if max(tp := getattr(args, f"{role}_tp"), ep := getattr(args, f"{role}_ep")) > 1
         },
         trace_file=args.trace_file,
         env=drain_env,

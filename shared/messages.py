@@ -397,6 +397,8 @@ class Heartbeat(msgspec.Struct, frozen=True):
     integrity_error: str | None = None  # Engine.check_integrity() failure; None = block accounting is sound
     block_size: int = 0  # tokens per KV block: total_blocks * block_size = the KV capacity in tokens
     draining: bool = False  # shutting down: finishes what it has, takes nothing new
+    parallel: str = ""  # a worker group's layout ("tp=2 ep=1"); empty for a single-process worker
+    rank_pids: tuple[int, ...] = ()  # a worker group's process ids, rank by rank (the leader's first)
 
 
 _encoder = msgspec.json.Encoder()

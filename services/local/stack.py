@@ -26,6 +26,7 @@ from pathlib import Path
 from services.local.children import popen_options
 from services.local.infra import ServerProcess, free_port, start_nats, start_redis
 from shared.engine.config import EngineConfig
+from shared.parallel.layout import ParallelLayout
 from shared.urls import split_credentials
 
 
@@ -53,6 +54,11 @@ class StackSpec:
     # Devices per role ("cpu", "cuda", "cuda:N"; a bare N means cuda:N): worker i of the role runs on
     # devices[i % len(devices)], so fewer devices than workers share them. See worker_devices.
     devices: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Worker groups per role: role → (tp, ep); each worker of the role is a group of max(tp, ep) ranks (its
+    # process spawns the others: shared/parallel/group_engine.py). On CUDA a group's ranks take consecutive
+    # GPUs from the worker's device (worker i of the role starts at devices[i * ranks % len(devices)]); on CPU
+    # they split the worker's threads and its pinned cores between them.
+    parallel: dict[str, tuple[int, int]] = field(default_factory=dict)
     gateway_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     trace_file: str | None = None  # every service appends its spans to this JSON-lines file
@@ -67,9 +73,12 @@ class StackSpec:
             ("cpu_affinity", self.cpu_affinity),
             ("role_args", self.role_args),
             ("devices", self.devices),
+            ("parallel", self.parallel),
         ):
             if unknown := set(per_role) - {"prefill", "decode", "mixed"}:
                 raise ValueError(f"{name}: unknown roles {sorted(unknown)} (prefill, decode, mixed)")
+        for tp, ep in self.parallel.values():
+            ParallelLayout(tp, ep)  # a LayoutError (ValueError) names what to change
         for role, devices in self.devices.items():
             if not devices:
                 raise ValueError(f"devices[{role!r}]: name at least one device")
@@ -89,6 +98,10 @@ class StackSpec:
         """The role of every worker, in start order."""
         return ["mixed"] * self.mixed if self.mixed else ["prefill"] * self.prefill + ["decode"] * self.decode
 
+    def ranks(self, role: str) -> int:
+        """Processes per worker of `role`: its group's size (1 without tp/ep)."""
+        return max(self.parallel.get(role, (1, 1)))
+
     def worker_devices(self) -> list[str | None]:
         """The device of every worker (in roles() order); None where its role has no devices (the worker's own
         setting applies)."""
@@ -97,7 +110,7 @@ class StackSpec:
         for role in self.roles():
             i = seen[role] = seen.get(role, -1) + 1
             devices = self.devices.get(role)
-            out.append(devices[i % len(devices)] if devices else None)
+            out.append(devices[i * self.ranks(role) % len(devices)] if devices else None)
         return out
 
     def shared_gpus(self) -> dict[str, int]:
@@ -209,6 +222,9 @@ class Stack:
         flags += list(self.spec.worker_args) + list(self.spec.role_args.get(role, ()))
         if threads := self.spec.threads.get(role, self.spec.threads_per_worker):
             flags += ["--threads", str(threads)]
+        if role in self.spec.parallel:  # a group: its ranks split these threads (and pinned cores) between them
+            tp, ep = self.spec.parallel[role]
+            flags += ["--tp", str(tp), "--ep", str(ep)]
         return flags
 
     def _placement_flags(self, role: str, device: str) -> list[str]:

@@ -90,6 +90,9 @@ class EngineConfig:
     expert_placement: str | None = None
     """JSON file from `pdserve experts plan`: which experts (and redundant replicas) each EP rank holds per
     layer; None = a contiguous 1/ep of the experts per rank. Refused when it does not match the model or ep."""
+    group_timeout_s: float = 30.0
+    """A worker group's collectives (and its ranks' start) fail after this long instead of waiting forever on
+    a dead or hung rank; a follower idle between steps waits for its leader without limit."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -112,6 +115,8 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         ParallelLayout(self.tp, self.ep)  # refuses degrees a group cannot have (LayoutError, a ValueError)
+        if self.group_timeout_s <= 0:
+            raise ValueError(f"group_timeout_s must be positive, got {self.group_timeout_s}")
 
     @property
     def parallel(self) -> ParallelLayout:

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,10 +39,12 @@ from shared.model.device import resolve_device
 from shared.model.kernels.choice import resolve_kernels
 from shared.model.linear import can_prepack, prepack
 from shared.model.transformer import CausalLM
-from shared.parallel.agree import agree_min
 from shared.parallel.group import RankGroup
 from shared.parallel.layout import kv_head_range
 from shared.structured.grammar import Grammars
+
+if TYPE_CHECKING:
+    from shared.parallel.group_engine import WorkerGroup
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +83,14 @@ class Engine:
         """graph_backend: how decode steps are captured, instead of what the settings choose (CUDA graphs on
         CUDA with the Triton kernels): tests and the gpu-check's CPU rehearsal pass decode_graphs.EagerReplay.
         It needs kernels=triton, and cuda_graphs off still turns it off. group: this rank's worker group when
-        config.tp or config.ep is above 1 (None: a single rank)."""
+        config.tp or config.ep > 1 (every rank builds its engine; shared/parallel/group_engine.py starts them)."""
         self.config = config
-        self.group = group or RankGroup.single()
         self.parallel = config.parallel
+        self.group = group or RankGroup.single()
         if self.group.world != self.parallel.world:
             raise ValueError(
-                f"tp={config.tp} ep={config.ep} needs a group of {self.parallel.world} ranks, got {self.group.world}"
+                f"{self.parallel} needs a group of {self.parallel.world} ranks, got {self.group.world}: "
+                "a parallel engine is started by shared.parallel.group_engine.start_group"
             )
         self.device = resolve_device(config.device)  # refuses an unknown device or CUDA without one, first
         if config.threads:
@@ -113,6 +117,7 @@ class Engine:
         self.stats = EngineStats()
         self.last_logits: dict[str, torch.Tensor] = {}  # from the latest step, for tests and logprobs
         self.pending_forks = PendingForks()  # children forked at their parent's first token
+        self.worker_group: WorkerGroup | None = None  # on a group's leader: its ranks (parallel/group_engine.py)
 
     def _plan_kv(self, non_torch_at_start: int, graph_backend: GraphBackend | None) -> tuple[GraphBackend | None, str]:
         """Prepack the weights, choose the kernels, plan the KV pool and allocate it (sets kernels, layout,
@@ -146,10 +151,11 @@ class Engine:
         self.kv_plan = plan_kv_pool(
             config, self.layout, self.max_model_len, self.model, non_torch_at_start=non_torch_at_start
         )
-        agreed = agree_min(self.group, self.kv_plan.num_blocks)  # the group runs on its smallest rank's pool
-        if agreed != self.kv_plan.num_blocks:
-            budget = f"{self.kv_plan.budget}, the group's smallest rank: {agreed} blocks"
-            self.kv_plan = replace(self.kv_plan, num_blocks=agreed, budget=budget)
+        if self.group.world > 1:  # a group's ranks share one block manager (the leader's): the smallest pool
+            agreed = self.group.agree_min("kv_blocks", self.kv_plan.num_blocks)
+            if agreed != self.kv_plan.num_blocks:
+                budget = f"{self.kv_plan.budget}, the group's smallest rank: {agreed} blocks"
+                self.kv_plan = replace(self.kv_plan, num_blocks=agreed, budget=budget)
         log.info("%s", self.kv_plan.summary())
         backend, why_not = choose_backend(config.cuda_graphs, self.device, self.kernels)
         if backend is not None and self.group.world > 1:
@@ -464,7 +470,7 @@ class Engine:
         except ValueError:
             self.blocks.free(blocks)
             raise
-        self.pool.write(blocks, kv.reblock(self.layout.block_size))
+        self.pool.write_export(blocks, kv)  # in a worker group: on every rank (shared/parallel/mirror.py)
         req = Request(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids))
         req.block_table = blocks
         req.num_computed_tokens = kv.num_tokens

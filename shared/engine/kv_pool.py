@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from shared.engine.kv_export import KVExport
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,10 @@ class KVPool:
         """Fill the given blocks from `data` of shape (L, 2, n, B, KVH, hd)."""
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.tensor.device)
         self.tensor.index_copy_(2, index, data.to(device=self.tensor.device, dtype=self.tensor.dtype))
+
+    def write_export(self, block_ids: list[int], kv: KVExport) -> None:
+        """Fill the given blocks with an imported request's KV (re-cut to this pool's block size)."""
+        self.write(block_ids, kv.reblock(self.layout.block_size))
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block (all layers, K and V) onto another, on the device (a forked sequence's own copy of a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -10,14 +11,18 @@ import torch
 from shared.engine.decode_graphs import DecodeGraphs
 from shared.engine.kv_pool import KVPool
 from shared.engine.logprobs import TokenLogprobs
-from shared.engine.prompt_scoring import score_prompts
+from shared.engine.prompt_scoring import plan_scoring, score
 from shared.engine.request import Request
 from shared.engine.sampling import Sampler
 from shared.engine.scheduler import SchedulePlan
+from shared.engine.step_inputs import ScoredFn, StepInputs, forward_step
 from shared.engine.structured import StructuredDecoding
 from shared.model.device import to_device
-from shared.model.paged_attention import AttentionMetadata
 from shared.model.transformer import CausalLM
+
+# (inputs, on_scored) → the sampling rows' logits: forward_step on this process's model, or in a worker group
+# the leader's op stream (shared/parallel/ops.py), which sends the inputs to the followers first
+StepFn = Callable[[StepInputs, ScoredFn], "torch.Tensor | None"]
 
 
 @dataclass
@@ -44,6 +49,10 @@ class ModelRunner:
         self.device = pool.tensor.device
         self.graphs = graphs  # captured decode steps (decode_graphs.py); None = every step runs eagerly
         self.graph_steps = 0  # steps that replayed a graph
+        self.run_step: StepFn = self._local_step  # replaced in a worker group's leader
+
+    def _local_step(self, inputs: StepInputs, on_scored: ScoredFn) -> torch.Tensor | None:
+        return forward_step(self.model, self._caches, inputs, self.pool.layout.block_size, self.device, on_scored)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan) -> RunnerOutput:
@@ -87,22 +96,17 @@ class ModelRunner:
         self, plan: SchedulePlan, input_ids: list[int], positions: list[int], ends: list[int], sampling: list[int]
     ) -> torch.Tensor | None:
         """The model run op by op: any plan. → (S, V) float32 logits of the sampling rows, None if none."""
-        meta = AttentionMetadata.build(
+        slices = plan_scoring(plan.seqs, ends)  # prompt logprobs, for the requests that asked
+        inputs = StepInputs(
+            input_ids=input_ids,
+            positions=positions,
             block_tables=[s.request.block_table for s in plan.seqs],
             context_lens=[s.request.num_computed_tokens + s.num_tokens for s in plan.seqs],
             query_lens=[s.num_tokens for s in plan.seqs],
-            block_size=self.pool.layout.block_size,
-            device=self.device,
-            kernels=self.model.kernels,
+            sample_rows=[ends[i] - 1 for i in sampling],
+            score_rows=[(c.first_row, len(c.targets)) for c in slices],
         )
-        t = len(input_ids)
-        staged = torch.tensor(input_ids + positions + [ends[i] - 1 for i in sampling], dtype=torch.int64)
-        ids, pos, rows = to_device(staged, self.device).split([t, t, len(sampling)])
-        hidden = self.model(ids, pos, self._caches, meta)
-        score_prompts(self.model, hidden, plan.seqs, ends)  # prompt logprobs, for the requests that asked
-        if not sampling:
-            return None
-        return self.model.logits(hidden[rows])  # (S, V) float32, on the device
+        return self.run_step(inputs, lambda i, logits: score(slices[i], logits))
 
     def _replay(self, plan: SchedulePlan, input_ids: list[int], sampling: list[int]) -> torch.Tensor | None:
         """A decode-only plan through the captured graph of its bucket (one token per sequence)."""

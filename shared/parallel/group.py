@@ -34,6 +34,9 @@ class Rendezvous:
     backend: str = "gloo"  # "gloo" or "nccl"
     timeout_s: float = 30.0  # every collective's limit, and the joins'
     prefix: str = "group"  # key prefix in the store (a store may host several groups)
+    start_timeout_s: float | None = (
+        None  # joining, and agreeing at start (ranks load at their own pace); None = timeout_s
+    )
 
 
 class RankGroup:
@@ -54,7 +57,8 @@ class RankGroup:
     def join(cls, rdv: Rendezvous, rank: int, local_host: str | None = None) -> RankGroup:
         """Join as `rank`; blocks until all `rdv.world` ranks have joined (or raises after the timeout)."""
         timeout = timedelta(seconds=rdv.timeout_s)
-        store = dist.TCPStore(rdv.host, rdv.port, rdv.world, is_master=rank == LEADER, timeout=timeout)
+        start = timedelta(seconds=rdv.start_timeout_s or rdv.timeout_s)
+        store = dist.TCPStore(rdv.host, rdv.port, rdv.world, is_master=rank == LEADER, timeout=start)
         prefixed = dist.PrefixStore(rdv.prefix, store)
         if rdv.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
@@ -66,7 +70,7 @@ class RankGroup:
             gloo = dist.ProcessGroupGloo
             options._devices = [gloo.create_device(hostname=local_host) if local_host else gloo.create_default_device()]
             group = gloo(prefixed, rank, rdv.world, options)
-        return cls(rank, rdv.world, group, store)
+        return cls(rank, rdv.world, group, prefixed)
 
     @property
     def is_leader(self) -> bool:
@@ -115,6 +119,17 @@ class RankGroup:
             return out.copy_(inp)
         self._group.alltoall_base(out, inp.contiguous(), out_splits, in_splits, dist.AllToAllOptions()).wait()
         return out
+
+    def agree_min(self, name: str, value: int) -> int:
+        """The smallest of every rank's `value` (e.g. the KV blocks each rank's memory allows), on every rank.
+        Through the store, under the start timeout (not a collective's): ranks reach it at their own pace
+        while they load. `name` is unique per agreement."""
+        if self._group is None or self._store is None:
+            return value
+        self._store.set(f"agree/{name}/{self.rank}", str(value))
+        keys = [f"agree/{name}/{r}" for r in range(self.world)]
+        self._store.wait(keys)
+        return min(int(self._store.get(k)) for k in keys)
 
     def barrier(self) -> None:
         if self._group is not None:

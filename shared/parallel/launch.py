@@ -47,9 +47,11 @@ def spawn_followers(rdv: Rendezvous, target: Callable[..., Any], args: tuple = (
     return procs
 
 
-def local_rendezvous(world: int, backend: str = "gloo", timeout_s: float = 30.0) -> Rendezvous:
+def local_rendezvous(
+    world: int, backend: str = "gloo", timeout_s: float = 30.0, start_timeout_s: float | None = None
+) -> Rendezvous:
     """A rendezvous on a free loopback port (one machine: tests, `pdserve generate`, local workers)."""
-    return Rendezvous("127.0.0.1", free_port(), world, backend, timeout_s)
+    return Rendezvous("127.0.0.1", free_port(), world, backend, timeout_s, start_timeout_s=start_timeout_s)
 
 
 def run_on_ranks(world: int, target: Callable[..., Any], args: tuple = (), timeout_s: float = 120.0) -> list[Any]:

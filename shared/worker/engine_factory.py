@@ -29,4 +29,11 @@ def sampling_params(s: Sampling, max_tokens: int | None = None) -> SamplingParam
 
 
 def build_engine(settings: WorkerSettings) -> Engine:
-    return Engine(settings.engine)
+    """The worker's engine; with --tp/--ep > 1 the leader's engine of a worker group whose other ranks this
+    process spawns (they die with it; one that dies takes this process down: shared/parallel/watch.py)."""
+    config = settings.engine
+    if max(config.tp, config.ep) == 1:
+        return Engine(config)
+    from shared.parallel.group_engine import start_group
+
+    return start_group(config).engine

@@ -27,6 +27,8 @@ def build_heartbeat(
     held_kv: int,
     integrity_error: str | None,
     draining: bool,
+    parallel: str = "",
+    rank_pids: tuple[int, ...] = (),
 ) -> Heartbeat:
     return Heartbeat(
         worker_id=worker_id,
@@ -43,6 +45,8 @@ def build_heartbeat(
         integrity_error=integrity_error,
         block_size=load.block_size,
         draining=draining,
+        parallel=parallel,
+        rank_pids=rank_pids,
     )
 
 

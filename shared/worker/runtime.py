@@ -75,6 +75,8 @@ class Worker(Generic[Job]):
         self.labels = (self.model_name, self.role)  # every metric's model_name, role
         self.metrics_port: int | None = None  # bound once run() starts the metrics server
         engine = engine or build_engine(settings)
+        group = engine.worker_group  # a worker group's leader: its layout and ranks go in every heartbeat
+        self._group_facts = {} if group is None else {"parallel": str(group.layout), "rank_pids": tuple(group.pids)}
         self.load = EngineLoad.of(engine)  # replaced by the engine thread after every command and step
         self.engine = AsyncEngine(engine, self._outputs_ready, self._engine_failed, on_state=self._observe)
         self.failure: BaseException | None = None  # why the engine thread died; the worker then exits non-zero
@@ -375,6 +377,7 @@ class Worker(Generic[Job]):
             held_kv=self.held_kv_count(),
             integrity_error=self._integrity,
             draining=self.draining,
+            **self._group_facts,
         )
 
     async def _heartbeats(self) -> None:

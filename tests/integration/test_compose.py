@@ -296,6 +296,20 @@ def test_each_worker_role_takes_its_own_kv_budget():
             assert engine.gpu_memory_utilization == utilization, name
 
 
+def test_each_worker_role_takes_its_own_parallel_layout():
+    """PREFILL_TP / DECODE_TP / *_EP in the shell make that role's workers groups (PDSERVE_TP, PDSERVE_EP);
+    unset, every worker is one process."""
+    shell = {"PREFILL_TP": "2", "DECODE_TP": "4", "DECODE_EP": "4"}
+    given = {"prefill": (2, 1), "decode": (4, 4)}
+    for name in WORKERS:
+        engine = from_env(WorkerSettings, environment(name), role=role(name)).engine
+        assert (engine.tp, engine.ep) == (1, 1), name
+        engine = from_env(WorkerSettings, environment(name, shell), role=role(name)).engine
+        assert (engine.tp, engine.ep) == given[role(name)], name
+    with pytest.raises(ValueError, match="each degree is 1 or the group size"):
+        from_env(WorkerSettings, environment("decode", {"DECODE_TP": "2", "DECODE_EP": "4"}), role="decode")
+
+
 def test_models_volume_is_mounted_everywhere_it_is_read():
     assert "models" in COMPOSE["volumes"]
     for name in PDSERVE_SERVICES - {"secrets-init"}:

@@ -94,3 +94,13 @@ def test_unknown_devices_are_refused(bad):
 def test_device_names():
     names = [device_name(d) for d in ("3", "cuda", "cuda:2", "cpu", " 1 ")]
     assert names == ["cuda:3", "cuda", "cuda:2", "cpu", "cuda:1"]
+
+
+def test_up_tp_flags_make_each_role_a_worker_group(monkeypatch) -> None:
+    stack = up(monkeypatch, "--decode-tp", "2", "--decode", "2", "--prefill-ep", "2", "--decode-devices", "0,1,2,3")
+    assert stack.spec.parallel == {"decode": (2, 1), "prefill": (1, 2)}
+    assert stack.spec.worker_devices() == [None, "cuda:0", "cuda:2"]  # each decode group starts at its own GPUs
+    settings = worker_settings(monkeypatch, stack)
+    assert [(s.engine.tp, s.engine.ep) for s in settings] == [(1, 2), (2, 1), (2, 1)]
+    with pytest.raises(ValueError, match="each 1 or the group size"):
+        StackSpec(model="m", parallel={"decode": (2, 4)})

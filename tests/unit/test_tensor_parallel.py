@@ -26,7 +26,6 @@ from shared.model.demo import write_demo_checkpoint
 from shared.model.kernels.choice import KernelChoice
 from shared.model.loader import load_model, model_weight_bytes
 from shared.model.transformer import CausalLM, DecoderLayer
-from shared.parallel.agree import agree_min
 from shared.parallel.dispatch import EPDispatch
 from shared.parallel.group import RankGroup
 from shared.parallel.launch import run_on_ranks
@@ -63,7 +62,7 @@ def _generate(engine: Engine) -> list[list[int]]:
 
 def _rank_generates(group: RankGroup, cases: list[tuple[str, bool]]) -> list[dict]:
     """Per case on this rank: the tokens, the KV pool's heads and blocks, the weight bytes."""
-    out: list[dict] = [{"agreed": agree_min(group, 100 - group.rank)}]  # ranks offering different numbers
+    out: list[dict] = [{"agreed": group.agree_min("test", 100 - group.rank)}]  # ranks offering different numbers
     for model_dir, prepack in cases:
         engine = Engine(_config(model_dir, group.world, prepack), group=group)
         out.append(

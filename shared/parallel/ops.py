@@ -1,0 +1,197 @@
+"""The op stream of a worker group: the leader tells its followers what to do to their model and KV pool.
+
+Every change to a rank's KV pool is an op, so that with the same ops in the same order every follower's pool
+stays what the leader's is (byte-identical while the models are replicated):
+
+- `step`: one model step (shared/engine/step_inputs.py): the forward pass writes the step's KV;
+- `copy`: one block copied onto another (a forked choice's own copy of a partial prompt block, fork.py);
+- `write`: imported KV written into blocks, the data broadcast from the leader (a KV export the leader pulled);
+- `import_staged`: imported KV written into blocks from what each rank staged itself (agents.StagedKv: each
+  rank pulled its own heads, nothing funnelled through the leader);
+- `sync`: a barrier: the leader knows every follower has run every earlier op;
+- `stop`: the follower's loop ends.
+
+An op's header (a small tuple) goes over the follower's "ops" channel (channel.py); its data (the step's
+packed inputs, imported KV) follows as tensors broadcast over the group, whose collectives time out. So a
+follower idle between steps waits on its socket without limit (and sees its leader's death as a closed
+socket), while a follower that dies or hangs mid-op makes the leader's broadcast raise within the timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.engine.kv_export import KVExport
+from shared.engine.kv_pool import KVPool
+from shared.engine.step_inputs import ScoredFn, StepInputs, forward_step
+from shared.model.transformer import CausalLM
+from shared.parallel.agents import StagedExport, StagedKv
+from shared.parallel.channel import recv_frame, send_frame
+from shared.parallel.group import RankGroup
+
+log = logging.getLogger(__name__)
+
+
+class RankGone(RuntimeError):
+    """A follower's channel broke: the rank died; the group cannot go on."""
+
+
+@dataclass
+class BroadcastCost:
+    """What broadcasting the step inputs has cost the leader: for the per-step overhead a group adds."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    bytes: int = 0
+
+    @property
+    def mean_us(self) -> float:
+        return 1e6 * self.seconds / self.steps if self.steps else 0.0
+
+
+@dataclass
+class RankState:
+    """What one rank's op stream acts on: its model, its pool (and its layer views), what it staged."""
+
+    model: CausalLM
+    pool: KVPool
+    staged: StagedKv
+    counts: Counter[str] = field(default_factory=Counter)  # ops executed, by kind
+
+    def __post_init__(self) -> None:
+        self.caches = self.pool.layer_caches()
+        self.device = self.pool.tensor.device
+
+    def step(self, inputs: StepInputs, on_scored: ScoredFn | None = None) -> torch.Tensor | None:
+        self.counts["step"] += 1
+        return forward_step(self.model, self.caches, inputs, self.pool.layout.block_size, self.device, on_scored)
+
+    def copy(self, src: int, dst: int) -> None:
+        self.counts["copy"] += 1
+        KVPool.copy_block(self.pool, src, dst)
+
+    def write(self, blocks: list[int], data: torch.Tensor) -> None:
+        self.counts["write"] += 1
+        KVPool.write(self.pool, blocks, data)
+
+    def import_staged(self, key: str, blocks: list[int]) -> None:
+        self.counts["import_staged"] += 1
+        KVPool.write_export(self.pool, blocks, self.staged.take(key))
+
+
+class LeaderOps:
+    """The leader's end: each op is announced to every follower, its data broadcast, then run here too."""
+
+    def __init__(self, group: RankGroup, channels: list[socket.socket], state: RankState) -> None:
+        self.group = group
+        self._channels = channels  # follower rank r at index r - 1
+        self.state = state
+        self.cost = BroadcastCost()
+
+    def _announce(self, header: tuple) -> None:
+        for rank, sock in enumerate(self._channels, start=1):
+            try:
+                send_frame(sock, header)
+            except OSError as exc:
+                raise RankGone(f"rank {rank} of the worker group is gone ({exc!r}): the group stops") from exc
+
+    def step(self, inputs: StepInputs, on_scored: ScoredFn) -> torch.Tensor | None:
+        start = time.perf_counter()
+        sizes, flat = inputs.pack()
+        self._announce(("step", sizes))
+        self.group.broadcast_(flat.to(self.state.device))
+        self.cost.steps += 1
+        self.cost.bytes += flat.numel() * 8
+        self.cost.seconds += time.perf_counter() - start
+        return self.state.step(inputs, on_scored)
+
+    def copy(self, src: int, dst: int) -> None:
+        self._announce(("copy", src, dst))
+        self.state.copy(src, dst)
+
+    def write(self, blocks: list[int], data: torch.Tensor) -> None:
+        data = data.to(device=self.state.device, dtype=self.state.pool.tensor.dtype).contiguous()
+        self._announce(("write", blocks, tuple(data.shape)))
+        self.group.broadcast_(data)
+        self.state.write(blocks, data)
+
+    def import_staged(self, key: str, blocks: list[int]) -> None:
+        self._announce(("import_staged", key, blocks))
+        self.state.import_staged(key, blocks)
+
+    def sync(self) -> None:
+        """Returns once every follower has run every op sent before (followers run ops asynchronously to the
+        leader): before reading a follower's pool through its agent, e.g. blocks the last step wrote."""
+        self._announce(("sync",))
+        self.group.barrier()
+
+    def stop(self) -> None:
+        """Ends every follower's loop; a follower already gone is not an error here."""
+        for sock in self._channels:
+            try:
+                send_frame(sock, ("stop",))
+            except OSError:
+                pass
+
+
+class MirroredKVPool(KVPool):
+    """The leader's pool in a group: the same tensor, but every change outside a model step goes through the
+    op stream, so the followers make it too."""
+
+    def __init__(self, pool: KVPool, ops: LeaderOps) -> None:  # adopts `pool`'s tensor, allocates nothing
+        self.layout, self.num_blocks, self.tensor = pool.layout, pool.num_blocks, pool.tensor
+        self.ops = ops
+
+    def write(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self.ops.write(block_ids, data)
+
+    def write_export(self, block_ids: list[int], kv: KVExport) -> None:
+        if isinstance(kv, StagedExport):
+            self.ops.import_staged(kv.key, block_ids)
+        else:
+            self.ops.write(block_ids, kv.reblock(self.layout.block_size))
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.ops.copy(src, dst)
+
+
+@torch.inference_mode()
+def follow(
+    group: RankGroup, channel: socket.socket, state: RankState, on_op: Callable[[str], None] | None = None
+) -> str:
+    """A follower's step loop: receive the leader's next op, run it, until `stop` or the leader's death.
+    → why it ended ("stop" or "leader gone"). A failed op raises (the process exits; the leader's next
+    collective with it fails)."""
+    while True:
+        header = recv_frame(channel)  # no timeout: idle is fine; a dead leader closes the socket
+        if header is None:
+            return "leader gone"
+        kind = header[0]
+        if kind == "stop":
+            return "stop"
+        if kind == "step":
+            sizes = header[1]
+            flat = torch.empty(StepInputs.packed_len(sizes), dtype=torch.int64, device=state.device)
+            group.broadcast_(flat)
+            state.step(StepInputs.unpack(sizes, flat.cpu()))
+        elif kind == "copy":
+            state.copy(header[1], header[2])
+        elif kind == "write":
+            data = torch.empty(header[2], dtype=state.pool.tensor.dtype, device=state.device)
+            group.broadcast_(data)
+            state.write(header[1], data)
+        elif kind == "import_staged":
+            state.import_staged(header[1], header[2])
+        elif kind == "sync":
+            group.barrier()
+        else:
+            raise ValueError(f"unknown op {kind!r} from the leader")
+        if on_op is not None:
+            on_op(kind)
