@@ -8,7 +8,7 @@ DEMO_MODEL ?= models/demo-tiny-qwen3_moe
 PORT ?= 8000
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install test test-unit test-integration test-e2e test-clients lint serve bench gpu-check clean redis-server
+.PHONY: install test test-unit test-integration test-e2e test-slow test-clients lint serve bench gpu-check clean redis-server
 
 $(STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || test -x /usr/bin/redis-server || $(MAKE) --no-print-directory redis-server
@@ -29,11 +29,15 @@ lint: $(STAMP)
 	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(VENV)/bin/pyright --pythonpath $(abspath $(PY))  # no "newer version" ping
 
 # Every tier (tests/unit, tests/integration, tests/e2e); each also runs alone (`make test-unit` in seconds).
+# The slow worker-group scenarios (marked `slow`) are a tier of their own: `make test-slow` (CI runs both).
 test: $(STAMP) lint
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not slow"
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow
 
 test-unit test-integration test-e2e: test-%: $(STAMP)
-	$(PY) -m pytest tests/$*
+	$(PY) -m pytest -m "not slow" tests/$*
 
 # Third-party clients against a live stack (tests/clients): litellm from the `clients` extra, AIPerf in a virtualenv
 # of its own (its pins conflict with the project's). Not part of `make test`, where these tests skip.

@@ -133,6 +133,10 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
         assert self.registry is not None and self.client is not None  # set up (setup) before any job is taken
         if job.prefill_worker is None:
             return None, None
+        if self.engine.engine.layout.kv_heads:
+            # this worker group's ranks each hold a slice of the KV heads: the rank-to-rank pull between groups
+            # (shared/kv/rank_transfer.py) is not wired into the services yet, so the prompt is recomputed here
+            return None, None
         key = job.kv_key or job.key  # a group's KV is held under its first choice's key
         try:
             loc = await self.registry.get(key)

@@ -157,7 +157,13 @@ class PrefillWorker(Worker[PrefillJob]):
         # False: Redis unreachable, so no decode worker could find the KV: it is freed and decode recomputes
         # held for the first choice that goes on: its cancel (the client went away) frees the group's KV
         head = going_on[0][0].request_id
-        holder = worker_id if await self.held.hold(key, head, job.attempt, location) else None
+        if self.held.layout.kv_heads:
+            # this worker group's ranks each hold a slice of the KV heads: the rank-to-rank hand-off between groups
+            # (shared/kv/rank_transfer.py) is not wired into the services yet: nothing to pull, decode recomputes
+            await self.engine.call(lambda e: e.release_kv(key))
+            holder = None
+        else:
+            holder = worker_id if await self.held.hold(key, head, job.attempt, location) else None
         decode_job = _decode_job(going_on, holder, key)
         subject = decode_subject(self.model_name)
         with tracing.producer_span(subject, rid):

@@ -133,8 +133,8 @@ class Agents(Protocol):
 async def pull_group_kv(agents: Agents, dst_tp: int, request_id: str, record: GroupKv) -> str | None:
     """The decode leader's step: every rank pulls its heads into its StagedKv at once. None: all staged, the
     import op may copy them into the blocks; else the first failure's reason, and every rank has dropped its
-    staged data (the leader recomputes or fails per `kv_fallback`). Glue for the groups runtime: untested
-    here, where that runtime does not exist yet."""
+    staged data (the leader recomputes or fails per `kv_fallback`). Not yet called by the decode worker
+    (the services are not wired to the re-slicing yet), so not yet tested against the group runtime's agents."""
     job = PullJob(request_id, record, dst_tp)
     results = await agents.call_all("kv.pull", {rank: job for rank in range(dst_tp)})
     failures = [reason for _, reason in sorted(results.items()) if reason is not None]

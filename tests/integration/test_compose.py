@@ -306,7 +306,7 @@ def test_each_worker_role_takes_its_own_parallel_layout():
         assert (engine.tp, engine.ep) == (1, 1), name
         engine = from_env(WorkerSettings, environment(name, shell), role=role(name)).engine
         assert (engine.tp, engine.ep) == given[role(name)], name
-    with pytest.raises(ValueError, match="each degree is 1 or the group size"):
+    with pytest.raises(ValueError, match="each 1 or the group size"):
         from_env(WorkerSettings, environment("decode", {"DECODE_TP": "2", "DECODE_EP": "4"}), role="decode")
 
 

@@ -32,6 +32,8 @@ from shared.kv.transfer import FailureReason, KvTransferClient, KvTransferError
 from shared.model.demo import _write_weights, random_weights, write_demo_checkpoint
 from shared.parallel.layout import kv_head_range
 
+pytestmark = pytest.mark.slow  # worker groups: ranks spawned per scenario (make test-slow)
+
 SECRET = b"test-cluster-secret-0123456789"
 TIMEOUT_S = 20.0
 POOL_BLOCKS = 16

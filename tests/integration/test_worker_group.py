@@ -26,6 +26,8 @@ from shared.engine.sampling import SamplingParams
 from shared.model.demo import write_demo_checkpoint
 from shared.parallel.group_engine import WorkerGroup, rank_placements, start_group
 
+pytestmark = pytest.mark.slow  # worker groups: ranks spawned per scenario (make test-slow)
+
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
