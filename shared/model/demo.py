@@ -78,18 +78,6 @@ SIZES: dict[str, dict[str, int]] = {
     ),
     # tiny with a single KV head (multi-query attention): fewer KV heads than a TP = 2 group's ranks, so each
     # rank holds a replica of it
-    "tiny_mqa": dict(
-        hidden=64,
-        layers=2,
-        heads=4,
-        kv_heads=1,
-        head_dim=16,
-        intermediate=128,
-        experts=8,
-        expert_intermediate=32,
-        shared_intermediate=64,
-        max_position=2048,
-    ),
     # ~100M parameters in total, ~30M active: big enough that benchmarks measure the model, not Python
     "small": dict(
         hidden=512,
@@ -104,6 +92,9 @@ SIZES: dict[str, dict[str, int]] = {
         max_position=8192,
     ),
 }
+# tiny with a single KV head (multi-query attention): fewer KV heads than a TP = 2 group's ranks, so each rank
+# holds a replica of it
+SIZES["tiny_mqa"] = SIZES["tiny"] | {"kv_heads": 1}
 
 
 def byte_level_tokenizer() -> Tokenizer:
