@@ -5,6 +5,7 @@ run `target(group, *args)`. The children die with the parent (parent-death signa
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
@@ -19,8 +20,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _child(rdv: Rendezvous, rank: int, target: Callable[..., Any], args: tuple) -> None:
+def _child(rdv: Rendezvous, rank: int, target: Callable[..., Any], args: tuple, parent: int) -> None:
     _die_with_parent()
+    # The signal only covers deaths from now on: a leader that died while this interpreter was still starting
+    # (importing torch takes seconds) left it orphaned already, re-parented away from `parent`.
+    if os.getppid() != parent:
+        os._exit(1)
     group = RankGroup.join(rdv, rank, local_host=rdv.host)
     target(group, *args)
 
@@ -41,7 +46,7 @@ def spawn_followers(rdv: Rendezvous, target: Callable[..., Any], args: tuple = (
     ctx = mp.get_context("spawn")
     procs = []
     for rank in range(1, rdv.world):
-        p = ctx.Process(target=_child, args=(rdv, rank, target, args), name=f"rank{rank}", daemon=True)
+        p = ctx.Process(target=_child, args=(rdv, rank, target, args, os.getpid()), name=f"rank{rank}", daemon=True)
         p.start()
         procs.append(p)
     return procs
