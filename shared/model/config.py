@@ -13,6 +13,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from shared.model.routing import RouterConfig, router_config
+
 
 class QKNorm(Enum):
     """Where the architecture normalizes queries and keys before RoPE."""
@@ -22,23 +24,31 @@ class QKNorm(Enum):
     FULL = "full"  # OLMoE: RMSNorm over the whole projection, weight shape (heads * head_dim,)
 
 
+class SharedExpert(Enum):
+    """The MoE block's always-on expert, beside the routed ones."""
+
+    NONE = "none"
+    GATED = "gated"  # Qwen2-MoE: mlp.shared_expert, scaled by sigmoid(mlp.shared_expert_gate(x))
+    PLAIN = "plain"  # DeepSeek, GLM-4.5: mlp.shared_experts (n_shared_experts fused into one MLP), no gate
+
+
 @dataclass(frozen=True)
 class ArchSpec:
-    """What differs between the supported architectures, declared rather than branched on."""
+    """What differs between the supported architectures, declared rather than branched on. (How each routes
+    its tokens to experts is shared/model/routing.py's.)"""
 
     qkv_bias: bool = False
     qk_norm: QKNorm = QKNorm.NONE
     moe: bool = False
-    shared_expert: bool = False  # Qwen2-MoE: an always-on expert behind a sigmoid gate
-    always_renormalize: bool = False  # Mixtral renormalizes top-k weights regardless of config
+    shared_expert: SharedExpert = SharedExpert.NONE
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": ArchSpec(),
     "qwen2": ArchSpec(qkv_bias=True),
     "qwen3": ArchSpec(qk_norm=QKNorm.PER_HEAD),
-    "mixtral": ArchSpec(moe=True, always_renormalize=True),
-    "qwen2_moe": ArchSpec(qkv_bias=True, moe=True, shared_expert=True),
+    "mixtral": ArchSpec(moe=True),
+    "qwen2_moe": ArchSpec(qkv_bias=True, moe=True, shared_expert=SharedExpert.GATED),
     "qwen3_moe": ArchSpec(qk_norm=QKNorm.PER_HEAD, moe=True),
     "olmoe": ArchSpec(qk_norm=QKNorm.FULL, moe=True),
 }
@@ -79,8 +89,8 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
-    norm_topk_prob: bool = False
-    shared_expert_intermediate_size: int = 0
+    router: RouterConfig | None = None  # None for dense models
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
     sparse_layers: frozenset[int] = field(default_factory=frozenset)
     eos_token_ids: tuple[int, ...] = ()
 
@@ -143,7 +153,11 @@ def _require(raw: dict[str, Any], key: str) -> Any:
 
 def _moe_fields(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
     arch = ARCHITECTURES[model_type]
-    if model_type == "mixtral":
+    deepseek_style = _DEEPSEEK_STYLE.get(model_type)
+    if deepseek_style is not None:
+        raw = deepseek_style | raw  # transformers' defaults under what the config.json says
+        num_experts, moe_intermediate = raw["n_routed_experts"], raw["moe_intermediate_size"]
+    elif model_type == "mixtral":
         num_experts = _require(raw, "num_local_experts")
         moe_intermediate = _require(raw, "intermediate_size")
     elif model_type == "olmoe":
@@ -152,18 +166,55 @@ def _moe_fields(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[s
     else:
         num_experts = _require(raw, "num_experts")
         moe_intermediate = _require(raw, "moe_intermediate_size")
-    # Qwen-MoE can interleave dense layers; the others are sparse everywhere.
-    step = raw.get("decoder_sparse_step", 1) or 1
-    dense_only = set(raw.get("mlp_only_layers") or [])
-    sparse = frozenset(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
+    top_k = _require(raw, "num_experts_per_tok")
+    if deepseek_style is not None:
+        # the first `first_k_dense_replace` layers dense, then every `moe_layer_freq`-th layer sparse (DeepSeek's
+        # own code; transformers reads no moe_layer_freq, and every published checkpoint has 1)
+        first_dense, freq = raw["first_k_dense_replace"], raw.get("moe_layer_freq") or 1
+        sparse = frozenset(i for i in range(num_layers) if i >= first_dense and i % freq == 0)
+    else:
+        # Qwen-MoE can interleave dense layers; the others are sparse everywhere.
+        step = raw.get("decoder_sparse_step", 1) or 1
+        dense_only = set(raw.get("mlp_only_layers") or [])
+        sparse = frozenset(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
+    shared = {
+        SharedExpert.NONE: 0,
+        SharedExpert.GATED: raw.get("shared_expert_intermediate_size", 0),
+        # the n_shared_experts shared experts are one MLP of n times the width
+        SharedExpert.PLAIN: moe_intermediate * raw.get("n_shared_experts", 1),
+    }[arch.shared_expert]
     return {
         "num_experts": num_experts,
-        "num_experts_per_tok": _require(raw, "num_experts_per_tok"),
+        "num_experts_per_tok": top_k,
         "moe_intermediate_size": moe_intermediate,
-        "norm_topk_prob": arch.always_renormalize or bool(raw.get("norm_topk_prob", False)),
-        "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size", 0) if arch.shared_expert else 0,
+        "router": router_config(raw, model_type, num_experts, top_k),
+        "shared_expert_intermediate_size": shared,
         "sparse_layers": sparse,
     }
+
+
+# DeepSeek-style MoE configs (n_routed_experts, n_shared_experts, first_k_dense_replace): the defaults of
+# transformers' config classes, for the keys a config.json leaves out
+_DEEPSEEK_STYLE: dict[str, dict[str, int]] = {
+    "glm4_moe": {
+        "n_routed_experts": 128,
+        "moe_intermediate_size": 1408,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 1,
+    },
+    "deepseek_v2": {
+        "n_routed_experts": 64,
+        "moe_intermediate_size": 1407,
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 0,
+    },
+    "deepseek_v3": {
+        "n_routed_experts": 256,
+        "moe_intermediate_size": 2048,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3,
+    },
+}
 
 
 def _rope(raw: dict[str, Any]) -> RopeConfig:

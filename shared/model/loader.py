@@ -1,8 +1,9 @@
 """Load a Hugging Face safetensors checkpoint (single file or sharded) into a `CausalLM`.
 
-The mapping from checkpoint names to our parameters is declarative: every parameter loads from the tensor
-of the same name, except where a module's `checkpoint_shards()` says a checkpoint tensor fills a slice of
-a fused/stacked parameter (q/k/v → qkv_proj, gate/up → gate_up_proj, experts.N.* → stacked experts).
+The mapping from checkpoint names to our parameters is declarative: every parameter (and persistent buffer:
+a router's correction bias) loads from the tensor of the same name, except where a module's
+`checkpoint_shards()` says a checkpoint tensor fills a slice of a fused/stacked parameter (q/k/v → qkv_proj,
+gate/up → gate_up_proj, experts.N.* → stacked experts).
 
 Sharded (tensor-parallel) loading: a declaration may add the slice of the checkpoint tensor this rank reads
 (rows, columns); the loader then reads only that slice from the file (`safe_open(...).get_slice(name)[...]`),
@@ -198,10 +199,18 @@ def checkpoint_targets(model: CausalLM) -> dict[str, _Target]:
         covered = {declared[0] for declared in shards.values()}
         for suffix, (param, index, *source) in shards.items():
             targets[_join(prefix, suffix)] = _Target(module.get_parameter(param), index, *source)
-        for name, param in module.named_parameters(recurse=False):
+        for name, tensor in _checkpoint_tensors(module):
             if name not in covered:
-                targets.setdefault(_join(prefix, name), _Target(param, ()))
+                targets.setdefault(_join(prefix, name), _Target(tensor, ()))
     return targets
+
+
+def _checkpoint_tensors(module: torch.nn.Module):
+    """A module's own parameters and persistent buffers (a router's correction bias): what a checkpoint holds."""
+    yield from module.named_parameters(recurse=False)
+    for name, buffer in module.named_buffers(recurse=False):
+        if name not in module._non_persistent_buffers_set:
+            yield name, buffer
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
