@@ -8,7 +8,7 @@ the raw dict.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,8 @@ class ArchSpec:
     qk_norm: QKNorm = QKNorm.NONE
     moe: bool = False
     shared_expert: SharedExpert = SharedExpert.NONE
+    # GLM-4.5: the q/k/v bias (`attention_bias`) and the per-head q/k norm (`use_qk_norm`) are config options
+    attention_options: bool = False
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -51,6 +53,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen2_moe": ArchSpec(qkv_bias=True, moe=True, shared_expert=SharedExpert.GATED),
     "qwen3_moe": ArchSpec(qk_norm=QKNorm.PER_HEAD, moe=True),
     "olmoe": ArchSpec(qk_norm=QKNorm.FULL, moe=True),
+    "glm4_moe": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, attention_options=True),
 }
 
 
@@ -66,6 +69,18 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # the share of each head's dims that is rotated (GLM-4.5: 0.5): the first int(head_dim * factor) dims, as
+    # two non-interleaved halves; the rest pass through unrotated
+    partial_rotary_factor: float = 1.0
+
+    def rotary_dim(self, head_dim: int) -> int:
+        dim = int(head_dim * self.partial_rotary_factor)
+        if dim <= 0 or dim % 2 or dim > head_dim:
+            raise UnsupportedModelError(
+                f"partial_rotary_factor={self.partial_rotary_factor} of head_dim={head_dim} rotates {dim} dims: "
+                "it must be an even number in [2, head_dim]"
+            )
+        return dim
 
 
 @dataclass(frozen=True)
@@ -93,6 +108,9 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     sparse_layers: frozenset[int] = field(default_factory=frozenset)
     eos_token_ids: tuple[int, ...] = ()
+    # multi-token-prediction layers after the last one (GLM-4.5, DeepSeek-V3: model.layers.{num_layers + i}.*):
+    # the checkpoint carries them, nothing here runs them (no speculative decoding), the loader skips them
+    mtp_layers: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -109,6 +127,9 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}; supported architectures: {', '.join(sorted(ARCHITECTURES))}"
             )
         arch = ARCHITECTURES[model_type]
+        if arch.attention_options:
+            qk_norm = QKNorm.PER_HEAD if raw.get("use_qk_norm") else QKNorm.NONE
+            arch = replace(arch, qkv_bias=bool(raw.get("attention_bias", False)), qk_norm=qk_norm)
         if raw.get("use_sliding_window"):
             raise UnsupportedModelError(f"{model_type}: use_sliding_window=true is not supported")
 
@@ -117,6 +138,9 @@ class ModelConfig:
         num_layers = _require(raw, "num_hidden_layers")
         moe = _moe_fields(raw, model_type, num_layers) if arch.moe else {}
         eos = raw.get("eos_token_id")
+        head_dim = raw.get("head_dim") or hidden // heads
+        rope = replace(_rope(raw), partial_rotary_factor=_partial_rotary_factor(raw, model_type))
+        rope.rotary_dim(head_dim)  # refuses a width that cannot be rotated, now rather than at model build
         return cls(
             model_type=model_type,
             arch=arch,
@@ -125,15 +149,16 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or hidden // heads,
+            head_dim=head_dim,
             intermediate_size=raw.get("intermediate_size", 0),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope=_rope(raw),
+            rope=rope,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             clip_qkv=raw.get("clip_qkv"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+            mtp_layers=raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers")) or 0,
             **moe,
         )
 
@@ -215,6 +240,15 @@ _DEEPSEEK_STYLE: dict[str, dict[str, int]] = {
         "first_k_dense_replace": 3,
     },
 }
+
+
+def _partial_rotary_factor(raw: dict[str, Any], model_type: str) -> float:
+    """As transformers resolves it: `rope_parameters` first, then the top-level key, then the architecture's
+    default (Glm4MoeConfig sets 0.5)."""
+    default = 0.5 if model_type == "glm4_moe" else 1.0
+    return float(
+        (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", default))
+    )
 
 
 def _rope(raw: dict[str, Any]) -> RopeConfig:
