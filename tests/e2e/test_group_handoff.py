@@ -1,0 +1,76 @@
+"""The KV hand-off between worker groups of different TP degrees, through the real stack (gateway, NATS, Redis,
+prefill and decode workers, some of them TP = 2 groups of two processes each).
+
+For each pairing of prefill and decode TP degrees: every stream equals the single-process engine's greedy output
+(what `pdserve generate` prints), the decode side never runs a prompt's forward pass (its heartbeat's
+prefill_tokens stays 0: the KV was pulled, rank by rank, never recomputed), and afterwards both sides have
+freed every block and no location is left in Redis. The KV lease is long (600 s), so a settled stack means each
+KV was freed by its pulls' ends, not by a lease running out. The one-KV-head checkpoint (tiny_mqa) holds its
+head replicated on both ranks of a TP 2 group, on either side.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.local.infra import free_port
+from services.local.stack import StackSpec
+from shared.engine.engine import Engine
+from shared.engine.sampling import SamplingParams
+from shared.model.demo import write_demo_checkpoint
+from shared.model.tokenizer import Tokenizer
+from tests.chaos import Load, settled
+from tests.e2e.test_faults import FAST, SHORT
+from tests.e2e_support import start_stack
+
+pytestmark = pytest.mark.slow  # worker groups: ranks spawned per scenario (make test-slow)
+
+MAX_TOKENS = 24
+PROMPTS = [*SHORT, "Prefill is compute-bound and decode is memory-bound; " * 6]
+HANDOFF_ENV = FAST | {"PDSERVE_KV_LEASE_S": "600", "PDSERVE_KV_TRANSFER_TIMEOUT_S": "30"}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, model_dir):
+    """size → checkpoint directory; every one is served as model "demo" (its directory's name)."""
+    mqa = write_demo_checkpoint(tmp_path_factory.mktemp("mqa") / "demo", arch="qwen3_moe", size="tiny_mqa")
+    return {"tiny": model_dir, "tiny_mqa": mqa}
+
+
+def _reference(checkpoint) -> dict[str, str]:
+    """The single-process engine's greedy texts: what `pdserve generate` writes for each prompt."""
+    tok = Tokenizer(checkpoint)
+    engine = Engine.from_dir(checkpoint, max_model_len=2048)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = engine.generate([tok.encode(p) for p in PROMPTS], params)
+    return {p: tok.decode(out) for p, out in zip(PROMPTS, outputs, strict=True)}
+
+
+@pytest.mark.parametrize(
+    ("size", "prefill_tp", "decode_tp"),
+    [("tiny", 2, 1), ("tiny", 1, 2), ("tiny_mqa", 2, 2), ("tiny_mqa", 1, 2)],
+    ids=["tp2-to-tp1", "tp1-to-tp2", "mqa-tp2-to-tp2", "mqa-tp1-to-tp2"],
+)
+def test_kv_hands_off_between_tp_degrees(checkpoints, size: str, prefill_tp: int, decode_tp: int) -> None:
+    checkpoint = checkpoints[size]
+    reference = _reference(checkpoint)
+    parallel = {role: (tp, 1) for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)) if tp > 1}
+    spec = StackSpec(model=str(checkpoint), port=free_port(), prefill=1, decode=1, threads_per_worker=2,
+                     parallel=parallel, env=HANDOFF_ENV)  # fmt: skip
+    stack = start_stack(spec)
+    try:
+        outcomes = Load(stack.url, PROMPTS, MAX_TOKENS).results()
+        for o in outcomes:
+            assert o.verdict == "completed", (o.prompt[:30], o.status, o.error, o.exception)
+            assert o.text == reference[o.prompt], f"{o.prompt[:30]!r}: {o.text!r} != {reference[o.prompt]!r}"
+        beats = settled(stack)["heartbeats"]  # every block free, no KV held, no pd:* key (lease: 600 s)
+        by_role = {b.role.value: b for b in beats.values()}
+        assert by_role["decode"].prefill_tokens == 0, "the decode side ran a prompt's forward pass (recomputed)"
+        assert by_role["prefill"].prefill_tokens > 0
+        for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
+            assert by_role[role].parallel == ("" if tp == 1 else f"tp={tp} ep=1"), by_role[role].parallel
+    except BaseException:
+        print(stack.logs())
+        raise
+    finally:
+        stack.stop()
