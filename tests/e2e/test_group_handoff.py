@@ -21,7 +21,7 @@ from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from tests.chaos import Load, settled
 from tests.e2e.test_faults import FAST, SHORT
-from tests.e2e_support import start_stack
+from tests.e2e_support import heartbeats, start_stack
 
 pytestmark = pytest.mark.slow  # worker groups: ranks spawned per scenario (make test-slow)
 
@@ -63,8 +63,8 @@ def test_kv_hands_off_between_tp_degrees(checkpoints, size: str, prefill_tp: int
         for o in outcomes:
             assert o.verdict == "completed", (o.prompt[:30], o.status, o.error, o.exception)
             assert o.text == reference[o.prompt], f"{o.prompt[:30]!r}: {o.text!r} != {reference[o.prompt]!r}"
-        beats = settled(stack)["heartbeats"]  # every block free, no KV held, no pd:* key (lease: 600 s)
-        by_role = {b.role.value: b for b in beats.values()}
+        settled(stack)  # every block free, no KV held, no pd:* key, every worker idle (the lease: 600 s)
+        by_role = {b.role.value: b for b in heartbeats(stack.nats_url).values()}
         assert by_role["decode"].prefill_tokens == 0, "the decode side ran a prompt's forward pass (recomputed)"
         assert by_role["prefill"].prefill_tokens > 0
         for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):

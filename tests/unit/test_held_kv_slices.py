@@ -30,13 +30,13 @@ class Blocks:
         self.gate = asyncio.Event()
         self.gate.set()
 
-    async def export_kv(self, key: str) -> KVExport:
-        self.exports[key] += 1
+    async def export_kv(self, request_id: str) -> KVExport:
+        self.exports[request_id] += 1
         await self.gate.wait()
         return self.full
 
-    async def release_kv(self, key: str) -> None:
-        self.releases[key] += 1
+    async def release_kv(self, request_id: str) -> None:
+        self.releases[request_id] += 1
 
 
 def _run(test) -> None:
