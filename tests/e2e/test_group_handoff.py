@@ -64,6 +64,7 @@ def test_kv_hands_off_between_tp_degrees(checkpoints, size: str, prefill_tp: int
             assert o.verdict == "completed", (o.prompt[:30], o.status, o.error, o.exception)
             assert o.text == reference[o.prompt], f"{o.prompt[:30]!r}: {o.text!r} != {reference[o.prompt]!r}"
         settled(stack)  # every block free, no KV held, no pd:* key, every worker idle (the lease: 600 s)
+        assert stack.nats_url is not None  # set once the stack started its own nats-server
         by_role = {b.role.value: b for b in heartbeats(stack.nats_url).values()}
         assert by_role["decode"].prefill_tokens == 0, "the decode side ran a prompt's forward pass (recomputed)"
         assert by_role["prefill"].prefill_tokens > 0
