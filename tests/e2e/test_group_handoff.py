@@ -21,7 +21,7 @@ from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from tests.chaos import Load, settled
 from tests.e2e.test_faults import FAST, SHORT
-from tests.e2e_support import heartbeats, start_stack
+from tests.e2e_support import heartbeats, scraped_total, start_stack
 
 pytestmark = pytest.mark.slow  # worker groups: ranks spawned per scenario (make test-slow)
 
@@ -70,6 +70,35 @@ def test_kv_hands_off_between_tp_degrees(checkpoints, size: str, prefill_tp: int
         assert by_role["prefill"].prefill_tokens > 0
         for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
             assert by_role[role].parallel == ("" if tp == 1 else f"tp={tp} ep=1"), by_role[role].parallel
+    except BaseException:
+        print(stack.logs())
+        raise
+    finally:
+        stack.stop()
+
+
+def test_a_send_failing_midway_between_groups_falls_back_to_recompute_and_frees_everything(checkpoints) -> None:
+    """TP 2 → TP 2 with every KV send breaking after its first piece (injected on every prefill rank): each decode
+    rank's pull fails, every rank drops what it staged, the decode group recomputes (same tokens), and the prefill
+    group frees each KV at the first failed send (after every rank's sends in flight ended), not by its lease."""
+    checkpoint = checkpoints["tiny"]
+    reference = _reference(checkpoint)
+    fault = {"PDSERVE_FAULT_KV_SEND_MIDWAY": "1", "PDSERVE_KV_CHUNK_BYTES": "4096"}
+    spec = StackSpec(model=str(checkpoint), port=free_port(), prefill=1, decode=1, threads_per_worker=2,
+                     parallel={"prefill": (2, 1), "decode": (2, 1)}, env=HANDOFF_ENV | fault)  # fmt: skip
+    stack = start_stack(spec)
+    try:
+        outcomes = Load(stack.url, PROMPTS, MAX_TOKENS).results()
+        for o in outcomes:
+            assert o.verdict == "completed", (o.prompt[:30], o.status, o.error, o.exception)
+            assert o.text == reference[o.prompt], f"{o.prompt[:30]!r}: {o.text!r} != {reference[o.prompt]!r}"
+        settled(stack)
+        assert stack.nats_url is not None
+        by_role = {b.role.value: b for b in heartbeats(stack.nats_url).values()}
+        assert by_role["decode"].prefill_tokens > 0, "the decode group should have recomputed the prompts"
+        decode = next(name for name in stack.procs if name.startswith("decode"))
+        decode_metrics = f"http://127.0.0.1:{stack.metrics_ports[decode]}/metrics"
+        assert scraped_total(decode_metrics, "pdserve:kv_transfer_failures_total") >= 1  # rank 0's own pulls
     except BaseException:
         print(stack.logs())
         raise
