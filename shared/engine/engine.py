@@ -165,6 +165,8 @@ class Engine:
             backend = graph_backend
         if config.ep > 1 and backend is not None:  # the EP combine reads pair counts on the host per layer
             backend, why_not = None, "off (expert parallelism, ep > 1: its combine is not capturable)"
+        if self.model.config.windows and backend is not None:  # the graphs' metadata has no windowed views yet
+            backend, why_not = None, "off (sliding-window layers: not captured yet)"
         # With graphs the pool gets one block more than the plan, the scratch block padded rows write to: the
         # block manager hands out ids 0..plan-1 only, so the scratch block (id = plan) is nobody's.
         self.pool = KVPool(self.layout, self.kv_plan.num_blocks + (backend is not None), self.device)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -42,6 +43,7 @@ RENAMES: dict[str, list[tuple[str, str]]] = {
         (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
         (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."),
     ],
+    "gpt_oss": [(r"\.mlp\.router\.", ".mlp.gate.")],
 }
 # The inverse: canonical names back to the checkpoint's own spelling (for messages and demo checkpoints).
 CHECKPOINT_SPELLING: dict[str, list[tuple[str, str]]] = {
@@ -51,6 +53,7 @@ CHECKPOINT_SPELLING: dict[str, list[tuple[str, str]]] = {
         (r"\.experts\.(\d+)\.up_proj\.", r".experts.\1.w3."),
         (r"\.experts\.(\d+)\.down_proj\.", r".experts.\1.w2."),
     ],
+    "gpt_oss": [(r"\.mlp\.gate\.", ".mlp.router.")],
 }
 # Tensors some checkpoints carry that hold nothing we need.
 IGNORED = re.compile(r"(rotary_emb\.inv_freq$)")
@@ -71,8 +74,9 @@ class _Sharded(Protocol):
 
 
 # A module's declaration: checkpoint tensor (relative name) → (parameter (dotted name), the slice of it the
-# tensor fills[, the slice of the checkpoint tensor this rank reads]); () = all of it.
-Shard = tuple[str, tuple] | tuple[str, tuple, tuple]
+# tensor fills[, the slice of the checkpoint tensor this rank reads[, a function from the tensor read to what
+# the slice holds (a layout change: gpt-oss's stacked experts)]]); () = all of it.
+Shard = tuple[str, tuple] | tuple[str, tuple, tuple] | tuple[str, tuple, tuple, Callable]
 
 
 @runtime_checkable
@@ -88,6 +92,7 @@ class _Target:
     param: torch.Tensor
     index: tuple  # the slice of `param` this checkpoint tensor fills; () = all of it
     source: tuple = ()  # the slice of the checkpoint tensor this rank reads; () = all of it
+    convert: Callable[[torch.Tensor], torch.Tensor] | None = None  # applied to the tensor read, before the copy
 
 
 def resolve_dtype(requested: str | torch.dtype | None, checkpoint_dtype: str | None) -> torch.dtype:
@@ -168,6 +173,8 @@ def load_weights(model: CausalLM, model_dir: Path, progress: bool | None = None)
                         tensor = shard.get_slice(raw_name)[target.source]
                     else:
                         tensor = shard.get_tensor(raw_name)
+                    if target.convert is not None:
+                        tensor = target.convert(tensor)
                     dest = target.param[target.index]
                     if tuple(dest.shape) != tuple(tensor.shape):
                         got = tuple(shard.get_slice(raw_name).get_shape()) if target.source else tuple(tensor.shape)

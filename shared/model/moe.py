@@ -25,6 +25,8 @@ from shared.model.tensor_parallel import TensorShard
 
 
 class Experts(nn.Module):
+    fused_kernel = True  # the Triton fused_moe kernel computes these experts (a subclass may say it cannot)
+
     def __init__(
         self,
         num_experts: int,
@@ -58,6 +60,11 @@ class Experts(nn.Module):
             shards[f"{e}.down_proj.weight"] = ("down", (slot,), cols)
         return shards
 
+    def with_slots(self, slots: list[int]) -> Experts:
+        """A twin of this module (on the current default device) holding whole experts `slots`: expert
+        parallelism's shard (shared/model/expert_parallel.py shard_experts)."""
+        return Experts(self.total_experts, self.down.shape[1], self.intermediate, slots=slots)
+
     def checkpoint_ignored(self) -> set[str]:
         """The checkpoint tensors of the experts other ranks hold: the loader skips them without reading."""
         held = set(self.slots)
@@ -79,6 +86,8 @@ class Experts(nn.Module):
         grouped matmuls, no Python loop over experts. On an accelerator the padded path, which never reads
         the counts on the host (that would stall the stream once per layer). With the Triton kernels:
         fused_moe over the plain (unpacked) weights, also without a host read."""
+        if self.kernels is KernelChoice.TRITON and not self.fused_kernel:
+            return self.forward_padded(x, topk_ids, topk_weights, counts)
         if self.kernels is KernelChoice.TRITON:
             # imported here: triton loads only when the kernels were chosen (it may be absent on a CPU host)
             from shared.model.kernels.fused_moe import fused_moe
@@ -181,9 +190,24 @@ class MoE(nn.Module, PackedWeights):
         self.shard = shard
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.topk_then_softmax = cfg.arch.topk_then_softmax
+        # the router (gpt-oss's, `mlp.router` in its checkpoints, has a bias)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.arch.topk_then_softmax)
         expert_shard = shard if split_experts else TensorShard.SINGLE
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, expert_shard)
+        self.experts: Experts
+        if cfg.arch.clamped_swiglu_experts:
+            from shared.model.clamped_experts import ClampedSwiGLUExperts  # it subclasses Experts: imported late
+
+            self.experts = ClampedSwiGLUExperts(
+                cfg.num_experts,
+                cfg.hidden_size,
+                cfg.moe_intermediate_size,
+                expert_shard,
+                alpha=cfg.swiglu_alpha,
+                limit=cfg.swiglu_limit,
+            )
+        else:
+            self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, expert_shard)
         self.shared_expert = None
         self.LINEAR_WEIGHTS = ("gate.weight",)
         if cfg.shared_expert_intermediate_size:
@@ -199,7 +223,11 @@ class MoE(nn.Module, PackedWeights):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """→ topk_ids (T, A) int64, topk_weights (T, A) float32."""
-        probs = torch.softmax(linear(x, self.w("gate.weight")).float(), dim=-1)  # (T, E)
+        logits = linear(x, self.w("gate.weight"), self.gate.bias).float()  # (T, E)
+        if self.topk_then_softmax:  # gpt-oss: the top-k logits, softmaxed among themselves
+            top, ids = logits.topk(self.top_k, dim=-1)
+            return ids, torch.softmax(top, dim=-1)
+        probs = torch.softmax(logits, dim=-1)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
