@@ -16,16 +16,18 @@ import json
 import logging
 import re
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from shared.model.config import ModelConfig
+from shared.model.config import ModelConfig, UnsupportedModelError
 from shared.model.expert_parallel import EPDispatch, shard_experts
+from shared.model.mxfp4 import Mxfp4
 from shared.model.transformer import CausalLM
 from shared.parallel.group import RankGroup
 from shared.parallel.layout import ParallelLayout
@@ -151,43 +153,87 @@ def load_weights(model: CausalLM, model_dir: Path, progress: bool | None = None)
     others = checkpoint_ignored(model)
     renames = [(re.compile(a), b) for a, b in RENAMES.get(model.config.model_type, [])]
     files = checkpoint_files(model_dir)
+    quant = checkpoint_quantization(model_dir)
     if progress is None:
         progress = sum(f.stat().st_size for f in files) > PROGRESS_BYTES
     loaded: set[str] = set()
-    with torch.no_grad():
-        for file in files:
-            with safe_open(str(file), framework="pt") as shard:
-                names = list(shard.keys())
-                for raw_name in tqdm(names, desc=f"loading {file.name}", disable=not progress, unit="tensor"):
-                    name = raw_name
-                    for pattern, repl in renames:
-                        name = pattern.sub(repl, name)
-                    target = targets.get(name)
-                    if target is None:
-                        if name in others:  # another rank's (its experts): never read
-                            continue
-                        if not (IGNORED.search(name) or (name == "lm_head.weight" and model.lm_head is None)):
-                            log.warning("ignoring unexpected checkpoint tensor %s", raw_name)
-                        continue
-                    if target.source:
-                        tensor = shard.get_slice(raw_name)[target.source]
-                    else:
-                        tensor = shard.get_tensor(raw_name)
-                    if target.convert is not None:
-                        tensor = target.convert(tensor)
-                    dest = target.param[target.index]
-                    if tuple(dest.shape) != tuple(tensor.shape):
-                        got = tuple(shard.get_slice(raw_name).get_shape()) if target.source else tuple(tensor.shape)
-                        raise CheckpointError(
-                            f"tensor {raw_name} has shape {got}, the config implies "
-                            f"{tuple(dest.shape) if not target.source else 'a slice ' + str(tuple(dest.shape))}"
-                        )
-                    dest.copy_(tensor)
-                    loaded.add(name)
+    with torch.no_grad(), _Tensors(files) as tensors:
+        for raw_name in tqdm(tensors.names, desc="loading weights", disable=not progress, unit="tensor"):
+            if quant is not None and quant.companion_of(raw_name) is not None:
+                continue  # a scale: read with the weight it scales
+            name = quant.weight_name(raw_name) if quant is not None else raw_name
+            for pattern, repl in renames:
+                name = pattern.sub(repl, name)
+            target = targets.get(name)
+            if target is None:
+                if name in others:  # another rank's (its experts): never read
+                    continue
+                if not (IGNORED.search(name) or (name == "lm_head.weight" and model.lm_head is None)):
+                    log.warning("ignoring unexpected checkpoint tensor %s", raw_name)
+                continue
+            if quant is not None:
+                tensor = quant.read(tensors, raw_name, target.source)
+            else:
+                tensor = tensors.read(raw_name, target.source)
+            if target.convert is not None:
+                tensor = target.convert(tensor)
+            dest = target.param[target.index]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                got = tensors.shape(raw_name) if target.source else tuple(tensor.shape)
+                raise CheckpointError(
+                    f"tensor {raw_name} has shape {got}, the config implies "
+                    f"{tuple(dest.shape) if not target.source else 'a slice ' + str(tuple(dest.shape))}"
+                )
+            dest.copy_(tensor)
+            loaded.add(name)
     missing = sorted(checkpoint_name(model.config.model_type, n) for n in set(targets) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{model_dir}: checkpoint is missing tensor(s): {shown}")
+
+
+def checkpoint_quantization(model_dir: Path) -> Mxfp4 | None:
+    """The reader of a quantized checkpoint (config.json's quantization_config): MXFP4, or None for none.
+    Any other quant_method is refused by name. (A registry of methods is being built next to this one; MXFP4
+    then becomes its entry: `Mxfp4.from_config`.)"""
+    qc = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method != "mxfp4":
+        raise UnsupportedModelError(f"quantization_config.quant_method={method!r} is not supported (mxfp4 only)")
+    return Mxfp4.from_config(qc)
+
+
+class _Tensors:
+    """Every tensor of the checkpoint's files by name (one open handle per file), read whole or sliced: a
+    quantized weight's companion may sit in another file."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self._stack = ExitStack()
+        self._where: dict[str, Any] = {}
+        self.names: list[str] = []
+        for file in files:
+            handle = self._stack.enter_context(safe_open(str(file), framework="pt"))
+            for name in handle.keys():
+                self._where[name] = handle
+                self.names.append(name)
+
+    def __enter__(self) -> _Tensors:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name].get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple = ()) -> torch.Tensor:
+        handle = self._where[name]
+        return handle.get_slice(name)[index] if index else handle.get_tensor(name)
 
 
 def checkpoint_name(model_type: str, canonical: str) -> str:
