@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.engine.block_manager import BlockManager, NoFreeBlocksError
+from shared.engine.block_manager import FREED, BlockManager, NoFreeBlocksError
 from shared.engine.config import EngineConfig
 from shared.engine.decode_graphs import CaptureReport, DecodeGraphs, GraphBackend, bucket_sizes, choose_backend
 from shared.engine.device_setup import exclusive_setup
@@ -103,7 +103,11 @@ class Engine:
             backend, why_not = self._plan_kv(non_torch_at_start, graph_backend)
         self.blocks = BlockManager(self.kv_plan.num_blocks, config.block_size)
         self.scheduler = Scheduler(
-            config.scheduler, self.blocks, self.max_model_len, eos_token_ids=self.model.config.eos_token_ids
+            config.scheduler,
+            self.blocks,
+            self.max_model_len,
+            eos_token_ids=self.model.config.eos_token_ids,
+            window=self.model.config.freeable_window,
         )
         self.graph_capture: CaptureReport | None = None  # what capturing the decode graphs took, when on
         # grammar matchers of the requests with structured output (the tokenizer is read on first use)
@@ -145,6 +149,7 @@ class Engine:
             config.block_size,
             str(dtype).removeprefix("torch."),
             kv_heads=tuple(kv_heads) if self.parallel.tp > 1 else (),
+            layer_windows=mc.layer_windows,
         )
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         # after the weights (and their packed twins): on CUDA the plan measures what they left
@@ -416,6 +421,8 @@ class Engine:
         if req.status is RequestStatus.WAITING or req.num_computed_tokens < req.num_tokens - 1:
             raise ValueError(f"request {request_id!r} has not finished its prefill")
         n = self.blocks.blocks_for(req.num_computed_tokens)
+        if FREED in req.block_table[:n]:  # only requests that do not hold their KV free behind the window
+            raise ValueError(f"request {request_id!r} freed blocks behind its sliding window: nothing whole to export")
         out = None
         if alloc is not None:
             shape = (
@@ -487,6 +494,8 @@ class Engine:
         holders = [0] * self.blocks.num_blocks
         for req in self.requests.values():
             for b in req.block_table:
+                if b == FREED:  # given back behind the sliding window
+                    continue
                 if self.blocks.ref_count(b) == 0:
                     raise AssertionError(f"request {req.request_id} holds free block {b}")
                 holders[b] += 1

@@ -96,6 +96,7 @@ def forward_step(
         device=device,
         kernels=model.kernels,
         windows=model.config.windows,
+        full=model.config.has_full_layers,
     )
     t = len(inputs.input_ids)
     staged = torch.tensor(inputs.input_ids + inputs.positions + inputs.sample_rows, dtype=torch.int64)

@@ -120,6 +120,18 @@ class ModelConfig:
         return self.layer_windows[layer] if self.layer_windows else None
 
     @property
+    def freeable_window(self) -> int | None:
+        """When every layer slides: the largest window (blocks wholly behind it are read by no layer again and
+        can be freed); None when some layer attends to the whole context."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(w for w in self.layer_windows if w is not None)
+
+    @property
+    def has_full_layers(self) -> bool:
+        return not self.layer_windows or None in self.layer_windows
+
+    @property
     def windows(self) -> frozenset[int]:
         """The distinct sliding windows of the model's layers (empty: no sliding layer)."""
         return frozenset(w for w in self.layer_windows if w is not None)

@@ -83,9 +83,12 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     kernel_decodes: KernelDecodes | None = None  # triton path (decodes is then empty); None without decodes
     windowed: dict[int, AttentionMetadata] = field(default_factory=dict)  # window → its view (see module doc)
+    has_full: bool = True  # False: built without the full view (build(full=False))
 
     def for_window(self, window: int | None) -> AttentionMetadata:
         """The view a layer with this sliding window attends through (None: the full context, self)."""
+        if window is None and not self.has_full:
+            raise ValueError("this step's metadata was built without the full-attention view")
         return self if window is None else self.windowed[window]
 
     @classmethod
@@ -98,10 +101,13 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         kernels: KernelChoice = KernelChoice.TORCH,
         windows: frozenset[int] | set[int] = frozenset(),
+        full: bool = True,
     ) -> AttentionMetadata:
         """One entry per sequence, decodes first. context_lens include this step's tokens. `kernels` (resolved:
         TORCH or TRITON) decides how the decodes are laid out: torch buckets, or one KernelDecodes. `windows`:
-        the model's sliding windows, one view each (`for_window`)."""
+        the model's sliding windows, one view each (`for_window`). full=False: no layer attends to the whole
+        context (every layer slides), so the full view is left empty (its tables may hold blocks freed behind
+        the window, block_manager.FREED)."""
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
@@ -122,6 +128,8 @@ class AttentionMetadata:
             return _views(tables, context_lens, query_lens, num_decodes, block_size, device, kernels, window)
 
         windowed = {w: cls(slot_mapping, num_decodes, *view(w)) for w in sorted(windows)}
+        if not full:
+            return cls(slot_mapping, num_decodes, [], [], None, windowed=windowed, has_full=False)
         return cls(slot_mapping, num_decodes, *view(None), windowed=windowed)
 
 
