@@ -421,20 +421,22 @@ class Engine:
         if req.status is RequestStatus.WAITING or req.num_computed_tokens < req.num_tokens - 1:
             raise ValueError(f"request {request_id!r} has not finished its prefill")
         n = self.blocks.blocks_for(req.num_computed_tokens)
-        if FREED in req.block_table[:n]:  # only requests that do not hold their KV free behind the window
-            raise ValueError(f"request {request_id!r} freed blocks behind its sliding window: nothing whole to export")
+        first = req.window_freed  # blocks freed behind the sliding window are not carried
+        if FREED in req.block_table[first:n]:
+            raise AssertionError(f"request {request_id!r} has freed blocks past its first {first}")
         out = None
         if alloc is not None:
             shape = (
                 self.layout.num_layers,
                 2,
-                n,
+                n - first,
                 self.layout.block_size,
                 self.layout.num_held_kv_heads,
                 self.layout.head_dim,
             )
             out = alloc(shape, self.layout.torch_dtype)
-        return KVExport(self.layout, req.num_computed_tokens, self.pool.read(req.block_table[:n], out=out))
+        blocks = self.pool.read(req.block_table[first:n], out=out)
+        return KVExport(self.layout, req.num_computed_tokens, blocks, first_block=first)
 
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks of a finished request that held them. False if there is no such request."""
@@ -473,7 +475,8 @@ class Engine:
             )
         if len(self.scheduler.running) >= self.config.scheduler.max_num_seqs:
             raise NoFreeBlocksError(f"{self.config.scheduler.max_num_seqs} requests already running")
-        blocks = self.blocks.allocate(self.blocks.blocks_for(kv.num_tokens))
+        first = kv.first_block_at(self.layout.block_size)  # the blocks before it are behind the window
+        blocks = self.blocks.allocate(self.blocks.blocks_for(kv.num_tokens) - first)
         try:  # the matcher replays the output so far (the prefill worker sampled the first token under it)
             self.structured.add(request_id, params.structured, output_token_ids)
         except ValueError:
@@ -481,7 +484,8 @@ class Engine:
             raise
         self.pool.write_export(blocks, kv)  # in a worker group: on every rank (shared/parallel/mirror.py)
         req = Request(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids))
-        req.block_table = blocks
+        req.block_table = [FREED] * first + blocks
+        req.window_freed = first
         req.num_computed_tokens = kv.num_tokens
         self.requests[request_id] = req
         self.scheduler.add_running(req)

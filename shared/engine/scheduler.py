@@ -11,8 +11,8 @@ Policy (continuous batching):
   colocated behaviour, where a long prompt stalls every decode for one step).
 - Sliding windows (a model whose every layer slides, Mistral-style; `window` = the largest layer window):
   before each plan, the blocks of a running request that lie wholly behind the window of its next query
-  are freed (the table entry becomes FREED). Requests that hold their KV for a hand-off (`hold_kv`) keep
-  every block until it is pulled: the hand-off moves whole tables.
+  are freed (the table entry becomes FREED). A request that holds its KV for a hand-off exports only the
+  blocks from its first unfreed one on (KVExport.first_block): the hand-off moves the window's blocks.
 """
 
 from __future__ import annotations
@@ -167,8 +167,6 @@ class Scheduler:
         """Free the blocks no query of `req` reads again: its next query sits at num_computed_tokens, and
         sees keys from num_computed_tokens - window + 1 on (the same for every later query)."""
         assert self.window is not None
-        if req.hold_kv:
-            return
         behind = max(0, req.num_computed_tokens - self.window + 1) // self.blocks.block_size
         behind = min(behind, len(req.block_table))
         for i in range(req.window_freed, behind):

@@ -2,10 +2,10 @@
 NATS, Redis, the KV pull): gpt-oss (sinks, alternating sliding/full layers) and a Mixtral whose every layer
 slides (its decode worker frees blocks behind the window). Prompts are longer than the window (16 tokens).
 
-What moves: one pool holds every layer, so the hand-off moves the request's whole block table (all blocks,
-window layers included: see docs/architecture.md, "Sliding windows"); the prefill worker keeps every block
-until the pull and frees them after; the decode worker frees them when the request ends (and, for the
-all-sliding model, earlier, as they leave the window)."""
+What moves (docs/architecture.md, "Sliding windows"): for gpt-oss every block (its full layers need them all,
+one pool holds every layer); for the all-sliding Mixtral only the window's blocks (the prefill worker freed
+the ones behind it while prefilling: the pull's first_block > 0 for the long prompt). Both sides hold
+nothing afterwards."""
 
 from __future__ import annotations
 

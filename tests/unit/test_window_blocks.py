@@ -80,16 +80,39 @@ def test_blocks_behind_the_window_are_freed_and_never_read(checkpoint):
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
-def test_a_request_holding_its_kv_for_a_hand_off_keeps_every_block(checkpoint):
-    engine = _engine(checkpoint)
-    rid = "held"
-    engine.add_request(rid, PROMPTS[0], SamplingParams(max_tokens=1, temperature=0.0), hold_kv=True)
-    while engine.has_unfinished():
-        engine.step()
-    kv = engine.export_kv(rid)
-    assert kv.num_tokens == len(PROMPTS[0]) and kv.blocks.shape[2] == -(-len(PROMPTS[0]) // BLOCK)
-    assert not kv.blocks.isnan().any()
-    assert engine.scheduler.freed_behind_window == 0
+@pytest.mark.parametrize("decode_block", [BLOCK, 4, 16], ids=lambda b: f"decode-block{b}")
+def test_the_hand_off_moves_only_the_window_and_decodes_alike(checkpoint, decode_block):
+    """A prefill engine holding a request's KV for the hand-off frees behind the window too; the export carries
+    the blocks from the first unfreed one (at any receiving block size); the decode engine continues it to the
+    tokens one engine writes."""
+    (expected,) = _engine(checkpoint).generate([PROMPTS[0]], _params())
+    prefill = _engine(checkpoint)
+    prefill.add_request("held", PROMPTS[0], SamplingParams(max_tokens=1, temperature=0.0), hold_kv=True)
+    first: list[int] = []
+    while prefill.has_unfinished():
+        for o in prefill.step():
+            first += o.new_token_ids
+    assert first == expected[:1]
+    kv = prefill.export_kv("held")
+    total = -(-len(PROMPTS[0]) // BLOCK)
+    assert kv.num_tokens == len(PROMPTS[0]) and kv.first_block > 0
+    assert kv.blocks.shape[2] == total - kv.first_block  # only the window's blocks move
+    assert prefill.scheduler.freed_behind_window == kv.first_block
+    prefill.release_kv("held")
+    assert prefill.blocks.num_free == prefill.blocks.num_blocks
+
+    decode = Engine.from_dir(checkpoint, num_kv_blocks=64, block_size=decode_block, max_model_len=256)
+    decode.import_kv("held", PROMPTS[0], first, _params(), kv)
+    held = sum(b != FREED for b in decode.requests["held"].block_table)
+    assert held == -(-len(PROMPTS[0]) // decode_block) - kv.first_block_at(decode_block)
+    out = list(first)
+    while decode.has_unfinished():
+        for o in decode.step():
+            out += o.new_token_ids
+        decode.check_integrity()
+    assert out == expected
+    assert decode.stats.prefill_tokens == 0
+    assert decode.blocks.num_free == decode.blocks.num_blocks
 
 
 def test_the_layout_fingerprint_carries_the_windows():
