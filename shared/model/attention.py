@@ -65,7 +65,9 @@ class Attention(nn.Module, PackedWeights):
             "v": (slice(q + kv, q + 2 * kv), self.kv_rows),
         }
         src = self.shard.source
-        shards = {f"{name}_proj.weight": ("qkv_proj", (rows,), src(cut)) for name, (rows, cut) in parts.items()}
+        shards: dict[str, tuple] = {
+            f"{name}_proj.weight": ("qkv_proj", (rows,), src(cut)) for name, (rows, cut) in parts.items()
+        }
         if self.qkv_bias is not None:
             shards |= {f"{name}_proj.bias": ("qkv_bias", (rows,), src(cut)) for name, (rows, cut) in parts.items()}
         if self.qk_norm is QKNorm.FULL:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 from safetensors import safe_open
@@ -249,8 +249,10 @@ def checkpoint_targets(model: CausalLM) -> dict[str, _Target]:
     for prefix, module in model.named_modules():  # parents before children: a parent's declaration wins
         shards = _shards(module)
         covered = {declared[0] for declared in shards.values()}
-        for suffix, (param, index, *source) in shards.items():
-            targets[_join(prefix, suffix)] = _Target(module.get_parameter(param), index, *source)
+        for suffix, (param, index, *rest) in shards.items():
+            source = cast(tuple, rest[0]) if rest else ()
+            convert = cast(Callable[[torch.Tensor], torch.Tensor], rest[1]) if len(rest) > 1 else None
+            targets[_join(prefix, suffix)] = _Target(module.get_parameter(param), index, source, convert)
         for name, param in module.named_parameters(recurse=False):
             if name not in covered:
                 targets.setdefault(_join(prefix, name), _Target(param, ()))

@@ -127,7 +127,7 @@ class AttentionMetadata:
         def view(window: int | None) -> tuple:
             return _views(tables, context_lens, query_lens, num_decodes, block_size, device, kernels, window)
 
-        windowed = {w: cls(slot_mapping, num_decodes, *view(w)) for w in sorted(windows)}
+        windowed: dict[int, AttentionMetadata] = {w: cls(slot_mapping, num_decodes, *view(w)) for w in sorted(windows)}
         if not full:
             return cls(slot_mapping, num_decodes, [], [], None, windowed=windowed, has_full=False)
         return cls(slot_mapping, num_decodes, *view(None), windowed=windowed)

@@ -92,7 +92,8 @@ def test_mxfp4_checkpoint_loads_as_its_dequantized_weights(pair):
 def test_transformers_reads_the_mxfp4_checkpoint_alike(pair):
     """transformers' own MXFP4 dequantization (`Mxfp4Config(dequantize=True)`: its path without the GPU kernels)
     of the quantized checkpoint gives our logits."""
-    from transformers import AutoModelForCausalLM, Mxfp4Config
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import Mxfp4Config
 
     quant, _ = pair
     ref = AutoModelForCausalLM.from_pretrained(
