@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.model.paged_attention import BUCKET_SLACK_SLOTS, AttentionMetadata, group_decodes, paged_attention
+from shared.model.paged_attention import (
+    BUCKET_SLACK_SLOTS,
+    AttentionMetadata,
+    gather_blocks,
+    group_decodes,
+    paged_attention,
+)
 
 BLOCK = 16
 
@@ -94,6 +100,22 @@ def test_buckets_cover_every_decode_once_and_pad_only_to_their_longest():
 def test_uniform_batch_is_one_bucket_in_order():
     meta = AttentionMetadata.build([[3, 4, 5, 6, 7, 8, 9, 10, 11]] * 32, [136] * 32, [1] * 32, BLOCK)
     assert len(meta.decodes) == 1 and meta.decodes[0].rows == slice(0, 32)
+
+
+def test_bucket_bias_is_the_mask_as_zero_or_minus_inf_made_once_per_dtype():
+    meta = AttentionMetadata.build([list(range(20))] * 2, [40, 17], [1, 1], BLOCK)
+    (d,) = meta.decodes
+    bias = d.bias(torch.bfloat16)
+    assert bias.dtype == torch.bfloat16 and bias.shape == d.mask.shape
+    assert torch.equal(bias == 0, d.mask) and bool((bias[~d.mask] == float("-inf")).all())
+    assert d.bias(torch.bfloat16) is bias  # reused by every layer of the step
+    assert d.bias(torch.float32).dtype == torch.float32
+
+
+def test_gather_blocks_is_advanced_indexing_over_whole_blocks():
+    cache = torch.randn(2, 9, BLOCK, 2, 4)
+    blocks = torch.tensor([7, 0, 3, 3])
+    assert torch.equal(gather_blocks(cache, blocks).view(2, 4, BLOCK, 2, 4), cache[:, blocks])
 
 
 def test_group_decodes_joins_within_slack_only():
