@@ -408,12 +408,8 @@ class Engine:
     ) -> KVExport:
         """Copy out the KV of a request that is decoding or finished holding its KV. No state changes.
         `alloc(shape, dtype)` supplies the memory to copy into (e.g. a reused buffer)."""
-        req = self.requests.get(request_id)
-        if req is None:
-            raise KeyError(f"unknown request {request_id!r}")
-        if req.status is RequestStatus.WAITING or req.num_computed_tokens < req.num_tokens - 1:
-            raise ValueError(f"request {request_id!r} has not finished its prefill")
-        n = self.blocks.blocks_for(req.num_computed_tokens)
+        num_tokens, block_ids = self.kv_blocks(request_id)
+        n = len(block_ids)
         out = None
         if alloc is not None:
             shape = (
@@ -425,7 +421,18 @@ class Engine:
                 self.layout.head_dim,
             )
             out = alloc(shape, self.layout.torch_dtype)
-        return KVExport(self.layout, req.num_computed_tokens, self.pool.read(req.block_table[:n], out=out))
+        return KVExport(self.layout, num_tokens, self.pool.read(block_ids, out=out))
+
+    def kv_blocks(self, request_id: str) -> tuple[int, list[int]]:
+        """(tokens computed, the pool blocks holding them, in order) of a request that is decoding or finished
+        holding its KV: what `export_kv` copies, for a caller that reads the pool itself (a send straight from
+        the blocks). The blocks stay the request's; nothing changes."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        if req.status is RequestStatus.WAITING or req.num_computed_tokens < req.num_tokens - 1:
+            raise ValueError(f"request {request_id!r} has not finished its prefill")
+        return req.num_computed_tokens, list(req.block_table[: self.blocks.blocks_for(req.num_computed_tokens)])
 
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks of a finished request that held them. False if there is no such request."""

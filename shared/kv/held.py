@@ -29,10 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVLayout
 from shared.kv.registry import KvLocation
-from shared.kv.transfer.source import AlreadySending, KvBlocks
+from shared.kv.transfer.source import AlreadySending, KvBlocks, Outgoing
 
 log = logging.getLogger(__name__)
 
@@ -157,9 +156,10 @@ class HeldKv:
 
     # ---- the transfer server's side (KvSource) -------------------------------------------------------------
 
-    async def begin_send(self, key: str) -> KVExport:
-        """HELD → SENDING and a copy of the KV to send. KeyError: not held; AlreadySending: in flight. If the
-        export raises, nothing was sent: back to HELD (or freed, if the lease ran out or a cancel came)."""
+    async def begin_send(self, key: str) -> Outgoing:
+        """HELD → SENDING and the KV to send (a copy, or the blocks themselves). KeyError: not held;
+        AlreadySending: in flight. If the export raises, nothing was sent: back to HELD (or freed, if the
+        lease ran out or a cancel came)."""
         record = self._records.get(key)
         if record is None:
             raise KeyError(f"no KV held for request {key!r}")
