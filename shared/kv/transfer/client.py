@@ -185,6 +185,8 @@ class KvTransferClient:
             task.cancel()
             if task.done() and not task.cancelled() and task.exception() is None:
                 task.result().pair.close()
+                if task.result().segment is not None:
+                    task.result().segment.close()
         self._connections.clear()
         for channel in self._channels.values():
             await channel.close()
@@ -326,6 +328,8 @@ class KvTransferClient:
         """Stop using `conn`'s pair: the next pull from `address` negotiates a new one. Closing our side
         (once no recv is in flight on it) closes the connection, which fails the server's pending sends."""
         conn.pair.close()
+        if conn.segment is not None:  # unmapped now unless a pulled tensor still lives on it
+            conn.segment.close()
         task = self._connections.get(address)
         if task is not None and task.done() and not task.cancelled() and task.exception() is None:
             if task.result() is conn:

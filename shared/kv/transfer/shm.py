@@ -119,6 +119,11 @@ class Segment:
             path.unlink(missing_ok=True)
         return cls(name, nbytes, mapping, path)
 
+    def close(self) -> None:
+        """Unmap now if no tensor is on the segment any more; else the mapping goes with the last one."""
+        with contextlib.suppress(BufferError):
+            self._map.close()
+
     def unlink(self) -> None:
         """Remove the name (the mappings stay valid). Idempotent."""
         self._path.unlink(missing_ok=True)
