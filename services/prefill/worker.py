@@ -68,6 +68,7 @@ class PrefillWorker(Worker[PrefillJob]):
             send_stream=stream,
             tls=KvTls.load(*kv.tls_files),
             replay_capacity=kv.replay_cache_entries,
+            shm_bytes=kv.shm_bytes,
         )
         self.rpc_address = await self.server.start()
 
