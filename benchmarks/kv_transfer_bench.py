@@ -15,7 +15,9 @@ median of a few runs), holds the KV and serves KvTransfer on 127.0.0.1. This pro
 - export: `Engine.export_kv` alone, in the prefill process;
 - raw gloo: the same bytes between the same two processes on a second two-rank gloo group: we send a
   16-byte "go", the prefill side answers with a preallocated tensor; timed from the go to the recv's end;
-- clone: `tensor.clone()` of a tensor of the same size in this process (memory-copy bound).
+- clone: `tensor.clone()` of a tensor of the same size in this process (fresh memory: page faults above
+  glibc's mmap threshold); copy: `out.copy_(tensor)` into memory reused across repeats, the plain memory
+  copy the shared-memory path is compared with.
 A first row of FIXED_TOKENS (one block) shows the per-pull fixed cost, with `rpc`: a Pull of an unknown
 request (the round trip with its ticket checks, NOT_FOUND) and its parts measured in this process.
 The bench source never frees the KV (its end_send only takes back its staging), so each repeat pulls the
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import multiprocessing as mp
 import statistics
@@ -209,7 +212,9 @@ async def measure(info: dict, sizes: list[int], repeats: int) -> tuple[list[dict
             for kv in warm.values():
                 client.recycle(kv)  # a shared-memory one frees its region when dropped; recycle ignores it
             warm.clear()
-            times: dict[str, list[float]] = {k: [] for k in (*KINDS, "raw", "clone")}
+            times: dict[str, list[float]] = {k: [] for k in (*KINDS, "raw", "clone", "copy")}
+            copy_buffer = torch.empty_like(raw_buffer)
+            copy_buffer.copy_(raw_buffer)  # touched once: no page faults while timing
             for _ in range(repeats):
                 for key, rid in pulls.items():
                     t0 = time.perf_counter()
@@ -219,6 +224,7 @@ async def measure(info: dict, sizes: list[int], repeats: int) -> tuple[list[dict
                     del kv
                 times["raw"].append(await asyncio.to_thread(raw_pull, raw, index, raw_buffer))
                 times["clone"].append(median_s(raw_buffer.clone, 1))
+                times["copy"].append(median_s(functools.partial(copy_buffer.copy_, raw_buffer), 1))
             seconds = {k: statistics.median(v) for k, v in times.items()}
             rows.append(row(n, nbytes, seconds, info, n))
         fixed = await fixed_cost(client, address, layout, repeats)
@@ -262,6 +268,7 @@ def row(tokens: int, nbytes: int, seconds: dict[str, float], info: dict, n: int)
         pull_staged_vs_raw=seconds["raw"] / seconds["pull_staged"],
         shm_vs_pull=seconds["pull"] / seconds["shm"],
         shm_vs_clone=seconds["clone"] / seconds["shm"],
+        shm_vs_copy=seconds["copy"] / seconds["shm"],
         export_ms=info["export"][n] * 1e3,
         ttft_ms=ttft * 1e3,
         pull_share_of_ttft=seconds["pull"] / ttft,
@@ -272,15 +279,16 @@ def row(tokens: int, nbytes: int, seconds: dict[str, float], info: dict, n: int)
 def print_table(rows: list[dict], fixed: dict) -> None:
     print(
         "| prompt tokens | KV (runs, way) | raw gloo | pull | pull / raw | pull, export copy | export / raw "
-        "| pre-exported / raw | shm pull | shm / pull | shm / clone | clone | TTFT | pull / TTFT |"
+        "| pre-exported / raw | shm pull | shm / pull | copy | shm / copy | clone | TTFT | pull / TTFT |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         cells = [f"{r['tokens']}", f"{r['bytes'] / 1e6:.2f} MB ({r['runs']}, {r['mode']})"]
         cells += [f"{r[k + '_ms']:.2f} ms, {r[k + '_gbps']:.2f} GB/s" for k in ("raw", "pull")]
         cells += [f"{r['pull_vs_raw']:.0%}", f"{r['pull_export_ms']:.2f} ms", f"{r['pull_export_vs_raw']:.0%}"]
         cells += [f"{r['pull_staged_vs_raw']:.0%}", f"{r['shm_ms']:.2f} ms, {r['shm_gbps']:.2f} GB/s"]
-        cells += [f"{r['shm_vs_pull']:.1f}x", f"{r['shm_vs_clone']:.0%}"]
+        cells += [f"{r['shm_vs_pull']:.1f}x", f"{r['copy_ms']:.2f} ms, {r['copy_gbps']:.2f} GB/s"]
+        cells += [f"{r['shm_vs_copy']:.0%}"]
         cells += [f"{r['clone_ms']:.2f} ms, {r['clone_gbps']:.2f} GB/s", f"{r['ttft_ms']:.0f} ms"]
         cells += [f"{r['pull_share_of_ttft']:.1%}"]
         print("| " + " | ".join(cells) + " |")
