@@ -35,7 +35,6 @@ import grpc
 import torch.distributed as dist
 from google.protobuf.message import DecodeError
 
-from shared.engine.kv_export import KVExport
 from shared.kv.replay import DEFAULT_CAPACITY, ReplayCache
 from shared.kv.tickets import TicketError, TicketReason, Tickets
 from shared.kv.transfer.channel_tls import KvTls
@@ -43,6 +42,7 @@ from shared.kv.transfer.heads import HeadsRefused, begin_send
 from shared.kv.transfer.pair import PREFILL_RANK, Pair, TransferBackend, check_backend, store_client
 from shared.kv.transfer.pair_proof import PairProofs, PairRefused
 from shared.kv.transfer.pool_kv import PoolKv
+from shared.kv.transfer.segment_send import InjectedFault, copy_into_region, fits, shape_of
 from shared.kv.transfer.send_stream import SendStream
 from shared.kv.transfer.shm import Segment, host_identity, sweep_stale
 from shared.kv.transfer.source import AlreadySending, KvSource, Outgoing
@@ -71,10 +71,6 @@ _TICKET_CODES = {
 }
 PAIR_ID_BYTES = 24  # of CSPRNG output in each pair id
 DEFAULT_SHM_BYTES = 256 << 20  # a same-host pair's segment: KV up to this size skips the socket
-
-
-class InjectedFault(RuntimeError):
-    """The failure `fault_send_midway` makes: the send stopped after its first piece."""
 
 
 @dataclass
@@ -325,7 +321,7 @@ class KvTransferServer:
             }
         )
         self.stats.pulls += 1
-        if self._fits_segment(slot, request, kv):
+        if fits(slot.segment, request.shm_offset, request.shm_capacity, kv):
             return await self._write_segment(slot, kv, request, span, started, context)
         if isinstance(kv, PoolKv):
             tag = slot.reserve_tags(kv.num_pieces(self.chunk_bytes))
@@ -338,13 +334,6 @@ class KvTransferServer:
         task.add_done_callback(self._sends.discard)
         return reply
 
-    def _fits_segment(self, slot: _Slot, request: pb.PullRequest, kv: Outgoing) -> bool:
-        """The pull offers a region of the pair's segment that holds this KV (else it goes over the pair)."""
-        segment, offset, capacity = slot.segment, request.shm_offset, request.shm_capacity
-        if segment is None or capacity == 0:
-            return False
-        return kv.nbytes <= capacity and offset + capacity <= segment.nbytes and offset % 64 == 0
-
     async def _write_segment(
         self, slot: _Slot, kv: Outgoing, request: pb.PullRequest, span, started: float, context
     ) -> pb.PullReply:
@@ -352,10 +341,11 @@ class KvTransferServer:
         says it is there. The KV is freed either way, as after a send over the pair."""
         assert slot.segment is not None
         rid, labels, error = request.request_id, (self.model_name, "prefill"), None
-        shape = tuple(kv.shape) if isinstance(kv, PoolKv) else tuple(kv.blocks.shape)
+        shape = shape_of(kv)
+        faults = (self.fault_send_midway, self.fault_send_stall_s)
         try:
             region = slot.segment.view(request.shm_offset, shape, kv.layout.torch_dtype)
-            await asyncio.get_running_loop().run_in_executor(self._executor, self._copy_blocking, kv, region)
+            await asyncio.get_running_loop().run_in_executor(self._executor, copy_into_region, kv, region, *faults)
             self.stats.shm_pulls += 1
             self.stats.bytes_sent += kv.nbytes
             metrics.KV_TRANSFER_BYTES.labels(*labels).inc(kv.nbytes)
@@ -378,23 +368,6 @@ class KvTransferServer:
         reply = announce(kv.layout, kv.num_tokens, shape, 0, 0)
         reply.shm_bytes = kv.nbytes
         return reply
-
-    def _copy_blocking(self, kv: Outgoing, region) -> None:
-        """On a send thread: the KV into the shared region (faults: half of it, a stall, a raise)."""
-        if self.fault_send_midway or self.fault_send_stall_s:
-            flat = region.view(-1)
-            half = flat.numel() // 2
-            src = (kv.blocks if isinstance(kv, KVExport) else kv.pool.read(kv.block_ids)).reshape(-1)
-            flat[:half].copy_(src[:half])
-            time.sleep(self.fault_send_stall_s)
-            if self.fault_send_midway:
-                raise InjectedFault("injected fault: wrote half the KV into shared memory, then dropped the pair")
-            flat[half:].copy_(src[half:])
-            return
-        if isinstance(kv, PoolKv):
-            kv.copy_into(region)
-        else:
-            region.copy_(kv.blocks)
 
     async def _check_shape(
         self, context: grpc.aio.ServicerContext, rpc: str, request: _Call | _Unreadable, *ids: str
