@@ -4,18 +4,24 @@
 
 A spawned prefill process loads the `small` demo checkpoint, prefills one prompt per size (timing TTFT,
 median of a few runs), holds the KV and serves KvTransfer on 127.0.0.1. This process is the decode side:
-- pull: `KvTransferClient.pull` end to end: Pull RPC (the server exports a copy of the blocks with
-  `Engine.export_kv`, announces them and starts the send) + recv, over a pair negotiated once before timing;
-  each pulled tensor is handed back with `recycle`, as a decode worker does after importing it;
-- pull, pre-exported: the same, but the source answers with a copy exported beforehand: the transfer
-  plane's own cost (RPC + wire), without the engine's gather of the blocks;
+- pull: `KvTransferClient.pull` end to end over the socket: Pull RPC (the server lends the request's pool
+  blocks, `PoolKv`: sent straight from the pool, no export pass) + recv, over a pair negotiated once before
+  timing; each pulled tensor is handed back with `recycle`, as a decode worker does after importing it;
+- pull, export copy: the same, but the server first copies the blocks out (`Engine.export_kv`, the path
+  before the pool-direct send, and still CUDA's);
+- pull, pre-exported: the source answers with a copy exported beforehand: the transfer plane's own cost;
+- shm pull: a client on the same host takes the pair's shared segment: the server gathers the blocks
+  into it, the reply says so, the result is a view of the segment (dropped after each repeat);
 - export: `Engine.export_kv` alone, in the prefill process;
 - raw gloo: the same bytes between the same two processes on a second two-rank gloo group: we send a
   16-byte "go", the prefill side answers with a preallocated tensor; timed from the go to the recv's end;
-- clone: `tensor.clone()` of a tensor of the same size in this process (memory-copy bound).
-The bench source never frees the KV (its end_send only takes back the copy's buffer), so each repeat
-pulls the same blocks again.
-Repeats alternate pull / raw / clone; each figure is the median, after one warm-up of each.
+- clone: `tensor.clone()` of a tensor of the same size in this process (fresh memory: page faults above
+  glibc's mmap threshold); copy: `out.copy_(tensor)` into memory reused across repeats, the plain memory
+  copy the shared-memory path is compared with.
+A first row of FIXED_TOKENS (one block) shows the per-pull fixed cost, with `rpc`: a Pull of an unknown
+request (the round trip with its ticket checks, NOT_FOUND) and its parts measured in this process.
+The bench source never frees the KV (its end_send only takes back its staging), so each repeat pulls the
+same blocks again. Repeats alternate the kinds; each figure is the median, after one warm-up of each.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import multiprocessing as mp
 import statistics
@@ -41,17 +48,20 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere, installed or not
 from shared.engine.config import SchedulerConfig  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.kv_export import KVExport  # noqa: E402
-from shared.engine.kv_pool import KVLayout  # noqa: E402
+from shared.engine.kv_pool import KVLayout, block_runs  # noqa: E402
 from shared.engine.sampling import SamplingParams  # noqa: E402
-from shared.kv.transfer import KvTransferClient, KvTransferServer, TransferBackend  # noqa: E402
+from shared.kv.tickets import Tickets  # noqa: E402
+from shared.kv.transfer import KvTransferClient, KvTransferError, KvTransferServer, TransferBackend  # noqa: E402
 from shared.kv.transfer.buffers import BufferPool  # noqa: E402
 from shared.kv.transfer.pair import DECODE_RANK, PREFILL_RANK, Pair  # noqa: E402
+from shared.kv.transfer.pool_kv import PoolKv  # noqa: E402
 from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
 
 HOST = "127.0.0.1"
 TIMEOUT_S = 120.0
 SECRET = b"kv-transfer-bench-secret"  # both sides sign and check tickets, as workers do
 TTFT_REPEATS = 3
+FIXED_TOKENS = 16  # one block: the per-pull fixed cost
 GO_TAG = 1  # raw gloo: "go" messages; payloads use GO_TAG + 1 + index of the prompt size
 
 
@@ -66,7 +76,8 @@ def prepare_model(model_dir: str | None) -> Path:
 
 class BenchSource:
     """KvSource over held requests that never frees them, so every repeat pulls the same KV again.
-    Ids in `staged` answer with that export (no copy); the others export from the engine on each pull."""
+    "kv-<n>": the pool blocks (PoolKv, as EngineKvBlocks lends them); "export-<n>": an export copy of them;
+    ids in `staged` answer with that export (no copy)."""
 
     def __init__(self, engine: Engine, staged: dict[str, KVExport]) -> None:
         self.engine = engine
@@ -79,12 +90,18 @@ class BenchSource:
     def is_sending(self, request_id: str) -> bool:
         return False  # the bench pulls one request at a time
 
-    async def begin_send(self, request_id: str) -> KVExport:
+    async def begin_send(self, request_id: str) -> KVExport | PoolKv:
         if request_id in self.staged:
             return self.staged[request_id]
-        kv = self.engine.export_kv(request_id, alloc=self.buffers.take)  # a copy, as a real pull makes
-        self.lent[request_id] = kv.blocks
-        return kv
+        if request_id.startswith("export-"):  # a copy, as a pull made before the pool-direct send
+            kv = self.engine.export_kv(request_id.replace("export-", "kv-"), alloc=self.buffers.take)
+            self.lent[request_id] = kv.blocks
+            return kv
+        num_tokens, block_ids, first_block = self.engine.kv_blocks(request_id)
+        lent = PoolKv.plan(self.engine.pool, num_tokens, block_ids, self.buffers.take, first_block=first_block)
+        if lent.staging is not None:
+            self.lent[request_id] = lent.staging
+        return lent
 
     async def end_send(self, request_id: str, ok: bool) -> None:
         if request_id in self.lent:  # the send is over; the KV itself stays held for the next repeat
@@ -111,9 +128,12 @@ def median_s(fn, repeats: int) -> float:
 def prefill_main(conn, model_dir: str, sizes: list[int], repeats: int) -> None:
     torch.manual_seed(0)
     engine = Engine.from_dir(
-        model_dir, scheduler=SchedulerConfig(max_num_batched_tokens=max(sizes)), num_kv_blocks=-(-2 * sum(sizes) // 16)
+        model_dir,
+        scheduler=SchedulerConfig(max_num_batched_tokens=max(sizes)),
+        num_kv_blocks=-(-2 * sum(sizes) // 16),
+        max_model_len=max(sizes) + 16,
     )
-    timings: dict[str, dict[int, float]] = {"ttft": {}, "export": {}}
+    timings: dict[str, dict] = {"ttft": {}, "export": {}, "runs": {}, "mode": {}}
     staged = {}
     for n in sizes:
         prompt = torch.randint(0, 256, (n,)).tolist()
@@ -127,6 +147,9 @@ def prefill_main(conn, model_dir: str, sizes: list[int], repeats: int) -> None:
 
         timings["export"][n] = median_s(export, repeats)
         staged[f"staged-{n}"] = engine.export_kv(f"kv-{n}")
+        _, ids, _ = engine.kv_blocks(f"kv-{n}")
+        timings["runs"][n] = len(block_runs(ids))
+        timings["mode"][n] = PoolKv.plan(engine.pool, n, ids, alloc=pool.take).mode
     raw_store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
     asyncio.run(serve(conn, BenchSource(engine, staged), raw_store, timings))
 
@@ -165,68 +188,115 @@ def raw_pull(pair: Pair, index: int, out: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
-async def measure(info: dict, sizes: list[int], repeats: int) -> list[dict]:
+KINDS = ("pull", "pull_export", "pull_staged", "shm")  # pulls timed per size; plus "raw" and "clone"
+
+
+async def measure(info: dict, sizes: list[int], repeats: int) -> tuple[list[dict], dict]:
     layout = KVLayout(**info["layout"])
-    client = KvTransferClient("bench-decode", secret=SECRET, timeout_s=TIMEOUT_S)
+    address = info["address"]
+    client = KvTransferClient("bench-decode", secret=SECRET, timeout_s=TIMEOUT_S, shared_memory=False)
+    shm = KvTransferClient("bench-decode-shm", secret=SECRET, timeout_s=TIMEOUT_S, shared_memory=True)
+    by_kind = {"pull": client, "pull_export": client, "pull_staged": client, "shm": shm}
     store = dist.TCPStore(HOST, info["raw_port"], is_master=False)
     raw = await asyncio.to_thread(Pair.join, TransferBackend.GLOO, store, "raw", DECODE_RANK, TIMEOUT_S, HOST)
     rows = []
     try:
         for index, n in enumerate(sizes):
-            pulls = {"pull": f"kv-{n}", "pull_staged": f"staged-{n}"}
-            warm = {k: await client.pull(info["address"], rid, layout) for k, rid in pulls.items()}
+            pulls = {"pull": f"kv-{n}", "pull_export": f"export-{n}", "pull_staged": f"staged-{n}", "shm": f"kv-{n}"}
+            shm_before = shm.stats.shm_pulls
+            warm = {k: await by_kind[k].pull(address, rid, layout) for k, rid in pulls.items()}
             raw_buffer = torch.empty_like(warm["pull"].blocks)
             raw_pull(raw, index, raw_buffer)
             assert all(torch.equal(kv.blocks, raw_buffer) for kv in warm.values()), "different bytes arrived"
+            assert shm.stats.shm_pulls == shm_before + 1, "the same-host pull did not go through shared memory"
             nbytes = raw_buffer.numel() * raw_buffer.element_size()
             for kv in warm.values():
-                client.recycle(kv)
-            times: dict[str, list[float]] = {"pull": [], "pull_staged": [], "raw": [], "clone": []}
+                client.recycle(kv)  # a shared-memory one frees its region when dropped; recycle ignores it
+            warm.clear()
+            times: dict[str, list[float]] = {k: [] for k in (*KINDS, "raw", "clone", "copy")}
+            copy_buffer = torch.empty_like(raw_buffer)
+            copy_buffer.copy_(raw_buffer)  # touched once: no page faults while timing
             for _ in range(repeats):
                 for key, rid in pulls.items():
                     t0 = time.perf_counter()
-                    kv = await client.pull(info["address"], rid, layout)
+                    kv = await by_kind[key].pull(address, rid, layout)
                     times[key].append(time.perf_counter() - t0)
                     client.recycle(kv)  # as a decode worker does once the KV is imported
+                    del kv
                 times["raw"].append(await asyncio.to_thread(raw_pull, raw, index, raw_buffer))
                 times["clone"].append(median_s(raw_buffer.clone, 1))
+                times["copy"].append(median_s(functools.partial(copy_buffer.copy_, raw_buffer), 1))
             seconds = {k: statistics.median(v) for k, v in times.items()}
-            rows.append(row(n, nbytes, seconds, info["ttft"][n], info["export"][n]))
+            rows.append(row(n, nbytes, seconds, info, n))
+        fixed = await fixed_cost(client, address, layout, repeats)
         await asyncio.to_thread(raw.send, [torch.tensor([-1, 0])], GO_TAG)
     finally:
         await client.close()
-    return rows
+        await shm.close()
+    return rows, fixed
 
 
-def row(tokens: int, nbytes: int, seconds: dict[str, float], ttft: float, export: float) -> dict:
+async def fixed_cost(client: KvTransferClient, address: str, layout: KVLayout, repeats: int) -> dict:
+    """What a pull costs besides its bytes: the Pull round trip (an unknown request: the RPC, its ticket
+    minted and verified, the checks, NOT_FOUND) and, in this process, minting and verifying one ticket."""
+    rpc = []
+    for _ in range(repeats * 3):
+        t0 = time.perf_counter()
+        try:
+            await client.pull(address, "no-such-request", layout)
+        except KvTransferError:
+            pass
+        rpc.append(time.perf_counter() - t0)
+    tickets = Tickets(SECRET)
+    mint = median_s(lambda: tickets.mint("d", "r"), 200)
+    ticket = tickets.mint("d", "r")
+    verify = median_s(lambda: tickets.verify(ticket, "d", "r"), 200)
+    return dict(rpc_ms=statistics.median(rpc) * 1e3, ticket_mint_us=mint * 1e6, ticket_verify_us=verify * 1e6)
+
+
+def row(tokens: int, nbytes: int, seconds: dict[str, float], info: dict, n: int) -> dict:
     gbps = {f"{k}_gbps": nbytes / s / 1e9 for k, s in seconds.items()}
+    ttft = info["ttft"][n]
     return dict(
         tokens=tokens,
         bytes=nbytes,
+        runs=info["runs"][n],
+        mode=info["mode"][n],
         **{f"{k}_ms": s * 1e3 for k, s in seconds.items()},
         **gbps,
         pull_vs_raw=seconds["raw"] / seconds["pull"],
+        pull_export_vs_raw=seconds["raw"] / seconds["pull_export"],
         pull_staged_vs_raw=seconds["raw"] / seconds["pull_staged"],
-        export_ms=export * 1e3,
+        shm_vs_pull=seconds["pull"] / seconds["shm"],
+        shm_vs_clone=seconds["clone"] / seconds["shm"],
+        shm_vs_copy=seconds["copy"] / seconds["shm"],
+        export_ms=info["export"][n] * 1e3,
         ttft_ms=ttft * 1e3,
         pull_share_of_ttft=seconds["pull"] / ttft,
+        shm_share_of_ttft=seconds["shm"] / ttft,
     )
 
 
-def print_table(rows: list[dict]) -> None:
+def print_table(rows: list[dict], fixed: dict) -> None:
     print(
-        "| prompt tokens | KV | raw gloo | pull | pull / raw | pull, pre-exported | pre-exported / raw "
-        "| export alone | clone | TTFT | pull / TTFT |"
+        "| prompt tokens | KV (runs, way) | raw gloo | pull | pull / raw | pull, export copy | export / raw "
+        "| pre-exported / raw | shm pull | shm / pull | copy | shm / copy | clone | TTFT | pull / TTFT |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        cells = [f"{r['tokens']}", f"{r['bytes'] / 1e6:.1f} MB"]
-        cells += [f"{r[k + '_ms']:.1f} ms, {r[k + '_gbps']:.2f} GB/s" for k in ("raw", "pull")]
-        cells += [f"{r['pull_vs_raw']:.0%}", f"{r['pull_staged_ms']:.1f} ms, {r['pull_staged_gbps']:.2f} GB/s"]
-        cells += [f"{r['pull_staged_vs_raw']:.0%}", f"{r['export_ms']:.1f} ms"]
-        cells += [f"{r['clone_ms']:.1f} ms, {r['clone_gbps']:.2f} GB/s", f"{r['ttft_ms']:.0f} ms"]
+        cells = [f"{r['tokens']}", f"{r['bytes'] / 1e6:.2f} MB ({r['runs']}, {r['mode']})"]
+        cells += [f"{r[k + '_ms']:.2f} ms, {r[k + '_gbps']:.2f} GB/s" for k in ("raw", "pull")]
+        cells += [f"{r['pull_vs_raw']:.0%}", f"{r['pull_export_ms']:.2f} ms", f"{r['pull_export_vs_raw']:.0%}"]
+        cells += [f"{r['pull_staged_vs_raw']:.0%}", f"{r['shm_ms']:.2f} ms, {r['shm_gbps']:.2f} GB/s"]
+        cells += [f"{r['shm_vs_pull']:.1f}x", f"{r['copy_ms']:.2f} ms, {r['copy_gbps']:.2f} GB/s"]
+        cells += [f"{r['shm_vs_copy']:.0%}"]
+        cells += [f"{r['clone_ms']:.2f} ms, {r['clone_gbps']:.2f} GB/s", f"{r['ttft_ms']:.0f} ms"]
         cells += [f"{r['pull_share_of_ttft']:.1%}"]
         print("| " + " | ".join(cells) + " |")
+    print(
+        f"fixed cost: Pull round trip (NOT_FOUND) {fixed['rpc_ms']:.2f} ms; "
+        f"ticket mint {fixed['ticket_mint_us']:.1f} us, verify {fixed['ticket_verify_us']:.1f} us"
+    )
 
 
 def main() -> None:
@@ -239,28 +309,38 @@ def main() -> None:
     model_dir = prepare_model(args.model)
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=prefill_main, args=(theirs, str(model_dir), args.tokens, args.repeats), daemon=True)
+    sizes = [FIXED_TOKENS, *args.tokens]  # the first row: the per-pull fixed cost
+    proc = ctx.Process(target=prefill_main, args=(theirs, str(model_dir), sizes, args.repeats), daemon=True)
     proc.start()
     try:
         info = ours.recv()
-        rows = asyncio.run(measure(info, args.tokens, args.repeats))
+        rows, fixed = asyncio.run(measure(info, sizes, args.repeats))
         ours.send("stop")
         proc.join(30)
     finally:
         if proc.is_alive():
             proc.kill()
-    print_table(rows)
+    print_table(rows, fixed)
     result = dict(
         date=datetime.now(UTC).isoformat(timespec="seconds"),
         torch=torch.__version__,
         threads=torch.get_num_threads(),
         model=str(model_dir),
         repeats=args.repeats,
+        cpu=cpu_model(),
         rows=rows,
+        fixed_cost=fixed,
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
 
 
 if __name__ == "__main__":

@@ -181,6 +181,9 @@ class KvTransferSettings:
     """Bounds forming a transfer pair and each KV send / receive."""
     chunk_bytes: int = 64 << 20
     """KV moves in pieces of at most this many bytes (0 = one piece)."""
+    shm_bytes: int = 256 << 20
+    """Same-host pairs (prefill and decode report one host identity): the shared-memory segment each pair
+    gets, and the largest KV it carries (bigger KV goes over the socket); 0 = never shared memory."""
     fallback: KvFallback = KvFallback.RECOMPUTE
     """Decode workers, when the KV cannot be pulled: recompute (the prompt again) | fail (a clear error)."""
     fault_send_midway: bool = flat("fault_kv_send_midway", False)
@@ -202,8 +205,8 @@ class KvTransferSettings:
     def __post_init__(self) -> None:
         if self.lease_s <= 0:
             raise ValueError("kv_lease_s must be positive")
-        if self.timeout_s <= 0 or self.chunk_bytes < 0:
-            raise ValueError("kv_transfer_timeout_s must be positive, kv_chunk_bytes >= 0")
+        if self.timeout_s <= 0 or self.chunk_bytes < 0 or self.shm_bytes < 0:
+            raise ValueError("kv_transfer_timeout_s must be positive, kv_chunk_bytes and kv_shm_bytes >= 0")
         if self.replay_cache_entries < 1:
             raise ValueError("kv_replay_cache_entries must be at least 1")
         tls = {"CA": self.tls_ca, "CERT": self.tls_cert, "KEY": self.tls_key}

@@ -69,6 +69,7 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
             timeout_s=self.settings.kv.timeout_s,
             model_name=self.model_name,
             tls=KvTls.load(*self.settings.kv.tls_files),
+            shared_memory=self.settings.kv.shm_bytes > 0,
         )
 
     async def teardown(self) -> None:

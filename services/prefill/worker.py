@@ -83,6 +83,7 @@ class PrefillWorker(Worker[PrefillJob]):
             tls=KvTls.load(*kv.tls_files),
             replay_capacity=kv.replay_cache_entries,
             ticket_holder=group_of,  # a decode group's ranks pull their heads under their group's ticket
+            shm_bytes=kv.shm_bytes,
         )
         self.rpc_address = await self.server.start()
 

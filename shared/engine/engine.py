@@ -415,6 +415,25 @@ class Engine:
     ) -> KVExport:
         """Copy out the KV of a request that is decoding or finished holding its KV. No state changes.
         `alloc(shape, dtype)` supplies the memory to copy into (e.g. a reused buffer)."""
+        num_tokens, block_ids, first = self.kv_blocks(request_id)
+        out = None
+        if alloc is not None:
+            shape = (
+                self.layout.num_layers,
+                2,
+                len(block_ids),
+                self.layout.block_size,
+                self.layout.num_held_kv_heads,
+                self.layout.head_dim,
+            )
+            out = alloc(shape, self.layout.torch_dtype)
+        return KVExport(self.layout, num_tokens, self.pool.read(block_ids, out=out), first_block=first)
+
+    def kv_blocks(self, request_id: str) -> tuple[int, list[int], int]:
+        """(tokens computed, the pool blocks holding them in order, the request's block they start at) of a
+        request that is decoding or finished holding its KV: what `export_kv` copies, for a caller that reads
+        the pool itself (a send straight from the blocks). Blocks freed behind the sliding window are not
+        among them (they start at the first unfreed one). The blocks stay the request's; nothing changes."""
         req = self.requests.get(request_id)
         if req is None:
             raise KeyError(f"unknown request {request_id!r}")
@@ -424,19 +443,7 @@ class Engine:
         first = req.window_freed  # blocks freed behind the sliding window are not carried
         if FREED in req.block_table[first:n]:
             raise AssertionError(f"request {request_id!r} has freed blocks past its first {first}")
-        out = None
-        if alloc is not None:
-            shape = (
-                self.layout.num_layers,
-                2,
-                n - first,
-                self.layout.block_size,
-                self.layout.num_held_kv_heads,
-                self.layout.head_dim,
-            )
-            out = alloc(shape, self.layout.torch_dtype)
-        blocks = self.pool.read(req.block_table[first:n], out=out)
-        return KVExport(self.layout, req.num_computed_tokens, blocks, first_block=first)
+        return req.num_computed_tokens, list(req.block_table[first:n]), first
 
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks of a finished request that held them. False if there is no such request."""

@@ -92,6 +92,21 @@ class KVPool:
             return self.tensor.index_select(2, index)
         return torch.index_select(self.tensor, 2, index, out=out)
 
+    @property
+    def num_planes(self) -> int:
+        """Planes per layer and block (K and V: 2)."""
+        return self.tensor.shape[1]
+
+    def segment(self, layer: int, plane: int, start: int, count: int) -> torch.Tensor:
+        """Blocks [start, start + count) of one layer's plane: a contiguous view (no copy) of shape
+        (count, B, KVH, hd). A contiguous run of a request's blocks is one segment per (layer, plane)."""
+        return self.tensor[layer, plane, start : start + count]
+
+    def read_layer(self, layer: int, block_ids: list[int], out: torch.Tensor) -> torch.Tensor:
+        """Copy of the given blocks of one layer, all planes: into `out`, of shape (planes, n, B, KVH, hd)."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.tensor.device)
+        return torch.index_select(self.tensor[layer], 1, index, out=out)
+
     def write(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Fill the given blocks from `data` of shape (L, 2, n, B, KVH, hd)."""
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.tensor.device)
@@ -105,3 +120,14 @@ class KVPool:
         """Copy one block (all layers, K and V) onto another, on the device (a forked sequence's own copy of a
         partially filled prompt block)."""
         self.tensor[:, :, dst].copy_(self.tensor[:, :, src])
+
+
+def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """The ids as maximal runs of consecutive blocks, in order: [(first id, count), ...]."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs

@@ -35,10 +35,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVLayout
 from shared.kv.registry import KvLocation
-from shared.kv.transfer.source import AlreadySending, KvBlocks
+from shared.kv.transfer.source import AlreadySending, KvBlocks, Outgoing
 
 log = logging.getLogger(__name__)
 
@@ -170,9 +172,10 @@ class HeldKv:
 
     # ---- the transfer server's side (KvSource) -------------------------------------------------------------
 
-    async def begin_send(self, key: str) -> KVExport:
-        """HELD → SENDING and a copy of the KV to send. KeyError: not held; AlreadySending: in flight. If the
-        export raises, nothing was sent: back to HELD (or freed, if the lease ran out or a cancel came)."""
+    async def begin_send(self, key: str) -> Outgoing:
+        """HELD → SENDING and the KV to send (a copy, or the blocks themselves). KeyError: not held;
+        AlreadySending: in flight. If the export raises, nothing was sent: back to HELD (or freed, if the
+        lease ran out or a cancel came)."""
         record = self._records.get(key)
         if record is None:
             raise KeyError(f"no KV held for request {key!r}")
@@ -203,7 +206,7 @@ class HeldKv:
         record.slices_in_flight += 1
         record.group_pulls = group_pulls
         if record.export is None:  # the first slice exports; the others wait for the same export
-            record.export = asyncio.ensure_future(self.blocks.export_kv(key))
+            record.export = asyncio.ensure_future(self._export_whole(key))
         try:
             full = await asyncio.shield(record.export)
         except BaseException:
@@ -214,7 +217,11 @@ class HeldKv:
             full.layout.num_layers, full.layout.num_kv_heads, full.layout.head_dim, full.layout.block_size,
             full.layout.dtype, tuple(heads),
         )  # fmt: skip
-        return KVExport(layout, full.num_tokens, full.blocks[:, :, :, :, heads.start : heads.stop].contiguous())
+        blocks = full.blocks[:, :, :, :, heads.start : heads.stop].contiguous()
+        return KVExport(layout, full.num_tokens, blocks, first_block=full.first_block)
+
+    async def _export_whole(self, key: str) -> KVExport:
+        return _as_export(await self.blocks.export_kv(key))
 
     async def end_send(self, key: str, ok: bool) -> None:
         """The send is over: free the blocks whatever its outcome (a no-op if release_all got there first). A
@@ -292,3 +299,13 @@ class HeldKv:
             await self.registry.delete(key)
         except Exception as exc:  # the entry's TTL removes it anyway
             log.warning("could not delete the KV location of %s: %s", key, exc)
+
+
+def _as_export(kv: Outgoing) -> KVExport:
+    """The KV as one tensor, which head slices are cut from: a send planned straight from the pool's blocks
+    is gathered once (every slice of the group's pulls shares that copy)."""
+    if isinstance(kv, KVExport):
+        return kv
+    out = torch.empty(kv.shape, dtype=kv.layout.torch_dtype)
+    kv.copy_into(out)
+    return KVExport(kv.layout, kv.num_tokens, out, first_block=kv.first_block)

@@ -17,29 +17,35 @@ BACKEND_GLOO: Backend
 BACKEND_NCCL: Backend
 
 class ConnectRequest(_message.Message):
-    __slots__ = ("decode_worker_id", "backend", "layout_fingerprint", "ticket")
+    __slots__ = ("decode_worker_id", "backend", "layout_fingerprint", "ticket", "host_id")
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     decode_worker_id: str
     backend: Backend
     layout_fingerprint: str
     ticket: str
-    def __init__(self, decode_worker_id: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., layout_fingerprint: _Optional[str] = ..., ticket: _Optional[str] = ...) -> None: ...
+    host_id: str
+    def __init__(self, decode_worker_id: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., layout_fingerprint: _Optional[str] = ..., ticket: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class ConnectReply(_message.Message):
-    __slots__ = ("store_host", "store_port", "pair_id")
+    __slots__ = ("store_host", "store_port", "pair_id", "shm_name", "shm_bytes")
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
     store_host: str
     store_port: int
     pair_id: str
-    def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., pair_id: _Optional[str] = ...) -> None: ...
+    shm_name: str
+    shm_bytes: int
+    def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., pair_id: _Optional[str] = ..., shm_name: _Optional[str] = ..., shm_bytes: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("request_id", "ticket", "decode_worker_id", "pair_id", "layout_fingerprint", "kv_head_start", "kv_head_count", "group_pulls")
+    __slots__ = ("request_id", "ticket", "decode_worker_id", "pair_id", "layout_fingerprint", "kv_head_start", "kv_head_count", "group_pulls", "shm_offset", "shm_capacity")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +54,8 @@ class PullRequest(_message.Message):
     KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
     KV_HEAD_COUNT_FIELD_NUMBER: _ClassVar[int]
     GROUP_PULLS_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHM_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ticket: str
     decode_worker_id: str
@@ -56,10 +64,12 @@ class PullRequest(_message.Message):
     kv_head_start: int
     kv_head_count: int
     group_pulls: int
-    def __init__(self, request_id: _Optional[str] = ..., ticket: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., pair_id: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., kv_head_start: _Optional[int] = ..., kv_head_count: _Optional[int] = ..., group_pulls: _Optional[int] = ...) -> None: ...
+    shm_offset: int
+    shm_capacity: int
+    def __init__(self, request_id: _Optional[str] = ..., ticket: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., pair_id: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., kv_head_start: _Optional[int] = ..., kv_head_count: _Optional[int] = ..., group_pulls: _Optional[int] = ..., shm_offset: _Optional[int] = ..., shm_capacity: _Optional[int] = ...) -> None: ...
 
 class PullReply(_message.Message):
-    __slots__ = ("num_tokens", "shape", "dtype", "block_size", "tag", "chunk_bytes", "first_block")
+    __slots__ = ("num_tokens", "shape", "dtype", "block_size", "tag", "chunk_bytes", "first_block", "runs", "shm_bytes")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +77,8 @@ class PullReply(_message.Message):
     TAG_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
@@ -74,4 +86,6 @@ class PullReply(_message.Message):
     tag: int
     chunk_bytes: int
     first_block: int
-    def __init__(self, num_tokens: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tag: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., first_block: _Optional[int] = ...) -> None: ...
+    runs: _containers.RepeatedScalarFieldContainer[int]
+    shm_bytes: int
+    def __init__(self, num_tokens: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tag: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., first_block: _Optional[int] = ..., runs: _Optional[_Iterable[int]] = ..., shm_bytes: _Optional[int] = ...) -> None: ...

@@ -1,7 +1,10 @@
 """KV pulled across real processes: a prefill process serves KvTransfer, this process pulls and decodes.
 
 The prefill process (spawned) loads the tiny demo checkpoint, prefills on request with hold_kv, and
-answers state queries over a pipe; the pull itself goes over gRPC + a gloo pair, as between services.
+answers state queries over a pipe; the pull itself goes over gRPC + a gloo pair, as between services, or
+through the pair's shared segment (both processes run on this host). The tests from
+`test_every_path_hands_off_identical_bytes` on run each path: shared memory, and over the socket straight
+from the pool (direct runs, contiguous or scattered; layered gather; flat) or from an export copy.
 Both sides share SECRET, as a deployment's workers share the cluster secret. Refusals of bad tickets and
 malformed calls are tested in test_kv_security.py.
 """
@@ -11,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import multiprocessing as mp
 import socket
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import grpc
 import pytest
@@ -29,6 +34,7 @@ from shared.kv.transfer import EngineKvBlocks, FailureReason, KvTransferClient, 
 from shared.kv.transfer.buffers import BufferPool
 from shared.kv.transfer.pair import DECODE_RANK, Pair, TransferBackend, store_client
 from shared.kv.transfer.pair_proof import PairProofs
+from shared.kv.transfer.shm import PREFIX, SHM_DIR
 from shared.kv.transfer.wire import announced_layout, num_pieces, pieces
 from shared.model.demo import write_demo_checkpoint
 from shared.model.loader import load_model
@@ -56,17 +62,31 @@ def _run(engine: Engine) -> list[int]:
 # ---- the prefill process ----------------------------------------------------------------------------------
 
 
-def _prefill_main(conn: Connection, checkpoint: str) -> None:
-    asyncio.run(_prefill_serve(conn, checkpoint))
+def _prefill_main(conn: Connection, checkpoint: str, settings: dict | None = None) -> None:
+    asyncio.run(_prefill_serve(conn, checkpoint, settings or {}))
 
 
-async def _prefill_serve(conn: Connection, checkpoint: str) -> None:
-    """Serve pulls; between them run the commands the test sends: ("prefill", id, prompt) → first tokens;
-    ("configure", chunk_bytes, fault_send_midway) → None; ("state",) → block and server counts; ("stop",)."""
+# What "configure" may set: the server's attributes, and those of the source's engine blocks (pool_kv.py).
+SERVER_SETTINGS = ("chunk_bytes", "fault_send_midway", "fault_send_stall_s", "shm_bytes")
+BLOCKS_SETTINGS = ("small_kv_bytes", "min_segment_bytes", "from_pool")
+
+
+async def _prefill_serve(conn: Connection, checkpoint: str, settings: dict) -> None:
+    """Serve pulls; between them run the commands the test sends: ("prefill", id, prompt, scatter) → first
+    tokens; ("export", id) → the request's KV as a copy; ("configure", settings or None) → None;
+    ("state",) → block and server counts; ("stop",)."""
     engine = Engine(EngineConfig(model=checkpoint, **ENGINE_OPTS))
-    source = HeldKv(EngineKvBlocks(engine), lease_s=LEASE_S)
+    blocks = EngineKvBlocks(engine)
+    source = HeldKv(blocks, lease_s=LEASE_S)
     server = KvTransferServer("127.0.0.1", 0, source, secret=SECRET, timeout_s=TIMEOUT_S)
-    defaults = (server.chunk_bytes, server.fault_send_midway)
+    owners = {name: server for name in SERVER_SETTINGS} | {name: blocks for name in BLOCKS_SETTINGS}
+    defaults = {name: getattr(owner, name) for name, owner in owners.items()}
+
+    def configure(changes: dict) -> None:
+        for name, value in changes.items():
+            setattr(owners[name], name, value)
+
+    configure(settings)
     conn.send(await server.start())
     try:
         while True:
@@ -74,13 +94,19 @@ async def _prefill_serve(conn: Connection, checkpoint: str) -> None:
             if op == "stop":
                 break
             if op == "prefill":
-                rid, prompt = args
+                rid, prompt, scatter = args
+                # scatter: the request gets every other free block (runs of one), as in a fragmented pool
+                spacers = engine.blocks.allocate(engine.blocks.num_free) if scatter else []
+                engine.blocks.free(spacers[1::2])
                 engine.add_request(rid, prompt, PREFILL, hold_kv=True)
                 first = _run(engine)
+                engine.blocks.free(spacers[::2])
                 await source.hold(rid, rid, 0)
                 conn.send(first)
-            elif op == "configure":  # read by every pull from now on; None restores the defaults
-                server.chunk_bytes, server.fault_send_midway = defaults if args[0] is None else args
+            elif op == "export":
+                conn.send(engine.export_kv(args[0]).blocks)
+            elif op == "configure":  # read by every pull (and new pair) from now on; None restores the defaults
+                configure(defaults if args[0] is None else args[0])
                 conn.send(None)
             elif op == "state":
                 try:
@@ -89,7 +115,11 @@ async def _prefill_serve(conn: Connection, checkpoint: str) -> None:
                 except AssertionError as e:
                     integrity = str(e)
                 free, total = engine.blocks.num_free, engine.blocks.num_blocks
-                conn.send(dict(free=free, total=total, held=source.keys(), integrity=integrity, **vars(server.stats)))
+                sending = [key for key in source.keys() if source.is_sending(key)]
+                held = source.keys()
+                conn.send(
+                    dict(free=free, total=total, held=held, sending=sending, integrity=integrity, **vars(server.stats))
+                )
     finally:
         await server.stop()
 
@@ -106,12 +136,12 @@ class PrefillProcess:
             raise TimeoutError(f"prefill process did not answer {command[0]!r}")
         return self.conn.recv()
 
-    def prefill(self, rid: str, prompt: list[int]) -> list[int]:
-        return self.call("prefill", rid, prompt)
+    def prefill(self, rid: str, prompt: list[int], scatter: bool = False) -> list[int]:
+        return self.call("prefill", rid, prompt, scatter)
 
     @contextlib.contextmanager
-    def configured(self, chunk_bytes: int, fault_send_midway: bool = False):
-        self.call("configure", chunk_bytes, fault_send_midway)
+    def configured(self, **settings):
+        self.call("configure", settings)
         try:
             yield
         finally:
@@ -164,17 +194,18 @@ def _engine(checkpoint, model, **overrides) -> Engine:
     return Engine(EngineConfig(model=str(checkpoint), **(ENGINE_OPTS | overrides)), model)
 
 
-def _client(worker: str, secret: bytes = SECRET) -> KvTransferClient:
-    return KvTransferClient(worker, secret=secret, timeout_s=TIMEOUT_S)
+def _client(worker: str, secret: bytes = SECRET, shared_memory: bool = False) -> KvTransferClient:
+    """A puller; over the socket unless `shared_memory` (the tests before the per-path ones test the socket)."""
+    return KvTransferClient(worker, secret=secret, timeout_s=TIMEOUT_S, shared_memory=shared_memory)
 
 
 def _pull(
-    address: str, worker: str, *request_ids: str, layout, secret: bytes = SECRET
+    address: str, worker: str, *request_ids: str, layout, secret: bytes = SECRET, shared_memory: bool = False
 ) -> tuple[list, KvTransferClient]:
     """Pull request ids concurrently with one new client; each result is a KVExport or the error."""
 
     async def run():
-        client = _client(worker, secret)
+        client = _client(worker, secret, shared_memory)
         try:
             coros = [client.pull(address, rid, layout) for rid in request_ids]
             return await asyncio.gather(*coros, return_exceptions=True), client
@@ -374,7 +405,7 @@ def test_a_send_that_fails_midway_frees_the_kv_and_the_next_pull_uses_a_new_pair
         errors, waits = [], []
         try:
             for rid, chunk_bytes in (("m0", 4096), ("m1", 0)):  # ten pieces, first sent; one piece, none sent
-                with prefill.configured(chunk_bytes, fault_send_midway=True):
+                with prefill.configured(chunk_bytes=chunk_bytes, fault_send_midway=True):
                     t0 = time.monotonic()
                     with pytest.raises(KvTransferError) as failed:
                         await client.pull(prefill.address, rid, layout)
@@ -461,3 +492,183 @@ def test_both_sides_cut_the_same_pieces():
         for mine, theirs in zip(pieces(received, chunk_bytes), parts, strict=True):
             mine.copy_(theirs)  # what the recv of each piece does
         assert torch.equal(received, kv)
+
+
+# ---- every path: shared memory, straight from the pool (direct, layered, flat), an export copy ----------------
+
+# path → (the prefill's settings, whether the prompt's blocks are scattered, whether the puller maps shared memory)
+PATHS = {
+    "shm": ({}, False, True),
+    "direct": (dict(small_kv_bytes=0, min_segment_bytes=0), False, False),  # one run per (layer, plane)
+    "direct-scattered": (dict(small_kv_bytes=0, min_segment_bytes=0), True, False),  # a run per block
+    "layered": (dict(small_kv_bytes=0, min_segment_bytes=1 << 30), True, False),
+    "flat": ({}, False, False),  # the demo's KV is small: one gathered message
+    "export": (dict(from_pool=False), False, False),  # the export copy, as before
+}
+
+
+def _segments_of(pid: int) -> list[str]:
+    return [p.name for p in SHM_DIR.glob(f"{PREFIX}{pid}-*")]
+
+
+def _mapped_segments() -> list[str]:
+    """Shared KV segments this process still maps (unlinked ones show as "(deleted)")."""
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if PREFIX in line]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_path_hands_off_identical_bytes_and_decodes_exactly(prefill, checkpoint, model, path):
+    settings, scatter, shared_memory = PATHS[path]
+    prompt = _prompt(150, seed=31)  # 10 blocks of 16
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    whole = _engine(checkpoint, model)
+    whole.add_request("w", prompt, params)
+    expected = _run(whole)
+
+    rid = f"path-{path}"
+    first = prefill.prefill(rid, prompt, scatter=scatter)
+    sent = prefill.call("export", rid)  # the bytes in the prefill pool, copied before the pull
+    failed_before = prefill.call("state")["failed_sends"]
+    decode = _engine(checkpoint, model, block_size=8, num_kv_blocks=96)
+    with prefill.configured(**settings):
+        (kv,), client = _pull(prefill.address, f"decode-{path}", rid, layout=decode.layout, shared_memory=shared_memory)
+    assert not isinstance(kv, Exception), kv
+    assert torch.equal(kv.blocks, sent)  # every byte, padding slots included
+    assert client.stats.shm_pulls == (1 if shared_memory else 0)
+    decode.import_kv(rid, prompt, first, params, kv)
+    assert first + _run(decode) == expected
+    decode.check_integrity()
+    state = prefill.assert_all_free()
+    assert state["failed_sends"] == failed_before
+    del kv
+    gc.collect()
+    assert _mapped_segments() == []  # the client closed: its segment went with the last tensor on it
+
+
+@pytest.mark.parametrize("path", ["shm", "direct-scattered", "layered"])
+def test_a_send_that_fails_midway_frees_both_sides_on_every_path(prefill, checkpoint, model, path):
+    settings, scatter, shared_memory = PATHS[path]
+    layout = _engine(checkpoint, model).layout
+    rids = [f"{path}-fault", f"{path}-after"]
+    for i, rid in enumerate(rids):
+        prefill.prefill(rid, _prompt(70, seed=40 + i), scatter=scatter)
+    failed_before = prefill.call("state")["failed_sends"]
+
+    async def run():
+        client = _client(f"decode-fault-{path}", shared_memory=shared_memory)
+        try:
+            with prefill.configured(**settings, chunk_bytes=4096, fault_send_midway=True):
+                with pytest.raises(KvTransferError) as failed:
+                    await client.pull(prefill.address, rids[0], layout)
+            after_fault = prefill.settled_state(held=(rids[1],))
+            with prefill.configured(**settings):
+                kv = await client.pull(prefill.address, rids[1], layout)
+            # without its traceback: it holds this frame, and so `kv` and the segment under it
+            return failed.value.with_traceback(None), after_fault, kv, client.stats
+        finally:
+            await client.close()
+
+    error, after_fault, kv, stats = asyncio.run(run())
+    assert error.reason is FailureReason.UNAVAILABLE
+    assert after_fault["held"] == [rids[1]] and after_fault["integrity"] is None
+    assert after_fault["failed_sends"] - failed_before == 1
+    assert kv.num_tokens == 70 and stats.connects == 2 and stats.shm_pulls == (1 if shared_memory else 0)
+    prefill.assert_all_free()
+    del kv
+    gc.collect()
+    assert _mapped_segments() == []
+
+
+def test_shared_memory_falls_back_to_the_socket_for_kv_that_does_not_fit(prefill, checkpoint, model):
+    """A 64 KiB segment: the first pull (40 KiB) lands there; the second (80 KiB) goes over the pair. Once
+    the tensors are gone the whole segment is free again."""
+    layout = _engine(checkpoint, model).layout
+    sizes = {"fit-small": 70, "fit-big": 150}
+    for i, (rid, n) in enumerate(sizes.items()):
+        prefill.prefill(rid, _prompt(n, seed=50 + i))
+    segments_before = prefill.call("state")["segments"]
+
+    async def run():
+        client = _client("decode-fit", shared_memory=True)
+        try:
+            with prefill.configured(shm_bytes=64 << 10):
+                kvs = [await client.pull(prefill.address, rid, layout) for rid in sizes]
+            in_use = client.shm_free_bytes(prefill.address)
+            kvs.clear()
+            gc.collect()
+            return in_use, client.shm_free_bytes(prefill.address), client.stats
+        finally:
+            await client.close()
+
+    in_use, free, stats = asyncio.run(run())
+    assert stats.pulls == 2 and stats.shm_pulls == 1
+    assert in_use == (64 << 10) - (40 << 10) and free == 64 << 10
+    state = prefill.assert_all_free()
+    assert state["segments"] - segments_before == 1
+    assert _segments_of(prefill.proc.pid) == []
+
+
+def test_a_puller_on_another_host_gets_no_segment(prefill, checkpoint, model):
+    layout = _engine(checkpoint, model).layout
+    prefill.prefill("elsewhere", _prompt(30, seed=60))
+    segments_before = prefill.call("state")["segments"]
+
+    async def run():
+        client = _client("decode-elsewhere", shared_memory=True)
+        client.host_id = "another-boot/another-host/1"  # what a worker on another machine reports
+        try:
+            return await client.pull(prefill.address, "elsewhere", layout), client.stats
+        finally:
+            await client.close()
+
+    kv, stats = asyncio.run(run())
+    assert kv.num_tokens == 30 and stats.shm_pulls == 0
+    assert prefill.assert_all_free()["segments"] == segments_before
+
+
+@pytest.mark.parametrize("path", ["shm", "direct"])
+def test_a_prefill_worker_killed_mid_transfer(checkpoint, model, path):
+    """SIGKILL while a send stalls halfway (its first piece out, or half the bytes in shared memory): the
+    pull fails at once, nothing of the dead worker is left in /dev/shm, and this side maps no segment."""
+    settings, _, shared_memory = PATHS[path]
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    stall = dict(settings, chunk_bytes=4096, fault_send_stall_s=120.0)
+    proc = ctx.Process(target=_prefill_main, args=(theirs, str(checkpoint), stall), daemon=True)
+    proc.start()
+    try:
+        assert ours.poll(60), f"the prefill process did not start (exit code {proc.exitcode})"
+        victim = PrefillProcess(proc, ours, ours.recv())
+        victim.prefill("doomed", _prompt(70, seed=61))
+        layout = _engine(checkpoint, model).layout
+
+        async def run():
+            client = _client(f"decode-bereaved-{path}", shared_memory=shared_memory)
+            try:
+                pull = asyncio.ensure_future(client.pull(victim.address, "doomed", layout))
+                while "doomed" not in (await asyncio.to_thread(victim.call, "state"))["sending"]:
+                    await asyncio.sleep(0.02)
+                await asyncio.sleep(0.2)  # well inside the stall
+                named_while_sending = _segments_of(proc.pid)
+                proc.kill()
+                t0 = time.monotonic()
+                with pytest.raises(KvTransferError) as failed:
+                    await pull
+                return failed.value, time.monotonic() - t0, named_while_sending, client
+            finally:
+                await client.close()
+
+        error, waited, named_while_sending, client = asyncio.run(run())
+        proc.join(10)
+        assert error.reason is FailureReason.UNAVAILABLE
+        assert waited < TIMEOUT_S / 4, f"the pull took {waited:.1f}s to notice"
+        assert named_while_sending == []  # unlinked as soon as the pair formed
+        assert _segments_of(proc.pid) == []
+        assert client.stats.pulls == 0 and client.shm_free_bytes(victim.address) is None  # the pair is forgotten
+        del client
+        gc.collect()
+        assert _mapped_segments() == []
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from shared.engine.engine import Engine
+from shared.engine.kv_export import KVExport
 from shared.engine.sampling import SamplingParams
 from shared.kv.transfer import send_stream as module
+from shared.kv.transfer.pool_kv import PoolKv
 from shared.kv.transfer.send_stream import SendStream
 from shared.kv.transfer.source import EngineKvBlocks
 
@@ -130,7 +132,11 @@ def test_engine_exports_run_under_the_stream(model_dir):
     engine.add_request("r", list(range(1, 20)), SamplingParams(max_tokens=1, temperature=0.0), hold_kv=True)
     while engine.has_unfinished():
         engine.step()
-    blocks = EngineKvBlocks(engine, send_stream=Spy("cpu"))
+    # A host pool's KV is sent straight from its blocks (pool_kv.py): no export, nothing to order.
+    lent = asyncio.run(EngineKvBlocks(engine, send_stream=Spy("cpu")).export_kv("r"))
+    assert isinstance(lent, PoolKv) and entered == []
+    # The export copy (what a CUDA pool's KV always takes) runs under the stream.
+    blocks = EngineKvBlocks(engine, send_stream=Spy("cpu"), from_pool=False)
     kv = asyncio.run(blocks.export_kv("r"))
-    assert entered == ["exporting"] and kv.num_tokens == 19
+    assert isinstance(kv, KVExport) and entered == ["exporting"] and kv.num_tokens == 19
     torch.testing.assert_close(kv.blocks, engine.pool.read(engine.requests["r"].block_table[:2]))

@@ -157,6 +157,7 @@ def test_existing_environment_names_still_work(tmp_path):
         "PDSERVE_ADVERTISE_HOST": "prefill",
         "PDSERVE_KV_TRANSFER_TIMEOUT_S": "4",
         "PDSERVE_KV_CHUNK_BYTES": "0",
+        "PDSERVE_KV_SHM_BYTES": "0",
         "PDSERVE_KV_FALLBACK": "fail",
         "PDSERVE_FAULT_KV_SEND_MIDWAY": "1",
         "PDSERVE_METRICS_PORT": "9100",
@@ -172,6 +173,7 @@ def test_existing_environment_names_still_work(tmp_path):
     assert (kv.lease_s, kv.backend, kv.rpc_host, kv.rpc_port) == (7.5, KvBackend.NCCL, "0.0.0.0", 5000)
     assert kv.advertise_host == "prefill"
     assert (kv.timeout_s, kv.chunk_bytes, kv.fallback, kv.fault_send_midway) == (4.0, 0, KvFallback.FAIL, True)
+    assert kv.shm_bytes == 0
     assert s.metrics_port == 9100 and s.job_ack_wait_s == 8.0 and s.served_model_name == "m"
     assert SECRET not in repr(s) and "nats-pw" not in repr(s)
 

@@ -7,7 +7,9 @@ caller handed back with `recycle` after importing an earlier pull. Each call car
 mints with the cluster secret for its own worker id (shared/kv/tickets.py), a fresh one per call (the
 server accepts each ticket once: a retry mints anew). With `tls` the channel is TLS, presenting this
 worker's certificate (channel_tls.py). A joined pair is used only once the prefill side proved it holds the
-cluster secret (pair_proof.py). Blocking joins and recv waits
+cluster secret (pair_proof.py). On one host (same host identity, shm.py) the server also offers a
+shared-memory segment with the pair: each pull then reserves a region of it, and a KV that fits arrives
+there (the result is a view of it, no copy here), else over the pair as usual. Blocking joins and recv waits
 run in this client's thread pool, so the decode loop keeps stepping while KV arrives. Every failure
 surfaces as KvTransferError; one that may have left the pair mid-transfer closes and forgets it, so the
 next pull negotiates a fresh pair.
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,11 +43,13 @@ from shared.kv.transfer.pair import (
     store_client,
 )
 from shared.kv.transfer.pair_proof import PairProofs
-from shared.kv.transfer.wire import announced_layout, pieces
+from shared.kv.transfer.shm import Regions, Segment, host_identity
+from shared.kv.transfer.wire import announced_layout, receive_pieces
 from shared.rpc import kv_transfer_pb2 as pb
 from shared.rpc import kv_transfer_pb2_grpc as pb_grpc
 from shared.telemetry import metrics, tracing
 
+log = logging.getLogger(__name__)
 MAX_BLOCKING_THREADS = 32  # joins + recv waits at once; more queue for a free thread
 # Pull answers given before any send starts: the pair is still clean after them.
 REFUSALS = frozenset(
@@ -63,6 +69,7 @@ REFUSALS = frozenset(
 class ClientStats:
     connects: int = 0  # pairs joined: one process group constructed each
     pulls: int = 0  # pulls completed
+    shm_pulls: int = 0  # of which arrived through a shared segment
     bytes_received: int = 0
 
 
@@ -72,6 +79,8 @@ class _Connection:
     pair: Pair
     # NCCL matches send/recv by issue order, not tag: one transfer at a time on such a pair.
     order: asyncio.Lock | contextlib.nullcontext
+    segment: Segment | None = None  # same host: the pair's shared memory, and who uses which part of it
+    regions: Regions | None = None
 
 
 class _StalePair(KvTransferError):
@@ -93,11 +102,13 @@ class KvTransferClient:
         model_name: str = "",
         tls: KvTls | None = None,
         group_id: str | None = None,
+        shared_memory: bool = True,
     ) -> None:
         """secret: the cluster secret (at least 16 bytes) this client signs its tickets with. timeout_s
         bounds each RPC, forming a pair, and each transfer's receive. tls: TLS with this worker's certificate
         (None: plaintext gRPC). group_id: the decode group whose pull tickets this rank's pulls carry
-        (shared/kv/rank_transfer.py); None: worker_id's own."""
+        (shared/kv/rank_transfer.py); None: worker_id's own. shared_memory: take a shared segment from a
+        prefill worker on this host (False: every pull over the pair)."""
         if not worker_id:
             raise ValueError("worker_id must not be empty")
         if timeout_s <= 0:
@@ -112,6 +123,8 @@ class KvTransferClient:
         self.model_name = model_name  # labels this client's spans and metrics
         self.device = device or self.backend.device  # where received KV lands (NCCL: the decode GPU)
         self.stats = ClientStats()
+        # gloo pairs only: NCCL moves GPU memory, which a host segment would only add a copy to
+        self.host_id = host_identity() if shared_memory and self.backend is TransferBackend.GLOO else ""
         self._buffers = BufferPool(recv_cache_bytes, self.device)  # what `recycle` hands back, for reuse
         self._executor = ThreadPoolExecutor(MAX_BLOCKING_THREADS, thread_name_prefix="kv-recv")
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -153,15 +166,28 @@ class KvTransferClient:
 
     def recycle(self, kv: KVExport) -> None:
         """Optional: hand back a pulled KVExport once its KV is imported, so later pulls receive into the
-        same memory instead of faulting in fresh pages. Neither `kv` nor its tensor may be used afterwards."""
+        same memory instead of faulting in fresh pages. Neither `kv` nor its tensor may be used afterwards.
+        (A KV that came through shared memory frees its region when its tensor is gone, recycled or not.)"""
         self._buffers.give_back(kv.blocks)
+
+    def shm_free_bytes(self, address: str) -> int | None:
+        """Free bytes of the shared segment with `address` (None: no segment); all of it once every
+        tensor that arrived through it is gone."""
+        task = self._connections.get(address)
+        if task is None or not task.done() or task.cancelled() or task.exception() is not None:
+            return None
+        regions = task.result().regions
+        return None if regions is None else regions.free_bytes
 
     async def close(self) -> None:
         """Drop every pair and channel. Pulls still in flight fail."""
         for task in self._connections.values():
             task.cancel()
             if task.done() and not task.cancelled() and task.exception() is None:
-                task.result().pair.close()
+                conn = task.result()
+                conn.pair.close()
+                if conn.segment is not None:
+                    conn.segment.close()
         self._connections.clear()
         for channel in self._channels.values():
             await channel.close()
@@ -178,14 +204,25 @@ class KvTransferClient:
             layout_fingerprint=layout.fingerprint,
             **head_fields(layout, group_pulls),
         )
+        offset, capacity = conn.regions.reserve() if conn.regions is not None else (0, 0)
+        request.shm_offset, request.shm_capacity = offset, capacity
         async with conn.order:
             call = conn.stub.Pull(request, timeout=self.timeout_s, metadata=tracing.grpc_metadata())
-            reply = await self._call(address, conn, call, "Pull")
+            try:
+                reply = await self._call(address, conn, call, "Pull")
+            except BaseException:
+                if conn.regions is not None:
+                    conn.regions.free(offset, capacity)
+                raise
+            if conn.regions is not None:  # what the server wrote stays reserved until its tensor is gone
+                conn.regions.keep(offset, capacity, reply.shm_bytes)
             try:
                 source = announced_layout(reply, layout)
+                if reply.shm_bytes:
+                    return self._from_segment(conn, reply, source, offset, request_id)
                 buffer = self._buffers.take(tuple(reply.shape), layout.torch_dtype)
                 # The server is sending already: the same pieces, from the announced tag on.
-                parts = pieces(buffer, reply.chunk_bytes)
+                parts = receive_pieces(buffer, reply)
                 await asyncio.get_running_loop().run_in_executor(self._executor, conn.pair.recv, parts, reply.tag)
             except KvTransferError:
                 self._forget(address, conn)  # closing the pair fails the server's send: it frees the blocks
@@ -196,6 +233,27 @@ class KvTransferClient:
         self.stats.pulls += 1
         self.stats.bytes_received += buffer.numel() * buffer.element_size()
         return KVExport(source, reply.num_tokens, buffer, first_block=reply.first_block)
+
+    def _from_segment(
+        self, conn: _Connection, reply: pb.PullReply, source: KVLayout, offset: int, request_id: str
+    ) -> KVExport:
+        """The KV the server wrote into our segment: a view of it, whose region is freed with the tensor."""
+        assert conn.segment is not None and conn.regions is not None
+        regions, used = conn.regions, -(-reply.shm_bytes // 64) * 64
+        expected = math.prod(reply.shape) * source.torch_dtype.itemsize
+        try:
+            if reply.shm_bytes != expected:
+                raise ValueError(f"{reply.shm_bytes} bytes written for {list(reply.shape)}")
+            blocks = conn.segment.view(
+                offset, tuple(reply.shape), source.torch_dtype, lambda: regions.free(offset, used)
+            )
+        except ValueError as e:
+            regions.free(offset, used)
+            raise KvTransferError(FailureReason.PROTOCOL, f"{request_id!r} in shared memory: {e}") from e
+        self.stats.pulls += 1
+        self.stats.shm_pulls += 1
+        self.stats.bytes_received += reply.shm_bytes
+        return KVExport(source, reply.num_tokens, blocks, first_block=reply.first_block)
 
     async def _call(self, address: str, conn: _Connection | None, call, what: str):
         """Await an RPC on `conn`'s pair (None: Connect), mapping its failure to KvTransferError."""
@@ -233,14 +291,26 @@ class KvTransferClient:
             backend=self.backend.wire,
             layout_fingerprint=layout.fingerprint,
             ticket=self._tickets.mint(self.worker_id),
+            host_id=self.host_id,
         )
         reply = await self._call(address, None, stub.Connect(request, timeout=self.timeout_s), "Connect")
+        segment = self._attach(reply) if reply.shm_name and self.host_id else None
         try:
             pair = await asyncio.get_running_loop().run_in_executor(self._executor, self._join, reply)
         except Exception as e:
             raise _transfer_error(e, f"joining pair {reply.pair_id!r} at {reply.store_host}:{reply.store_port}") from e
         self.stats.connects += 1
-        return _Connection(stub, pair, contextlib.nullcontext() if self.backend.tagged else asyncio.Lock())
+        order = contextlib.nullcontext() if self.backend.tagged else asyncio.Lock()
+        regions = None if segment is None else Regions(segment.nbytes)
+        return _Connection(stub, pair, order, segment, regions)
+
+    def _attach(self, reply: pb.ConnectReply) -> Segment | None:
+        """Map (and unlink) the segment the server offered; None, the socket path, if that fails."""
+        try:
+            return Segment.attach(reply.shm_name, reply.shm_bytes)
+        except (OSError, ValueError) as e:
+            log.warning("could not map the shared KV segment %r (%s): pulls go over the socket", reply.shm_name, e)
+            return None
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if self.tls is None:
@@ -259,6 +329,8 @@ class KvTransferClient:
         """Stop using `conn`'s pair: the next pull from `address` negotiates a new one. Closing our side
         (once no recv is in flight on it) closes the connection, which fails the server's pending sends."""
         conn.pair.close()
+        if conn.segment is not None:  # unmapped now unless a pulled tensor still lives on it
+            conn.segment.close()
         task = self._connections.get(address)
         if task is not None and task.done() and not task.cancelled() and task.exception() is None:
             if task.result() is conn:

@@ -11,7 +11,7 @@ from typing import Protocol, runtime_checkable
 
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVLayout
-from shared.kv.transfer.source import KvSource
+from shared.kv.transfer.source import KvSource, Outgoing
 from shared.rpc import kv_transfer_pb2 as pb
 
 
@@ -36,7 +36,7 @@ def head_fields(layout: KVLayout, group_pulls: int) -> dict[str, int]:
     return {"kv_head_start": start, "kv_head_count": count, "group_pulls": group_pulls}
 
 
-async def begin_send(source: KvSource, request_id: str, request: pb.PullRequest) -> KVExport:
+async def begin_send(source: KvSource, request_id: str, request: pb.PullRequest) -> Outgoing:
     """`source.begin_send`, or of the head slice the Pull names. HeadsRefused for a bad slice."""
     if request.kv_head_count == 0:
         return await source.begin_send(request_id)

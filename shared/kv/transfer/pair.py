@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from enum import StrEnum
 from typing import TYPE_CHECKING
@@ -136,8 +136,10 @@ class Pair:
     def peer(self) -> int:
         return 1 - self.rank
 
-    def send(self, pieces: Sequence[torch.Tensor], first_tag: int) -> None:
+    def send(self, pieces: Iterable[torch.Tensor], first_tag: int) -> None:
         """Send contiguous tensors to the peer, piece i with tag first_tag + i; returns when all are out.
+        Each piece is posted before the next is asked for: a generator that gathers the next piece then
+        overlaps its gather with the wire (pool_kv.py).
         Raises RuntimeError on timeout (timeout_s for the whole transfer), a lost peer (the pair is unusable
         afterwards) or a closed pair."""
         self._transfer(lambda group, piece, tag: group.send([piece], self.peer, tag), pieces, first_tag)
@@ -153,7 +155,7 @@ class Pair:
             doomed = self._detach_if_idle()
         del doomed  # the last reference, dropped outside the lock: destroys the group, closes its sockets
 
-    def _transfer(self, post, pieces: Sequence[torch.Tensor], first_tag: int) -> None:
+    def _transfer(self, post, pieces: Iterable[torch.Tensor], first_tag: int) -> None:
         deadline = time.monotonic() + self.timeout_s
         with self._lock:
             if self._closing:

@@ -10,13 +10,17 @@ first time (replay.py: each ticket is single-use). With `tls` the gRPC port spea
 client certificate signed by the deployment's CA (channel_tls.py). A pair is used only after its peer proved
 it holds the cluster secret (pair_proof.py); its id is unguessable, yet not secret from the store. A refused call
 changes nothing (the KV stays held), is logged with its reason (never the ticket) and counted in
-`pdserve:kv_transfer_failures_total`. Sends go out in pieces of at most `chunk_bytes`;
-`fault_send_midway` (tests only) stops each send after its first piece and drops the pair.
+`pdserve:kv_transfer_failures_total`. Sends go out in pieces of at most `chunk_bytes`, straight from the
+pool's blocks where the source lends them (pool_kv.py); a decode worker on this host (same host identity)
+gets a shared-memory segment with its pair, and a pull whose KV fits the region it offers is written there
+instead (shm.py). `fault_send_midway` (tests only) stops each send after its first piece (or half the
+bytes, in shared memory) and drops the pair; `fault_send_stall_s` (tests only) sleeps there first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
 import socket
@@ -31,16 +35,18 @@ import grpc
 import torch.distributed as dist
 from google.protobuf.message import DecodeError
 
-from shared.engine.kv_export import KVExport
 from shared.kv.replay import DEFAULT_CAPACITY, ReplayCache
 from shared.kv.tickets import TicketError, TicketReason, Tickets
 from shared.kv.transfer.channel_tls import KvTls
 from shared.kv.transfer.heads import HeadsRefused, begin_send
 from shared.kv.transfer.pair import PREFILL_RANK, Pair, TransferBackend, check_backend, store_client
 from shared.kv.transfer.pair_proof import PairProofs, PairRefused
+from shared.kv.transfer.pool_kv import PoolKv
+from shared.kv.transfer.segment_send import InjectedFault, copy_into_region, fits, shape_of
 from shared.kv.transfer.send_stream import SendStream
-from shared.kv.transfer.source import AlreadySending, KvSource
-from shared.kv.transfer.wire import describe, num_pieces, pieces
+from shared.kv.transfer.shm import Segment, host_identity, sweep_stale
+from shared.kv.transfer.source import AlreadySending, KvSource, Outgoing
+from shared.kv.transfer.wire import announce, describe, num_pieces, pieces
 from shared.rpc import kv_transfer_pb2 as pb
 from shared.telemetry import metrics, tracing
 
@@ -64,16 +70,15 @@ _TICKET_CODES = {
     TicketReason.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,  # a valid ticket, no room to remember it
 }
 PAIR_ID_BYTES = 24  # of CSPRNG output in each pair id
-
-
-class InjectedFault(RuntimeError):
-    """The failure `fault_send_midway` makes: the send stopped after its first piece."""
+DEFAULT_SHM_BYTES = 256 << 20  # a same-host pair's segment: KV up to this size skips the socket
 
 
 @dataclass
 class ServerStats:
     pairs_created: int = 0  # Connect calls accepted: one process group each
     pulls: int = 0  # pulls accepted (export done, send started)
+    shm_pulls: int = 0  # of which written into a pair's shared segment
+    segments: int = 0  # shared segments created (one per same-host pair)
     bytes_sent: int = 0
     failed_sends: int = 0  # injected faults included
     refused: int = 0  # calls refused for their ticket or as malformed
@@ -86,6 +91,7 @@ class _Slot:
     worker_id: str
     pair_id: str
     joining: asyncio.Future[Pair]
+    segment: Segment | None = None  # same host: the pair's shared memory (unlinked once the pair formed)
     next_tag: int = 1
 
     def reserve_tags(self, count: int) -> int:
@@ -97,6 +103,8 @@ class _Slot:
 
     def retire(self) -> None:
         """Close the pair once it has formed (now if it has): transfers in flight on it end first."""
+        if self.segment is not None:
+            self.segment.unlink()
         if self.joining.done():
             _close_joined(self.joining)
         else:
@@ -128,6 +136,8 @@ class KvTransferServer:
         tls: KvTls | None = None,
         replay_capacity: int = DEFAULT_CAPACITY,
         ticket_holder: Callable[[str], str] | None = None,
+        shm_bytes: int = DEFAULT_SHM_BYTES,
+        fault_send_stall_s: float = 0.0,
     ) -> None:
         """host/port: where gRPC binds (port 0: any free one). secret: the cluster secret tickets are
         signed with (at least 16 bytes). advertise_host: the name decode workers dial for gRPC, the store
@@ -138,7 +148,10 @@ class KvTransferServer:
         run on, shared with the source's exports (send_stream.py; None: no stream, as on CPU). tls: serve gRPC
         over TLS with client certificates (None: plaintext). replay_capacity: the most unexpired tickets
         remembered against replay. ticket_holder: the id a caller's pull ticket must name (a group rank's: its
-        group's, shared/kv/rank_transfer.py); None: the caller's own."""
+        group's, shared/kv/rank_transfer.py); None: the caller's own. shm_bytes: the size of the shared
+        segment a same-host pair gets (0: no shared memory, every pull over the pair). fault_send_stall_s:
+        testing only, every send sleeps this long midway (after its first piece, or half its bytes in shared
+        memory), so that a test can kill this process mid-transfer."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if chunk_bytes != 0 and chunk_bytes < MIN_CHUNK_BYTES:
@@ -150,6 +163,9 @@ class KvTransferServer:
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
         self.fault_send_midway = fault_send_midway
+        self.fault_send_stall_s = fault_send_stall_s
+        self.shm_bytes = shm_bytes
+        self.host_id = host_identity() if shm_bytes else ""
         self.model_name = model_name
         self.send_stream = send_stream or SendStream("cpu")
         self._tickets = Tickets(secret)
@@ -169,6 +185,9 @@ class KvTransferServer:
 
     async def start(self) -> str:
         """Host the rendezvous store and start serving; returns the "host:port" decode workers dial."""
+        if self.host_id:
+            for name in sweep_stale():
+                log.info("removed the shared KV segment %s of a process that is gone", name)
         self._store = dist.TCPStore(
             self.public_host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.timeout_s)
         )
@@ -234,7 +253,24 @@ class KvTransferServer:
             old.retire()
         joining.add_done_callback(lambda f: self._on_joined(slot, f))
         self.stats.pairs_created += 1
-        return pb.ConnectReply(store_host=self.public_host, store_port=store.port, pair_id=pair_id)
+        reply = pb.ConnectReply(store_host=self.public_host, store_port=store.port, pair_id=pair_id)
+        if self.host_id and request.host_id == self.host_id:
+            slot.segment = await self._create_segment(worker)
+            if slot.segment is not None:
+                reply.shm_name, reply.shm_bytes = slot.segment.name, slot.segment.nbytes
+                if joining.done():  # the pair failed already: its callback found no segment to unlink
+                    slot.segment.unlink()
+        return reply
+
+    async def _create_segment(self, worker: str) -> Segment | None:
+        """The shared segment of a same-host pair; None (logged) when /dev/shm cannot hold it."""
+        try:
+            segment = await asyncio.get_running_loop().run_in_executor(self._executor, Segment.create, self.shm_bytes)
+        except OSError as e:
+            log.warning("no shared KV segment for %s (%s): its pulls go over the socket", _short(worker), e)
+            return None
+        self.stats.segments += 1
+        return segment
 
     async def pull(self, request: pb.PullRequest | _Unreadable, context: grpc.aio.ServicerContext) -> pb.PullReply:
         """Accept a pull: check, export, announce, start the send. The `send_kv` span (child of the puller's
@@ -284,12 +320,54 @@ class KvTransferServer:
                 tracing.KV_TOKENS: kv.num_tokens,
             }
         )
-        tag = slot.reserve_tags(num_pieces(kv.blocks.numel(), kv.blocks.element_size(), self.chunk_bytes))
+        self.stats.pulls += 1
+        if fits(slot.segment, request.shm_offset, request.shm_capacity, kv):
+            return await self._write_segment(slot, kv, request, span, started, context)
+        if isinstance(kv, PoolKv):
+            tag = slot.reserve_tags(kv.num_pieces(self.chunk_bytes))
+            reply = announce(kv.layout, kv.num_tokens, kv.shape, tag, self.chunk_bytes, kv.runs, kv.first_block)
+        else:
+            tag = slot.reserve_tags(num_pieces(kv.blocks.numel(), kv.blocks.element_size(), self.chunk_bytes))
+            reply = describe(kv, tag, self.chunk_bytes)
         task = asyncio.create_task(self._send(slot, pair, kv, tag, rid, span, started))
         self._sends.add(task)
         task.add_done_callback(self._sends.discard)
-        self.stats.pulls += 1
-        return describe(kv, tag, self.chunk_bytes)
+        return reply
+
+    async def _write_segment(
+        self, slot: _Slot, kv: Outgoing, request: pb.PullRequest, span, started: float, context
+    ) -> pb.PullReply:
+        """The shared-memory send: one gather of the blocks into the region the puller offered, then the reply
+        says it is there. The KV is freed either way, as after a send over the pair."""
+        assert slot.segment is not None
+        rid, labels, error = request.request_id, (self.model_name, "prefill"), None
+        shape = shape_of(kv)
+        faults = (self.fault_send_midway, self.fault_send_stall_s)
+        try:
+            region = slot.segment.view(request.shm_offset, shape, kv.layout.torch_dtype)
+            await asyncio.get_running_loop().run_in_executor(self._executor, copy_into_region, kv, region, *faults)
+            self.stats.shm_pulls += 1
+            self.stats.bytes_sent += kv.nbytes
+            metrics.KV_TRANSFER_BYTES.labels(*labels).inc(kv.nbytes)
+            metrics.KV_TRANSFER_SECONDS.labels(*labels).observe(time.perf_counter() - started)
+        except Exception as e:
+            self.stats.failed_sends += 1
+            metrics.KV_TRANSFER_FAILURES.labels(*labels, _failure_reason(e)).inc()
+            error = f"shared-memory send failed: {e!r}"
+            log.warning("KV send of %s to %s through shared memory failed: %s", rid, slot.worker_id, e)
+            self._drop(slot)
+        finally:
+            try:
+                await self.source.end_send(rid, ok=error is None)
+            except Exception:
+                log.exception("ending the send of %s failed", rid)
+            span.set_attribute(tracing.KV_DURATION, time.perf_counter() - started)
+            tracing.end_span(span, error=error)
+        if error is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, error)
+        reply = announce(kv.layout, kv.num_tokens, shape, 0, 0, first_block=kv.first_block)
+        reply.shm_bytes = kv.nbytes
+        return reply
 
     async def _check_shape(
         self, context: grpc.aio.ServicerContext, rpc: str, request: _Call | _Unreadable, *ids: str
@@ -347,7 +425,7 @@ class KvTransferServer:
                 grpc.StatusCode.FAILED_PRECONDITION, f"KV layout fingerprint {fingerprint!r} differs from ours {ours!r}"
             )
 
-    async def _send(self, slot: _Slot, pair: Pair, kv: KVExport, tag: int, rid: str, span, started: float) -> None:
+    async def _send(self, slot: _Slot, pair: Pair, kv: Outgoing, tag: int, rid: str, span, started: float) -> None:
         """Send on the pair, piece by piece, then end the send whatever happened (the source frees the blocks).
 
         A failed send drops the pair: gloo has closed it already after an error or timeout, and closing it
@@ -362,8 +440,7 @@ class KvTransferServer:
             metrics.KV_TRANSFER_SECONDS.labels(*labels).observe(time.perf_counter() - started)
         except Exception as e:  # timeout, peer gone, pair closed under us, or the injected fault
             self.stats.failed_sends += 1
-            reason = "fault_injected" if isinstance(e, InjectedFault) else "send_failed"
-            metrics.KV_TRANSFER_FAILURES.labels(*labels, reason).inc()
+            metrics.KV_TRANSFER_FAILURES.labels(*labels, _failure_reason(e)).inc()
             error = f"send failed: {e!r}"
             log.warning("KV send of %s to %s failed: %s", rid, slot.worker_id, e)
             self._drop(slot)
@@ -375,15 +452,32 @@ class KvTransferServer:
             span.set_attribute(tracing.KV_DURATION, time.perf_counter() - started)
             tracing.end_span(span, error=error)
 
-    def _send_blocking(self, pair: Pair, kv: KVExport, tag: int) -> None:
+    def _send_blocking(self, pair: Pair, kv: Outgoing, tag: int) -> None:
         """On a send thread, on the send stream: returns once the send's work is done (its buffer is free)."""
+        if isinstance(kv, PoolKv):  # host memory, straight from the blocks: no stream to order against
+            parts = kv.pieces(self.chunk_bytes)
+            if self.fault_send_midway or self.fault_send_stall_s:
+                count = kv.num_pieces(self.chunk_bytes)
+                first = list(itertools.islice(parts, 1 if count > 1 else 0))
+                pair.send(first, tag)
+                time.sleep(self.fault_send_stall_s)
+                if self.fault_send_midway:
+                    raise InjectedFault(f"injected fault: sent {len(first)} of {count} pieces, then dropped the pair")
+                pair.send(parts, tag + len(first))
+                return
+            pair.send(parts, tag)
+            return
         with self.send_stream.sending([kv.blocks]):
             # gloo sends host memory (a CUDA pool's export is copied down); NCCL sends from the GPU as is.
             blocks = (kv.blocks if self.backend is TransferBackend.NCCL else kv.blocks.cpu()).contiguous()
             parts = pieces(blocks, self.chunk_bytes)
-            if self.fault_send_midway:
+            if self.fault_send_midway or self.fault_send_stall_s:
                 sent = parts[:1] if len(parts) > 1 else []
                 pair.send(sent, tag)
+                time.sleep(self.fault_send_stall_s)
+                if not self.fault_send_midway:
+                    pair.send(parts[len(sent) :], tag + len(sent))
+                    return
                 raise InjectedFault(f"injected fault: sent {len(sent)} of {len(parts)} pieces, then dropped the pair")
             pair.send(parts, tag)
 
@@ -395,6 +489,8 @@ class KvTransferServer:
         return pair
 
     def _on_joined(self, slot: _Slot, joining: asyncio.Future[Pair]) -> None:
+        if slot.segment is not None:  # the peer mapped it before joining (or never will): no name is needed
+            slot.segment.unlink()
         if not joining.cancelled() and isinstance(joining.exception(), PairRefused):
             metrics.KV_TRANSFER_FAILURES.labels(self.model_name, "prefill", "pair_refused").inc()
         if joining.cancelled() or joining.exception() is not None:
@@ -435,6 +531,10 @@ def _handler(method, request_type, reply_type) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(
         method, request_deserializer=parse, response_serializer=reply_type.SerializeToString
     )
+
+
+def _failure_reason(error: Exception) -> str:
+    return "fault_injected" if isinstance(error, InjectedFault) else "send_failed"
 
 
 def _short(text: str, limit: int = 80) -> str:

@@ -3,8 +3,9 @@
 - `KvSource`: what the transfer server asks of a prefill worker: is a send of this request in flight, start
   one (a copy of its KV to send), end it. `shared.kv.held.HeldKv` is the prefill worker's; it owns the
   hand-off state (held → sending → freed), its lease timer and its Redis entry.
-- `KvBlocks` / `EngineKvBlocks`: what `HeldKv` asks of the engine: export a copy of a request's blocks,
-  free them. No state of the hand-off lives here, only which staging buffer each export lent.
+- `KvBlocks` / `EngineKvBlocks`: what `HeldKv` asks of the engine: a request's KV to send (on a host
+  pool, its blocks themselves: `PoolKv`, sent without an export pass; on CUDA, an export copy), free them.
+  No state of the hand-off lives here, only which staging buffer each send borrowed.
 Who may pull is not the source's business: the transfer server checks the puller's ticket before it asks.
 """
 
@@ -20,7 +21,10 @@ from shared.engine.engine import Engine
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVLayout
 from shared.kv.transfer.buffers import BufferPool
+from shared.kv.transfer.pool_kv import MIN_SEGMENT_BYTES, SMALL_KV_BYTES, PoolKv
 from shared.kv.transfer.send_stream import SendStream
+
+Outgoing = KVExport | PoolKv  # what a send moves: an export copy, or the request's pool blocks
 
 
 class AlreadySending(Exception):
@@ -40,8 +44,8 @@ class KvSource(Protocol):
         """A send of the request is in flight (between `begin_send` and `end_send`)."""
         ...
 
-    async def begin_send(self, request_id: str, /) -> KVExport:
-        """A copy of the request's KV to send; its blocks stay held until `end_send`. Raises KeyError for a
+    async def begin_send(self, request_id: str, /) -> Outgoing:
+        """The request's KV to send (a copy, or its blocks); they stay held until `end_send`. Raises KeyError for a
         request it does not hold, AlreadySending for one being sent. A raise leaves nothing to end."""
         ...
 
@@ -57,8 +61,8 @@ class KvBlocks(Protocol):
     @property
     def layout(self) -> KVLayout: ...
 
-    async def export_kv(self, request_id: str) -> KVExport:
-        """A copy of the request's KV; the blocks stay allocated."""
+    async def export_kv(self, request_id: str) -> Outgoing:
+        """The request's KV to send: a copy, or (PoolKv) its blocks as they lie; the blocks stay allocated."""
         ...
 
     async def release_kv(self, request_id: str) -> None:
@@ -70,10 +74,11 @@ class EngineKvBlocks:
     """KvBlocks over one Engine's requests added with hold_kv=True.
 
     `call(fn)` runs fn(engine) where the engine lives: pass the worker's `AsyncEngine.call` when a thread
-    steps the engine; the default runs it inline (tests and benchmarks that step on the loop). Exports copy
-    into reused buffers (no first-touch page faults), each given back when its request is released, which
-    `HeldKv` does only after the send. `send_stream`: the stream the exports' gathers run on (on CUDA, off the
-    compute stream); pass the same one to the KvTransferServer that sends them (send_stream.py).
+    steps the engine; the default runs it inline (tests and benchmarks that step on the loop). On a host pool
+    `export_kv` answers a `PoolKv` (pool_kv.py: sent straight from the blocks; `from_pool=False` restores the
+    export copy); on CUDA an export copy, gathered on `send_stream` (off the compute stream; pass the same one
+    to the KvTransferServer, send_stream.py). Copies and staging go into reused buffers (no first-touch page
+    faults), each given back when its request is released, which `HeldKv` does only after the send.
     """
 
     def __init__(
@@ -82,8 +87,12 @@ class EngineKvBlocks:
         call: Callable[[Callable[[Engine], Any]], Awaitable[Any]] | None = None,
         buffer_bytes: int = 256 << 20,
         send_stream: SendStream | None = None,
+        from_pool: bool = True,
     ) -> None:
         self.engine = engine
+        self.from_pool = from_pool and engine.pool.tensor.device.type == "cpu"
+        self.small_kv_bytes = SMALL_KV_BYTES  # PoolKv.plan's thresholds (pool_kv.py)
+        self.min_segment_bytes = MIN_SEGMENT_BYTES
         self.send_stream = send_stream or SendStream("cpu")
         self._call = call or _inline(engine)
         self._buffers = BufferPool(buffer_bytes, str(engine.pool.tensor.device))
@@ -94,9 +103,11 @@ class EngineKvBlocks:
     def layout(self) -> KVLayout:
         return self.engine.layout
 
-    async def export_kv(self, request_id: str) -> KVExport:
+    async def export_kv(self, request_id: str) -> Outgoing:
         kv = await self._call(lambda e: self._export(e, request_id))
-        self._lent[request_id] = kv.blocks
+        lent = kv.blocks if isinstance(kv, KVExport) else kv.staging
+        if lent is not None:
+            self._lent[request_id] = lent
         return kv
 
     async def release_kv(self, request_id: str) -> None:
@@ -106,7 +117,18 @@ class EngineKvBlocks:
             with self._buffers_lock:
                 self._buffers.give_back(lent)
 
-    def _export(self, engine: Engine, request_id: str) -> KVExport:
+    def _export(self, engine: Engine, request_id: str) -> Outgoing:
+        if self.from_pool:  # on the engine's thread: the block table is read where it is written
+            num_tokens, block_ids, first_block = engine.kv_blocks(request_id)
+            return PoolKv.plan(
+                engine.pool,
+                num_tokens,
+                block_ids,
+                self._take,
+                self.small_kv_bytes,
+                self.min_segment_bytes,
+                first_block=first_block,
+            )
         with self.send_stream.exporting():
             return engine.export_kv(request_id, alloc=self._take)
 

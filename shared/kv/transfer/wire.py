@@ -2,8 +2,15 @@
 
 Tensors travel as raw bytes on the collective channel; the reply carries their shape, dtype and source
 block size so the receiver can allocate the buffer up front and re-cut blocks to its own size later, and
-the sender's chunk size: both sides cut the contiguous tensor into the same pieces (`pieces`), piece i
-travelling under tag + i. Cutting is what lets a transfer fail midway (one piece out, the rest not).
+the sender's chunk size: both sides cut the tensor into the same pieces, piece i travelling under tag + i.
+Cutting is what lets a transfer fail midway (one piece out, the rest not).
+
+Two cuts, told apart by the reply's `runs`:
+- none (an export copy, contiguous): the flat tensor in pieces of at most chunk_bytes (`pieces`);
+- block runs (a send straight from the pool, pool_kv.py): the blocks are `runs` consecutive runs (counts,
+  summing to the block count); for each layer, each plane, each run, the receiver's slice
+  tensor[layer, plane, start:start + count] (contiguous) is one segment, itself cut by chunk_bytes
+  (`segment_pieces`). On the sender each segment is a view of the pool, or of a layer gathered just before.
 """
 
 from __future__ import annotations
@@ -22,15 +29,60 @@ MAX_PIECES = 1 << 20  # an announcement that cuts a tensor finer than this is re
 
 
 def describe(kv: KVExport, tag: int, chunk_bytes: int) -> pb.PullReply:
+    """The reply announcing an export copy (the flat cut)."""
+    return announce(kv.layout, kv.num_tokens, tuple(kv.blocks.shape), tag, chunk_bytes, first_block=kv.first_block)
+
+
+def announce(
+    layout: KVLayout,
+    num_tokens: int,
+    shape: tuple[int, ...],
+    tag: int,
+    chunk_bytes: int,
+    runs: list[int] | None = None,
+    first_block: int = 0,
+) -> pb.PullReply:
+    """The reply announcing a tensor of `shape`; `runs`: the block-run cut (None or []: the flat cut);
+    `first_block`: the request's block the tensor starts at (those before are behind the sliding window)."""
     return pb.PullReply(
-        num_tokens=kv.num_tokens,
-        first_block=kv.first_block,
-        shape=list(kv.blocks.shape),
-        dtype=kv.layout.dtype,
-        block_size=kv.layout.block_size,
+        num_tokens=num_tokens,
+        first_block=first_block,
+        shape=list(shape),
+        dtype=layout.dtype,
+        block_size=layout.block_size,
         tag=tag,
         chunk_bytes=chunk_bytes,
+        runs=runs or [],
     )
+
+
+def segments(num_layers: int, num_planes: int, runs: list[int]) -> list[tuple[int, int, int, int]]:
+    """The segments of a block-run cut, in wire order: (layer, plane, run index, first block in the tensor)."""
+    starts = [sum(runs[:i]) for i in range(len(runs))]
+    order = ((layer, plane, i) for layer in range(num_layers) for plane in range(num_planes) for i in range(len(runs)))
+    return [(layer, plane, i, starts[i]) for layer, plane, i in order]
+
+
+def num_segment_pieces(shape: tuple[int, ...], runs: list[int], element_size: int, chunk_bytes: int) -> int:
+    """How many pieces `segment_pieces` cuts a tensor of `shape` into."""
+    per_block = math.prod(shape[3:])  # elements of one block of one layer's plane
+    per_layer_plane = sum(num_pieces(count * per_block, element_size, chunk_bytes) for count in runs)
+    return shape[0] * shape[1] * per_layer_plane
+
+
+def segment_pieces(tensor: torch.Tensor, runs: list[int], chunk_bytes: int) -> list[torch.Tensor]:
+    """The receiver's pieces of a block-run cut: views of `tensor` (L, planes, n, ...) in wire order."""
+    out: list[torch.Tensor] = []
+    for layer, plane, i, start in segments(tensor.shape[0], tensor.shape[1], runs):
+        out += pieces(tensor[layer, plane, start : start + runs[i]], chunk_bytes)
+    return out
+
+
+def receive_pieces(tensor: torch.Tensor, reply: pb.PullReply) -> list[torch.Tensor]:
+    """The pieces the receiver fills, cut as the reply announced."""
+    if reply.runs:
+        return segment_pieces(tensor, list(reply.runs), reply.chunk_bytes)
+    return pieces(tensor, reply.chunk_bytes)
 
 
 def num_pieces(numel: int, element_size: int, chunk_bytes: int) -> int:
@@ -68,6 +120,13 @@ def announced_layout(reply: pb.PullReply, layout: KVLayout) -> KVLayout:
             f"{reply.num_tokens} tokens from block {reply.first_block} on do not fill {shape[2]} blocks of "
             f"{reply.block_size}",
         )
-    if num_pieces(math.prod(shape), layout.torch_dtype.itemsize, reply.chunk_bytes) > MAX_PIECES:
+    if reply.runs and (min(reply.runs) < 1 or sum(reply.runs) != shape[2] or len(reply.runs) > shape[2]):
+        raise KvTransferError(FailureReason.PROTOCOL, f"block runs {list(reply.runs)[:8]} do not cut {shape[2]} blocks")
+    itemsize = layout.torch_dtype.itemsize
+    if reply.runs:
+        count = num_segment_pieces(shape, list(reply.runs), itemsize, reply.chunk_bytes)
+    else:
+        count = num_pieces(math.prod(shape), itemsize, reply.chunk_bytes)
+    if count > MAX_PIECES:
         raise KvTransferError(FailureReason.PROTOCOL, f"chunks of {reply.chunk_bytes} bytes cut {shape} too fine")
     return dataclasses.replace(layout, block_size=reply.block_size)
