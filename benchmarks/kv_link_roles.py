@@ -63,27 +63,29 @@ def digest(t: torch.Tensor) -> str:
 
 class HeldForever:
     """KvSource over held requests that never frees them: each pull sends the blocks as a prefill worker does
-    (`PoolKv.plan`: straight from the pool, `EngineKvBlocks`' path), and the next repeat sends them again."""
+    (`PoolKv.plan`: straight from the pool, `EngineKvBlocks`' path), and the next repeat sends them again.
+    Never "already sending": the server may end a send (`end_send`) just after the puller has its bytes and
+    asked again; the blocks are only read, and each send has its own staging buffer."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.layout = engine.layout
         self.buffers = BufferPool(1 << 30, "cpu")
-        self.lent: dict[str, torch.Tensor] = {}
+        self.lent: dict[str, list[torch.Tensor]] = {}
 
     def is_sending(self, request_id: str, /) -> bool:
-        return request_id in self.lent
+        return False
 
     async def begin_send(self, request_id: str, /) -> PoolKv:
         num_tokens, block_ids = self.engine.kv_blocks(request_id)
         kv = PoolKv.plan(self.engine.pool, num_tokens, block_ids, self.buffers.take)
-        if kv.staging is not None:
-            self.lent[request_id] = kv.staging
+        self.lent.setdefault(request_id, []).append(kv.staging)
         return kv
 
     async def end_send(self, request_id: str, /, ok: bool) -> None:
-        if request_id in self.lent:  # the staging buffer back; the blocks stay held for the next repeat
-            self.buffers.give_back(self.lent.pop(request_id))
+        staging = self.lent[request_id].pop()  # the staging buffer back; the blocks stay held for the next repeat
+        if staging is not None:
+            self.buffers.give_back(staging)
 
 
 def prefill_once(engine: Engine, rid: str, prompt: list[int], hold: bool) -> float:
