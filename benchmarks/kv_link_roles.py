@@ -185,6 +185,7 @@ async def pull_targets(cfg: dict) -> list[dict]:
             if digest(kv.blocks) != target["digest"]:
                 raise RuntimeError(f"{cfg['transport']}: {rid} arrived with different bytes")
             client.recycle(kv)
+            del kv  # a shared-memory view holds its region while it lives: the timed pulls need the room
             shm_before = client.stats.shm_pulls
             times = []
             for _ in range(cfg["repeats"]):
