@@ -77,6 +77,9 @@ def add_bench_command(subparsers) -> argparse.ArgumentParser:
     out.add_argument("--metric-percentiles", default="50,90,99", help="percentiles to report, comma-separated")
     out.add_argument("--result-file", "--result-filename", dest="result_file", metavar="PATH",
                      help="write the result JSON here")  # fmt: skip
+    out.add_argument("--kv-metrics-url", nargs="+", default=[], metavar="URL",
+                     help="decode workers' /metrics URLs (`pdserve up` prints them): report the KV pulls' share of "
+                     "TTFT, from pdserve:kv_transfer_seconds before and after the run")  # fmt: skip
     out.add_argument("--save-detailed", action="store_true", help="add per-request lists to the result JSON")
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.set_defaults(func=bench_command)
@@ -122,6 +125,7 @@ def _bench(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         progress=not args.disable_tqdm,
         extra_body=_extra_body(args.extra_body),
+        kv_metrics_urls=tuple(args.kv_metrics_url),
     )
     requests = build_requests(args, _load_tokenizer(tokenizer_dir))
     print(_preamble(config, args, requests), flush=True)

@@ -53,10 +53,27 @@ def format_table(summary: dict, percentiles: Sequence[float], metrics: Sequence[
         for p in percentiles:
             word = percentile_key(p)
             lines.append(_row(f"P{word} {short} (ms):", summary[f"p{word}_{name}_ms"]))
+    if "kv_pulls" in summary:
+        lines += _kv_pulls(summary)
     if "per_kind" in summary:
         lines += _per_kind(summary["per_kind"], percentiles)
     lines.append("=" * WIDTH)
     return "\n".join(lines) + "\n"
+
+
+def _kv_pulls(summary: dict) -> list[str]:
+    """The hand-off section (services/bench/transfer.py); n/a where a ratio has nothing to divide."""
+
+    def value(key: str, scale: float = 1.0) -> object:
+        return "n/a" if summary[key] is None else float(summary[key]) * scale
+
+    return [
+        _rule("KV hand-off (decode pulls, worker /metrics)", "-"),
+        _row("KV pulls:", summary["kv_pulls"]),
+        _row("Mean KV pull (ms):", value("mean_kv_pull_ms")),
+        _row("KV pull / TTFT (%, means):", value("kv_pull_share_of_ttft", 100.0)),
+        _row("KV pull / E2EL (%, totals):", value("kv_pull_share_of_e2el", 100.0)),
+    ]
 
 
 def _per_kind(per_kind: dict[str, dict], percentiles: Sequence[float]) -> list[str]:

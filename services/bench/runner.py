@@ -23,6 +23,7 @@ from services.bench.arrivals import arrival_offsets, check_rate
 from services.bench.client import ENDPOINT_PATHS, send
 from services.bench.datasets import BenchRequest
 from services.bench.metrics import RequestRecord, check_slos, summarize
+from services.bench.transfer import scrape_pulls, transfer_share
 
 BACKENDS = {"completions": "openai", "chat": "openai-chat"}  # vLLM's names for the same endpoints
 
@@ -43,6 +44,7 @@ class BenchConfig:
     timeout_s: float = 600.0  # per request, for connect and for each read
     progress: bool = True  # tqdm bar
     extra_body: dict | None = None  # merged into every request body
+    kv_metrics_urls: tuple[str, ...] = ()  # decode workers' /metrics: the KV pulls' share of TTFT (transfer.py)
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -115,6 +117,7 @@ async def run_benchmark(config: BenchConfig, requests: list[BenchRequest]) -> Be
 
         for i in range(config.num_warmups):
             await one(requests[i % len(requests)], time.perf_counter())
+        pulls_before = await scrape_pulls(http, config.kv_metrics_urls)  # after the warm-ups: theirs do not count
 
         cap = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else contextlib.nullcontext()
         bar = tqdm(total=len(requests), disable=not config.progress, unit="req")
@@ -137,8 +140,11 @@ async def run_benchmark(config: BenchConfig, requests: list[BenchRequest]) -> Be
         finally:
             bar.close()
         duration = time.perf_counter() - start
+        pulls_after = await scrape_pulls(http, config.kv_metrics_urls)
     records = [tasks[i].result() for i in range(len(requests))]
     summary = summarize(records, duration, config.goodput_slos, config.percentiles)
+    if config.kv_metrics_urls:
+        summary |= transfer_share(pulls_before, pulls_after, summary)
     return BenchResult(config, records, duration, _settings(config, len(requests)) | summary)
 
 

@@ -552,7 +552,7 @@ def test_bench_cli_against_a_real_stack(model_dir, tmp_path, capsys):
         code = bench_main(["--base-url", stack.url, "--model", str(model_dir), "--dataset-name", "random",
                            "--num-prompts", "8", "--random-input-len", "32", "--random-output-len", "8",
                            "--request-rate", "20", "--goodput", "ttft:5000", "tpot:1000", "--result-file", str(out),
-                           "--disable-tqdm"])  # fmt: skip
+                           "--disable-tqdm", "--kv-metrics-url", *stack.metrics_urls()])  # fmt: skip
     except Exception:
         print(stack.logs())
         raise
@@ -570,3 +570,7 @@ def test_bench_cli_against_a_real_stack(model_dir, tmp_path, capsys):
     assert result["p99_tpot_ms"] >= result["median_tpot_ms"] > 0 and result["p99_itl_ms"] >= result["median_itl_ms"]
     assert result["request_goodput"] > 0 and result["duration"] > 0 and result["request_rate"] == 20
     assert result["dataset_name"] == "random" and result["workload"]["random_input_len"] == 32
+    # Every request went on to decode: one pull each (the prefill worker's /metrics, also given, counts none).
+    assert result["kv_pulls"] == 8 and result["mean_kv_pull_ms"] > 0, result
+    assert result["kv_pull_share_of_ttft"] == pytest.approx(result["mean_kv_pull_ms"] / result["mean_ttft_ms"])
+    assert 0 < result["kv_pull_share_of_e2el"] < 1 and "KV pulls:" in printed
