@@ -77,8 +77,8 @@ class HeldForever:
         return False
 
     async def begin_send(self, request_id: str, /) -> PoolKv:
-        num_tokens, block_ids = self.engine.kv_blocks(request_id)
-        kv = PoolKv.plan(self.engine.pool, num_tokens, block_ids, self.buffers.take)
+        num_tokens, block_ids, first_block = self.engine.kv_blocks(request_id)
+        kv = PoolKv.plan(self.engine.pool, num_tokens, block_ids, self.buffers.take, first_block=first_block)
         self.lent.setdefault(request_id, []).append(kv.staging)
         return kv
 
