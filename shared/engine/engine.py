@@ -141,10 +141,11 @@ class Engine:
         self.layout = KVLayout(
             mc.num_layers,
             mc.num_kv_heads,
-            mc.head_dim,
+            mc.kv_width,
             config.block_size,
             str(dtype).removeprefix("torch."),
             kv_heads=tuple(kv_heads) if self.parallel.tp > 1 else (),
+            planes=mc.kv_planes,
         )
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         # after the weights (and their packed twins): on CUDA the plan measures what they left
@@ -416,15 +417,7 @@ class Engine:
         n = self.blocks.blocks_for(req.num_computed_tokens)
         out = None
         if alloc is not None:
-            shape = (
-                self.layout.num_layers,
-                2,
-                n,
-                self.layout.block_size,
-                self.layout.num_held_kv_heads,
-                self.layout.head_dim,
-            )
-            out = alloc(shape, self.layout.torch_dtype)
+            out = alloc(self.layout.block_shape(n), self.layout.torch_dtype)
         return KVExport(self.layout, req.num_computed_tokens, self.pool.read(req.block_table[:n], out=out))
 
     def release_kv(self, request_id: str) -> bool:

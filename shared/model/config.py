@@ -8,10 +8,13 @@ the raw dict.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
+
+from shared.model.mla import MLAConfig
 
 
 class QKNorm(Enum):
@@ -31,6 +34,7 @@ class ArchSpec:
     moe: bool = False
     shared_expert: bool = False  # Qwen2-MoE: an always-on expert behind a sigmoid gate
     always_renormalize: bool = False  # Mixtral renormalizes top-k weights regardless of config
+    mla: bool = False  # DeepSeek: multi-head latent attention, a latent KV cache (shared/model/mla.py)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -41,6 +45,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen2_moe": ArchSpec(qkv_bias=True, moe=True, shared_expert=True),
     "qwen3_moe": ArchSpec(qk_norm=QKNorm.PER_HEAD, moe=True),
     "olmoe": ArchSpec(qk_norm=QKNorm.FULL, moe=True),
+    "deepseek_v2": ArchSpec(moe=True, mla=True),
+    "deepseek_v3": ArchSpec(moe=True, mla=True),
 }
 
 
@@ -51,11 +57,29 @@ class UnsupportedModelError(ValueError):
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    kind: str = "default"  # default | linear | llama3
+    kind: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # yarn: the band between beta_fast and beta_slow rotations is interpolated; cos/sin are multiplied by
+    # `attention_factor`, and softmax scales by yarn_mscale(factor, mscale_all_dim)^2 (`softmax_scale_factor`)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    @property
+    def softmax_scale_factor(self) -> float:
+        """What the attention's 1/sqrt(d) is multiplied by (DeepSeek's YaRN: mscale^2 when mscale_all_dim)."""
+        if self.kind == "default" or not self.mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 @dataclass(frozen=True)
@@ -83,10 +107,23 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     sparse_layers: frozenset[int] = field(default_factory=frozenset)
     eos_token_ids: tuple[int, ...] = ()
+    # multi-head latent attention (arch.mla); num_kv_heads is then 1 (the latent, shared by all heads) and
+    # head_dim the rotary width (qk_rope_head_dim), as transformers has it
+    mla: MLAConfig | None = None
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def kv_planes(self) -> int:
+        """Tensors a layer caches per token and head: 2 (K and V), 1 for MLA's latent."""
+        return 1 if self.mla else 2
+
+    @property
+    def kv_width(self) -> int:
+        """Values per token, head and plane in the cache: head_dim, or MLA's [c_kv | k_pe] width."""
+        return self.mla.latent_width if self.mla else self.head_dim
 
     def layer_is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
@@ -106,6 +143,7 @@ class ModelConfig:
         heads = _require(raw, "num_attention_heads")
         num_layers = _require(raw, "num_hidden_layers")
         moe = _moe_fields(raw, model_type, num_layers) if arch.moe else {}
+        mla = MLAConfig.from_dict(raw) if arch.mla else None
         eos = raw.get("eos_token_id")
         return cls(
             model_type=model_type,
@@ -114,8 +152,8 @@ class ModelConfig:
             hidden_size=hidden,
             num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or hidden // heads,
+            num_kv_heads=1 if mla else raw.get("num_key_value_heads") or heads,
+            head_dim=mla.qk_rope_head_dim if mla else raw.get("head_dim") or hidden // heads,
             intermediate_size=raw.get("intermediate_size", 0),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope=_rope(raw),
@@ -124,6 +162,7 @@ class ModelConfig:
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             clip_qkv=raw.get("clip_qkv"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+            mla=mla,
             **moe,
         )
 
@@ -149,6 +188,8 @@ def _moe_fields(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[s
     elif model_type == "olmoe":
         num_experts = _require(raw, "num_experts")
         moe_intermediate = _require(raw, "intermediate_size")
+    elif model_type in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek_moe_fields(raw, num_layers)
     else:
         num_experts = _require(raw, "num_experts")
         moe_intermediate = _require(raw, "moe_intermediate_size")
@@ -186,4 +227,42 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
             high_freq_factor=params["high_freq_factor"],
             original_max_position=params["original_max_position_embeddings"],
         )
-    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+    if kind == "yarn":
+        original = params.get("original_max_position_embeddings") or raw.get("max_position_embeddings", 4096)
+        factor = params.get("factor") or raw.get("max_position_embeddings", original) / original
+        mscale, mscale_all_dim = params.get("mscale") or 0.0, params.get("mscale_all_dim") or 0.0
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None and mscale and mscale_all_dim:  # transformers' _compute_yarn_parameters
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        elif attention_factor is None:
+            attention_factor = yarn_mscale(factor)
+        return RopeConfig(
+            theta=theta,
+            kind=kind,
+            factor=factor,
+            original_max_position=original,
+            beta_fast=params.get("beta_fast") or 32.0,
+            beta_slow=params.get("beta_slow") or 1.0,
+            truncate=bool(params.get("truncate", True)),
+            attention_factor=float(attention_factor),
+            mscale_all_dim=float(mscale_all_dim),
+        )
+    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (default, linear, llama3, yarn)")
+
+
+def _deepseek_moe_fields(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """DeepSeek-V2/V3: the first `first_k_dense_replace` layers are dense, the rest MoE."""
+    first_dense = raw.get("first_k_dense_replace") or 0
+    sparse = frozenset(range(first_dense, num_layers))
+    if sparse:
+        raise UnsupportedModelError(
+            f"{raw['model_type']}: MoE layers need DeepSeek's routing (not yet wired); "
+            f"only all-dense checkpoints (first_k_dense_replace >= num_hidden_layers) load"
+        )
+    return {
+        "num_experts": _require(raw, "n_routed_experts"),
+        "num_experts_per_tok": _require(raw, "num_experts_per_tok"),
+        "moe_intermediate_size": _require(raw, "moe_intermediate_size"),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+        "sparse_layers": sparse,
+    }

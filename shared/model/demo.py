@@ -61,6 +61,8 @@ HF_CLASS = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 SIZES: dict[str, dict[str, int]] = {
     # a few million parameters: fast enough for every test
@@ -164,7 +166,48 @@ def demo_config(arch: str, size: str = "tiny") -> dict[str, Any]:
         }
         if arch == "qwen2_moe":
             cfg["shared_expert_intermediate_size"] = s["shared_intermediate"]
+    elif arch in ("deepseek_v2", "deepseek_v3"):
+        del cfg["head_dim"]  # the config class derives it (= qk_rope_head_dim); a written null breaks V3's YaRN
+        cfg |= _deepseek_fields(arch, s)
     return cfg
+
+
+def _deepseek_fields(arch: str, s: dict[str, int]) -> dict[str, Any]:
+    """MLA at the size's scale (latent = 2 x head_dim, rope = head_dim / 2), YaRN as the published checkpoints
+    write it (`rope_scaling`), V3 with compressed queries, V2 without (as V2-Lite)."""
+    hd = s["head_dim"]
+    v3 = arch == "deepseek_v3"
+    return {
+        # transformers repeats the expanded K/V by heads / num_key_value_heads: the checkpoints set them equal
+        "num_key_value_heads": s["heads"],
+        "q_lora_rank": 3 * hd // 2 if v3 else None,
+        "kv_lora_rank": 2 * hd,
+        "qk_nope_head_dim": hd,
+        "qk_rope_head_dim": hd // 2,
+        "v_head_dim": hd,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": s["max_position"] // 4,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            # V3's published values make YaRN's cos/sin factor 1 and scale the softmax by mscale^2; V2's
+            # here differ so the cos/sin factor is exercised too
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0 if v3 else 0.707,
+        },
+        "rope_interleave": True,
+        "n_routed_experts": s["experts"],
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": s["expert_intermediate"],
+        "n_shared_experts": 1,
+        "first_k_dense_replace": s["layers"],
+        "routed_scaling_factor": 2.5 if v3 else 1.0,
+        "norm_topk_prob": v3,
+        "n_group": 4,
+        "topk_group": 2,
+        **({} if v3 else {"topk_method": "group_limited_greedy"}),
+    }
 
 
 def random_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:

@@ -51,8 +51,9 @@ class Rotary(nn.Module):
         inv_freq = _scale_inv_freq(inv_freq, self.rope)
         freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, hd)
-        self.cos.copy_(emb.cos())
-        self.sin.copy_(emb.sin())
+        # YaRN scales cos/sin themselves (its attention factor); 1.0 otherwise
+        self.cos.copy_(emb.cos() * self.rope.attention_factor)
+        self.sin.copy_(emb.sin() * self.rope.attention_factor)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for these positions (on the tables' device), (T, 1, hd) each: looked up once per step,
@@ -66,6 +67,23 @@ def apply_rotary(
     """q: (T, H, hd), k: (T, KVH, hd), rope: Rotary.tables(...) → rotated q, k (new tensors)."""
     cos, sin = rope
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def apply_rotary_interleaved(
+    q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on interleaved pairs (x0, x1), (x2, x3)... (DeepSeek's layout), each pair rotated by one frequency.
+    The result is de-interleaved: [rotated x0, x2, ... | rotated x1, x3, ...]. That permutes the rope dimensions
+    the same way for queries and keys, so every q.k (all attention reads of them) is the pairwise rotation's."""
+    cos, sin = rope
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]  # the tables are cat(freqs, freqs): one angle per pair
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    return rotate(q), rotate(k)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -88,7 +106,30 @@ def _scale_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
+    if rope.kind == "yarn":
+        return _yarn_inv_freq(inv_freq, rope)
     return inv_freq
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """YaRN (as transformers' _compute_yarn_parameters): dimensions that rotate more than beta_fast times over
+    the original context keep their frequency, those under beta_slow are interpolated by `factor`, a linear ramp
+    between. inv_freq: (hd/2,) the unscaled frequencies."""
+    dim = 2 * inv_freq.shape[0]
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # weight of the unscaled frequency
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)  # = 1 / inv_freq
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + inv_freq * extrapolation
 
 
 class GatedMLP(nn.Module, PackedWeights):
