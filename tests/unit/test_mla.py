@@ -16,6 +16,7 @@ from shared.engine.config import SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.kv_pool import KVLayout, KVPool
 from shared.engine.sampling import SamplingParams
+from shared.kv.reslice import IncompatibleKv, check_compatible, group_record, plan_pulls, record_layout
 from shared.model.config import ModelConfig
 from shared.model.demo import demo_config, write_demo_checkpoint
 from shared.model.layers import Rotary
@@ -141,3 +142,19 @@ def test_latent_layout_shape_bytes_and_fingerprint():
     assert same_width.bytes_per_token == 2 * latent.bytes_per_token
     with pytest.raises(ValueError, match="planes"):
         KVLayout(2, 1, 8, 16, "float32", planes=3)
+
+
+def test_a_latent_cache_is_one_replicated_head_under_tensor_parallelism():
+    """Every rank of a TP group holds the whole latent; each decode rank pulls it whole from one prefill rank,
+    and a latent record never passes for a K|V one of the same widths."""
+    latent = KVLayout(2, 1, 40, 16, "float32", planes=1)
+    record = group_record(latent, 2, ["a:1", "b:2"])
+    assert [r.kv_heads for r in record.ranks] == [[0], [0]] and record.planes == 1
+    assert record_layout(record).fingerprint == latent.fingerprint
+    for dst_tp in (1, 2, 4):
+        for rank in range(dst_tp):
+            (pull,) = plan_pulls(1, 2, dst_tp, rank)
+            assert list(pull.heads) == [0] and list(pull.dst) == [0]
+        check_compatible(record, latent, dst_tp)
+    with pytest.raises(IncompatibleKv, match="planes"):
+        check_compatible(record, KVLayout(2, 1, 40, 16, "float32"), 2)
