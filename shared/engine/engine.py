@@ -138,14 +138,8 @@ class Engine:
                 f"the model was built for {self.model.layout}, the engine is configured for {self.parallel}"
             )
         kv_heads = kv_head_range(mc.num_kv_heads, self.parallel.tp, self.group.rank if self.parallel.tp > 1 else 0)
-        self.layout = KVLayout(
-            mc.num_layers,
-            mc.num_kv_heads,
-            mc.kv_width,
-            config.block_size,
-            str(dtype).removeprefix("torch."),
-            kv_heads=tuple(kv_heads) if self.parallel.tp > 1 else (),
-            planes=mc.kv_planes,
+        self.layout = KVLayout.for_model(
+            mc, config.block_size, str(dtype).removeprefix("torch."), tuple(kv_heads) if self.parallel.tp > 1 else ()
         )
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         # after the weights (and their packed twins): on CUDA the plan measures what they left

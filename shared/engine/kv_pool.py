@@ -16,6 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from shared.engine.kv_export import KVExport
+    from shared.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,11 @@ class KVLayout:
             raise ValueError(f"a KV layout has 1 (latent) or 2 (K|V) planes, not {self.planes}")
         if any(not 0 <= h < self.num_kv_heads for h in self.kv_heads) or len(set(self.kv_heads)) != len(self.kv_heads):
             raise ValueError(f"kv_heads {self.kv_heads} must be distinct ids below num_kv_heads={self.num_kv_heads}")
+
+    @classmethod
+    def for_model(cls, mc: ModelConfig, block_size: int, dtype: str, kv_heads: tuple[int, ...] = ()) -> KVLayout:
+        """The cache layout of model `mc`: K|V per KV head, or MLA's one latent entry (ModelConfig.kv_planes)."""
+        return cls(mc.num_layers, mc.num_kv_heads, mc.kv_width, block_size, dtype, kv_heads, planes=mc.kv_planes)
 
     @property
     def held_kv_heads(self) -> tuple[int, ...]:

@@ -173,7 +173,8 @@ def demo_config(arch: str, size: str = "tiny") -> dict[str, Any]:
 
 
 def _deepseek_fields(arch: str, s: dict[str, int]) -> dict[str, Any]:
-    """MLA at the size's scale (latent = 2 x head_dim, rope = head_dim / 2), YaRN as the published checkpoints
+    """MLA at the size's scale in DeepSeek-V3's proportions (latent = 4 x head_dim, rope = head_dim / 2: 512 and
+    64 at its head_dim 128), YaRN as the published checkpoints
     write it (`rope_scaling`), V3 with compressed queries, V2 without (as V2-Lite)."""
     hd = s["head_dim"]
     v3 = arch == "deepseek_v3"
@@ -181,7 +182,7 @@ def _deepseek_fields(arch: str, s: dict[str, int]) -> dict[str, Any]:
         # transformers repeats the expanded K/V by heads / num_key_value_heads: the checkpoints set them equal
         "num_key_value_heads": s["heads"],
         "q_lora_rank": 3 * hd // 2 if v3 else None,
-        "kv_lora_rank": 2 * hd,
+        "kv_lora_rank": 4 * hd,
         "qk_nope_head_dim": hd,
         "qk_rope_head_dim": hd // 2,
         "v_head_dim": hd,
@@ -250,11 +251,13 @@ def write_demo_checkpoint(
     seed: int = 0,
     dtype: str = "float32",
     max_shard_bytes: int | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> Path:
-    """Write config, weights (sharded when `max_shard_bytes` is set), tokenizer and chat template."""
+    """Write config, weights (sharded when `max_shard_bytes` is set), tokenizer and chat template. `overrides`
+    replace config fields (benchmarks shape a model after a published one)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = demo_config(arch, size) | {"torch_dtype": dtype}
+    cfg = demo_config(arch, size) | {"torch_dtype": dtype} | (overrides or {})
     tensors = {k: v.to(DTYPES[dtype]) for k, v in random_weights(cfg, seed).items()}
     _write_weights(out, tensors, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
