@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from shared.model.mla import MLAConfig
+from shared.model.routing import RouterConfig, router_config
 
 
 class QKNorm(Enum):
@@ -25,15 +26,25 @@ class QKNorm(Enum):
     FULL = "full"  # OLMoE: RMSNorm over the whole projection, weight shape (heads * head_dim,)
 
 
+class SharedExpert(Enum):
+    """The MoE block's always-on expert, beside the routed ones."""
+
+    NONE = "none"
+    GATED = "gated"  # Qwen2-MoE: mlp.shared_expert, scaled by sigmoid(mlp.shared_expert_gate(x))
+    PLAIN = "plain"  # DeepSeek, GLM-4.5: mlp.shared_experts (n_shared_experts fused into one MLP), no gate
+
+
 @dataclass(frozen=True)
 class ArchSpec:
-    """What differs between the supported architectures, declared rather than branched on."""
+    """What differs between the supported architectures, declared rather than branched on. (How each routes
+    its tokens to experts is shared/model/routing.py's.)"""
 
     qkv_bias: bool = False
     qk_norm: QKNorm = QKNorm.NONE
     moe: bool = False
-    shared_expert: bool = False  # Qwen2-MoE: an always-on expert behind a sigmoid gate
-    always_renormalize: bool = False  # Mixtral renormalizes top-k weights regardless of config
+    shared_expert: SharedExpert = SharedExpert.NONE
+    # GLM-4.5: the q/k/v bias (`attention_bias`) and the per-head q/k norm (`use_qk_norm`) are config options
+    attention_options: bool = False
     mla: bool = False  # DeepSeek: multi-head latent attention, a latent KV cache (shared/model/mla.py)
 
 
@@ -41,12 +52,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": ArchSpec(),
     "qwen2": ArchSpec(qkv_bias=True),
     "qwen3": ArchSpec(qk_norm=QKNorm.PER_HEAD),
-    "mixtral": ArchSpec(moe=True, always_renormalize=True),
-    "qwen2_moe": ArchSpec(qkv_bias=True, moe=True, shared_expert=True),
+    "mixtral": ArchSpec(moe=True),
+    "qwen2_moe": ArchSpec(qkv_bias=True, moe=True, shared_expert=SharedExpert.GATED),
     "qwen3_moe": ArchSpec(qk_norm=QKNorm.PER_HEAD, moe=True),
     "olmoe": ArchSpec(qk_norm=QKNorm.FULL, moe=True),
-    "deepseek_v2": ArchSpec(moe=True, mla=True),
-    "deepseek_v3": ArchSpec(moe=True, mla=True),
+    "deepseek_v2": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, mla=True),
+    "deepseek_v3": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, mla=True),
+    "glm4_moe": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, attention_options=True),
 }
 
 
@@ -62,6 +74,9 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # the share of each head's dims that is rotated (GLM-4.5: 0.5): the first int(head_dim * factor) dims, as
+    # two non-interleaved halves; the rest pass through unrotated
+    partial_rotary_factor: float = 1.0
     # yarn: the band between beta_fast and beta_slow rotations is interpolated; cos/sin are multiplied by
     # `attention_factor`, and softmax scales by yarn_mscale(factor, mscale_all_dim)^2 (`softmax_scale_factor`)
     beta_fast: float = 32.0
@@ -69,6 +84,15 @@ class RopeConfig:
     truncate: bool = True
     attention_factor: float = 1.0
     mscale_all_dim: float = 0.0
+
+    def rotary_dim(self, head_dim: int) -> int:
+        dim = int(head_dim * self.partial_rotary_factor)
+        if dim <= 0 or dim % 2 or dim > head_dim:
+            raise UnsupportedModelError(
+                f"partial_rotary_factor={self.partial_rotary_factor} of head_dim={head_dim} rotates {dim} dims: "
+                "it must be an even number in [2, head_dim]"
+            )
+        return dim
 
     @property
     def softmax_scale_factor(self) -> float:
@@ -103,13 +127,16 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
-    norm_topk_prob: bool = False
-    shared_expert_intermediate_size: int = 0
+    router: RouterConfig | None = None  # None for dense models
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
     sparse_layers: frozenset[int] = field(default_factory=frozenset)
     eos_token_ids: tuple[int, ...] = ()
     # multi-head latent attention (arch.mla); num_kv_heads is then 1 (the latent, shared by all heads) and
     # head_dim the rotary width (qk_rope_head_dim), as transformers has it
     mla: MLAConfig | None = None
+    # multi-token-prediction layers after the last one (GLM-4.5, DeepSeek-V3: model.layers.{num_layers + i}.*):
+    # the checkpoint carries them, nothing here runs them (no speculative decoding), the loader skips them
+    mtp_layers: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -136,6 +163,9 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}; supported architectures: {', '.join(sorted(ARCHITECTURES))}"
             )
         arch = ARCHITECTURES[model_type]
+        if arch.attention_options:
+            qk_norm = QKNorm.PER_HEAD if raw.get("use_qk_norm") else QKNorm.NONE
+            arch = replace(arch, qkv_bias=bool(raw.get("attention_bias", False)), qk_norm=qk_norm)
         if raw.get("use_sliding_window"):
             raise UnsupportedModelError(f"{model_type}: use_sliding_window=true is not supported")
 
@@ -145,6 +175,10 @@ class ModelConfig:
         moe = _moe_fields(raw, model_type, num_layers) if arch.moe else {}
         mla = MLAConfig.from_dict(raw) if arch.mla else None
         eos = raw.get("eos_token_id")
+        # MLA: the rotary width (qk_rope_head_dim), as transformers' DeepSeek configs set head_dim
+        head_dim = mla.qk_rope_head_dim if mla else raw.get("head_dim") or hidden // heads
+        rope = replace(_rope(raw), partial_rotary_factor=_partial_rotary_factor(raw, model_type))
+        rope.rotary_dim(head_dim)  # refuses a width that cannot be rotated, now rather than at model build
         return cls(
             model_type=model_type,
             arch=arch,
@@ -153,16 +187,17 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=1 if mla else raw.get("num_key_value_heads") or heads,
-            head_dim=mla.qk_rope_head_dim if mla else raw.get("head_dim") or hidden // heads,
+            head_dim=head_dim,
             intermediate_size=raw.get("intermediate_size", 0),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope=_rope(raw),
+            rope=rope,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             clip_qkv=raw.get("clip_qkv"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
             mla=mla,
+            mtp_layers=raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers")) or 0,
             **moe,
         )
 
@@ -182,29 +217,77 @@ def _require(raw: dict[str, Any], key: str) -> Any:
 
 def _moe_fields(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
     arch = ARCHITECTURES[model_type]
-    if model_type == "mixtral":
+    deepseek_style = _DEEPSEEK_STYLE.get(model_type)
+    if deepseek_style is not None:
+        raw = deepseek_style | raw  # transformers' defaults under what the config.json says
+        num_experts, moe_intermediate = raw["n_routed_experts"], raw["moe_intermediate_size"]
+    elif model_type == "mixtral":
         num_experts = _require(raw, "num_local_experts")
         moe_intermediate = _require(raw, "intermediate_size")
     elif model_type == "olmoe":
         num_experts = _require(raw, "num_experts")
         moe_intermediate = _require(raw, "intermediate_size")
-    elif model_type in ("deepseek_v2", "deepseek_v3"):
-        return _deepseek_moe_fields(raw, num_layers)
     else:
         num_experts = _require(raw, "num_experts")
         moe_intermediate = _require(raw, "moe_intermediate_size")
-    # Qwen-MoE can interleave dense layers; the others are sparse everywhere.
-    step = raw.get("decoder_sparse_step", 1) or 1
-    dense_only = set(raw.get("mlp_only_layers") or [])
-    sparse = frozenset(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
+    top_k = _require(raw, "num_experts_per_tok")
+    if deepseek_style is not None:
+        # the first `first_k_dense_replace` layers dense, then every `moe_layer_freq`-th layer sparse (DeepSeek's
+        # own code; transformers reads no moe_layer_freq, and every published checkpoint has 1)
+        first_dense, freq = raw["first_k_dense_replace"], raw.get("moe_layer_freq") or 1
+        sparse = frozenset(i for i in range(num_layers) if i >= first_dense and i % freq == 0)
+    else:
+        # Qwen-MoE can interleave dense layers; the others are sparse everywhere.
+        step = raw.get("decoder_sparse_step", 1) or 1
+        dense_only = set(raw.get("mlp_only_layers") or [])
+        sparse = frozenset(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
+    shared = {
+        SharedExpert.NONE: 0,
+        SharedExpert.GATED: raw.get("shared_expert_intermediate_size", 0),
+        # the n_shared_experts shared experts are one MLP of n times the width
+        SharedExpert.PLAIN: moe_intermediate * raw.get("n_shared_experts", 1),
+    }[arch.shared_expert]
     return {
         "num_experts": num_experts,
-        "num_experts_per_tok": _require(raw, "num_experts_per_tok"),
+        "num_experts_per_tok": top_k,
         "moe_intermediate_size": moe_intermediate,
-        "norm_topk_prob": arch.always_renormalize or bool(raw.get("norm_topk_prob", False)),
-        "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size", 0) if arch.shared_expert else 0,
+        "router": router_config(raw, model_type, num_experts, top_k),
+        "shared_expert_intermediate_size": shared,
         "sparse_layers": sparse,
     }
+
+
+# DeepSeek-style MoE configs (n_routed_experts, n_shared_experts, first_k_dense_replace): the defaults of
+# transformers' config classes, for the keys a config.json leaves out
+_DEEPSEEK_STYLE: dict[str, dict[str, int]] = {
+    "glm4_moe": {
+        "n_routed_experts": 128,
+        "moe_intermediate_size": 1408,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 1,
+    },
+    "deepseek_v2": {
+        "n_routed_experts": 64,
+        "moe_intermediate_size": 1407,
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 0,
+    },
+    "deepseek_v3": {
+        "n_routed_experts": 256,
+        "moe_intermediate_size": 2048,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3,
+    },
+}
+
+
+def _partial_rotary_factor(raw: dict[str, Any], model_type: str) -> float:
+    """As transformers resolves it: `rope_parameters` first, then the top-level key, then the architecture's
+    default (Glm4MoeConfig sets 0.5)."""
+    default = 0.5 if model_type == "glm4_moe" else 1.0
+    return float(
+        (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", default))
+    )
 
 
 def _rope(raw: dict[str, Any]) -> RopeConfig:
@@ -248,21 +331,3 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
             mscale_all_dim=float(mscale_all_dim),
         )
     raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (default, linear, llama3, yarn)")
-
-
-def _deepseek_moe_fields(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """DeepSeek-V2/V3: the first `first_k_dense_replace` layers are dense, the rest MoE."""
-    first_dense = raw.get("first_k_dense_replace") or 0
-    sparse = frozenset(range(first_dense, num_layers))
-    if sparse:
-        raise UnsupportedModelError(
-            f"{raw['model_type']}: MoE layers need DeepSeek's routing (not yet wired); "
-            f"only all-dense checkpoints (first_k_dense_replace >= num_hidden_layers) load"
-        )
-    return {
-        "num_experts": _require(raw, "n_routed_experts"),
-        "num_experts_per_tok": _require(raw, "num_experts_per_tok"),
-        "moe_intermediate_size": _require(raw, "moe_intermediate_size"),
-        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
-        "sparse_layers": sparse,
-    }

@@ -1,8 +1,9 @@
 """Load a Hugging Face safetensors checkpoint (single file or sharded) into a `CausalLM`.
 
-The mapping from checkpoint names to our parameters is declarative: every parameter loads from the tensor
-of the same name, except where a module's `checkpoint_shards()` says a checkpoint tensor fills a slice of
-a fused/stacked parameter (q/k/v → qkv_proj, gate/up → gate_up_proj, experts.N.* → stacked experts).
+The mapping from checkpoint names to our parameters is declarative: every parameter (and persistent buffer:
+a router's correction bias) loads from the tensor of the same name, except where a module's
+`checkpoint_shards()` says a checkpoint tensor fills a slice of a fused/stacked parameter (q/k/v → qkv_proj,
+gate/up → gate_up_proj, experts.N.* → stacked experts).
 
 Sharded (tensor-parallel) loading: a declaration may add the slice of the checkpoint tensor this rank reads
 (rows, columns); the loader then reads only that slice from the file (`safe_open(...).get_slice(name)[...]`),
@@ -54,6 +55,7 @@ CHECKPOINT_SPELLING: dict[str, list[tuple[str, str]]] = {
 }
 # Tensors some checkpoints carry that hold nothing we need.
 IGNORED = re.compile(r"(rotary_emb\.inv_freq$)")
+LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 # Above this many bytes of weights, show a progress bar unless told otherwise.
 PROGRESS_BYTES = 1 << 30
@@ -149,6 +151,7 @@ def load_weights(model: CausalLM, model_dir: Path, progress: bool | None = None)
     if progress is None:
         progress = sum(f.stat().st_size for f in files) > PROGRESS_BYTES
     loaded: set[str] = set()
+    mtp_skipped = 0
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt") as shard:
@@ -160,6 +163,9 @@ def load_weights(model: CausalLM, model_dir: Path, progress: bool | None = None)
                     target = targets.get(name)
                     if target is None:
                         if name in others:  # another rank's (its experts): never read
+                            continue
+                        if _is_mtp(name, model.config):  # never read either
+                            mtp_skipped += 1
                             continue
                         if not (IGNORED.search(name) or (name == "lm_head.weight" and model.lm_head is None)):
                             log.warning("ignoring unexpected checkpoint tensor %s", raw_name)
@@ -177,10 +183,24 @@ def load_weights(model: CausalLM, model_dir: Path, progress: bool | None = None)
                         )
                     dest.copy_(tensor)
                     loaded.add(name)
+    if mtp_skipped:
+        log.info(
+            "skipped the %d tensors of the %d multi-token-prediction layer(s): nothing runs them (no speculative "
+            "decoding)",
+            mtp_skipped,
+            model.config.mtp_layers,
+        )
     missing = sorted(checkpoint_name(model.config.model_type, n) for n in set(targets) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{model_dir}: checkpoint is missing tensor(s): {shown}")
+
+
+def _is_mtp(name: str, cfg: ModelConfig) -> bool:
+    """A tensor of the multi-token-prediction layers the config declares after its last decoder layer
+    (model.layers.{num_layers .. num_layers + mtp_layers - 1}.*); any other layer index is not one."""
+    match = LAYER_INDEX.match(name)
+    return match is not None and cfg.num_layers <= int(match.group(1)) < cfg.num_layers + cfg.mtp_layers
 
 
 def checkpoint_name(model_type: str, canonical: str) -> str:
@@ -198,10 +218,18 @@ def checkpoint_targets(model: CausalLM) -> dict[str, _Target]:
         covered = {declared[0] for declared in shards.values()}
         for suffix, (param, index, *source) in shards.items():
             targets[_join(prefix, suffix)] = _Target(module.get_parameter(param), index, *source)
-        for name, param in module.named_parameters(recurse=False):
+        for name, tensor in _checkpoint_tensors(module):
             if name not in covered:
-                targets.setdefault(_join(prefix, name), _Target(param, ()))
+                targets.setdefault(_join(prefix, name), _Target(tensor, ()))
     return targets
+
+
+def _checkpoint_tensors(module: torch.nn.Module):
+    """A module's own parameters and persistent buffers (a router's correction bias): what a checkpoint holds."""
+    yield from module.named_parameters(recurse=False)
+    for name, buffer in module.named_buffers(recurse=False):
+        if name not in module._non_persistent_buffers_set:
+            yield name, buffer
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
