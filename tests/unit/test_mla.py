@@ -19,6 +19,7 @@ from shared.engine.sampling import SamplingParams
 from shared.kv.reslice import IncompatibleKv, check_compatible, group_record, plan_pulls, record_layout
 from shared.model.config import ModelConfig
 from shared.model.demo import demo_config, write_demo_checkpoint
+from shared.model.kernels.choice import KernelChoice
 from shared.model.layers import Rotary
 from shared.model.loader import load_model
 from shared.model.mla_attention import MLAForm
@@ -158,3 +159,24 @@ def test_a_latent_cache_is_one_replicated_head_under_tensor_parallelism():
         check_compatible(record, latent, dst_tp)
     with pytest.raises(IncompatibleKv, match="planes"):
         check_compatible(record, KVLayout(2, 1, 40, 16, "float32"), 2)
+
+
+def test_decode_over_the_kernel_step_layout_equals_the_torch_buckets(v3):
+    """A step laid out for the Triton kernels (one KernelDecodes, no buckets: what a CUDA engine builds) is
+    attended by MLA in torch as one padded group: the same logits as the torch path's buckets."""
+    model = load_model(v3)
+    cfg = model.config
+    block = 4
+    lens = [9, 3, 14]  # context lengths of three decode sequences, scattered over the pool's blocks
+    tables = [[5, 1, 7], [2], [0, 3, 4, 6]]
+    ids = torch.tensor(_prompts(cfg.vocab_size, (3,))[0])
+    kv = [torch.randn(cfg.kv_planes, 8, block, 1, cfg.kv_width, generator=torch.Generator().manual_seed(i))
+          for i in range(cfg.num_layers)]  # fmt: skip
+    positions = torch.tensor([n - 1 for n in lens])
+    logits = {}
+    for kernels in (KernelChoice.TORCH, KernelChoice.TRITON):
+        meta = AttentionMetadata.build(tables, lens, [1, 1, 1], block, kernels=kernels)
+        assert (meta.kernel_decodes is not None) == (kernels is KernelChoice.TRITON)
+        with torch.no_grad():
+            logits[kernels] = model.logits(model(ids, positions, [c.clone() for c in kv], meta))
+    torch.testing.assert_close(logits[KernelChoice.TRITON], logits[KernelChoice.TORCH], rtol=0, atol=1e-5)
