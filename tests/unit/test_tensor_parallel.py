@@ -117,6 +117,7 @@ MOE_CASES = [
     ("qwen2_moe", "tiny"),
     ("qwen3_moe", "tiny_mqa"),
     ("glm4_moe", "tiny"),  # its ungated shared experts and the dense first layer
+    ("deepseek_v3", "tiny"),  # MLA split by heads with the latent replicated, beside expert parallelism
 ]
 
 
