@@ -55,7 +55,13 @@ COMMON = {
 }
 SHAPES = {
     "qwen3_moe": COMMON
-    | {"num_key_value_heads": 4, "head_dim": 128, "num_experts": 8, "moe_intermediate_size": 512, "mlp_only_layers": []},
+    | {
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 8,
+        "moe_intermediate_size": 512,
+        "mlp_only_layers": [],
+    },
     "deepseek_v3": COMMON
     | {
         "num_key_value_heads": 16,
