@@ -54,10 +54,11 @@ def test_absorbed_and_expanded_forms_generate_the_same_tokens(v3):
 
 @pytest.mark.parametrize("form", [MLAForm.ABSORBED, MLAForm.EXPANDED])
 def test_a_later_chunk_attends_over_the_cached_latent(v3, form):
-    """Logits of the last 5 tokens computed as a second chunk over 20 cached tokens equal those of one 25-token
-    prefill, in either form: the later chunk reads the first chunk's latent from the paged cache."""
+    """Logits of the last 5 tokens computed as a second chunk over 20 cached tokens, in either form, equal those of
+    one 25-token prefill in the expanded form (transformers' own computation): the later chunk reads the first
+    chunk's latent from the paged cache."""
     model = load_model(v3)
-    model.set_mla_form(form)
+    model.set_mla_form(MLAForm.EXPANDED)
     cfg = model.config
     ids = torch.tensor(_prompts(cfg.vocab_size, (25,))[0])
     block, blocks = 8, [3, 0, 2, 1]
@@ -69,6 +70,7 @@ def test_a_later_chunk_attends_over_the_cached_latent(v3, form):
         whole = model.logits(
             model(ids, torch.arange(25), caches(), AttentionMetadata.build([blocks], [25], [25], block))
         )
+        model.set_mla_form(form)
         kv = caches()
         model(ids[:20], torch.arange(20), kv, AttentionMetadata.build([blocks], [20], [20], block))
         tail = model.logits(
@@ -163,7 +165,8 @@ def test_a_latent_cache_is_one_replicated_head_under_tensor_parallelism():
 
 def test_decode_over_the_kernel_step_layout_equals_the_torch_buckets(v3):
     """A step laid out for the Triton kernels (one KernelDecodes, no buckets: what a CUDA engine builds) is
-    attended by MLA in torch as one padded group: the same logits as the torch path's buckets."""
+    attended by MLA in torch as one padded group: the same logits as the torch path's buckets, and absorbed
+    decode the same as the expanded form."""
     model = load_model(v3)
     cfg = model.config
     block = 4
@@ -174,9 +177,15 @@ def test_decode_over_the_kernel_step_layout_equals_the_torch_buckets(v3):
           for i in range(cfg.num_layers)]  # fmt: skip
     positions = torch.tensor([n - 1 for n in lens])
     logits = {}
+    model.set_mla_form(MLAForm.EXPANDED)  # the reference: transformers' computation, over the torch buckets
+    with torch.no_grad():
+        meta = AttentionMetadata.build(tables, lens, [1, 1, 1], block)
+        reference = model.logits(model(ids, positions, [c.clone() for c in kv], meta))
+    model.set_mla_form(MLAForm.AUTO)  # decode absorbed
     for kernels in (KernelChoice.TORCH, KernelChoice.TRITON):
         meta = AttentionMetadata.build(tables, lens, [1, 1, 1], block, kernels=kernels)
         assert (meta.kernel_decodes is not None) == (kernels is KernelChoice.TRITON)
         with torch.no_grad():
             logits[kernels] = model.logits(model(ids, positions, [c.clone() for c in kv], meta))
     torch.testing.assert_close(logits[KernelChoice.TRITON], logits[KernelChoice.TORCH], rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits[KernelChoice.TORCH], reference, rtol=0, atol=1e-4)
