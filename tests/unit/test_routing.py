@@ -105,11 +105,14 @@ def test_router_matches_transformers(case):
     torch.testing.assert_close(weights, ref_weights.float(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_packed_router_routes_alike(case):
-    """The oneDNN-packed weight (what prepack_weights gives on CPU) routes as the plain one."""
+def test_packed_router_routes_alike(case, dtype):
+    """The oneDNN-packed weight (what prepack_weights gives on CPU; for the float32 routers of a bfloat16
+    model, the upcast weight packed) routes as the plain one."""
     _, ours = _pair(case)
-    x = torch.randn(37, HIDDEN, generator=torch.Generator().manual_seed(2))
+    ours.to(dtype)
+    x = torch.randn(37, HIDDEN, generator=torch.Generator().manual_seed(2)).to(dtype)
     with torch.no_grad():
         plain = ours(x)
         ours.prepack()
