@@ -36,6 +36,10 @@ class KVLayout:
     # empty = all `num_kv_heads`. Not part of the fingerprint: slices of one model's KV are compatible.
     kv_heads: tuple[int, ...] = ()
     planes: int = 2  # 2: K and V; 1: a latent cache (MLA), one entry per token holding what K and V derive from
+    # Per layer, its sliding window (None = full attention; empty = every layer full): ModelConfig.layer_windows.
+    # Part of the fingerprint: the same shapes under other windows are other KV (a window layer's K/V of a
+    # token is only read by the queries within the window; the full layers' by all).
+    layer_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         if self.planes not in (1, 2):
@@ -46,7 +50,10 @@ class KVLayout:
     @classmethod
     def for_model(cls, mc: ModelConfig, block_size: int, dtype: str, kv_heads: tuple[int, ...] = ()) -> KVLayout:
         """The cache layout of model `mc`: K|V per KV head, or MLA's one latent entry (ModelConfig.kv_planes)."""
-        return cls(mc.num_layers, mc.num_kv_heads, mc.kv_width, block_size, dtype, kv_heads, planes=mc.kv_planes)
+        return cls(
+            mc.num_layers, mc.num_kv_heads, mc.kv_width, block_size, dtype, kv_heads,
+            planes=mc.kv_planes, layer_windows=mc.layer_windows,
+        )  # fmt: skip
 
     @property
     def held_kv_heads(self) -> tuple[int, ...]:
@@ -90,6 +97,8 @@ class KVLayout:
         key = f"{self.num_layers}:{self.num_kv_heads}:{self.head_dim}:{self.dtype}"
         if self.kind != "kv":
             key += f":{self.kind}"
+        if self.layer_windows:  # absent without windows: the fingerprints of full-attention models are unchanged
+            key += ":windows=" + ",".join("full" if w is None else str(w) for w in self.layer_windows)
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

@@ -91,7 +91,12 @@ async def pull_rank_kv(
         *(client.pull(record.ranks[p.rank].rpc_address, request_id, _with_heads(layout, p.heads), total) for p in plan)
     )
     first = parts[0]
-    if any(p.num_tokens != first.num_tokens or p.blocks.shape[:4] != first.blocks.shape[:4] for p in parts):
+    if any(
+        p.num_tokens != first.num_tokens
+        or p.first_block != first.first_block
+        or p.blocks.shape[:4] != first.blocks.shape[:4]
+        for p in parts
+    ):
         raise KvTransferError(FailureReason.PROTOCOL, f"the prefill ranks sent {request_id!r}'s KV in different shapes")
     heads = kv_head_range(layout.num_kv_heads, dst_tp, dst_rank)
     out = first.blocks.new_empty((*first.blocks.shape[:4], len(heads), layout.head_dim))
@@ -99,7 +104,7 @@ async def pull_rank_kv(
         out[:, :, :, :, pull.dst.start : pull.dst.stop] = part.blocks
         client.recycle(part)
     mine = dataclasses.replace(layout, block_size=first.layout.block_size, kv_heads=tuple(heads))
-    return KVExport(mine, first.num_tokens, out)
+    return KVExport(mine, first.num_tokens, out, first_block=first.first_block)
 
 
 def _with_heads(layout: KVLayout, heads: range) -> KVLayout:

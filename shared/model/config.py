@@ -45,6 +45,12 @@ class ArchSpec:
     shared_expert: SharedExpert = SharedExpert.NONE
     # GLM-4.5: the q/k/v bias (`attention_bias`) and the per-head q/k norm (`use_qk_norm`) are config options
     attention_options: bool = False
+    # gpt-oss: q/k/v and o projections with biases (config `attention_bias`), a learned per-head sink logit in
+    # every softmax, and experts with biases and the clamped SwiGLU (shared/model/clamped_experts.py
+    # ClampedSwiGLUExperts); its router (biased, top-k of the logits then their softmax) is routing.py's
+    attention_sinks: bool = False
+    o_bias: bool = False
+    clamped_swiglu_experts: bool = False
     mla: bool = False  # DeepSeek: multi-head latent attention, a latent KV cache (shared/model/mla.py)
 
 
@@ -59,6 +65,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "deepseek_v2": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, mla=True),
     "deepseek_v3": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, mla=True),
     "glm4_moe": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, attention_options=True),
+    "gpt_oss": ArchSpec(qkv_bias=True, moe=True, attention_sinks=True, o_bias=True, clamped_swiglu_experts=True),
 }
 
 
@@ -77,13 +84,6 @@ class RopeConfig:
     # the share of each head's dims that is rotated (GLM-4.5: 0.5): the first int(head_dim * factor) dims, as
     # two non-interleaved halves; the rest pass through unrotated
     partial_rotary_factor: float = 1.0
-    # yarn: the band between beta_fast and beta_slow rotations is interpolated; cos/sin are multiplied by
-    # `attention_factor`, and softmax scales by yarn_mscale(factor, mscale_all_dim)^2 (`softmax_scale_factor`)
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
-    attention_factor: float = 1.0
-    mscale_all_dim: float = 0.0
 
     def rotary_dim(self, head_dim: int) -> int:
         dim = int(head_dim * self.partial_rotary_factor)
@@ -94,9 +94,20 @@ class RopeConfig:
             )
         return dim
 
+    # yarn (shared/model/layers.py yarn_inv_freq_and_mscale): the ramp between interpolated and extrapolated
+    # frequencies, and the attention factor that scales cos/sin (None: derived from factor / mscale); DeepSeek's
+    # attention also scales its softmax by yarn_mscale(factor, mscale_all_dim)^2 (`softmax_scale_factor`)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
     @property
     def softmax_scale_factor(self) -> float:
-        """What the attention's 1/sqrt(d) is multiplied by (DeepSeek's YaRN: mscale^2 when mscale_all_dim)."""
+        """What the attention's 1/sqrt(d) is multiplied by (DeepSeek's YaRN: mscale(factor, mscale_all_dim)^2, as
+        transformers' yarn_apply_mscale; the cos/sin factor is separate, layers.py)."""
         if self.kind == "default" or not self.mscale_all_dim:
             return 1.0
         return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
@@ -137,6 +148,12 @@ class ModelConfig:
     # multi-token-prediction layers after the last one (GLM-4.5, DeepSeek-V3: model.layers.{num_layers + i}.*):
     # the checkpoint carries them, nothing here runs them (no speculative decoding), the loader skips them
     mtp_layers: int = 0
+    # Per layer: its sliding window W (a query at position p sees keys p-W+1..p, W keys with itself, as
+    # transformers' sliding_window_overlay), None = full attention. Empty = every layer full.
+    layer_windows: tuple[int | None, ...] = ()
+    # gpt-oss experts' clamped SwiGLU: glu = g * sigmoid(alpha * g) with g <= limit, times (clamp(u, ±limit) + 1)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     @property
     def is_moe(self) -> bool:
@@ -155,6 +172,27 @@ class ModelConfig:
     def layer_is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
 
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of `layer`, None when it attends to the whole context."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def freeable_window(self) -> int | None:
+        """When every layer slides: the largest window (blocks wholly behind it are read by no layer again and
+        can be freed); None when some layer attends to the whole context."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(w for w in self.layer_windows if w is not None)
+
+    @property
+    def has_full_layers(self) -> bool:
+        return not self.layer_windows or None in self.layer_windows
+
+    @property
+    def windows(self) -> frozenset[int]:
+        """The distinct sliding windows of the model's layers (empty: no sliding layer)."""
+        return frozenset(w for w in self.layer_windows if w is not None)
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         model_type = raw.get("model_type")
@@ -166,9 +204,6 @@ class ModelConfig:
         if arch.attention_options:
             qk_norm = QKNorm.PER_HEAD if raw.get("use_qk_norm") else QKNorm.NONE
             arch = replace(arch, qkv_bias=bool(raw.get("attention_bias", False)), qk_norm=qk_norm)
-        if raw.get("use_sliding_window"):
-            raise UnsupportedModelError(f"{model_type}: use_sliding_window=true is not supported")
-
         hidden = _require(raw, "hidden_size")
         heads = _require(raw, "num_attention_heads")
         num_layers = _require(raw, "num_hidden_layers")
@@ -177,8 +212,11 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         # MLA: the rotary width (qk_rope_head_dim), as transformers' DeepSeek configs set head_dim
         head_dim = mla.qk_rope_head_dim if mla else raw.get("head_dim") or hidden // heads
-        rope = replace(_rope(raw), partial_rotary_factor=_partial_rotary_factor(raw, model_type))
+        rope = replace(_rope(raw, model_type), partial_rotary_factor=_partial_rotary_factor(raw, model_type))
         rope.rotary_dim(head_dim)  # refuses a width that cannot be rotated, now rather than at model build
+        extra: dict[str, Any] = {}
+        if arch.clamped_swiglu_experts:
+            extra = {"swiglu_alpha": raw.get("swiglu_alpha", 1.702), "swiglu_limit": raw.get("swiglu_limit", 7.0)}
         return cls(
             model_type=model_type,
             arch=arch,
@@ -198,7 +236,9 @@ class ModelConfig:
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
             mla=mla,
             mtp_layers=raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers")) or 0,
+            layer_windows=layer_windows(raw, model_type, num_layers),
             **moe,
+            **extra,
         )
 
     @classmethod
@@ -221,8 +261,10 @@ def _moe_fields(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[s
     if deepseek_style is not None:
         raw = deepseek_style | raw  # transformers' defaults under what the config.json says
         num_experts, moe_intermediate = raw["n_routed_experts"], raw["moe_intermediate_size"]
-    elif model_type == "mixtral":
-        num_experts = _require(raw, "num_local_experts")
+    elif model_type in ("mixtral", "gpt_oss"):
+        # gpt-oss's config class aliases num_experts to num_local_experts
+        num_experts = raw["num_experts"] if "num_local_experts" not in raw and "num_experts" in raw else None
+        num_experts = num_experts or _require(raw, "num_local_experts")
         moe_intermediate = _require(raw, "intermediate_size")
     elif model_type == "olmoe":
         num_experts = _require(raw, "num_experts")
@@ -290,12 +332,56 @@ def _partial_rotary_factor(raw: dict[str, Any], model_type: str) -> float:
     )
 
 
-def _rope(raw: dict[str, Any]) -> RopeConfig:
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def layer_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window as the architecture's transformers config and modeling files read it
+    (checked against each file; the parity tests hold them to it):
+
+    - gpt_oss: `layer_types` (default: even layers sliding, odd full), window `sliding_window`.
+    - mixtral: `sliding_window` on every layer when set (no use_sliding_window switch).
+    - qwen3_moe: `sliding_window` on every layer when `use_sliding_window`.
+    - qwen2, qwen3: `layer_types` (default: layers >= `max_window_layers` slide) when `use_sliding_window`.
+    - qwen2_moe: `layer_types` (default: even layers below `max_window_layers`) when `use_sliding_window`.
+    - llama, olmoe: none (their modeling files build a causal mask only).
+    """
+    window = raw.get("sliding_window")
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        window = raw.get("sliding_window", 4096) if raw.get("use_sliding_window", False) else None
+    elif model_type == "gpt_oss":
+        window = raw.get("sliding_window", 128)
+    if model_type in ("llama", "olmoe") or not window:
+        return ()
+    if model_type in ("mixtral", "qwen3_moe"):
+        return (window,) * num_layers
+    types = raw.get("layer_types")
+    if types is None:
+        if model_type == "gpt_oss":
+            types = [SLIDING if i % 2 == 0 else FULL for i in range(num_layers)]
+        elif model_type == "qwen2_moe":
+            below = raw.get("max_window_layers", 28)
+            types = [SLIDING if i % 2 == 0 and i < below else FULL for i in range(num_layers)]
+        else:  # qwen2, qwen3
+            above = raw.get("max_window_layers", 28)
+            types = [SLIDING if i >= above else FULL for i in range(num_layers)]
+    if len(types) != num_layers or not set(types) <= {SLIDING, FULL}:
+        raise UnsupportedModelError(f"{model_type}: layer_types {types!r} is not {num_layers} of {SLIDING}/{FULL}")
+    windows = tuple(window if t == SLIDING else None for t in types)
+    return windows if any(windows) else ()
+
+
+def _rope(raw: dict[str, Any], model_type: str = "") -> RopeConfig:
+
     # transformers 5 writes `rope_parameters`; older checkpoints use rope_theta + rope_scaling.
     params = dict(raw.get("rope_parameters") or {})
     scaling = raw.get("rope_scaling") or {}
     params = {**scaling, **params}
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if model_type == "gpt_oss" and not params:  # GptOssConfig's default rope_parameters
+        params = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+        params["original_max_position_embeddings"] = 4096
+    default_theta = 150000.0 if model_type == "gpt_oss" else 10000.0  # GptOssConfig.default_theta
+    theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return RopeConfig(theta=theta)
@@ -311,14 +397,8 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
             original_max_position=params["original_max_position_embeddings"],
         )
     if kind == "yarn":
-        original = params.get("original_max_position_embeddings") or raw.get("max_position_embeddings", 4096)
+        original = params["original_max_position_embeddings"]
         factor = params.get("factor") or raw.get("max_position_embeddings", original) / original
-        mscale, mscale_all_dim = params.get("mscale") or 0.0, params.get("mscale_all_dim") or 0.0
-        attention_factor = params.get("attention_factor")
-        if attention_factor is None and mscale and mscale_all_dim:  # transformers' _compute_yarn_parameters
-            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
-        elif attention_factor is None:
-            attention_factor = yarn_mscale(factor)
         return RopeConfig(
             theta=theta,
             kind=kind,
@@ -326,8 +406,9 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
             original_max_position=original,
             beta_fast=params.get("beta_fast") or 32.0,
             beta_slow=params.get("beta_slow") or 1.0,
-            truncate=bool(params.get("truncate", True)),
-            attention_factor=float(attention_factor),
-            mscale_all_dim=float(mscale_all_dim),
+            truncate=params.get("truncate", True),
+            attention_factor=params.get("attention_factor"),
+            mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"),
         )
     raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (default, linear, llama3, yarn)")

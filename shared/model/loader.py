@@ -16,16 +16,19 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from shared.model.config import ModelConfig
+from shared.model.config import ModelConfig, UnsupportedModelError
 from shared.model.expert_parallel import EPDispatch, shard_experts
+from shared.model.mxfp4 import Mxfp4
 from shared.model.transformer import CausalLM
 from shared.parallel.group import RankGroup
 from shared.parallel.layout import ParallelLayout
@@ -43,6 +46,7 @@ RENAMES: dict[str, list[tuple[str, str]]] = {
         (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
         (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."),
     ],
+    "gpt_oss": [(r"\.mlp\.router\.", ".mlp.gate.")],
 }
 # The inverse: canonical names back to the checkpoint's own spelling (for messages and demo checkpoints).
 CHECKPOINT_SPELLING: dict[str, list[tuple[str, str]]] = {
@@ -52,6 +56,7 @@ CHECKPOINT_SPELLING: dict[str, list[tuple[str, str]]] = {
         (r"\.experts\.(\d+)\.up_proj\.", r".experts.\1.w3."),
         (r"\.experts\.(\d+)\.down_proj\.", r".experts.\1.w2."),
     ],
+    "gpt_oss": [(r"\.mlp\.gate\.", ".mlp.router.")],
 }
 # Tensors some checkpoints carry that hold nothing we need.
 IGNORED = re.compile(r"(rotary_emb\.inv_freq$)")
@@ -73,8 +78,9 @@ class _Sharded(Protocol):
 
 
 # A module's declaration: checkpoint tensor (relative name) → (parameter (dotted name), the slice of it the
-# tensor fills[, the slice of the checkpoint tensor this rank reads]); () = all of it.
-Shard = tuple[str, tuple] | tuple[str, tuple, tuple]
+# tensor fills[, the slice of the checkpoint tensor this rank reads[, a function from the tensor read to what
+# the slice holds (a layout change: gpt-oss's stacked experts)]]); () = all of it.
+Shard = tuple[str, tuple] | tuple[str, tuple, tuple] | tuple[str, tuple, tuple, Callable]
 
 
 @runtime_checkable
@@ -90,6 +96,7 @@ class _Target:
     param: torch.Tensor
     index: tuple  # the slice of `param` this checkpoint tensor fills; () = all of it
     source: tuple = ()  # the slice of the checkpoint tensor this rank reads; () = all of it
+    convert: Callable[[torch.Tensor], torch.Tensor] | None = None  # applied to the tensor read, before the copy
 
 
 def resolve_dtype(requested: str | torch.dtype | None, checkpoint_dtype: str | None) -> torch.dtype:
@@ -148,41 +155,43 @@ def load_weights(model: CausalLM, model_dir: Path, progress: bool | None = None)
     others = checkpoint_ignored(model)
     renames = [(re.compile(a), b) for a, b in RENAMES.get(model.config.model_type, [])]
     files = checkpoint_files(model_dir)
+    quant = checkpoint_quantization(model_dir)
     if progress is None:
         progress = sum(f.stat().st_size for f in files) > PROGRESS_BYTES
     loaded: set[str] = set()
     mtp_skipped = 0
-    with torch.no_grad():
-        for file in files:
-            with safe_open(str(file), framework="pt") as shard:
-                names = list(shard.keys())
-                for raw_name in tqdm(names, desc=f"loading {file.name}", disable=not progress, unit="tensor"):
-                    name = raw_name
-                    for pattern, repl in renames:
-                        name = pattern.sub(repl, name)
-                    target = targets.get(name)
-                    if target is None:
-                        if name in others:  # another rank's (its experts): never read
-                            continue
-                        if _is_mtp(name, model.config):  # never read either
-                            mtp_skipped += 1
-                            continue
-                        if not (IGNORED.search(name) or (name == "lm_head.weight" and model.lm_head is None)):
-                            log.warning("ignoring unexpected checkpoint tensor %s", raw_name)
-                        continue
-                    if target.source:
-                        tensor = shard.get_slice(raw_name)[target.source]
-                    else:
-                        tensor = shard.get_tensor(raw_name)
-                    dest = target.param[target.index]
-                    if tuple(dest.shape) != tuple(tensor.shape):
-                        got = tuple(shard.get_slice(raw_name).get_shape()) if target.source else tuple(tensor.shape)
-                        raise CheckpointError(
-                            f"tensor {raw_name} has shape {got}, the config implies "
-                            f"{tuple(dest.shape) if not target.source else 'a slice ' + str(tuple(dest.shape))}"
-                        )
-                    dest.copy_(tensor)
-                    loaded.add(name)
+    with torch.no_grad(), _Tensors(files) as tensors:
+        for raw_name in tqdm(tensors.names, desc="loading weights", disable=not progress, unit="tensor"):
+            if quant is not None and quant.companion_of(raw_name) is not None:
+                continue  # a scale: read with the weight it scales
+            name = quant.weight_name(raw_name) if quant is not None else raw_name
+            for pattern, repl in renames:
+                name = pattern.sub(repl, name)
+            target = targets.get(name)
+            if target is None:
+                if name in others:  # another rank's (its experts): never read
+                    continue
+                if _is_mtp(name, model.config):  # never read either
+                    mtp_skipped += 1
+                    continue
+                if not (IGNORED.search(name) or (name == "lm_head.weight" and model.lm_head is None)):
+                    log.warning("ignoring unexpected checkpoint tensor %s", raw_name)
+                continue
+            if quant is not None:
+                tensor = quant.read(tensors, raw_name, target.source)
+            else:
+                tensor = tensors.read(raw_name, target.source)
+            if target.convert is not None:
+                tensor = target.convert(tensor)
+            dest = target.param[target.index]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                got = tensors.shape(raw_name) if target.source else tuple(tensor.shape)
+                raise CheckpointError(
+                    f"tensor {raw_name} has shape {got}, the config implies "
+                    f"{tuple(dest.shape) if not target.source else 'a slice ' + str(tuple(dest.shape))}"
+                )
+            dest.copy_(tensor)
+            loaded.add(name)
     if mtp_skipped:
         log.info(
             "skipped the %d tensors of the %d multi-token-prediction layer(s): nothing runs them (no speculative "
@@ -203,6 +212,50 @@ def _is_mtp(name: str, cfg: ModelConfig) -> bool:
     return match is not None and cfg.num_layers <= int(match.group(1)) < cfg.num_layers + cfg.mtp_layers
 
 
+def checkpoint_quantization(model_dir: Path) -> Mxfp4 | None:
+    """The reader of a quantized checkpoint (config.json's quantization_config): MXFP4, or None for none.
+    Any other quant_method is refused by name. (A registry of methods is being built next to this one; MXFP4
+    then becomes its entry: `Mxfp4.from_config`.)"""
+    qc = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method != "mxfp4":
+        raise UnsupportedModelError(f"quantization_config.quant_method={method!r} is not supported (mxfp4 only)")
+    return Mxfp4.from_config(qc)
+
+
+class _Tensors:
+    """Every tensor of the checkpoint's files by name (one open handle per file), read whole or sliced: a
+    quantized weight's companion may sit in another file."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self._stack = ExitStack()
+        self._where: dict[str, Any] = {}
+        self.names: list[str] = []
+        for file in files:
+            handle = self._stack.enter_context(safe_open(str(file), framework="pt"))
+            for name in handle.keys():
+                self._where[name] = handle
+                self.names.append(name)
+
+    def __enter__(self) -> _Tensors:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name].get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple = ()) -> torch.Tensor:
+        handle = self._where[name]
+        return handle.get_slice(name)[index] if index else handle.get_tensor(name)
+
+
 def checkpoint_name(model_type: str, canonical: str) -> str:
     """How a checkpoint of `model_type` spells the tensor we call `canonical`."""
     for pattern, repl in CHECKPOINT_SPELLING.get(model_type, []):
@@ -216,8 +269,10 @@ def checkpoint_targets(model: CausalLM) -> dict[str, _Target]:
     for prefix, module in model.named_modules():  # parents before children: a parent's declaration wins
         shards = _shards(module)
         covered = {declared[0] for declared in shards.values()}
-        for suffix, (param, index, *source) in shards.items():
-            targets[_join(prefix, suffix)] = _Target(module.get_parameter(param), index, *source)
+        for suffix, (param, index, *rest) in shards.items():
+            source = cast(tuple, rest[0]) if rest else ()
+            convert = cast(Callable[[torch.Tensor], torch.Tensor], rest[1]) if len(rest) > 1 else None
+            targets[_join(prefix, suffix)] = _Target(module.get_parameter(param), index, source, convert)
         for name, tensor in _checkpoint_tensors(module):
             if name not in covered:
                 targets.setdefault(_join(prefix, name), _Target(tensor, ()))

