@@ -35,11 +35,11 @@ class KVLayout:
     # Global ids of the KV heads this pool holds, in pool order (a tensor-parallel rank holds a slice);
     # empty = all `num_kv_heads`. Not part of the fingerprint: slices of one model's KV are compatible.
     kv_heads: tuple[int, ...] = ()
-    planes: int = 2  # 2: K and V; 1: a latent cache (MLA), one entry per token holding what K and V derive from
     # Per layer, its sliding window (None = full attention; empty = every layer full): ModelConfig.layer_windows.
     # Part of the fingerprint: the same shapes under other windows are other KV (a window layer's K/V of a
     # token is only read by the queries within the window; the full layers' by all).
     layer_windows: tuple[int | None, ...] = ()
+    planes: int = 2  # 2: K and V; 1: a latent cache (MLA), one entry per token holding what K and V derive from
 
     def __post_init__(self) -> None:
         if self.planes not in (1, 2):
