@@ -142,14 +142,8 @@ class Engine:
                 f"the model was built for {self.model.layout}, the engine is configured for {self.parallel}"
             )
         kv_heads = kv_head_range(mc.num_kv_heads, self.parallel.tp, self.group.rank if self.parallel.tp > 1 else 0)
-        self.layout = KVLayout(
-            mc.num_layers,
-            mc.num_kv_heads,
-            mc.head_dim,
-            config.block_size,
-            str(dtype).removeprefix("torch."),
-            kv_heads=tuple(kv_heads) if self.parallel.tp > 1 else (),
-            layer_windows=mc.layer_windows,
+        self.layout = KVLayout.for_model(
+            mc, config.block_size, str(dtype).removeprefix("torch."), tuple(kv_heads) if self.parallel.tp > 1 else ()
         )
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         # after the weights (and their packed twins): on CUDA the plan measures what they left
@@ -418,15 +412,7 @@ class Engine:
         num_tokens, block_ids, first = self.kv_blocks(request_id)
         out = None
         if alloc is not None:
-            shape = (
-                self.layout.num_layers,
-                2,
-                len(block_ids),
-                self.layout.block_size,
-                self.layout.num_held_kv_heads,
-                self.layout.head_dim,
-            )
-            out = alloc(shape, self.layout.torch_dtype)
+            out = alloc(self.layout.block_shape(len(block_ids)), self.layout.torch_dtype)
         return KVExport(self.layout, num_tokens, self.pool.read(block_ids, out=out), first_block=first)
 
     def kv_blocks(self, request_id: str) -> tuple[int, list[int], int]:

@@ -1,7 +1,9 @@
 """The physical KV cache: one preallocated tensor per worker, addressed by block id.
 
-Shape (L, 2, N, B, KVH, hd): layers, K|V, blocks, tokens per block, KV heads, head dim. Which blocks
-belong to whom is the block manager's business; this module only stores and copies bytes.
+Shape (L, P, N, B, KVH, hd): layers, planes, blocks, tokens per block, KV heads, entry width. Ordinary attention
+caches two planes (K|V) of head_dim per KV head; multi-head latent attention (DeepSeek) caches one plane, one
+"head" (the latent is shared by all query heads) of kv_lora_rank + qk_rope_head_dim values: (L, 1, N, B, 1, W).
+Which blocks belong to whom is the block manager's business; this module only stores and copies bytes.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from shared.engine.kv_export import KVExport
+    from shared.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -25,8 +28,8 @@ class KVLayout:
     all of them (a single-rank engine)."""
 
     num_layers: int
-    num_kv_heads: int  # the model's KV heads (all ranks together)
-    head_dim: int
+    num_kv_heads: int  # the model's KV heads (all ranks together); 1 for a latent cache
+    head_dim: int  # values per token, head and plane: the head dim, or a latent cache's entry width
     block_size: int
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
     # Global ids of the KV heads this pool holds, in pool order (a tensor-parallel rank holds a slice);
@@ -36,10 +39,21 @@ class KVLayout:
     # Part of the fingerprint: the same shapes under other windows are other KV (a window layer's K/V of a
     # token is only read by the queries within the window; the full layers' by all).
     layer_windows: tuple[int | None, ...] = ()
+    planes: int = 2  # 2: K and V; 1: a latent cache (MLA), one entry per token holding what K and V derive from
 
     def __post_init__(self) -> None:
+        if self.planes not in (1, 2):
+            raise ValueError(f"a KV layout has 1 (latent) or 2 (K|V) planes, not {self.planes}")
         if any(not 0 <= h < self.num_kv_heads for h in self.kv_heads) or len(set(self.kv_heads)) != len(self.kv_heads):
             raise ValueError(f"kv_heads {self.kv_heads} must be distinct ids below num_kv_heads={self.num_kv_heads}")
+
+    @classmethod
+    def for_model(cls, mc: ModelConfig, block_size: int, dtype: str, kv_heads: tuple[int, ...] = ()) -> KVLayout:
+        """The cache layout of model `mc`: K|V per KV head, or MLA's one latent entry (ModelConfig.kv_planes)."""
+        return cls(
+            mc.num_layers, mc.num_kv_heads, mc.kv_width, block_size, dtype, kv_heads,
+            planes=mc.kv_planes, layer_windows=mc.layer_windows,
+        )  # fmt: skip
 
     @property
     def held_kv_heads(self) -> tuple[int, ...]:
@@ -52,20 +66,37 @@ class KVLayout:
         return len(self.held_kv_heads)
 
     @property
+    def kind(self) -> str:
+        return "kv" if self.planes == 2 else "latent"
+
+    def block_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of `num_blocks` blocks of every layer, as the pool holds and exports them: (L, P, n, B, KVH, hd)."""
+        return (self.num_layers, self.planes, num_blocks, self.block_size, self.num_held_kv_heads, self.head_dim)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
     @property
     def bytes_per_block(self) -> int:
         itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_held_kv_heads * self.head_dim * itemsize
+        return self.num_layers * self.planes * self.block_size * self.num_held_kv_heads * self.head_dim * itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token takes in this pool (all layers): what a hand-off moves per prompt token."""
+        return self.bytes_per_block // self.block_size
 
     @property
     def fingerprint(self) -> str:
         """Stable id of the model's token-level KV shape (block size excluded: blocks can be re-cut on import;
         which heads a pool holds excluded too: equal fingerprints mean the same model shape, and pools of
-        different tensor-parallel ranks compare `held_kv_heads` to see what they can exchange)."""
+        different tensor-parallel ranks compare `held_kv_heads` to see what they can exchange). A latent cache's
+        key names its kind: a latent of width W never matches K|V caches of head dim W; K|V keys are unchanged
+        from before latent caches existed, so workers of both versions still agree on them."""
         key = f"{self.num_layers}:{self.num_kv_heads}:{self.head_dim}:{self.dtype}"
+        if self.kind != "kv":
+            key += f":{self.kind}"
         if self.layer_windows:  # absent without windows: the fingerprints of full-attention models are unchanged
             key += ":windows=" + ",".join("full" if w is None else str(w) for w in self.layer_windows)
         return hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -77,15 +108,14 @@ class KVPool:
             raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
         self.layout = layout
         self.num_blocks = num_blocks
-        shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_held_kv_heads, layout.head_dim)
-        self.tensor = torch.zeros(shape, dtype=layout.torch_dtype, device=device)
+        self.tensor = torch.zeros(layout.block_shape(num_blocks), dtype=layout.torch_dtype, device=device)
 
     def layer_caches(self) -> list[torch.Tensor]:
-        """Per layer, a (2, N, B, KVH, hd) view (K and V) that the model writes into."""
+        """Per layer, a (P, N, B, KVH, hd) view (K and V, or the latent) that the model writes into."""
         return list(self.tensor.unbind(0))
 
     def read(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """Copy of the given blocks for all layers: (L, 2, n, B, KVH, hd), into `out` when given
+        """Copy of the given blocks for all layers: (L, P, n, B, KVH, hd), into `out` when given
         (reused memory: no first-touch page faults)."""
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.tensor.device)
         if out is None:
@@ -108,7 +138,7 @@ class KVPool:
         return torch.index_select(self.tensor[layer], 1, index, out=out)
 
     def write(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Fill the given blocks from `data` of shape (L, 2, n, B, KVH, hd)."""
+        """Fill the given blocks from `data` of shape (L, P, n, B, KVH, hd)."""
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.tensor.device)
         self.tensor.index_copy_(2, index, data.to(device=self.tensor.device, dtype=self.tensor.dtype))
 
@@ -117,7 +147,7 @@ class KVPool:
         self.write(block_ids, kv.reblock(self.layout.block_size))
 
     def copy_block(self, src: int, dst: int) -> None:
-        """Copy one block (all layers, K and V) onto another, on the device (a forked sequence's own copy of a
+        """Copy one block (all layers and planes) onto another, on the device (a forked sequence's own copy of a
         partially filled prompt block)."""
         self.tensor[:, :, dst].copy_(self.tensor[:, :, src])
 

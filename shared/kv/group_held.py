@@ -18,6 +18,7 @@ calls in tests):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -104,12 +105,9 @@ class RankHeldKv:
         entry.idle.clear()
         entry.group_pulls = group_pulls
         index = torch.tensor(entry.block_ids, dtype=torch.int64, device=self.pool.tensor.device)
-        # (L, 2, n, B, h, hd): a head slice of the blocks is strided; the copy makes it one contiguous tensor
+        # (L, P, n, B, h, hd): a head slice of the blocks is strided; the copy makes it one contiguous tensor
         blocks = self.pool.tensor[:, :, :, :, first : first + len(heads)].index_select(2, index).contiguous()
-        layout = KVLayout(
-            self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim, self.layout.block_size,
-            self.layout.dtype, tuple(heads),
-        )  # fmt: skip
+        layout = dataclasses.replace(self.layout, kv_heads=tuple(heads))
         return KVExport(layout, entry.num_tokens, blocks, first_block=entry.first_block)
 
     async def end_send(self, key: str, /, ok: bool) -> None:

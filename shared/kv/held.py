@@ -28,6 +28,7 @@ end after a failed one (or a lease expiry, a cancel); between slices the record 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 from collections import Counter
@@ -213,10 +214,7 @@ class HeldKv:
             record.export = None
             await self._slice_ended(key, record, ok=None)
             raise
-        layout = KVLayout(
-            full.layout.num_layers, full.layout.num_kv_heads, full.layout.head_dim, full.layout.block_size,
-            full.layout.dtype, tuple(heads),
-        )  # fmt: skip
+        layout = dataclasses.replace(full.layout, kv_heads=tuple(heads))  # its planes too (a latent stays one)
         blocks = full.blocks[:, :, :, :, heads.start : heads.stop].contiguous()
         return KVExport(layout, full.num_tokens, blocks, first_block=full.first_block)
 

@@ -39,6 +39,7 @@ class GroupKv(msgspec.Struct, frozen=True):
     head_dim: int
     dtype: str
     block_size: int
+    planes: int = 2  # KVLayout.planes: 2 = K|V, 1 = a latent cache (one replicated "head" on every rank)
 
 
 class KvLocation(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -6,6 +6,9 @@ For decode rank j, `plan_pulls` says which prefill rank sends which of its pool'
 pool positions, so every decode rank pulls exactly the heads it owns, rank to rank. `check_compatible` refuses
 a pair of groups whose KV cannot be exchanged (another model, dtype or head dim) with a message that names the
 difference; `group_record` builds the prefill group's record for the Redis location.
+
+A latent cache (multi-head latent attention, `KVLayout.planes == 1`) is one "head" that every rank holds whole
+(num_kv_heads = 1: replicated on all ranks), so the same rules give each decode rank one whole-latent pull.
 """
 
 from __future__ import annotations
@@ -74,12 +77,17 @@ def group_record(layout: KVLayout, tp: int, addresses: list[str]) -> GroupKv:
     if len(addresses) != tp:
         raise ValueError(f"a group of tp={tp} needs {tp} rank addresses, got {len(addresses)}")
     ranks = [RankKv(r, a, list(kv_head_range(layout.num_kv_heads, tp, r))) for r, a in enumerate(addresses)]
-    return GroupKv(tp, ranks, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.block_size)
+    return GroupKv(
+        tp, ranks, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.block_size,
+        layout.planes,
+    )  # fmt: skip
 
 
 def record_layout(record: GroupKv) -> KVLayout:
     """The model's KV layout (all heads) a group record describes."""
-    return KVLayout(record.num_layers, record.num_kv_heads, record.head_dim, record.block_size, record.dtype)
+    return KVLayout(
+        record.num_layers, record.num_kv_heads, record.head_dim, record.block_size, record.dtype, planes=record.planes
+    )
 
 
 def check_compatible(record: GroupKv, layout: KVLayout, dst_tp: int) -> None:
@@ -87,6 +95,7 @@ def check_compatible(record: GroupKv, layout: KVLayout, dst_tp: int) -> None:
     `record` describes; else IncompatibleKv naming what differs. Block sizes may differ (re-cut on import)."""
     theirs = {"layers": record.num_layers, "KV heads": record.num_kv_heads, "head dim": record.head_dim}
     ours = {"layers": layout.num_layers, "KV heads": layout.num_kv_heads, "head dim": layout.head_dim}
+    theirs["planes"], ours["planes"] = record.planes, layout.planes  # a latent cache is not K|V
     theirs["dtype"], ours["dtype"] = record.dtype, layout.dtype  # type: ignore[assignment]
     differ = [f"{k} {theirs[k]} (prefill) vs {ours[k]} (decode)" for k in ours if theirs[k] != ours[k]]
     if differ:

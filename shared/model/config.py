@@ -8,11 +8,13 @@ the raw dict.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from shared.model.mla import MLAConfig
 from shared.model.routing import RouterConfig, router_config
 
 
@@ -49,6 +51,7 @@ class ArchSpec:
     attention_sinks: bool = False
     o_bias: bool = False
     clamped_swiglu_experts: bool = False
+    mla: bool = False  # DeepSeek: multi-head latent attention, a latent KV cache (shared/model/mla.py)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -59,6 +62,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen2_moe": ArchSpec(qkv_bias=True, moe=True, shared_expert=SharedExpert.GATED),
     "qwen3_moe": ArchSpec(qk_norm=QKNorm.PER_HEAD, moe=True),
     "olmoe": ArchSpec(qk_norm=QKNorm.FULL, moe=True),
+    "deepseek_v2": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, mla=True),
+    "deepseek_v3": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, mla=True),
     "glm4_moe": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, attention_options=True),
     "gpt_oss": ArchSpec(qkv_bias=True, moe=True, attention_sinks=True, o_bias=True, clamped_swiglu_experts=True),
 }
@@ -90,13 +95,26 @@ class RopeConfig:
         return dim
 
     # yarn (shared/model/layers.py yarn_inv_freq_and_mscale): the ramp between interpolated and extrapolated
-    # frequencies, and the attention factor that scales cos/sin (None: derived from factor / mscale)
+    # frequencies, and the attention factor that scales cos/sin (None: derived from factor / mscale); DeepSeek's
+    # attention also scales its softmax by yarn_mscale(factor, mscale_all_dim)^2 (`softmax_scale_factor`)
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float | None = None
     mscale: float | None = None
     mscale_all_dim: float | None = None
+
+    @property
+    def softmax_scale_factor(self) -> float:
+        """What the attention's 1/sqrt(d) is multiplied by (DeepSeek's YaRN: mscale(factor, mscale_all_dim)^2, as
+        transformers' yarn_apply_mscale; the cos/sin factor is separate, layers.py)."""
+        if self.kind == "default" or not self.mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 @dataclass(frozen=True)
@@ -124,6 +142,9 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     sparse_layers: frozenset[int] = field(default_factory=frozenset)
     eos_token_ids: tuple[int, ...] = ()
+    # multi-head latent attention (arch.mla); num_kv_heads is then 1 (the latent, shared by all heads) and
+    # head_dim the rotary width (qk_rope_head_dim), as transformers has it
+    mla: MLAConfig | None = None
     # multi-token-prediction layers after the last one (GLM-4.5, DeepSeek-V3: model.layers.{num_layers + i}.*):
     # the checkpoint carries them, nothing here runs them (no speculative decoding), the loader skips them
     mtp_layers: int = 0
@@ -137,6 +158,16 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def kv_planes(self) -> int:
+        """Tensors a layer caches per token and head: 2 (K and V), 1 for MLA's latent."""
+        return 1 if self.mla else 2
+
+    @property
+    def kv_width(self) -> int:
+        """Values per token, head and plane in the cache: head_dim, or MLA's [c_kv | k_pe] width."""
+        return self.mla.latent_width if self.mla else self.head_dim
 
     def layer_is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
@@ -177,8 +208,10 @@ class ModelConfig:
         heads = _require(raw, "num_attention_heads")
         num_layers = _require(raw, "num_hidden_layers")
         moe = _moe_fields(raw, model_type, num_layers) if arch.moe else {}
+        mla = MLAConfig.from_dict(raw) if arch.mla else None
         eos = raw.get("eos_token_id")
-        head_dim = raw.get("head_dim") or hidden // heads
+        # MLA: the rotary width (qk_rope_head_dim), as transformers' DeepSeek configs set head_dim
+        head_dim = mla.qk_rope_head_dim if mla else raw.get("head_dim") or hidden // heads
         rope = replace(_rope(raw, model_type), partial_rotary_factor=_partial_rotary_factor(raw, model_type))
         rope.rotary_dim(head_dim)  # refuses a width that cannot be rotated, now rather than at model build
         extra: dict[str, Any] = {}
@@ -191,7 +224,7 @@ class ModelConfig:
             hidden_size=hidden,
             num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            num_kv_heads=1 if mla else raw.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             intermediate_size=raw.get("intermediate_size", 0),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
@@ -201,6 +234,7 @@ class ModelConfig:
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             clip_qkv=raw.get("clip_qkv"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+            mla=mla,
             mtp_layers=raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers")) or 0,
             layer_windows=layer_windows(raw, model_type, num_layers),
             **moe,

@@ -61,6 +61,8 @@ HF_CLASS = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
 }
@@ -180,6 +182,9 @@ def demo_config(arch: str, size: str = "tiny") -> dict[str, Any]:
         }
         if arch == "qwen2_moe":
             cfg["shared_expert_intermediate_size"] = s["shared_intermediate"]
+    elif arch in ("deepseek_v2", "deepseek_v3"):
+        del cfg["head_dim"]  # the config class derives it (= qk_rope_head_dim); a written null breaks V3's YaRN
+        cfg |= _deepseek_fields(arch, s)
     elif arch == "glm4_moe":
         # GLM-4.5's options: q/k/v bias, per-head q/k norm, half the head dims rotated, sigmoid routing with a
         # correction bias, scaled weights, one shared expert, the first layer dense, one MTP layer (its
@@ -213,6 +218,45 @@ def demo_config(arch: str, size: str = "tiny") -> dict[str, Any]:
         }
         del cfg["rope_theta"]
     return cfg
+
+
+def _deepseek_fields(arch: str, s: dict[str, int]) -> dict[str, Any]:
+    """MLA at the size's scale in DeepSeek-V3's proportions (latent = 4 x head_dim, rope = head_dim / 2: 512 and
+    64 at its head_dim 128), YaRN as the published checkpoints
+    write it (`rope_scaling`), V3 with compressed queries, V2 without (as V2-Lite)."""
+    hd = s["head_dim"]
+    v3 = arch == "deepseek_v3"
+    return {
+        # transformers repeats the expanded K/V by heads / num_key_value_heads: the checkpoints set them equal
+        "num_key_value_heads": s["heads"],
+        "q_lora_rank": 3 * hd // 2 if v3 else None,
+        "kv_lora_rank": 4 * hd,
+        "qk_nope_head_dim": hd,
+        "qk_rope_head_dim": hd // 2,
+        "v_head_dim": hd,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": s["max_position"] // 4,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            # V3's published values make YaRN's cos/sin factor 1 and scale the softmax by mscale^2; V2's
+            # here differ so the cos/sin factor is exercised too
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0 if v3 else 0.707,
+        },
+        "rope_interleave": True,
+        "n_routed_experts": s["experts"],
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": s["expert_intermediate"],
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,  # a dense first layer, then MoE
+        "routed_scaling_factor": 2.5 if v3 else 1.0,
+        "norm_topk_prob": v3,
+        "n_group": 4,
+        "topk_group": 2,
+        **({} if v3 else {"topk_method": "group_limited_greedy"}),
+    }
 
 
 def random_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
@@ -260,11 +304,13 @@ def write_demo_checkpoint(
     seed: int = 0,
     dtype: str = "float32",
     max_shard_bytes: int | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> Path:
-    """Write config, weights (sharded when `max_shard_bytes` is set), tokenizer and chat template."""
+    """Write config, weights (sharded when `max_shard_bytes` is set), tokenizer and chat template. `overrides`
+    replace config fields (benchmarks shape a model after a published one)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = demo_config(arch, size) | {"torch_dtype": dtype}
+    cfg = demo_config(arch, size) | {"torch_dtype": dtype} | (overrides or {})
     tensors = {k: v.to(DTYPES[dtype]) for k, v in random_weights(cfg, seed).items()}
     _write_weights(out, tensors, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -84,6 +84,23 @@ def apply_rotary(
     return torch.cat((q_rot, q_pass), dim=-1), torch.cat((k_rot, k_pass), dim=-1)
 
 
+def apply_rotary_interleaved(
+    q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on interleaved pairs (x0, x1), (x2, x3)... (DeepSeek's layout), each pair rotated by one frequency.
+    The result is de-interleaved: [rotated x0, x2, ... | rotated x1, x3, ...]. That permutes the rope dimensions
+    the same way for queries and keys, so every q.k (all attention reads of them) is the pairwise rotation's."""
+    cos, sin = rope
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]  # the tables are cat(freqs, freqs): one angle per pair
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    return rotate(q), rotate(k)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

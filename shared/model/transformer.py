@@ -20,6 +20,7 @@ from shared.model.config import ModelConfig
 from shared.model.kernels.choice import KernelChoice
 from shared.model.layers import GatedMLP, RMSNorm, Rotary
 from shared.model.linear import PackedWeights, linear
+from shared.model.mla_attention import MLAAttention, MLAForm
 from shared.model.moe import MoE
 from shared.model.paged_attention import AttentionMetadata
 from shared.model.tensor_parallel import TensorShard
@@ -33,7 +34,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, shard, index)
+        self.self_attn: nn.Module = MLAAttention(cfg, shard) if cfg.arch.mla else Attention(cfg, shard, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         sparse = cfg.layer_is_sparse(index)
         self.mlp: nn.Module
@@ -123,6 +124,14 @@ class CausalLM(nn.Module, PackedWeights):
         for moe in self.sparse_layers().values():
             moe.experts.kernels = kernels
 
+    def set_mla_form(self, form: MLAForm | str) -> None:
+        """Force the latent attention's form (MLA models only): AUTO, ABSORBED or EXPANDED (see mla_attention)."""
+        if not self.config.arch.mla:
+            raise ValueError(f"{self.config.model_type} has no latent attention")
+        for module in self.modules():
+            if isinstance(module, MLAAttention):
+                module.form = MLAForm(form)
+
     def sparse_layers(self) -> dict[int, MoE]:
         """Layer index → its MoE block, for the sparse layers."""
         return {i: layer.mlp for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, MoE)}
@@ -131,7 +140,7 @@ class CausalLM(nn.Module, PackedWeights):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],  # per layer (2, N, B, KVH, hd)
+        kv_caches: list[torch.Tensor],  # per layer (planes, N, B, KVH, width): (2, ..) K|V, MLA (1, .., 1, W)
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         if not self.runtime_ready:

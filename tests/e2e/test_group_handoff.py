@@ -34,7 +34,9 @@ HANDOFF_ENV = FAST | {"PDSERVE_KV_LEASE_S": "600", "PDSERVE_KV_TRANSFER_TIMEOUT_
 def checkpoints(tmp_path_factory, model_dir):
     """size → checkpoint directory; every one is served as model "demo" (its directory's name)."""
     mqa = write_demo_checkpoint(tmp_path_factory.mktemp("mqa") / "demo", arch="qwen3_moe", size="tiny_mqa")
-    return {"tiny": model_dir, "tiny_mqa": mqa}
+    # DeepSeek-V3's latent cache: one "head" that every rank of a TP group holds whole
+    latent = write_demo_checkpoint(tmp_path_factory.mktemp("latent") / "demo", arch="deepseek_v3", size="tiny")
+    return {"tiny": model_dir, "tiny_mqa": mqa, "deepseek_v3": latent}
 
 
 def _reference(checkpoint) -> dict[str, str]:
@@ -48,8 +50,8 @@ def _reference(checkpoint) -> dict[str, str]:
 
 @pytest.mark.parametrize(
     ("size", "prefill_tp", "decode_tp"),
-    [("tiny", 2, 1), ("tiny", 1, 2), ("tiny_mqa", 2, 2), ("tiny_mqa", 1, 2)],
-    ids=["tp2-to-tp1", "tp1-to-tp2", "mqa-tp2-to-tp2", "mqa-tp1-to-tp2"],
+    [("tiny", 2, 1), ("tiny", 1, 2), ("tiny_mqa", 2, 2), ("tiny_mqa", 1, 2), ("deepseek_v3", 2, 1)],
+    ids=["tp2-to-tp1", "tp1-to-tp2", "mqa-tp2-to-tp2", "mqa-tp1-to-tp2", "latent-tp2-to-tp1"],
 )
 def test_kv_hands_off_between_tp_degrees(checkpoints, size: str, prefill_tp: int, decode_tp: int) -> None:
     checkpoint = checkpoints[size]

@@ -94,7 +94,7 @@ def test_prefill_logits_match_transformers(checkpoint, reference):
     cfg = model.config
     prompt = torch.tensor(_prompts(cfg.vocab_size)[2])
     n, block = len(prompt), 16
-    caches = [torch.zeros(2, 8, block, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    caches = [torch.zeros(cfg.kv_planes, 8, block, cfg.num_kv_heads, cfg.kv_width) for _ in range(cfg.num_layers)]
     # Deliberately scattered blocks: the paged layout must not depend on contiguity.
     meta = AttentionMetadata.build([[5, 0, 7, 2, 3, 1, 6]], [n], [n], block, windows=cfg.windows)
     with torch.no_grad():

@@ -105,7 +105,9 @@ def test_tp2_greedy_output_matches_the_single_rank_engine_for_every_architecture
             assert got["fingerprint"] == fingerprint  # the same model shape, whichever heads a rank holds
             assert got["weight_bytes"] < 0.75 * full_bytes, f"{arch} {size}: rank {rank} holds too much"
         kv_heads = [got["kv_heads"] for got in per_rank]
-        assert kv_heads == ([(0,), (0,)] if size == "tiny_mqa" else [(0,), (1,)])
+        # one KV head, or MLA's latent (one "head" all ranks hold whole): replicated
+        one_head = size == "tiny_mqa" or ARCHITECTURES[arch].mla
+        assert kv_heads == ([(0,), (0,)] if one_head else [(0,), (1,)])
         assert per_rank[0]["blocks"] == per_rank[1]["blocks"] == 64
 
 
@@ -115,6 +117,7 @@ MOE_CASES = [
     ("qwen2_moe", "tiny"),
     ("qwen3_moe", "tiny_mqa"),
     ("glm4_moe", "tiny"),  # its ungated shared experts and the dense first layer
+    ("deepseek_v3", "tiny"),  # MLA split by heads with the latent replicated, beside expert parallelism
 ]
 
 

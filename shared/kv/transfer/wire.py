@@ -105,10 +105,10 @@ def _piece_numel(element_size: int, chunk_bytes: int) -> int:
 
 
 def announced_layout(reply: pb.PullReply, layout: KVLayout) -> KVLayout:
-    """The layout of the tensor announced, (L, 2, n, B_src, KVH, hd) with the source's block size. Raises
+    """The layout of the tensor announced, (L, P, n, B_src, KVH, hd) with the source's block size. Raises
     KvTransferError(PROTOCOL) when the announcement does not fit `layout` (the receiver's) or itself."""
     shape = tuple(reply.shape)
-    expected = (layout.num_layers, 2, None, reply.block_size, layout.num_held_kv_heads, layout.head_dim)
+    expected = (layout.num_layers, layout.planes, None, reply.block_size, layout.num_held_kv_heads, layout.head_dim)
     fits = len(shape) == 6 and all(want is None or got == want for got, want in zip(shape, expected, strict=True))
     if not fits or reply.dtype != layout.dtype or reply.block_size < 1:
         raise KvTransferError(
