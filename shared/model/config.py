@@ -1,17 +1,20 @@
 """HF `config.json` → `ModelConfig`: the one normalized description every model module reads.
 
-Each supported `model_type` spells the same ideas differently (Mixtral's `num_local_experts`, Qwen's
-`num_experts`, OLMoE's full-width q/k norm). They are resolved here once, so the layers never look at
-the raw dict.
+Each supported `model_type` spells the same ideas differently (Mixtral's `num_local_experts`, OLMoE's full-width
+q/k norm), and each `transformers` version differently again (Qwen3-MoE's expert count, `rope_theta` vs
+`rope_parameters`): the spellings and defaults are declared in `config_aliases`, resolved here once, so the layers
+never look at the raw dict.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
+
+from shared.model.config_aliases import ALIASES, read_field, rope_parameters
 
 
 class QKNorm(Enum):
@@ -93,36 +96,38 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Read `raw` as `transformers` reads it, whichever version wrote it (`config_aliases`)."""
         model_type = raw.get("model_type")
         if model_type not in ARCHITECTURES:
             raise UnsupportedModelError(
                 f"unsupported model_type {model_type!r}; supported architectures: {', '.join(sorted(ARCHITECTURES))}"
             )
-        arch = ARCHITECTURES[model_type]
-        if raw.get("use_sliding_window"):
-            raise UnsupportedModelError(f"{model_type}: use_sliding_window=true is not supported")
+        arch = _arch_options(raw, model_type)
 
-        hidden = _require(raw, "hidden_size")
-        heads = _require(raw, "num_attention_heads")
-        num_layers = _require(raw, "num_hidden_layers")
+        def get(name: str) -> Any:
+            return read_field(raw, model_type, name)
+
+        hidden = get("hidden_size")
+        heads = get("num_attention_heads")
+        num_layers = get("num_hidden_layers")
         moe = _moe_fields(raw, model_type, num_layers) if arch.moe else {}
-        eos = raw.get("eos_token_id")
+        eos = get("eos_token_id")
         return cls(
             model_type=model_type,
             arch=arch,
-            vocab_size=_require(raw, "vocab_size"),
+            vocab_size=get("vocab_size"),
             hidden_size=hidden,
             num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or hidden // heads,
-            intermediate_size=raw.get("intermediate_size", 0),
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope=_rope(raw),
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            clip_qkv=raw.get("clip_qkv"),
+            num_kv_heads=get("num_key_value_heads") or heads,
+            head_dim=get("head_dim") or hidden // heads,
+            intermediate_size=get("intermediate_size"),
+            rms_norm_eps=get("rms_norm_eps"),
+            rope=_rope(rope_parameters(raw, model_type)),
+            max_position_embeddings=get("max_position_embeddings"),
+            tie_word_embeddings=bool(get("tie_word_embeddings")),
+            torch_dtype=get("dtype"),
+            clip_qkv=get("clip_qkv") if "clip_qkv" in ALIASES[model_type] else None,
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
             **moe,
         )
@@ -135,44 +140,55 @@ class ModelConfig:
         return cls.from_dict(json.loads(path.read_text()))
 
 
-def _require(raw: dict[str, Any], key: str) -> Any:
-    if key not in raw:
-        raise ValueError(f"config.json is missing {key!r}")
-    return raw[key]
+def _arch_options(raw: dict[str, Any], model_type: str) -> ArchSpec:
+    """The architecture's spec with the options its config may switch; options we do not implement are
+    refused here rather than loaded wrong."""
+    arch = ARCHITECTURES[model_type]
+    table = ALIASES[model_type]
+
+    def get(name: str) -> Any:
+        return read_field(raw, model_type, name)
+
+    if "use_sliding_window" in table and get("use_sliding_window"):
+        raise UnsupportedModelError(f"{model_type}: use_sliding_window=true is not supported")
+    if get("hidden_act") != "silu":
+        raise UnsupportedModelError(f"{model_type}: hidden_act={get('hidden_act')!r} is not supported (silu)")
+    if get("attention_bias") and not arch.qkv_bias:
+        # transformers then biases q, k, v and o_proj; we implement Qwen2's q/k/v-only bias
+        raise UnsupportedModelError(f"{model_type}: attention_bias=true is not supported")
+    if "mlp_bias" in table and get("mlp_bias"):
+        raise UnsupportedModelError(f"{model_type}: mlp_bias=true is not supported")
+    if "qkv_bias" in table:  # Qwen2-MoE: a switch since 4.57
+        arch = replace(arch, qkv_bias=bool(get("qkv_bias")))
+    return arch
 
 
 def _moe_fields(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
     arch = ARCHITECTURES[model_type]
-    if model_type == "mixtral":
-        num_experts = _require(raw, "num_local_experts")
-        moe_intermediate = _require(raw, "intermediate_size")
-    elif model_type == "olmoe":
-        num_experts = _require(raw, "num_experts")
-        moe_intermediate = _require(raw, "intermediate_size")
-    else:
-        num_experts = _require(raw, "num_experts")
-        moe_intermediate = _require(raw, "moe_intermediate_size")
+    table = ALIASES[model_type]
+
+    def get(name: str) -> Any:
+        return read_field(raw, model_type, name)
+
     # Qwen-MoE can interleave dense layers; the others are sparse everywhere.
-    step = raw.get("decoder_sparse_step", 1) or 1
-    dense_only = set(raw.get("mlp_only_layers") or [])
+    step = (get("decoder_sparse_step") if "decoder_sparse_step" in table else 1) or 1
+    dense_only = set((get("mlp_only_layers") if "mlp_only_layers" in table else None) or [])
     sparse = frozenset(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
     return {
-        "num_experts": num_experts,
-        "num_experts_per_tok": _require(raw, "num_experts_per_tok"),
-        "moe_intermediate_size": moe_intermediate,
-        "norm_topk_prob": arch.always_renormalize or bool(raw.get("norm_topk_prob", False)),
-        "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size", 0) if arch.shared_expert else 0,
+        "num_experts": get("num_experts"),
+        "num_experts_per_tok": get("num_experts_per_tok"),
+        "moe_intermediate_size": get("moe_intermediate_size"),
+        "norm_topk_prob": arch.always_renormalize or bool(get("norm_topk_prob")),
+        "shared_expert_intermediate_size": get("shared_expert_intermediate_size") if arch.shared_expert else 0,
         "sparse_layers": sparse,
     }
 
 
-def _rope(raw: dict[str, Any]) -> RopeConfig:
-    # transformers 5 writes `rope_parameters`; older checkpoints use rope_theta + rope_scaling.
-    params = dict(raw.get("rope_parameters") or {})
-    scaling = raw.get("rope_scaling") or {}
-    params = {**scaling, **params}
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default"))
+def _rope(params: dict[str, Any]) -> RopeConfig:
+    theta = params["rope_theta"]
+    kind = params["rope_type"]
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported")
     if kind == "default":
         return RopeConfig(theta=theta)
     if kind == "linear":
