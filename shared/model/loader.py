@@ -6,7 +6,8 @@ a fused/stacked parameter (q/k/v → qkv_proj, gate/up → gate_up_proj, experts
 
 Sharded (tensor-parallel) loading: a declaration may add the slice of the checkpoint tensor this rank reads
 (rows, columns); the loader then reads only that slice from the file (`safe_open(...).get_slice(name)[...]`),
-never the whole tensor. A parent module's declaration of a child's parameter wins over the plain mapping
+never the whole tensor. Quantized checkpoints (`quantization`) are dequantized in that same read, slice by slice.
+A parent module's declaration of a child's parameter wins over the plain mapping
 (Attention cuts its FULL q/k norm weights).
 """
 
@@ -15,9 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import re
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from safetensors import safe_open
@@ -25,6 +27,7 @@ from tqdm import tqdm
 
 from shared.model.config import ModelConfig
 from shared.model.expert_parallel import EPDispatch, shard_experts
+from shared.model.quantization import QuantizedCheckpointError, QuantMethod, quant_method_for
 from shared.model.transformer import CausalLM
 from shared.parallel.group import RankGroup
 from shared.parallel.layout import ParallelLayout
@@ -54,6 +57,21 @@ CHECKPOINT_SPELLING: dict[str, list[tuple[str, str]]] = {
 }
 # Tensors some checkpoints carry that hold nothing we need.
 IGNORED = re.compile(r"(rotary_emb\.inv_freq$)")
+LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 # Above this many bytes of weights, show a progress bar unless told otherwise.
 PROGRESS_BYTES = 1 << 30
@@ -116,13 +134,14 @@ def load_model(
     the model cannot take the layout (heads, KV heads or an intermediate size that does not split)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
+    quant = checkpoint_quantization(model_dir)  # refuses an unsupported quantization before building anything
     with torch.device("meta"):
         model = CausalLM(cfg, group, layout)
     if layout is not None and layout.ep > 1:
         assert group is not None  # CausalLM checked the group's size against the layout
         shard_experts(model, group, expert_placement, ep_dispatch)
     model.to(resolve_dtype(dtype, cfg.torch_dtype)).to_empty(device=device)
-    load_weights(model, model_dir, progress)
+    load_weights(model, model_dir, progress, quant)
     model.init_runtime()
     return model.eval()
 
@@ -141,7 +160,14 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-def load_weights(model: CausalLM, model_dir: Path, progress: bool | None = None) -> None:
+def load_weights(
+    model: CausalLM, model_dir: Path, progress: bool | None = None, quant: QuantMethod | None = None
+) -> None:
+    """Fill `model` from the checkpoint, each tensor through the checkpoint's quantization method (`quant`, else
+    read from config.json): dequantized to the parameter's dtype. Every checkpoint tensor is accounted for:
+    loaded, consumed by its weight's method (scales), another rank's, or known to be unneeded; anything else is
+    a CheckpointError, since a weight we did not load (a bias, a scale) means the model would be wrong."""
+    quant = quant or checkpoint_quantization(model_dir)
     targets = checkpoint_targets(model)
     others = checkpoint_ignored(model)
     renames = [(re.compile(a), b) for a, b in RENAMES.get(model.config.model_type, [])]
@@ -149,38 +175,102 @@ def load_weights(model: CausalLM, model_dir: Path, progress: bool | None = None)
     if progress is None:
         progress = sum(f.stat().st_size for f in files) > PROGRESS_BYTES
     loaded: set[str] = set()
-    with torch.no_grad():
-        for file in files:
-            with safe_open(str(file), framework="pt") as shard:
-                names = list(shard.keys())
-                for raw_name in tqdm(names, desc=f"loading {file.name}", disable=not progress, unit="tensor"):
-                    name = raw_name
-                    for pattern, repl in renames:
-                        name = pattern.sub(repl, name)
-                    target = targets.get(name)
-                    if target is None:
-                        if name in others:  # another rank's (its experts): never read
-                            continue
-                        if not (IGNORED.search(name) or (name == "lm_head.weight" and model.lm_head is None)):
-                            log.warning("ignoring unexpected checkpoint tensor %s", raw_name)
-                        continue
-                    if target.source:
-                        tensor = shard.get_slice(raw_name)[target.source]
-                    else:
-                        tensor = shard.get_tensor(raw_name)
-                    dest = target.param[target.index]
-                    if tuple(dest.shape) != tuple(tensor.shape):
-                        got = tuple(shard.get_slice(raw_name).get_shape()) if target.source else tuple(tensor.shape)
-                        raise CheckpointError(
-                            f"tensor {raw_name} has shape {got}, the config implies "
-                            f"{tuple(dest.shape) if not target.source else 'a slice ' + str(tuple(dest.shape))}"
-                        )
-                    dest.copy_(tensor)
-                    loaded.add(name)
+    with torch.no_grad(), CheckpointTensors(files) as tensors:
+        for raw_name in tqdm(tensors.names, desc="loading weights", disable=not progress, unit="tensor"):
+            if quant.companion_of(raw_name) is not None:  # a scale: read with the weight it scales
+                continue
+            name = _renamed(raw_name, renames)
+            target = targets.get(name)
+            if target is None:
+                if name not in others:  # another rank's (its experts): never read
+                    _check_unneeded(model, raw_name, name)
+                continue
+            try:
+                tensor = quant.read(tensors, raw_name, target.source)
+            except QuantizedCheckpointError as e:
+                raise CheckpointError(f"{model_dir}: {e}") from e
+            dest = target.param[target.index]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                got = tensors.shape(raw_name)
+                raise CheckpointError(
+                    f"tensor {raw_name} has shape {got}, the config implies "
+                    f"{tuple(dest.shape) if not target.source else 'a slice ' + str(tuple(dest.shape))}"
+                )
+            dest.copy_(tensor)
+            loaded.add(name)
+        unused = [
+            n
+            for n in tensors.names
+            if (weight := quant.companion_of(n)) is not None
+            and n not in tensors.read_names
+            and _renamed(weight, renames) not in others  # another rank's expert: skipped unread with its weight
+        ]
+        if unused:
+            raise CheckpointError(f"{model_dir}: scale tensor(s) of no loaded weight: {', '.join(unused[:5])}")
     missing = sorted(checkpoint_name(model.config.model_type, n) for n in set(targets) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{model_dir}: checkpoint is missing tensor(s): {shown}")
+
+
+def checkpoint_quantization(model_dir: Path) -> QuantMethod:
+    """How this checkpoint's tensors are read (`quantization_config` of its config.json); refused by name when
+    its quantization is not supported."""
+    return quant_method_for(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
+def _check_unneeded(model: CausalLM, raw_name: str, name: str) -> None:
+    """Accept a checkpoint tensor no parameter takes only when it is known not to matter."""
+    layer = LAYER_INDEX.match(name)
+    if layer and int(layer.group(1)) >= model.config.num_layers:
+        # layers past the decoder stack: DeepSeek-V3's multi-token-prediction layers, unused for decoding
+        log.info("skipping %s (beyond the model's %d layers)", raw_name, model.config.num_layers)
+        return
+    if IGNORED.search(name) or (name == "lm_head.weight" and model.lm_head is None):
+        return
+    raise CheckpointError(f"checkpoint tensor {raw_name} matches no parameter of the model")
+
+
+def _renamed(name: str, renames: list) -> str:
+    for pattern, repl in renames:
+        name = pattern.sub(repl, name)
+    return name
+
+
+class CheckpointTensors:
+    """Every tensor of the checkpoint's files by name (one open handle per file), read whole or sliced; records
+    which it read (the loader's proof that each scale was used)."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self._stack = ExitStack()
+        self._where: dict[str, Any] = {}
+        self.names: list[str] = []
+        self.read_names: set[str] = set()
+        for file in files:
+            handle = self._stack.enter_context(safe_open(str(file), framework="pt"))
+            for name in handle.keys():
+                self._where[name] = handle
+                self.names.append(name)
+
+    def __enter__(self) -> CheckpointTensors:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def dtype(self, name: str) -> torch.dtype:
+        return SAFETENSORS_DTYPES[self._where[name].get_slice(name).get_dtype()]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name].get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple = ()) -> torch.Tensor:
+        self.read_names.add(name)
+        handle = self._where[name]
+        return handle.get_slice(name)[index] if index else handle.get_tensor(name)
 
 
 def checkpoint_name(model_type: str, canonical: str) -> str:
