@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from shared.model.config import ModelConfig
 from shared.model.expert_parallel import EPDispatch, shard_experts
-from shared.model.quantization import QuantizedCheckpointError, QuantMethod, quant_method_for
+from shared.model.quantization import SCALE_TENSOR, QuantizedCheckpointError, QuantMethod, quant_method_for
 from shared.model.transformer import CausalLM
 from shared.parallel.group import RankGroup
 from shared.parallel.layout import ParallelLayout
@@ -206,7 +206,7 @@ def load_weights(
             and _renamed(weight, renames) not in others  # another rank's expert: skipped unread with its weight
         ]
         if unused:
-            raise CheckpointError(f"{model_dir}: scale tensor(s) of no loaded weight: {', '.join(unused[:5])}")
+            raise CheckpointError(f"{model_dir}: scale tensor(s) no float8 weight used: {', '.join(unused[:5])}")
     missing = sorted(checkpoint_name(model.config.model_type, n) for n in set(targets) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -228,6 +228,11 @@ def _check_unneeded(model: CausalLM, raw_name: str, name: str) -> None:
         return
     if IGNORED.search(name) or (name == "lm_head.weight" and model.lm_head is None):
         return
+    if SCALE_TENSOR.search(name):
+        raise CheckpointError(
+            f"checkpoint tensor {raw_name} is a quantization scale, but config.json's quantization_config "
+            "(none, or one that does not use it) does not say how: its weights would load wrong"
+        )
     raise CheckpointError(f"checkpoint tensor {raw_name} matches no parameter of the model")
 
 
