@@ -34,13 +34,16 @@ class ArchSpec:
     moe: bool = False
     shared_expert: bool = False  # Qwen2-MoE: an always-on expert behind a sigmoid gate
     always_renormalize: bool = False  # Mixtral renormalizes top-k weights regardless of config
+    # Mixtral scales expert outputs by its float32 top-k weights; the others cast them to the activations'
+    # dtype first (only visible below float32: see MoE.route)
+    float32_routing_weights: bool = False
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": ArchSpec(),
     "qwen2": ArchSpec(qkv_bias=True),
     "qwen3": ArchSpec(qk_norm=QKNorm.PER_HEAD),
-    "mixtral": ArchSpec(moe=True, always_renormalize=True),
+    "mixtral": ArchSpec(moe=True, always_renormalize=True, float32_routing_weights=True),
     "qwen2_moe": ArchSpec(qkv_bias=True, moe=True, shared_expert=True),
     "qwen3_moe": ArchSpec(qk_norm=QKNorm.PER_HEAD, moe=True),
     "olmoe": ArchSpec(qk_norm=QKNorm.FULL, moe=True),

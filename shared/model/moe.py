@@ -134,17 +134,17 @@ class Experts(nn.Module):
         rows[expert_of_pair, rank] = x[token_of_pair]
         gate, up = torch.bmm(rows, self.gate_up.transpose(1, 2)).chunk(2, dim=-1)  # (E, T, I) each
         y = torch.bmm(F.silu(gate) * up, self.down.transpose(1, 2))  # (E, T, D)
-        weight_of_pair = topk_weights.flatten()[order].unsqueeze(1).to(x.dtype)
-        out = torch.zeros_like(x)
-        return out.index_add_(0, token_of_pair, y[expert_of_pair, rank] * weight_of_pair)
+        weight_of_pair = topk_weights.flatten()[order].unsqueeze(1)
+        out = x.new_zeros(x.shape, dtype=torch.promote_types(x.dtype, topk_weights.dtype))
+        return out.index_add_(0, token_of_pair, y[expert_of_pair, rank] * weight_of_pair).to(x.dtype)
 
     def forward_reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Plain per-token loop over the unpacked weights; the grouped path is tested against this."""
-        out = torch.zeros_like(x)
+        out = x.new_zeros(x.shape, dtype=torch.promote_types(x.dtype, topk_weights.dtype))
         for t in range(x.shape[0]):
             for e, w in zip(topk_ids[t].tolist(), topk_weights[t], strict=True):
-                out[t] += w.to(x.dtype) * gated_mlp(x[t : t + 1], self.gate_up[e], self.down[e])[0]
-        return out
+                out[t] += w * gated_mlp(x[t : t + 1], self.gate_up[e], self.down[e])[0]
+        return out.to(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ class _Pairs:
 
     rows: torch.Tensor  # (T*A, D) the pairs' input rows, gathered from x
     order: torch.Tensor  # (T*A,) int64: sorted pair i is pair order[i] of the flat (T, A) routing
-    weights: torch.Tensor  # (T, A) routing weights in routing order, in x's dtype
+    weights: torch.Tensor  # (T, A) routing weights in routing order, in the dtype MoE.route gives them
 
     def combine(self, y: torch.Tensor) -> torch.Tensor:
         """y: (T*A, D) expert outputs of the sorted pairs → (T, D) routing-weighted sum per token. The outputs
@@ -163,12 +163,13 @@ class _Pairs:
         t, a = self.weights.shape
         unsorted = torch.empty_like(y)
         unsorted[self.order] = y
-        return (unsorted.view(t, a, y.shape[1]) * self.weights.unsqueeze(2)).sum(1)
+        # products and their sum in the weights' dtype, rounded once to y's (transformers' grouped/batched experts)
+        return (unsorted.view(t, a, y.shape[1]) * self.weights.unsqueeze(2)).sum(1).to(y.dtype)
 
 
 def _sorted_pairs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> _Pairs:
     order = topk_ids.flatten().argsort(stable=True)
-    return _Pairs(x[order // topk_ids.shape[1]], order, topk_weights.to(x.dtype))
+    return _Pairs(x[order // topk_ids.shape[1]], order, topk_weights)
 
 
 class MoE(nn.Module, PackedWeights):
@@ -181,6 +182,7 @@ class MoE(nn.Module, PackedWeights):
         self.shard = shard
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
+        self.float32_weights = cfg.arch.float32_routing_weights
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
         expert_shard = shard if split_experts else TensorShard.SINGLE
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, expert_shard)
@@ -198,12 +200,14 @@ class MoE(nn.Module, PackedWeights):
         self.dispatch: ExpertParallel | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """→ topk_ids (T, A) int64, topk_weights (T, A) float32."""
+        """→ topk_ids (T, A) int64, topk_weights (T, A) in the dtype transformers scales the expert outputs
+        with: x's (the Qwen-MoE and OLMoE routers cast them), or float32 (Mixtral's does not). Every path
+        multiplies and sums in that dtype and rounds the sum to x's: at bfloat16, transformers' rounding."""
         probs = torch.softmax(linear(x, self.w("gate.weight")).float(), dim=-1)  # (T, E)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights
+        return ids, weights if self.float32_weights else weights.to(x.dtype)
 
     def forward(self, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
         ids, weights = self.route(x)
