@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.model.config_aliases import ALIASES, read_field, rope_parameters
+from shared.model.routing import RouterConfig, router_config
 
 
 class QKNorm(Enum):
@@ -25,28 +26,41 @@ class QKNorm(Enum):
     FULL = "full"  # OLMoE: RMSNorm over the whole projection, weight shape (heads * head_dim,)
 
 
+class SharedExpert(Enum):
+    """The MoE block's always-on expert, beside the routed ones."""
+
+    NONE = "none"
+    GATED = "gated"  # Qwen2-MoE: mlp.shared_expert, scaled by sigmoid(mlp.shared_expert_gate(x))
+    PLAIN = "plain"  # DeepSeek, GLM-4.5: mlp.shared_experts (n_shared_experts fused into one MLP), no gate
+
+
 @dataclass(frozen=True)
 class ArchSpec:
-    """What differs between the supported architectures, declared rather than branched on."""
+    """What differs between the supported architectures, declared rather than branched on. (How each routes
+    its tokens to experts is shared/model/routing.py's.)"""
 
     qkv_bias: bool = False
     qk_norm: QKNorm = QKNorm.NONE
     moe: bool = False
-    shared_expert: bool = False  # Qwen2-MoE: an always-on expert behind a sigmoid gate
-    always_renormalize: bool = False  # Mixtral renormalizes top-k weights regardless of config
-    # Mixtral scales expert outputs by its float32 top-k weights; the others cast them to the activations'
-    # dtype first (only visible below float32: see MoE.route)
-    float32_routing_weights: bool = False
+    shared_expert: SharedExpert = SharedExpert.NONE
+    # GLM-4.5: the q/k/v bias (`attention_bias`) and the per-head q/k norm (`use_qk_norm`) are config options
+    attention_options: bool = False
+    # Qwen-MoE, OLMoE: transformers casts the top-k weights to the activations' dtype before they scale the
+    # expert outputs; Mixtral and GLM keep them float32 (only visible below float32: see MoE.route)
+    routing_weights_in_activation_dtype: bool = False
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": ArchSpec(),
     "qwen2": ArchSpec(qkv_bias=True),
     "qwen3": ArchSpec(qk_norm=QKNorm.PER_HEAD),
-    "mixtral": ArchSpec(moe=True, always_renormalize=True, float32_routing_weights=True),
-    "qwen2_moe": ArchSpec(qkv_bias=True, moe=True, shared_expert=True),
-    "qwen3_moe": ArchSpec(qk_norm=QKNorm.PER_HEAD, moe=True),
-    "olmoe": ArchSpec(qk_norm=QKNorm.FULL, moe=True),
+    "mixtral": ArchSpec(moe=True),
+    "qwen2_moe": ArchSpec(
+        qkv_bias=True, moe=True, shared_expert=SharedExpert.GATED, routing_weights_in_activation_dtype=True
+    ),
+    "qwen3_moe": ArchSpec(qk_norm=QKNorm.PER_HEAD, moe=True, routing_weights_in_activation_dtype=True),
+    "olmoe": ArchSpec(qk_norm=QKNorm.FULL, moe=True, routing_weights_in_activation_dtype=True),
+    "glm4_moe": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, attention_options=True),
 }
 
 
@@ -62,6 +76,18 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # the share of each head's dims that is rotated (GLM-4.5: 0.5): the first int(head_dim * factor) dims, as
+    # two non-interleaved halves; the rest pass through unrotated
+    partial_rotary_factor: float = 1.0
+
+    def rotary_dim(self, head_dim: int) -> int:
+        dim = int(head_dim * self.partial_rotary_factor)
+        if dim <= 0 or dim % 2 or dim > head_dim:
+            raise UnsupportedModelError(
+                f"partial_rotary_factor={self.partial_rotary_factor} of head_dim={head_dim} rotates {dim} dims: "
+                "it must be an even number in [2, head_dim]"
+            )
+        return dim
 
 
 @dataclass(frozen=True)
@@ -85,10 +111,13 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
-    norm_topk_prob: bool = False
-    shared_expert_intermediate_size: int = 0
+    router: RouterConfig | None = None  # None for dense models
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
     sparse_layers: frozenset[int] = field(default_factory=frozenset)
     eos_token_ids: tuple[int, ...] = ()
+    # multi-token-prediction layers after the last one (GLM-4.5, DeepSeek-V3: model.layers.{num_layers + i}.*):
+    # the checkpoint carries them, nothing here runs them (no speculative decoding), the loader skips them
+    mtp_layers: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -115,6 +144,9 @@ class ModelConfig:
         num_layers = get("num_hidden_layers")
         moe = _moe_fields(raw, model_type, num_layers) if arch.moe else {}
         eos = get("eos_token_id")
+        head_dim = get("head_dim") or hidden // heads
+        rope = _rope(rope_parameters(raw, model_type))
+        rope.rotary_dim(head_dim)  # refuses a width that cannot be rotated, now rather than at model build
         return cls(
             model_type=model_type,
             arch=arch,
@@ -123,15 +155,16 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=get("num_key_value_heads") or heads,
-            head_dim=get("head_dim") or hidden // heads,
+            head_dim=head_dim,
             intermediate_size=get("intermediate_size"),
             rms_norm_eps=get("rms_norm_eps"),
-            rope=_rope(rope_parameters(raw, model_type)),
+            rope=rope,
             max_position_embeddings=get("max_position_embeddings"),
             tie_word_embeddings=bool(get("tie_word_embeddings")),
             torch_dtype=get("dtype"),
             clip_qkv=get("clip_qkv") if "clip_qkv" in ALIASES[model_type] else None,
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+            mtp_layers=raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers")) or 0,
             **moe,
         )
 
@@ -152,13 +185,16 @@ def _arch_options(raw: dict[str, Any], model_type: str) -> ArchSpec:
     def get(name: str) -> Any:
         return read_field(raw, model_type, name)
 
+    if arch.attention_options:  # GLM-4.5: q/k/v bias and per-head q/k norm switched by the config
+        qk_norm = QKNorm.PER_HEAD if get("use_qk_norm") else QKNorm.NONE
+        arch = replace(arch, qkv_bias=bool(get("attention_bias")), qk_norm=qk_norm)
+    elif get("attention_bias") and not arch.qkv_bias:
+        # transformers then biases q, k, v and o_proj; we implement Qwen2's q/k/v-only bias
+        raise UnsupportedModelError(f"{model_type}: attention_bias=true is not supported")
     if "use_sliding_window" in table and get("use_sliding_window"):
         raise UnsupportedModelError(f"{model_type}: use_sliding_window=true is not supported")
     if get("hidden_act") != "silu":
         raise UnsupportedModelError(f"{model_type}: hidden_act={get('hidden_act')!r} is not supported (silu)")
-    if get("attention_bias") and not arch.qkv_bias:
-        # transformers then biases q, k, v and o_proj; we implement Qwen2's q/k/v-only bias
-        raise UnsupportedModelError(f"{model_type}: attention_bias=true is not supported")
     if "mlp_bias" in table and get("mlp_bias"):
         raise UnsupportedModelError(f"{model_type}: mlp_bias=true is not supported")
     if "qkv_bias" in table:  # Qwen2-MoE: a switch since 4.57
@@ -173,27 +209,42 @@ def _moe_fields(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[s
     def get(name: str) -> Any:
         return read_field(raw, model_type, name)
 
-    # Qwen-MoE can interleave dense layers; the others are sparse everywhere.
-    step = (get("decoder_sparse_step") if "decoder_sparse_step" in table else 1) or 1
-    dense_only = set((get("mlp_only_layers") if "mlp_only_layers" in table else None) or [])
-    sparse = frozenset(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
+    num_experts, top_k = get("num_experts"), get("num_experts_per_tok")
+    moe_intermediate = get("moe_intermediate_size")
+    if "first_k_dense_replace" in table:
+        # DeepSeek-style: the first `first_k_dense_replace` layers dense, then every `moe_layer_freq`-th layer
+        # sparse (DeepSeek's own code; transformers reads no moe_layer_freq, and every published checkpoint has 1)
+        first_dense, freq = get("first_k_dense_replace"), raw.get("moe_layer_freq") or 1
+        sparse = frozenset(i for i in range(num_layers) if i >= first_dense and i % freq == 0)
+    else:
+        # Qwen-MoE can interleave dense layers; the others are sparse everywhere.
+        step = (get("decoder_sparse_step") if "decoder_sparse_step" in table else 1) or 1
+        dense_only = set((get("mlp_only_layers") if "mlp_only_layers" in table else None) or [])
+        sparse = frozenset(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
+    if arch.shared_expert is SharedExpert.GATED:
+        shared = get("shared_expert_intermediate_size")
+    elif arch.shared_expert is SharedExpert.PLAIN:  # the n_shared_experts shared experts: one MLP n times as wide
+        shared = moe_intermediate * get("n_shared_experts")
+    else:
+        shared = 0
     return {
-        "num_experts": get("num_experts"),
-        "num_experts_per_tok": get("num_experts_per_tok"),
-        "moe_intermediate_size": get("moe_intermediate_size"),
-        "norm_topk_prob": arch.always_renormalize or bool(get("norm_topk_prob")),
-        "shared_expert_intermediate_size": get("shared_expert_intermediate_size") if arch.shared_expert else 0,
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": moe_intermediate,
+        "router": router_config(raw, model_type, num_experts, top_k),
+        "shared_expert_intermediate_size": shared,
         "sparse_layers": sparse,
     }
 
 
 def _rope(params: dict[str, Any]) -> RopeConfig:
-    theta = params["rope_theta"]
-    kind = params["rope_type"]
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedModelError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported")
+    """`params`: config_aliases.rope_parameters (one dict, whichever transformers version wrote the config)."""
+    theta, kind = params["rope_theta"], params["rope_type"]
+    partial = float(params.get("partial_rotary_factor", 1.0))
+    if kind != "default" and partial != 1.0:
+        raise UnsupportedModelError(f"rope scaling type {kind!r} with partial_rotary_factor is not supported")
     if kind == "default":
-        return RopeConfig(theta=theta)
+        return RopeConfig(theta=theta, partial_rotary_factor=partial)
     if kind == "linear":
         return RopeConfig(theta=theta, kind=kind, factor=params["factor"])
     if kind == "llama3":

@@ -65,7 +65,9 @@ _QWEN_MOE: dict[str, Spelling] = {
     "mlp_only_layers": _s("mlp_only_layers", default=()),
     "use_sliding_window": _s("use_sliding_window", default=False),
 }
-# DeepSeek-V2/V3 and GLM-4.5 (routing with shared experts, dense first layers); for their model code.
+# DeepSeek-V2/V3 and GLM-4.5 (routing with shared experts, dense first layers). The routers' own keys (n_group,
+# topk_group, norm_topk_prob, routed_scaling_factor, topk_method) are read by shared/model/routing.py; they are
+# listed here too, with transformers' defaults, for the model code still to come.
 _DEEPSEEK_MOE: dict[str, Spelling] = {
     "num_experts": _s("n_routed_experts", "num_experts", "num_local_experts", required=True),
     "num_experts_per_tok": _s("num_experts_per_tok", required=True),
@@ -144,6 +146,8 @@ ALIASES: dict[str, dict[str, Spelling]] = {
     | _DEEPSEEK_MOE
     | _MLA
     | {
+        "num_experts": _s("n_routed_experts", "num_experts", "num_local_experts", default=64),
+        "moe_intermediate_size": _s("moe_intermediate_size", default=1407),
         "n_shared_experts": _s("n_shared_experts", default=2),
         "n_group": _s("n_group"),
         "topk_group": _s("topk_group"),
@@ -157,6 +161,9 @@ ALIASES: dict[str, dict[str, Spelling]] = {
     | {
         "num_key_value_heads": _s("num_key_value_heads", default=128),
         "max_position_embeddings": _s("max_position_embeddings", default=4096),
+        "num_experts": _s("n_routed_experts", "num_local_experts", "num_experts", default=256),
+        "moe_intermediate_size": _s("moe_intermediate_size", default=2048),
+        "num_experts_per_tok": _s("num_experts_per_tok", default=8),
         "routed_scaling_factor": _s("routed_scaling_factor", default=2.5),
         "n_group": _s("n_group", default=8),
         "topk_group": _s("topk_group", default=4),
@@ -170,6 +177,9 @@ ALIASES: dict[str, dict[str, Spelling]] = {
         "num_key_value_heads": _s("num_key_value_heads", default=8),
         "rms_norm_eps": _s("rms_norm_eps", default=1e-5),
         "max_position_embeddings": _s("max_position_embeddings", default=131072),
+        "num_experts": _s("n_routed_experts", "num_local_experts", "num_experts", default=128),
+        "moe_intermediate_size": _s("moe_intermediate_size", default=1408),
+        "num_experts_per_tok": _s("num_experts_per_tok", default=8),
         "first_k_dense_replace": _s("first_k_dense_replace", default=1),
         "use_qk_norm": _s("use_qk_norm", default=False),
         # top-level up to 4.57, inside rope_parameters from 5.0: read through rope_parameters()

@@ -61,6 +61,7 @@ HF_CLASS = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 SIZES: dict[str, dict[str, int]] = {
     # a few million parameters: fast enough for every test
@@ -110,6 +111,8 @@ def byte_level_tokenizer() -> Tokenizer:
 def demo_config(arch: str, size: str = "tiny") -> dict[str, Any]:
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(sorted(ARCHITECTURES))}")
+    if arch not in HF_CLASS:
+        raise ValueError(f"no demo checkpoint is defined for {arch!r} (shared/model/demo.py)")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
     s = SIZES[size]
@@ -164,6 +167,25 @@ def demo_config(arch: str, size: str = "tiny") -> dict[str, Any]:
         }
         if arch == "qwen2_moe":
             cfg["shared_expert_intermediate_size"] = s["shared_intermediate"]
+    elif arch == "glm4_moe":
+        # GLM-4.5's options: q/k/v bias, per-head q/k norm, half the head dims rotated, sigmoid routing with a
+        # correction bias, scaled weights, one shared expert, the first layer dense, one MTP layer (its
+        # tensors are not written: transformers would not load them)
+        cfg |= {
+            "n_routed_experts": s["experts"],
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": s["expert_intermediate"],
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "partial_rotary_factor": 0.5,
+            "attention_bias": True,
+            "use_qk_norm": True,
+            "num_nextn_predict_layers": 1,
+        }
     return cfg
 
 

@@ -32,30 +32,33 @@ class RMSNorm(nn.Module):
 
 class Rotary(nn.Module):
     """cos/sin tables indexed by absolute position: non-persistent buffers, so they follow the model to its
-    device (`.to`, `to_empty`) and never travel in a checkpoint. `fill()` computes them (`CausalLM.init_runtime`)."""
+    device (`.to`, `to_empty`) and never travel in a checkpoint. `fill()` computes them (`CausalLM.init_runtime`).
 
-    cos: torch.Tensor  # (P, hd) buffers
+    Partial rotary (`rope.partial_rotary_factor` < 1, GLM-4.5): the tables cover only the first `dim` =
+    rotary_dim of each head's dims; `apply_rotary` rotates those and passes the rest through."""
+
+    cos: torch.Tensor  # (P, dim) buffers
     sin: torch.Tensor
 
     def __init__(self, head_dim: int, max_position: int, rope: RopeConfig) -> None:
         super().__init__()
-        self.head_dim, self.max_position, self.rope = head_dim, max_position, rope
-        self.register_buffer("cos", torch.empty(max_position, head_dim), persistent=False)  # (P, hd)
-        self.register_buffer("sin", torch.empty(max_position, head_dim), persistent=False)
+        self.dim, self.max_position, self.rope = rope.rotary_dim(head_dim), max_position, rope
+        self.register_buffer("cos", torch.empty(max_position, self.dim), persistent=False)  # (P, dim)
+        self.register_buffer("sin", torch.empty(max_position, self.dim), persistent=False)
 
     @torch.no_grad()
     def fill(self) -> None:
         """Compute the tables in float32 on the host (the same numbers on every device), copy them in once."""
-        hd = self.head_dim
+        hd = self.dim
         inv_freq = 1.0 / (self.rope.theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
         inv_freq = _scale_inv_freq(inv_freq, self.rope)
         freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (P, hd)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (P, dim)
         self.cos.copy_(emb.cos())
         self.sin.copy_(emb.sin())
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for these positions (on the tables' device), (T, 1, hd) each: looked up once per step,
+        """cos, sin for these positions (on the tables' device), (T, 1, dim) each: looked up once per step,
         shared by all layers."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
@@ -63,9 +66,17 @@ class Rotary(nn.Module):
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: (T, H, hd), k: (T, KVH, hd), rope: Rotary.tables(...) → rotated q, k (new tensors)."""
+    """q: (T, H, hd), k: (T, KVH, hd), rope: Rotary.tables(...) → rotated q, k (new tensors). Tables narrower
+    than hd (partial rotary): the first `dim` dims of each head rotate, the others are kept as they are."""
     cos, sin = rope
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    dim = cos.shape[-1]
+    if dim == q.shape[-1]:
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    q_rot, q_pass = q[..., :dim], q[..., dim:]
+    k_rot, k_pass = k[..., :dim], k[..., dim:]
+    q_rot = q_rot * cos + _rotate_half(q_rot) * sin
+    k_rot = k_rot * cos + _rotate_half(k_rot) * sin
+    return torch.cat((q_rot, q_pass), dim=-1), torch.cat((k_rot, k_pass), dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Load a Hugging Face safetensors checkpoint (single file or sharded) into a `CausalLM`.
 
-The mapping from checkpoint names to our parameters is declarative: every parameter loads from the tensor
-of the same name, except where a module's `checkpoint_shards()` says a checkpoint tensor fills a slice of
-a fused/stacked parameter (q/k/v → qkv_proj, gate/up → gate_up_proj, experts.N.* → stacked experts).
+The mapping from checkpoint names to our parameters is declarative: every parameter (and persistent buffer:
+a router's correction bias) loads from the tensor of the same name, except where a module's
+`checkpoint_shards()` says a checkpoint tensor fills a slice of a fused/stacked parameter (q/k/v → qkv_proj,
+gate/up → gate_up_proj, experts.N.* → stacked experts).
 
 Sharded (tensor-parallel) loading: a declaration may add the slice of the checkpoint tensor this rank reads
 (rows, columns); the loader then reads only that slice from the file (`safe_open(...).get_slice(name)[...]`),
@@ -57,7 +58,7 @@ CHECKPOINT_SPELLING: dict[str, list[tuple[str, str]]] = {
 }
 # Tensors some checkpoints carry that hold nothing we need.
 IGNORED = re.compile(r"(rotary_emb\.inv_freq$)")
-LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -175,6 +176,7 @@ def load_weights(
     if progress is None:
         progress = sum(f.stat().st_size for f in files) > PROGRESS_BYTES
     loaded: set[str] = set()
+    mtp_skipped = 0
     with torch.no_grad(), CheckpointTensors(files) as tensors:
         for raw_name in tqdm(tensors.names, desc="loading weights", disable=not progress, unit="tensor"):
             if quant.companion_of(raw_name) is not None:  # a scale: read with the weight it scales
@@ -183,7 +185,7 @@ def load_weights(
             target = targets.get(name)
             if target is None:
                 if name not in others:  # another rank's (its experts): never read
-                    _check_unneeded(model, raw_name, name)
+                    mtp_skipped += _check_unneeded(model, raw_name, name)
                 continue
             try:
                 tensor = quant.read(tensors, raw_name, target.source)
@@ -207,6 +209,13 @@ def load_weights(
         ]
         if unused:
             raise CheckpointError(f"{model_dir}: scale tensor(s) no float8 weight used: {', '.join(unused[:5])}")
+    if mtp_skipped:
+        log.info(
+            "skipped the %d tensors of the %d multi-token-prediction layer(s): nothing runs them (no speculative "
+            "decoding)",
+            mtp_skipped,
+            model.config.mtp_layers,
+        )
     missing = sorted(checkpoint_name(model.config.model_type, n) for n in set(targets) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -219,15 +228,13 @@ def checkpoint_quantization(model_dir: Path) -> QuantMethod:
     return quant_method_for(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
-def _check_unneeded(model: CausalLM, raw_name: str, name: str) -> None:
-    """Accept a checkpoint tensor no parameter takes only when it is known not to matter."""
-    layer = LAYER_INDEX.match(name)
-    if layer and int(layer.group(1)) >= model.config.num_layers:
-        # layers past the decoder stack: DeepSeek-V3's multi-token-prediction layers, unused for decoding
-        log.info("skipping %s (beyond the model's %d layers)", raw_name, model.config.num_layers)
-        return
+def _check_unneeded(model: CausalLM, raw_name: str, name: str) -> bool:
+    """Accept a checkpoint tensor no parameter takes only when it is known not to matter (→ whether it is one of
+    the declared multi-token-prediction layers'); CheckpointError otherwise."""
+    if _is_mtp(name, model.config):  # never read
+        return True
     if IGNORED.search(name) or (name == "lm_head.weight" and model.lm_head is None):
-        return
+        return False
     if SCALE_TENSOR.search(name):
         raise CheckpointError(
             f"checkpoint tensor {raw_name} is a quantization scale, but config.json's quantization_config "
@@ -278,6 +285,13 @@ class CheckpointTensors:
         return handle.get_slice(name)[index] if index else handle.get_tensor(name)
 
 
+def _is_mtp(name: str, cfg: ModelConfig) -> bool:
+    """A tensor of the multi-token-prediction layers the config declares after its last decoder layer
+    (model.layers.{num_layers .. num_layers + mtp_layers - 1}.*); any other layer index is not one."""
+    match = LAYER_INDEX.match(name)
+    return match is not None and cfg.num_layers <= int(match.group(1)) < cfg.num_layers + cfg.mtp_layers
+
+
 def checkpoint_name(model_type: str, canonical: str) -> str:
     """How a checkpoint of `model_type` spells the tensor we call `canonical`."""
     for pattern, repl in CHECKPOINT_SPELLING.get(model_type, []):
@@ -293,10 +307,18 @@ def checkpoint_targets(model: CausalLM) -> dict[str, _Target]:
         covered = {declared[0] for declared in shards.values()}
         for suffix, (param, index, *source) in shards.items():
             targets[_join(prefix, suffix)] = _Target(module.get_parameter(param), index, *source)
-        for name, param in module.named_parameters(recurse=False):
+        for name, tensor in _checkpoint_tensors(module):
             if name not in covered:
-                targets.setdefault(_join(prefix, name), _Target(param, ()))
+                targets.setdefault(_join(prefix, name), _Target(tensor, ()))
     return targets
+
+
+def _checkpoint_tensors(module: torch.nn.Module):
+    """A module's own parameters and persistent buffers (a router's correction bias): what a checkpoint holds."""
+    yield from module.named_parameters(recurse=False)
+    for name, buffer in module.named_buffers(recurse=False):
+        if name not in module._non_persistent_buffers_set:
+            yield name, buffer
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:

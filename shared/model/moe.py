@@ -1,4 +1,4 @@
-"""Mixture-of-Experts feed-forward: router, routed experts, optional shared expert.
+"""Mixture-of-Experts feed-forward: router (shared/model/routing.py), routed experts, optional shared expert.
 
 Shape legend: T tokens, D hidden, E experts, A = experts per token (top-k), I expert intermediate size.
 Expert weights are stacked: gate_up (E, 2I, D), down (E, D, I).
@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.model.config import ModelConfig
+from shared.model.config import ModelConfig, SharedExpert
 from shared.model.expert_parallel import ExpertParallel
 from shared.model.kernels.choice import KernelChoice
 from shared.model.layers import GatedMLP, gated_mlp
 from shared.model.linear import PackedWeights, linear, pack
+from shared.model.routing import Router
 from shared.model.tensor_parallel import TensorShard
 
 
@@ -179,19 +180,20 @@ class MoE(nn.Module, PackedWeights):
         """shard: tensor parallelism (the shared expert is split over it, and the routed experts' intermediate
         size unless `split_experts` is False: under expert parallelism each rank holds whole experts)."""
         super().__init__()
+        assert cfg.router is not None  # a sparse layer of an MoE config
         self.shard = shard
-        self.top_k = cfg.num_experts_per_tok
-        self.renormalize = cfg.norm_topk_prob
-        self.float32_weights = cfg.arch.float32_routing_weights
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.gate = Router(cfg.router, cfg.hidden_size)  # replicated: every rank routes alike
+        self.cast_weights = cfg.arch.routing_weights_in_activation_dtype
         expert_shard = shard if split_experts else TensorShard.SINGLE
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, expert_shard)
-        self.shared_expert = None
-        self.LINEAR_WEIGHTS = ("gate.weight",)
-        if cfg.shared_expert_intermediate_size:
+        # the always-on expert, named as the checkpoints name it (see SharedExpert)
+        self.shared_kind = cfg.arch.shared_expert if cfg.shared_expert_intermediate_size else SharedExpert.NONE
+        if self.shared_kind is SharedExpert.GATED:
             self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, shard, reduce=False)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
-            self.LINEAR_WEIGHTS += ("shared_expert_gate.weight",)
+            self.LINEAR_WEIGHTS = ("shared_expert_gate.weight",)
+        elif self.shared_kind is SharedExpert.PLAIN:
+            self.shared_experts = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, shard, reduce=False)
         # (E,) tokens routed to each expert since the last read (CausalLM.take_expert_load, once per heartbeat):
         # a buffer, so it accumulates on the model's device without a host read per layer.
         self.register_buffer("expert_load", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
@@ -200,14 +202,20 @@ class MoE(nn.Module, PackedWeights):
         self.dispatch: ExpertParallel | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """→ topk_ids (T, A) int64, topk_weights (T, A) in the dtype transformers scales the expert outputs
-        with: x's (the Qwen-MoE and OLMoE routers cast them), or float32 (Mixtral's does not). Every path
-        multiplies and sums in that dtype and rounds the sum to x's: at bfloat16, transformers' rounding."""
-        probs = torch.softmax(linear(x, self.w("gate.weight")).float(), dim=-1)  # (T, E)
-        weights, ids = probs.topk(self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights if self.float32_weights else weights.to(x.dtype)
+        """→ topk_ids (T, A) int64 and topk_weights (T, A) (shared/model/routing.py) in the dtype transformers
+        scales the expert outputs with: x's where its router casts them (Qwen-MoE, OLMoE), else float32 (Mixtral,
+        GLM). Every path multiplies and sums in that dtype and rounds the sum to x's: at bfloat16, transformers'
+        rounding."""
+        ids, weights = self.gate(x)
+        return ids, weights.to(x.dtype) if self.cast_weights else weights
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's output (T, D), a partial sum under tensor parallelism; None without one."""
+        if self.shared_kind is SharedExpert.GATED:
+            return torch.sigmoid(linear(x, self.w("shared_expert_gate.weight"))) * self.shared_expert(x)
+        if self.shared_kind is SharedExpert.PLAIN:
+            return self.shared_experts(x)
+        return None
 
     def forward(self, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
         ids, weights = self.route(x)
@@ -221,12 +229,9 @@ class MoE(nn.Module, PackedWeights):
             out = self.experts.forward_reference(x, ids, weights)
         else:
             out = self.experts(x, ids, weights, counts)
+        shared = self.shared(x)
         if self.dispatch is not None:  # the routed sum is whole on every rank: only the shared expert's is partial
-            if self.shared_expert is not None:
-                gate = torch.sigmoid(linear(x, self.w("shared_expert_gate.weight")))
-                out = out + self.shard.all_reduce_(gate * self.shared_expert(x))
-            return out
-        if self.shared_expert is not None:
-            gate = torch.sigmoid(linear(x, self.w("shared_expert_gate.weight")))
-            out = out + gate * self.shared_expert(x)
+            return out if shared is None else out + self.shard.all_reduce_(shared)
+        if shared is not None:
+            out = out + shared
         return self.shard.all_reduce_(out)  # routed + shared partial sums, one all-reduce per block

@@ -40,6 +40,15 @@ EXTRA: dict[str, dict] = {
         mlp_only_layers=[0],
     ),
     "olmoe": dict(num_key_value_heads=2, num_experts=6, num_experts_per_tok=3, clip_qkv=8.0, rms_norm_eps=1e-6),
+    "glm4_moe": dict(
+        num_key_value_heads=2,
+        head_dim=32,
+        n_routed_experts=6,
+        num_experts_per_tok=3,
+        moe_intermediate_size=40,
+        first_k_dense_replace=1,
+        n_shared_experts=2,
+    ),
 }
 HF_CONFIG = {
     "llama": "LlamaConfig",
@@ -109,7 +118,8 @@ def test_the_installed_transformers_config_class_reads_as_transformers_reads_it(
     if ours.is_moe and arch not in ("mixtral", "olmoe"):
         assert ours.moe_intermediate_size == hf.moe_intermediate_size
         layers = range(hf.num_hidden_layers)
-        assert ours.sparse_layers == frozenset(i for i in layers if i not in hf.mlp_only_layers)
+        dense = hf.mlp_only_layers if hasattr(hf, "mlp_only_layers") else range(hf.first_k_dense_replace)
+        assert ours.sparse_layers == frozenset(i for i in layers if i not in dense)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -119,9 +129,10 @@ def test_a_config_with_only_the_shapes_gets_transformers_defaults(arch):
     raw = {"model_type": arch, **SHAPES}
     moe = {
         "mixtral": {"num_local_experts": 4},
-        "olmoe": {"num_experts": 4},
+        "olmoe": {"num_experts": 8},  # its default top-k is 8
         "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8},
         "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8},
+        "glm4_moe": {},  # every MoE size has a class default: 128 experts, top 8, width 1408
     }
     raw |= moe.get(arch, {})
     if arch == "qwen2_moe":

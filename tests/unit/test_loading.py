@@ -45,7 +45,7 @@ def qwen3_moe_ckpt(tmp_path_factory) -> Path:
 # ---- loading ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "llama", "glm4_moe"])
 def test_single_file_and_sharded_checkpoints_load_identically(tmp_path, arch):
     single = write_demo_checkpoint(tmp_path / "single", arch=arch, size="tiny", seed=3)
     sharded = write_demo_checkpoint(tmp_path / "sharded", arch=arch, size="tiny", seed=3, max_shard_bytes=100_000)
@@ -154,6 +154,8 @@ def test_unsupported_model_type_names_the_supported_architectures(tmp_path):
         ("qwen3_moe", "model.norm.weight"),
         # Mixtral spells expert tensors differently; the error should name the tensor the checkpoint lacks
         ("mixtral", "model.layers.0.block_sparse_moe.experts.3.w1.weight"),
+        ("glm4_moe", "model.layers.1.mlp.gate.e_score_correction_bias"),  # a buffer, loaded like a weight
+        ("glm4_moe", "model.layers.1.mlp.shared_experts.down_proj.weight"),
     ],
 )
 def test_missing_tensor_is_named(tmp_path, arch, deleted):
@@ -162,6 +164,32 @@ def test_missing_tensor_is_named(tmp_path, arch, deleted):
     with pytest.raises(CheckpointError, match="missing") as exc:
         load_model(ckpt)
     assert deleted in str(exc.value)
+
+
+def test_multi_token_prediction_layers_are_skipped_and_other_strays_refused(tmp_path, caplog):
+    """GLM-4.5 (like DeepSeek-V3) ships its MTP layer as model.layers.{num_hidden_layers}.*: skipped without
+    a warning; a tensor of a layer index past the declared MTP layers is an error."""
+    clean = write_demo_checkpoint(tmp_path / "clean", arch="glm4_moe", size="tiny")
+    ckpt = write_demo_checkpoint(tmp_path / "mtp", arch="glm4_moe", size="tiny")
+    assert json.loads((ckpt / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+    def add_mtp_layer(tensors):
+        # the MTP layer: a decoder layer (a copy of layer 1's tensors) and its own projections and norms
+        tensors |= {k.replace("layers.1.", "layers.2."): v.clone() for k, v in tensors.items() if "layers.1." in k}
+        tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+        tensors["model.layers.2.enorm.weight"] = torch.ones(64)
+        tensors["model.layers.2.shared_head.head.weight"] = torch.zeros(259, 64)
+
+    rewrite_single_file(ckpt, add_mtp_layer)
+    with caplog.at_level("INFO", logger="shared.model.loader"):
+        model = load_model(ckpt)
+    assert_same_parameters(model, load_model(clean))
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert any("multi-token-prediction" in r.getMessage() for r in caplog.records if r.levelname == "INFO")
+    stray = "model.layers.3.self_attn.o_proj.weight"  # no such layer, MTP or not: an error, not a warning
+    rewrite_single_file(ckpt, lambda t: t.__setitem__(stray, torch.zeros(64, 64)))
+    with pytest.raises(CheckpointError, match=f"{stray} matches no parameter"):
+        load_model(ckpt)
 
 
 def test_many_missing_tensors_are_summarized(tmp_path):

@@ -226,11 +226,14 @@ def test_a_tensor_no_parameter_takes_is_an_error_not_a_warning(demo, tmp_path):
         load_model(d)
 
 
-def test_layers_past_the_stack_are_skipped(demo, tmp_path):
+def test_layers_past_the_stack_are_skipped_only_when_declared(demo, tmp_path):
     """DeepSeek-V3's multi-token-prediction layer sits at index num_hidden_layers: unused for decoding."""
     d = tmp_path / "mtp"
     shutil.copytree(demo, d)
     _rewrite(d, lambda t: t.__setitem__("model.layers.2.eh_proj.weight", torch.zeros(4, 4)))
+    with pytest.raises(CheckpointError, match="eh_proj.weight matches no parameter"):
+        load_model(d)
+    _edit_config(d, num_nextn_predict_layers=1)
     load_model(d)
 
 

@@ -109,7 +109,13 @@ def test_tp2_greedy_output_matches_the_single_rank_engine_for_every_architecture
         assert per_rank[0]["blocks"] == per_rank[1]["blocks"] == 64
 
 
-MOE_CASES = [("mixtral", "tiny"), ("olmoe", "tiny_mqa"), ("qwen2_moe", "tiny"), ("qwen3_moe", "tiny_mqa")]
+MOE_CASES = [
+    ("mixtral", "tiny"),
+    ("olmoe", "tiny_mqa"),
+    ("qwen2_moe", "tiny"),
+    ("qwen3_moe", "tiny_mqa"),
+    ("glm4_moe", "tiny"),  # its ungated shared experts and the dense first layer
+]
 
 
 def _rank_generates_tp_with_ep(group: RankGroup, cases: list[tuple[str, str]]) -> list[list[list[int]]]:

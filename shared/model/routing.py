@@ -1,0 +1,236 @@
+"""The MoE router: which A of the E experts each token goes to, and with what weight.
+
+Shape legend: T tokens, D hidden, E experts, G expert groups, A = experts per token (top-k).
+
+Every supported architecture's router is one `RouterConfig` (parsed from the raw config.json by
+`router_config`) and one `Router` module (checkpoint `mlp.gate.weight`, and for noaux_tc the float32
+`mlp.gate.e_score_correction_bias`). The steps, in the order transformers runs them:
+
+1. logits = x @ W.T (T, E): in the model dtype (Mixtral, Qwen, OLMoE) or in float32 (DeepSeek, GLM upcast
+   x and W first); the scores are float32 either way: softmax over E, or an element-wise sigmoid.
+2. selection scores = the scores, plus the correction bias under noaux_tc (DeepSeek-V3, GLM-4.5).
+3. group limit (group_limited_greedy, noaux_tc): the E experts are G contiguous groups; each group is scored
+   (V2: its best selection score; V3/GLM: the sum of its best two), the best `topk_group` groups are kept
+   and every other expert is excluded.
+4. top-A over the selection scores → ids; the weights are the *unbiased* scores of those ids.
+5. weights / (their sum + 1e-20) when norm_topk_prob, then × routed_scaling_factor.
+
+Device-clean: no step reads a tensor on the host, so a CUDA step never waits on the router. The router is
+replicated under tensor and expert parallelism (every rank routes alike, shared/model/expert_parallel.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+
+from shared.model.linear import PackedWeights, linear, pack
+
+
+class Scoring(Enum):
+    SOFTMAX = "softmax"  # over the E logits
+    SIGMOID = "sigmoid"  # per logit
+
+
+class TopkMethod(Enum):
+    GREEDY = "greedy"  # top-A of all experts
+    GROUP_LIMITED_GREEDY = "group_limited_greedy"  # DeepSeek-V2: groups scored by their best expert
+    NOAUX_TC = "noaux_tc"  # DeepSeek-V3, GLM-4.5: biased selection, groups scored by their best two
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    num_experts: int
+    top_k: int
+    scoring: Scoring = Scoring.SOFTMAX
+    topk_method: TopkMethod = TopkMethod.GREEDY
+    n_group: int = 1  # expert groups (group-limited methods only)
+    topk_group: int = 1  # groups a token may choose from
+    norm_topk_prob: bool = False  # renormalize the A weights to sum to 1
+    routed_scaling_factor: float = 1.0
+    float32_logits: bool = False  # the router matmul in float32 (x and W upcast), not in the model dtype
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"router: top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.grouped:
+            if self.n_group < 1 or self.num_experts % self.n_group:
+                raise ValueError(f"router: n_group={self.n_group} must divide num_experts={self.num_experts}")
+            if not 1 <= self.topk_group <= self.n_group:
+                raise ValueError(f"router: topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+            if self.top_k > self.topk_group * self.group_size:
+                raise ValueError(
+                    f"router: top_k={self.top_k} exceeds the {self.topk_group * self.group_size} experts of "
+                    f"topk_group={self.topk_group} groups"
+                )
+            if self.topk_method is TopkMethod.NOAUX_TC and self.group_size < 2:
+                raise ValueError("router: noaux_tc scores a group by its best two experts: groups need two or more")
+
+    @property
+    def grouped(self) -> bool:
+        return self.topk_method is not TopkMethod.GREEDY
+
+    @property
+    def group_size(self) -> int:
+        return self.num_experts // self.n_group
+
+    @property
+    def correction_bias(self) -> bool:
+        """noaux_tc selects on scores + a learned per-expert bias (checkpoint `e_score_correction_bias`)."""
+        return self.topk_method is TopkMethod.NOAUX_TC
+
+
+@dataclass(frozen=True)
+class _Policy:
+    """What an architecture fixes about its router, and the defaults of what its config may set (the
+    defaults of transformers' config class for that model_type)."""
+
+    scoring: Scoring = Scoring.SOFTMAX
+    topk_method: TopkMethod = TopkMethod.GREEDY
+    method_from_config: bool = False  # DeepSeek-V2 reads topk_method; the others fix it
+    always_renormalize: bool = False  # Mixtral renormalizes whatever the config says
+    norm_from_config: bool = True  # DeepSeek-V2's router never renormalizes (transformers ignores the key)
+    norm_default: bool = False
+    n_group: int | None = 1
+    topk_group: int | None = 1
+    scaling_default: float = 1.0
+    float32_logits: bool = False
+
+
+_POLICIES: dict[str, _Policy] = {
+    "mixtral": _Policy(always_renormalize=True),
+    "qwen2_moe": _Policy(),
+    "qwen3_moe": _Policy(),
+    "olmoe": _Policy(),
+    "deepseek_v2": _Policy(
+        method_from_config=True, norm_from_config=False, n_group=None, topk_group=None, float32_logits=True
+    ),
+    "deepseek_v3": _Policy(
+        scoring=Scoring.SIGMOID,
+        topk_method=TopkMethod.NOAUX_TC,
+        norm_default=True,
+        n_group=8,
+        topk_group=4,
+        scaling_default=2.5,
+        float32_logits=True,
+    ),
+    "glm4_moe": _Policy(
+        scoring=Scoring.SIGMOID, topk_method=TopkMethod.NOAUX_TC, norm_default=True, float32_logits=True
+    ),
+}
+
+
+def router_config(raw: dict[str, Any], model_type: str, num_experts: int, top_k: int) -> RouterConfig:
+    """The router of a config.json of `model_type` (its expert count and top-k already resolved by the caller,
+    shared/model/config.py, which owns their spellings). ValueError when the config asks for a routing the
+    architecture does not have (a DeepSeek-V3 `scoring_func` other than sigmoid) or that does not fit."""
+    if model_type not in _POLICIES:
+        raise ValueError(f"no MoE router is defined for model_type {model_type!r}")
+    p = _POLICIES[model_type]
+    method = TopkMethod(raw.get("topk_method") or "greedy") if p.method_from_config else p.topk_method
+    _check_declared(raw, model_type, "topk_method", method.value)
+    _check_declared(raw, model_type, "scoring_func", p.scoring.value)
+    grouped = method is not TopkMethod.GREEDY
+    n_group = raw.get("n_group", p.n_group)
+    topk_group = raw.get("topk_group", p.topk_group)
+    if grouped and (n_group is None or topk_group is None):
+        raise ValueError(f"{model_type}: topk_method={method.value} needs n_group and topk_group in config.json")
+    if p.always_renormalize:
+        norm = True
+    elif p.norm_from_config:
+        norm = bool(raw.get("norm_topk_prob", p.norm_default))
+    else:
+        norm = False
+    return RouterConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        scoring=p.scoring,
+        topk_method=method,
+        n_group=n_group if grouped else 1,
+        topk_group=topk_group if grouped else 1,
+        norm_topk_prob=norm,
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", p.scaling_default)),
+        float32_logits=p.float32_logits,
+    )
+
+
+def _check_declared(raw: dict[str, Any], model_type: str, key: str, implemented: str) -> None:
+    """A config key transformers ignores for this architecture must not ask for something else."""
+    declared = raw.get(key)
+    if declared is not None and declared != implemented:
+        raise ValueError(f"{model_type}: config.json sets {key}={declared!r}; the architecture uses {implemented!r}")
+
+
+class Router(nn.Module, PackedWeights):
+    """`mlp.gate`: forward(x (T, D)) → topk_ids (T, A) int64, topk_weights (T, A) float32."""
+
+    LINEAR_WEIGHTS = ("weight",)
+    e_score_correction_bias: torch.Tensor | None  # (E,) float32, noaux_tc only
+
+    def __init__(self, cfg: RouterConfig, hidden: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.in_features = hidden
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden))
+        # a persistent buffer: loaded from the checkpoint like a weight, but never trained, and float32
+        # whatever the model's dtype (see _apply), as transformers keeps it
+        bias = torch.empty(cfg.num_experts, dtype=torch.float32) if cfg.correction_bias else None
+        self.register_buffer("e_score_correction_bias", bias)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        """Moves and dtype casts of the module (`.to`, `to_empty`, `.cuda()`...) move the correction bias too,
+        but leave it float32: cast to bfloat16 it would round away the small differences between experts'
+        biases that decide the selection."""
+        bias = self._buffers.pop("e_score_correction_bias", None)
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            if bias is not None:
+                moved = fn(bias)
+                bias = moved if moved.dtype == torch.float32 else bias.to(moved.device)
+            self._buffers["e_score_correction_bias"] = bias
+        return self
+
+    def prepack(self) -> None:
+        # float32 logits: pack the upcast weight, so the packed matmul is the float32 one
+        weight = self.weight.float() if self.cfg.float32_logits else self.weight
+        self.__dict__["_packed"] = {"weight": pack(weight)}
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, D) → (T, E) float32."""
+        if self.cfg.float32_logits:
+            weight = self.w("weight")
+            return linear(x.float(), weight if weight.is_mkldnn else weight.float())
+        return linear(x, self.w("weight")).float()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        logits = self.logits(x)
+        scores = torch.softmax(logits, dim=-1) if cfg.scoring is Scoring.SOFTMAX else torch.sigmoid(logits)
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        if cfg.grouped:
+            choice = self._limit_groups(choice)
+        ids = choice.topk(cfg.top_k, dim=-1).indices  # (T, A)
+        weights = scores.gather(1, ids)  # the unbiased scores of the chosen experts
+        if cfg.norm_topk_prob:
+            # +1e-20 as DeepSeek-V3/GLM write it; for softmax scores (a sum >= A/E) it does not change a bit
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if cfg.routed_scaling_factor != 1.0:
+            weights = weights * cfg.routed_scaling_factor
+        return ids, weights
+
+    def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """choice (T, E) → the same with the experts outside each token's best `topk_group` groups at -inf."""
+        cfg = self.cfg
+        grouped = choice.view(choice.shape[0], cfg.n_group, cfg.group_size)  # (T, G, E/G)
+        if cfg.topk_method is TopkMethod.NOAUX_TC:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (T, G)
+        else:
+            group_scores = grouped.amax(dim=-1)
+        best = group_scores.topk(cfg.topk_group, dim=-1).indices  # (T, topk_group)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # (T, G)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
