@@ -113,7 +113,7 @@ def _prefill_logits(ckpt: Path, ref, prompt: list[int], dtype: str, device: str)
     n, block = len(prompt), 16
     caches = [torch.zeros(2, 8, block, cfg.num_kv_heads, cfg.head_dim, dtype=getattr(torch, dtype), device=device)
               for _ in range(cfg.num_layers)]  # fmt: skip
-    meta = AttentionMetadata.build([[5, 0, 7, 2, 3, 1, 6]], [n], [n], block, device=device)
+    meta = AttentionMetadata.build([[5, 0, 7, 2, 3, 1, 6]], [n], [n], block, device=device, windows=cfg.windows)
     tokens = torch.tensor(prompt, device=device)
     ours = model.logits(model(tokens, torch.arange(n, device=device), caches, meta)).float()
     theirs = ref(tokens[None]).logits[0].float()

@@ -21,11 +21,17 @@ from nats.aio.msg import Msg
 
 from shared.engine.block_manager import NoFreeBlocksError
 from shared.engine.kv_export import KVExport
-from shared.kv.registry import KvRegistry
+from shared.kv.rank_agents import RankPuller
+from shared.kv.rank_transfer import drop_group_kv, pull_group_kv, pull_rank_kv
+from shared.kv.registry import KvLocation, KvRegistry
+from shared.kv.reslice import IncompatibleKv, check_compatible, group_record
 from shared.kv.transfer.channel_tls import KvTls
 from shared.kv.transfer.client import KvTransferClient
 from shared.kv.transfer.errors import KvTransferError
 from shared.messages import DecodeJob, Role, decode_subject
+from shared.parallel.agents import StagedExport
+from shared.parallel.group_engine import WorkerGroup
+from shared.parallel.layout import LayoutError
 from shared.telemetry import metrics, tracing
 from shared.worker import Entry, Phase, StreamingWorker, error_event, sampling_params, spans
 from shared.worker.choices import choice_jobs, engine_choices, import_and_fork
@@ -45,8 +51,17 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
     def job_subject(self) -> str:
         return decode_subject(self.model_name)
 
+    @property
+    def _kv_group(self) -> WorkerGroup | None:
+        """This worker's group when its ranks hold KV head slices (each rank pulls its own heads), else None."""
+        group = self.engine.engine.worker_group
+        return group if group is not None and group.layout.tp > 1 else None
+
     async def setup(self) -> None:
         self.registry = KvRegistry(self.conn.redis, self.settings.kv.lease_s)
+        if (group := self._kv_group) is not None:  # every rank its own transfer client, pulling its own heads
+            puller = RankPuller(self.settings.worker_id, self.settings.kv, self.settings.ticket_secret, self.model_name)
+            await group.agents.call_all("kv.puller", dict.fromkeys(range(group.layout.tp), puller))
         self.client = KvTransferClient(
             self.settings.worker_id,
             secret=self.settings.ticket_secret,
@@ -59,6 +74,8 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
     async def teardown(self) -> None:
         if self.client is not None:
             await self.client.close()
+        if (group := self._kv_group) is not None:
+            await group.agents.call_all("kv.stop", dict.fromkeys(range(group.layout.tp)))
 
     def has_room(self) -> bool:
         return super().has_room() and self.ledger.count(Phase.PULLING) < MAX_CONCURRENT_PULLS
@@ -78,11 +95,14 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
     async def _admit(self, entry: Entry[DecodeJob]) -> None:
         assert self.client is not None  # set up (setup) before any job is taken
         job, key, span = entry.job, entry.key, entry.span
+        staged: StagedExport | None = None  # KV each rank of this group staged, until imported
         try:
             # the prefill worker reported the prompt's logprobs: a recomputation here need not score it again
             params = dataclasses.replace(sampling_params(job.sampling), prompt_logprobs=None)
             kv, failure = await self._pull(job)
-            group = self._group(entry)
+            if isinstance(kv, StagedExport):  # each rank staged its heads: imported on every rank, or dropped
+                staged = kv
+            group = self._choices(entry)
             if entry.cancelled:  # during the pull (the gateway cancels a group's choices together)
                 for e in group:
                     self.ledger.finish(e.key)
@@ -104,8 +124,10 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
                 if kv is None:
                     raise NoFreeBlocksError("no KV to import")
                 done = await self.engine.call(lambda e: import_and_fork(e, key, prompt, outputs, params, kv, choices))
+                staged = None  # written into the blocks on every rank (the import_staged op)
                 self.handle_outputs(done)
-                self.client.recycle(kv)  # its receive buffer serves the next pull (no fresh page faults)
+                if not isinstance(kv, StagedExport):
+                    self.client.recycle(kv)  # its receive buffer serves the next pull (no fresh page faults)
                 span.set_attribute(tracing.KV_OUTCOME, "pulled")
             except NoFreeBlocksError:
                 await self.engine.call(lambda e: e.add_group(prompt, choices))
@@ -113,10 +135,13 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
                 metrics.PROMPT_TOKENS.labels(*self.labels).inc(len(prompt) * len(choices))  # computed here, each
             await self.ledger.ack(key)
         except Exception as exc:  # ValueError: the job was refused; anything else: a bug, answered as such
-            for e in self._group(entry):
+            for e in self._choices(entry):
                 await self.fail(e, exc)
+        finally:
+            if staged is not None and (kv_group := self._kv_group) is not None:  # pulled, not imported: dropped
+                await drop_group_kv(kv_group.agents, kv_group.layout.tp, staged.key)
 
-    def _group(self, entry: Entry[DecodeJob]) -> list[Entry[DecodeJob]]:
+    def _choices(self, entry: Entry[DecodeJob]) -> list[Entry[DecodeJob]]:
         """The entry and those of its group's other choices still in hand (a cancelled one is left out)."""
         group = [entry]
         for job in choice_jobs(entry.job)[1:]:
@@ -133,10 +158,6 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
         assert self.registry is not None and self.client is not None  # set up (setup) before any job is taken
         if job.prefill_worker is None:
             return None, None
-        if self.engine.engine.layout.kv_heads:
-            # this worker group's ranks each hold a slice of the KV heads: the rank-to-rank pull between groups
-            # (shared/kv/rank_transfer.py) is not wired into the services yet, so the prompt is recomputed here
-            return None, None
         key = job.kv_key or job.key  # a group's KV is held under its first choice's key
         try:
             loc = await self.registry.get(key)
@@ -146,8 +167,31 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
         if loc is None:
             log.warning("no KV location for %s (lease expired?)", key)
             return None, f"no KV location (prefill worker {job.prefill_worker} freed it, or its lease expired)"
+        if (group := self._kv_group) is not None:
+            return await self._pull_group(group, key, loc)
         try:
-            return await self.client.pull(loc.rpc_address, key, self.engine.engine.layout), None
+            if loc.group is not None:  # a prefill group: its ranks' heads, rank by rank, assembled here
+                kv = await pull_rank_kv(self.client, loc.group, key, self.engine.engine.layout, 1, 0)
+            else:
+                kv = await self.client.pull(loc.rpc_address, key, self.engine.engine.layout)
+            return kv, None
         except KvTransferError as exc:
             log.warning("KV pull of %s from %s failed (%s)", key, loc.worker_id, exc)
             return None, f"pulling it from {loc.worker_id} failed: {exc}"
+
+    async def _pull_group(self, group: WorkerGroup, key: str, loc: KvLocation) -> tuple[KVExport | None, str | None]:
+        """Every rank of this group pulls its own KV heads from the prefill rank(s) holding them (the leader's
+        plan, reslice.plan_pulls), all at once, and stages them; → the leader's reference to the staged KV,
+        which the import writes on every rank. A single prefill worker is a group of one rank (tp 1)."""
+        model = dataclasses.replace(self.engine.engine.layout, kv_heads=())
+        record = loc.group or group_record(model, 1, [loc.rpc_address])
+        try:
+            check_compatible(record, model, group.layout.tp)
+        except (IncompatibleKv, LayoutError) as exc:
+            log.warning("the KV of %s cannot be pulled from %s: %s", key, loc.worker_id, exc)
+            return None, f"incompatible KV at {loc.worker_id}: {exc}"
+        failure = await pull_group_kv(group.agents, group.layout.tp, key, record)
+        if failure is not None:
+            log.warning("KV pull of %s from %s failed (%s)", key, loc.worker_id, failure)
+            return None, f"pulling it from {loc.worker_id} failed: {failure}"
+        return group.ops.state.staged.ref(key), None

@@ -18,7 +18,10 @@ from nats.aio.msg import Msg
 
 from shared.engine.engine import RequestOutput
 from shared.engine.request import FinishReason
+from shared.kv.group_prefill import PrefillGroupKv
 from shared.kv.held import HeldKv
+from shared.kv.rank_agents import RankServe
+from shared.kv.rank_transfer import group_of
 from shared.kv.registry import KvLocation, KvRegistry
 from shared.kv.transfer.channel_tls import KvTls
 from shared.kv.transfer.send_stream import SendStream
@@ -38,8 +41,9 @@ class PrefillWorker(Worker[PrefillJob]):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # KV held for a pull, by attempt key (state, lease timer, Redis entry); built once Redis is connected
-        self.held: HeldKv | None = None
+        # KV held for a pull, by attempt key (state, lease timer, Redis entry); built once Redis is connected.
+        # A worker group whose ranks hold KV head slices: every rank serves its own heads (PrefillGroupKv).
+        self.held: HeldKv | PrefillGroupKv | None = None
         self.server: KvTransferServer | None = None
 
     def job_subject(self) -> str:
@@ -50,6 +54,16 @@ class PrefillWorker(Worker[PrefillJob]):
 
     async def setup(self) -> None:
         kv = self.settings.kv
+        group = self.engine.engine.worker_group
+        if group is not None and group.layout.tp > 1:
+            registry = KvRegistry(self.conn.redis, kv.lease_s)
+            held = PrefillGroupKv(group.agents, group.layout.tp, self.engine.engine.layout, self.engine.call,
+                                  kv.lease_s, registry)  # fmt: skip
+            self.held = held
+            self.rpc_address = await held.start(
+                RankServe(kv, self.settings.ticket_secret, self.model_name, kv.rpc_port)
+            )
+            return
         # one stream for this server's exports and sends, off the engine's compute stream (a no-op on CPU)
         stream = SendStream(self.engine.engine.device)
         blocks = EngineKvBlocks(self.engine.engine, call=self.engine.call, send_stream=stream)
@@ -68,12 +82,15 @@ class PrefillWorker(Worker[PrefillJob]):
             send_stream=stream,
             tls=KvTls.load(*kv.tls_files),
             replay_capacity=kv.replay_cache_entries,
+            ticket_holder=group_of,  # a decode group's ranks pull their heads under their group's ticket
         )
         self.rpc_address = await self.server.start()
 
     async def teardown(self) -> None:
         if self.server is not None:
             await self.server.stop()  # waits for sends in flight
+        if isinstance(self.held, PrefillGroupKv):
+            await self.held.stop()  # every rank's server: waits for their sends in flight
         if self.held is not None:
             await self.held.release_all()
 
@@ -157,13 +174,7 @@ class PrefillWorker(Worker[PrefillJob]):
         # False: Redis unreachable, so no decode worker could find the KV: it is freed and decode recomputes
         # held for the first choice that goes on: its cancel (the client went away) frees the group's KV
         head = going_on[0][0].request_id
-        if self.held.layout.kv_heads:
-            # this worker group's ranks each hold a slice of the KV heads: the rank-to-rank hand-off between groups
-            # (shared/kv/rank_transfer.py) is not wired into the services yet: nothing to pull, decode recomputes
-            await self.engine.call(lambda e: e.release_kv(key))
-            holder = None
-        else:
-            holder = worker_id if await self.held.hold(key, head, job.attempt, location) else None
+        holder = worker_id if await self.held.hold(key, head, job.attempt, location) else None
         decode_job = _decode_job(going_on, holder, key)
         subject = decode_subject(self.model_name)
         with tracing.producer_span(subject, rid):

@@ -3,11 +3,17 @@
 Invariant (checked by `check_integrity`): every block is either free with count 0 or used with count > 0,
 and free + used == total. Reference counts let two owners share a block, e.g. a request and a pending
 KV export that pins it until the pull completes.
+
+A block table entry FREED stands for a block given back while its request goes on: the tokens it held are
+behind every layer's sliding window (Scheduler frees them), so no step reads them again. Table positions keep
+their meaning (entry i holds positions i*B..), and `free`/`incref` pass over FREED entries.
 """
 
 from __future__ import annotations
 
 from collections import deque
+
+FREED = -1  # a block table entry whose block was freed behind the sliding window (see the module docstring)
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -49,13 +55,18 @@ class BlockManager:
 
     def incref(self, blocks: list[int]) -> None:
         for b in blocks:
+            if b == FREED:
+                continue
             if self._refs[b] == 0:
                 raise ValueError(f"block {b} is free; cannot add a reference")
             self._refs[b] += 1
 
     def free(self, blocks: list[int]) -> None:
-        """Drop one reference from each block; a block whose count reaches zero returns to the free list."""
+        """Drop one reference from each block (FREED entries: none held); a block whose count reaches zero
+        returns to the free list."""
         for b in blocks:
+            if b == FREED:
+                continue
             if self._refs[b] == 0:
                 raise ValueError(f"block {b} freed twice")
             self._refs[b] -= 1

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.engine.block_manager import BlockManager, NoFreeBlocksError
+from shared.engine.block_manager import FREED, BlockManager, NoFreeBlocksError
 from shared.engine.config import EngineConfig
 from shared.engine.decode_graphs import CaptureReport, DecodeGraphs, GraphBackend, bucket_sizes, choose_backend
 from shared.engine.device_setup import exclusive_setup
@@ -103,7 +103,11 @@ class Engine:
             backend, why_not = self._plan_kv(non_torch_at_start, graph_backend)
         self.blocks = BlockManager(self.kv_plan.num_blocks, config.block_size)
         self.scheduler = Scheduler(
-            config.scheduler, self.blocks, self.max_model_len, eos_token_ids=self.model.config.eos_token_ids
+            config.scheduler,
+            self.blocks,
+            self.max_model_len,
+            eos_token_ids=self.model.config.eos_token_ids,
+            window=self.model.config.freeable_window,
         )
         self.graph_capture: CaptureReport | None = None  # what capturing the decode graphs took, when on
         # grammar matchers of the requests with structured output (the tokenizer is read on first use)
@@ -145,6 +149,7 @@ class Engine:
             config.block_size,
             str(dtype).removeprefix("torch."),
             kv_heads=tuple(kv_heads) if self.parallel.tp > 1 else (),
+            layer_windows=mc.layer_windows,
         )
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         # after the weights (and their packed twins): on CUDA the plan measures what they left
@@ -165,6 +170,8 @@ class Engine:
             backend = graph_backend
         if config.ep > 1 and backend is not None:  # the EP combine reads pair counts on the host per layer
             backend, why_not = None, "off (expert parallelism, ep > 1: its combine is not capturable)"
+        if self.model.config.windows and backend is not None:  # the graphs' metadata has no windowed views yet
+            backend, why_not = None, "off (sliding-window layers: not captured yet)"
         # With graphs the pool gets one block more than the plan, the scratch block padded rows write to: the
         # block manager hands out ids 0..plan-1 only, so the scratch block (id = plan) is nobody's.
         self.pool = KVPool(self.layout, self.kv_plan.num_blocks + (backend is not None), self.device)
@@ -414,18 +421,22 @@ class Engine:
         if req.status is RequestStatus.WAITING or req.num_computed_tokens < req.num_tokens - 1:
             raise ValueError(f"request {request_id!r} has not finished its prefill")
         n = self.blocks.blocks_for(req.num_computed_tokens)
+        first = req.window_freed  # blocks freed behind the sliding window are not carried
+        if FREED in req.block_table[first:n]:
+            raise AssertionError(f"request {request_id!r} has freed blocks past its first {first}")
         out = None
         if alloc is not None:
             shape = (
                 self.layout.num_layers,
                 2,
-                n,
+                n - first,
                 self.layout.block_size,
                 self.layout.num_held_kv_heads,
                 self.layout.head_dim,
             )
             out = alloc(shape, self.layout.torch_dtype)
-        return KVExport(self.layout, req.num_computed_tokens, self.pool.read(req.block_table[:n], out=out))
+        blocks = self.pool.read(req.block_table[first:n], out=out)
+        return KVExport(self.layout, req.num_computed_tokens, blocks, first_block=first)
 
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks of a finished request that held them. False if there is no such request."""
@@ -464,7 +475,8 @@ class Engine:
             )
         if len(self.scheduler.running) >= self.config.scheduler.max_num_seqs:
             raise NoFreeBlocksError(f"{self.config.scheduler.max_num_seqs} requests already running")
-        blocks = self.blocks.allocate(self.blocks.blocks_for(kv.num_tokens))
+        first = kv.first_block_at(self.layout.block_size)  # the blocks before it are behind the window
+        blocks = self.blocks.allocate(self.blocks.blocks_for(kv.num_tokens) - first)
         try:  # the matcher replays the output so far (the prefill worker sampled the first token under it)
             self.structured.add(request_id, params.structured, output_token_ids)
         except ValueError:
@@ -472,7 +484,8 @@ class Engine:
             raise
         self.pool.write_export(blocks, kv)  # in a worker group: on every rank (shared/parallel/mirror.py)
         req = Request(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids))
-        req.block_table = blocks
+        req.block_table = [FREED] * first + blocks
+        req.window_freed = first
         req.num_computed_tokens = kv.num_tokens
         self.requests[request_id] = req
         self.scheduler.add_running(req)
@@ -485,6 +498,8 @@ class Engine:
         holders = [0] * self.blocks.num_blocks
         for req in self.requests.values():
             for b in req.block_table:
+                if b == FREED:  # given back behind the sliding window
+                    continue
                 if self.blocks.ref_count(b) == 0:
                     raise AssertionError(f"request {req.request_id} holds free block {b}")
                 holders[b] += 1

@@ -103,7 +103,13 @@ def dummy_step(
     num_blocks = -(-context_len // layout.block_size)
     pool = KVPool(layout, num_blocks, device)
     meta = AttentionMetadata.build(
-        [list(range(num_blocks))], [context_len], [num_tokens], layout.block_size, device, model.kernels
+        [list(range(num_blocks))],
+        [context_len],
+        [num_tokens],
+        layout.block_size,
+        device,
+        model.kernels,
+        windows=model.config.windows,
     )
     ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     positions = torch.arange(context_len - num_tokens, context_len, device=device)

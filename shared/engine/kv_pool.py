@@ -32,6 +32,10 @@ class KVLayout:
     # Global ids of the KV heads this pool holds, in pool order (a tensor-parallel rank holds a slice);
     # empty = all `num_kv_heads`. Not part of the fingerprint: slices of one model's KV are compatible.
     kv_heads: tuple[int, ...] = ()
+    # Per layer, its sliding window (None = full attention; empty = every layer full): ModelConfig.layer_windows.
+    # Part of the fingerprint: the same shapes under other windows are other KV (a window layer's K/V of a
+    # token is only read by the queries within the window; the full layers' by all).
+    layer_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         if any(not 0 <= h < self.num_kv_heads for h in self.kv_heads) or len(set(self.kv_heads)) != len(self.kv_heads):
@@ -62,6 +66,8 @@ class KVLayout:
         which heads a pool holds excluded too: equal fingerprints mean the same model shape, and pools of
         different tensor-parallel ranks compare `held_kv_heads` to see what they can exchange)."""
         key = f"{self.num_layers}:{self.num_kv_heads}:{self.head_dim}:{self.dtype}"
+        if self.layer_windows:  # absent without windows: the fingerprints of full-attention models are unchanged
+            key += ":windows=" + ",".join("full" if w is None else str(w) for w in self.layer_windows)
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

@@ -34,6 +34,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     block_table: list[int] = field(default_factory=list)
+    # Leading block-table entries already freed behind the sliding window (FREED in the table; scheduler.py)
+    window_freed: int = 0
     # Tokens (prompt + output) whose K/V is in the cache. A request is decoding once this is
     # num_tokens - 1: only the last sampled token still has to go through the model.
     num_computed_tokens: int = 0

@@ -9,6 +9,10 @@ Policy (continuous batching):
   waiting requests in arrival order. With chunked prefill a long prompt is cut to fit the budget and
   shares steps with decodes; without it a step that admits prompts runs only whole prompts (the classic
   colocated behaviour, where a long prompt stalls every decode for one step).
+- Sliding windows (a model whose every layer slides, Mistral-style; `window` = the largest layer window):
+  before each plan, the blocks of a running request that lie wholly behind the window of its next query
+  are freed (the table entry becomes FREED). A request that holds its KV for a hand-off exports only the
+  blocks from its first unfreed one on (KVExport.first_block): the hand-off moves the window's blocks.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from shared.engine.block_manager import BlockManager
+from shared.engine.block_manager import FREED, BlockManager
 from shared.engine.config import SchedulerConfig
 from shared.engine.request import FinishReason, Request, RequestStatus
 
@@ -52,9 +56,16 @@ class StepResult:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, blocks: BlockManager, max_model_len: int, eos_token_ids: tuple[int, ...] = ()
+        self,
+        config: SchedulerConfig,
+        blocks: BlockManager,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+        window: int | None = None,
     ) -> None:
-        """`max_model_len`: prompt + output tokens of one request (the engine resolves it from the model)."""
+        """`max_model_len`: prompt + output tokens of one request (the engine resolves it from the model).
+        `window`: every layer's sliding window is at most this (ModelConfig.freeable_window): blocks behind it
+        are freed; None = every block is kept while the request runs."""
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 "without chunked prefill a whole prompt must fit in one step: "
@@ -66,6 +77,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.window = window
+        self.freed_behind_window = 0  # blocks given back behind the window so far (a counter for stats/tests)
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -90,6 +103,9 @@ class Scheduler:
     # ---- planning -------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulePlan:
+        if self.window is not None:
+            for req in self.running:
+                self._free_behind_window(req)
         plan = SchedulePlan()
         if not self.config.enable_chunked_prefill and self._admit_waiting(plan, self.config.max_num_batched_tokens):
             return plan  # a prefill-only step
@@ -147,6 +163,19 @@ class Scheduler:
             admitted = True
         return admitted
 
+    def _free_behind_window(self, req: Request) -> None:
+        """Free the blocks no query of `req` reads again: its next query sits at num_computed_tokens, and
+        sees keys from num_computed_tokens - window + 1 on (the same for every later query)."""
+        assert self.window is not None
+        behind = max(0, req.num_computed_tokens - self.window + 1) // self.blocks.block_size
+        behind = min(behind, len(req.block_table))
+        for i in range(req.window_freed, behind):
+            if req.block_table[i] != FREED:  # a forked child's table may share the parent's FREED entries
+                self.blocks.free([req.block_table[i]])
+                req.block_table[i] = FREED
+                self.freed_behind_window += 1
+        req.window_freed = max(req.window_freed, behind)
+
     def _is_decoding(self, req: Request) -> bool:
         return req.num_computed_tokens == req.num_tokens - 1
 
@@ -173,6 +202,7 @@ class Scheduler:
         self.running.remove(req)
         self.blocks.free(req.block_table)
         req.block_table = []
+        req.window_freed = 0
         req.num_computed_tokens = 0  # recompute prompt + output so far when readmitted
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
@@ -221,3 +251,4 @@ class Scheduler:
         if not keep and req.block_table:
             self.blocks.free(req.block_table)
             req.block_table = []
+            req.window_freed = 0

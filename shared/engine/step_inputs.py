@@ -95,6 +95,8 @@ def forward_step(
         block_size=block_size,
         device=device,
         kernels=model.kernels,
+        windows=model.config.windows,
+        full=model.config.has_full_layers,
     )
     t = len(inputs.input_ids)
     staged = torch.tensor(inputs.input_ids + inputs.positions + inputs.sample_rows, dtype=torch.int64)

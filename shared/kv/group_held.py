@@ -26,6 +26,7 @@ from typing import Protocol
 
 import torch
 
+from shared.engine.block_manager import FREED
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVLayout, KVPool
 from shared.kv.held import Freed, Locations
@@ -38,8 +39,9 @@ SendReport = Callable[[str, int, bool, int], Awaitable[None]]  # (key, rank, ok,
 
 @dataclass
 class _RankKey:
-    block_ids: list[int]
+    block_ids: list[int]  # from `first_block` on
     num_tokens: int
+    first_block: int = 0  # the table's leading entries freed behind the sliding window (FREED): not sent
     in_flight: int = 0
     retiring: bool = False
     group_pulls: int = 1  # the transfers the decode group makes (the Pull says), reported with each end
@@ -65,7 +67,8 @@ class RankHeldKv:
     async def hold(self, key: str, block_ids: list[int], num_tokens: int) -> None:
         if key in self._keys:
             raise ValueError(f"KV of {key!r} is held already on rank {self.rank}")
-        self._keys[key] = entry = _RankKey(list(block_ids), num_tokens)
+        first = next((i for i, b in enumerate(block_ids) if b != FREED), len(block_ids))
+        self._keys[key] = entry = _RankKey(list(block_ids[first:]), num_tokens, first)
         entry.idle.set()
 
     async def retire(self, key: str) -> None:
@@ -107,7 +110,7 @@ class RankHeldKv:
             self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim, self.layout.block_size,
             self.layout.dtype, tuple(heads),
         )  # fmt: skip
-        return KVExport(layout, entry.num_tokens, blocks)
+        return KVExport(layout, entry.num_tokens, blocks, first_block=entry.first_block)
 
     async def end_send(self, key: str, /, ok: bool) -> None:
         entry = self._keys.get(key)

@@ -17,6 +17,12 @@ States (blocks owner; lease timer; Redis entry → exits):
 
 A failed send frees the blocks (as a pulled one does): the puller's copy is unusable and its pair dropped,
 so decode recomputes; only a send that never started (the export raised) goes back to HELD.
+
+Head slices (a decode worker group pulling from this single worker: each decode rank takes its own KV heads,
+shared/kv/reslice.py): `begin_send_heads` lets several slice sends of one key run side by side (SENDING while
+any is in flight; the KV is exported once and each slice copied from that export). The Pull says how many
+transfers the decode group makes; the blocks are freed once that many ended well, or when the sends in flight
+end after a failed one (or a lease expiry, a cancel); between slices the record is HELD again.
 """
 
 from __future__ import annotations
@@ -70,6 +76,11 @@ class _Record:
     timer: asyncio.TimerHandle | None  # None once the lease has run out (or the record is freed)
     state: HeldState = HeldState.HELD
     free_after_send: Freed | None = None  # set while SENDING by lease expiry, cancel or release
+    # head-slice sends (a decode group's ranks pulling their heads): in flight, ended well, expected in all
+    slices_in_flight: int = 0
+    slices_ok: int = 0
+    group_pulls: int = 0
+    export: asyncio.Task[KVExport] | None = None  # the one export every slice is copied from
 
 
 class HeldKv:
@@ -103,7 +114,9 @@ class HeldKv:
         return list(self._records)
 
     def is_sending(self, key: str) -> bool:
-        return self.state(key) is HeldState.SENDING
+        """A whole-KV send is in flight (slice sends of a decode group's ranks may run side by side)."""
+        record = self._records.get(key)
+        return record is not None and record.state is HeldState.SENDING and not record.slices_in_flight
 
     # ---- the prefill worker's side -------------------------------------------------------------------------
 
@@ -175,10 +188,58 @@ class HeldKv:
                     self._free_soon(key, record.free_after_send)
             raise
 
+    async def begin_send_heads(self, key: str, heads: range, group_pulls: int) -> KVExport:
+        """A copy of KV heads `heads` (global ids) of the key's KV, for one of a decode group's `group_pulls`
+        transfers. KeyError: not held (or being freed); AlreadySending: a whole-KV send is in flight;
+        ValueError: heads outside the model's."""
+        record = self._records.get(key)
+        if record is None or record.free_after_send is not None:
+            raise KeyError(f"no KV held for request {key!r}")
+        if record.state is HeldState.SENDING and not record.slices_in_flight:
+            raise AlreadySending(f"request {key!r} is already being pulled whole")
+        if not heads or heads.start < 0 or heads.stop > self.layout.num_kv_heads or group_pulls < 1:
+            raise ValueError(f"KV heads {list(heads)} of {self.layout.num_kv_heads} (group of {group_pulls} pulls)")
+        record.state = HeldState.SENDING
+        record.slices_in_flight += 1
+        record.group_pulls = group_pulls
+        if record.export is None:  # the first slice exports; the others wait for the same export
+            record.export = asyncio.ensure_future(self.blocks.export_kv(key))
+        try:
+            full = await asyncio.shield(record.export)
+        except BaseException:
+            record.export = None
+            await self._slice_ended(key, record, ok=None)
+            raise
+        layout = KVLayout(
+            full.layout.num_layers, full.layout.num_kv_heads, full.layout.head_dim, full.layout.block_size,
+            full.layout.dtype, tuple(heads),
+        )  # fmt: skip
+        return KVExport(layout, full.num_tokens, full.blocks[:, :, :, :, heads.start : heads.stop].contiguous())
+
     async def end_send(self, key: str, ok: bool) -> None:
-        """The send is over: free the blocks whatever its outcome (a no-op if release_all got there first)."""
-        if self.is_sending(key):
+        """The send is over: free the blocks whatever its outcome (a no-op if release_all got there first). A
+        slice send frees them once the group's pulls all ended well, or (failed) once none is in flight."""
+        record = self._records.get(key)
+        if record is not None and record.slices_in_flight:
+            await self._slice_ended(key, record, ok)
+        elif self.is_sending(key):
             await self._free(key, Freed.PULLED if ok else Freed.SEND_FAILED)
+
+    async def _slice_ended(self, key: str, record: _Record, ok: bool | None) -> None:
+        """One slice send ended (ok None: it never started: the export raised)."""
+        record.slices_in_flight -= 1
+        if ok:
+            record.slices_ok += 1
+        elif ok is False:
+            record.free_after_send = record.free_after_send or Freed.SEND_FAILED
+        if record.slices_in_flight or self._records.get(key) is not record:
+            return
+        if record.free_after_send is not None:
+            await self._free(key, record.free_after_send)
+        elif record.slices_ok >= record.group_pulls:
+            await self._free(key, Freed.PULLED)
+        else:
+            record.state = HeldState.HELD  # more of the group's pulls to come
 
     # ---- freeing ---------------------------------------------------------------------------------------------
 

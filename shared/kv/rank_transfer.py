@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import msgspec
-import torch
 
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVLayout, KVPool
@@ -28,7 +28,10 @@ from shared.kv.group_held import RankHeldKv, SendReport
 from shared.kv.registry import GroupKv
 from shared.kv.reslice import IncompatibleKv, check_compatible, group_pulls, plan_pulls
 from shared.kv.transfer import FailureReason, KvTransferClient, KvTransferError, KvTransferServer
+from shared.parallel.agents import StagedKv
 from shared.parallel.layout import LayoutError, kv_head_range
+
+log = logging.getLogger(__name__)
 
 RANK_SEPARATOR = "#r"
 
@@ -50,13 +53,21 @@ class Agent(Protocol):
 
 
 async def serve_rank_kv(
-    agent: Agent | None, pool: KVPool, rank: int, report: SendReport, *, host: str, secret: bytes | str, **server: Any
+    agent: Agent | None,
+    pool: KVPool,
+    rank: int,
+    report: SendReport,
+    *,
+    host: str,
+    secret: bytes | str,
+    port: int = 0,
+    **server: Any,
 ) -> tuple[RankHeldKv, KvTransferServer, str]:
     """Serve pulls of this rank's pool: (its held KV, its server, the address to publish in the group
     record). `report` carries each ended send to the leader's `GroupHeldKv.send_ended`. With an agent, the
     handlers `kv.hold` ({key, block_ids, num_tokens}) and `kv.retire` ({key}) are registered on it."""
     held = RankHeldKv(pool, rank, report)
-    kv_server = KvTransferServer(host, 0, held, secret=secret, ticket_holder=group_of, **server)
+    kv_server = KvTransferServer(host, port, held, secret=secret, ticket_holder=group_of, **server)
     address = await kv_server.start()
     if agent is not None:
         agent.register("kv.hold", lambda p: held.hold(p["key"], p["block_ids"], p["num_tokens"]))
@@ -80,7 +91,12 @@ async def pull_rank_kv(
         *(client.pull(record.ranks[p.rank].rpc_address, request_id, _with_heads(layout, p.heads), total) for p in plan)
     )
     first = parts[0]
-    if any(p.num_tokens != first.num_tokens or p.blocks.shape[:4] != first.blocks.shape[:4] for p in parts):
+    if any(
+        p.num_tokens != first.num_tokens
+        or p.first_block != first.first_block
+        or p.blocks.shape[:4] != first.blocks.shape[:4]
+        for p in parts
+    ):
         raise KvTransferError(FailureReason.PROTOCOL, f"the prefill ranks sent {request_id!r}'s KV in different shapes")
     heads = kv_head_range(layout.num_kv_heads, dst_tp, dst_rank)
     out = first.blocks.new_empty((*first.blocks.shape[:4], len(heads), layout.head_dim))
@@ -88,7 +104,7 @@ async def pull_rank_kv(
         out[:, :, :, :, pull.dst.start : pull.dst.stop] = part.blocks
         client.recycle(part)
     mine = dataclasses.replace(layout, block_size=first.layout.block_size, kv_heads=tuple(heads))
-    return KVExport(mine, first.num_tokens, out)
+    return KVExport(mine, first.num_tokens, out, first_block=first.first_block)
 
 
 def _with_heads(layout: KVLayout, heads: range) -> KVLayout:
@@ -103,22 +119,20 @@ class PullJob(msgspec.Struct, frozen=True):
     dst_tp: int
 
 
-def register_pull(
-    agent: Agent, client: KvTransferClient, staged: dict[str, torch.Tensor], layout: KVLayout, rank: int
-) -> None:
+def register_pull(agent: Agent, client: KvTransferClient, staged: StagedKv, layout: KVLayout, rank: int) -> None:
     """Register `kv.pull` (a PullJob → None, or the failure's reason) and `kv.drop` ({key}) on a decode
-    rank's agent: the pulled heads wait in `staged` (request id → tensor) for the leader's import op."""
+    rank's agent: the pulled heads wait in `staged` (under the request id) for the leader's import op."""
 
     async def pull(job: PullJob) -> str | None:
         try:
             kv = await pull_rank_kv(client, job.record, job.request_id, layout, job.dst_tp, rank)
         except KvTransferError as e:
-            return e.reason.value
-        staged[job.request_id] = kv.blocks
+            return f"{e.reason.value}: {e}"
+        staged.stage(job.request_id, kv)
         return None
 
     async def drop(payload: dict[str, str]) -> None:
-        staged.pop(payload["key"], None)
+        staged.drop(payload["key"])
 
     agent.register("kv.pull", pull)
     agent.register("kv.drop", drop)
@@ -133,12 +147,24 @@ class Agents(Protocol):
 async def pull_group_kv(agents: Agents, dst_tp: int, request_id: str, record: GroupKv) -> str | None:
     """The decode leader's step: every rank pulls its heads into its StagedKv at once. None: all staged, the
     import op may copy them into the blocks; else the first failure's reason, and every rank has dropped its
-    staged data (the leader recomputes or fails per `kv_fallback`). Not yet called by the decode worker
-    (the services are not wired to the re-slicing yet), so not yet tested against the group runtime's agents."""
+    staged data (the leader recomputes or fails per `kv_fallback`). A rank whose call itself fails (it is
+    gone) counts as a failure too."""
     job = PullJob(request_id, record, dst_tp)
-    results = await agents.call_all("kv.pull", {rank: job for rank in range(dst_tp)})
-    failures = [reason for _, reason in sorted(results.items()) if reason is not None]
+    try:
+        results = await agents.call_all("kv.pull", {rank: job for rank in range(dst_tp)})
+        failures = [f"rank {rank}: {reason}" for rank, reason in sorted(results.items()) if reason is not None]
+    except Exception as e:  # AgentError: a rank is gone (its group goes down with it) or its handler raised
+        failures = [str(e)]
     if not failures:
         return None
-    await agents.call_all("kv.drop", {rank: {"key": request_id} for rank in range(dst_tp)})
+    await drop_group_kv(agents, dst_tp, request_id)
     return failures[0]
+
+
+async def drop_group_kv(agents: Agents, dst_tp: int, request_id: str) -> None:
+    """Every rank forgets what it staged for `request_id` (a pull that failed somewhere, an import that did not
+    happen). Best effort: a rank that is gone takes its group down anyway."""
+    try:
+        await agents.call_all("kv.drop", {rank: {"key": request_id} for rank in range(dst_tp)})
+    except Exception as e:
+        log.warning("dropping the staged KV of %s failed on some rank: %s", request_id, e)

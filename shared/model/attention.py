@@ -22,9 +22,10 @@ from shared.parallel.layout import head_range, kv_head_holders, kv_head_range
 class Attention(nn.Module, PackedWeights):
     LINEAR_WEIGHTS = ("qkv_proj", "o_proj")
 
-    def __init__(self, cfg: ModelConfig, shard: TensorShard = TensorShard.SINGLE) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TensorShard = TensorShard.SINGLE, layer: int = 0) -> None:
         super().__init__()
         self.shard = shard
+        self.window = cfg.window_of(layer)  # this layer's sliding window, None = full attention
         hd = cfg.head_dim
         heads = head_range(cfg.num_heads, shard.tp, shard.rank)
         kv_heads = kv_head_range(cfg.num_kv_heads, shard.tp, shard.rank)
@@ -40,6 +41,10 @@ class Attention(nn.Module, PackedWeights):
         self.qkv_proj = nn.Parameter(torch.empty(qkv_rows, cfg.hidden_size))
         self.qkv_bias = nn.Parameter(torch.empty(qkv_rows)) if cfg.arch.qkv_bias else None
         self.o_proj = nn.Parameter(torch.empty(cfg.hidden_size, self.q_size))
+        # row-parallel o_proj: its bias is added once, after the all-reduce
+        self.o_bias = nn.Parameter(torch.empty(cfg.hidden_size)) if cfg.arch.o_bias else None
+        self.head_rows = heads  # this rank's query heads: its slice of the per-head sinks
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.arch.attention_sinks else None
         self.qk_norm = cfg.arch.qk_norm
         if self.qk_norm is QKNorm.PER_HEAD:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
@@ -60,7 +65,9 @@ class Attention(nn.Module, PackedWeights):
             "v": (slice(q + kv, q + 2 * kv), self.kv_rows),
         }
         src = self.shard.source
-        shards = {f"{name}_proj.weight": ("qkv_proj", (rows,), src(cut)) for name, (rows, cut) in parts.items()}
+        shards: dict[str, tuple] = {
+            f"{name}_proj.weight": ("qkv_proj", (rows,), src(cut)) for name, (rows, cut) in parts.items()
+        }
         if self.qkv_bias is not None:
             shards |= {f"{name}_proj.bias": ("qkv_bias", (rows,), src(cut)) for name, (rows, cut) in parts.items()}
         if self.qk_norm is QKNorm.FULL:
@@ -68,6 +75,10 @@ class Attention(nn.Module, PackedWeights):
                 "q_norm.weight": ("q_norm.weight", (), src(self.q_rows)),
                 "k_norm.weight": ("k_norm.weight", (), src(self.kv_rows)),
             }
+        if self.sinks is not None:
+            shards["sinks"] = ("sinks", (), src(self.head_rows))
+        if self.o_bias is not None:
+            shards["o_proj.bias"] = ("o_bias", ())
         return shards | {"o_proj.weight": ("o_proj", (), src(None, self.q_rows))}
 
     def forward(
@@ -90,8 +101,9 @@ class Attention(nn.Module, PackedWeights):
         if self.qk_norm is QKNorm.PER_HEAD:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, rope)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return self.shard.all_reduce_(linear(out.reshape(t, self.q_size), self.w("o_proj")))
+        out = paged_attention(q, k, v, kv_cache, meta.for_window(self.window), self.scale, self.sinks)
+        out = self.shard.all_reduce_(linear(out.reshape(t, self.q_size), self.w("o_proj")))
+        return out if self.o_bias is None else out + self.o_bias
 
     def _full_qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm of this rank's columns of q (T, q_size) and k (T, kv_size) with the variance over the whole

@@ -1,9 +1,8 @@
 """HF `config.json` → `ModelConfig`: the one normalized description every model module reads.
 
-Each supported `model_type` spells the same ideas differently (Mixtral's `num_local_experts`, OLMoE's full-width
-q/k norm), and each `transformers` version differently again (Qwen3-MoE's expert count, `rope_theta` vs
-`rope_parameters`): the spellings and defaults are declared in `config_aliases`, resolved here once, so the layers
-never look at the raw dict.
+Each supported `model_type` spells the same ideas differently (Mixtral's `num_local_experts`, Qwen's
+`num_experts`, OLMoE's full-width q/k norm). They are resolved here once, so the layers never look at
+the raw dict.
 """
 
 from __future__ import annotations
@@ -48,6 +47,12 @@ class ArchSpec:
     # Qwen-MoE, OLMoE: transformers casts the top-k weights to the activations' dtype before they scale the
     # expert outputs; Mixtral and GLM keep them float32 (only visible below float32: see MoE.route)
     routing_weights_in_activation_dtype: bool = False
+    # gpt-oss: q/k/v and o projections with biases (config `attention_bias`), a learned per-head sink logit in
+    # every softmax, and experts with biases and the clamped SwiGLU (shared/model/clamped_experts.py
+    # ClampedSwiGLUExperts); its router (biased, top-k of the logits then their softmax) is routing.py's
+    attention_sinks: bool = False
+    o_bias: bool = False
+    clamped_swiglu_experts: bool = False
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -61,6 +66,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen3_moe": ArchSpec(qk_norm=QKNorm.PER_HEAD, moe=True, routing_weights_in_activation_dtype=True),
     "olmoe": ArchSpec(qk_norm=QKNorm.FULL, moe=True, routing_weights_in_activation_dtype=True),
     "glm4_moe": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, attention_options=True),
+    "gpt_oss": ArchSpec(qkv_bias=True, moe=True, attention_sinks=True, o_bias=True, clamped_swiglu_experts=True),
 }
 
 
@@ -71,7 +77,7 @@ class UnsupportedModelError(ValueError):
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    kind: str = "default"  # default | linear | llama3
+    kind: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -88,6 +94,15 @@ class RopeConfig:
                 "it must be an even number in [2, head_dim]"
             )
         return dim
+
+    # yarn (shared/model/layers.py yarn_inv_freq_and_mscale): the ramp between interpolated and extrapolated
+    # frequencies, and the attention factor that scales cos/sin (None: derived from factor / mscale)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
 
 @dataclass(frozen=True)
@@ -118,6 +133,12 @@ class ModelConfig:
     # multi-token-prediction layers after the last one (GLM-4.5, DeepSeek-V3: model.layers.{num_layers + i}.*):
     # the checkpoint carries them, nothing here runs them (no speculative decoding), the loader skips them
     mtp_layers: int = 0
+    # Per layer: its sliding window W (a query at position p sees keys p-W+1..p, W keys with itself, as
+    # transformers' sliding_window_overlay), None = full attention. Empty = every layer full.
+    layer_windows: tuple[int | None, ...] = ()
+    # gpt-oss experts' clamped SwiGLU: glu = g * sigmoid(alpha * g) with g <= limit, times (clamp(u, ±limit) + 1)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     @property
     def is_moe(self) -> bool:
@@ -126,9 +147,29 @@ class ModelConfig:
     def layer_is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
 
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of `layer`, None when it attends to the whole context."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def freeable_window(self) -> int | None:
+        """When every layer slides: the largest window (blocks wholly behind it are read by no layer again and
+        can be freed); None when some layer attends to the whole context."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(w for w in self.layer_windows if w is not None)
+
+    @property
+    def has_full_layers(self) -> bool:
+        return not self.layer_windows or None in self.layer_windows
+
+    @property
+    def windows(self) -> frozenset[int]:
+        """The distinct sliding windows of the model's layers (empty: no sliding layer)."""
+        return frozenset(w for w in self.layer_windows if w is not None)
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Read `raw` as `transformers` reads it, whichever version wrote it (`config_aliases`)."""
         model_type = raw.get("model_type")
         if model_type not in ARCHITECTURES:
             raise UnsupportedModelError(
@@ -145,8 +186,11 @@ class ModelConfig:
         moe = _moe_fields(raw, model_type, num_layers) if arch.moe else {}
         eos = get("eos_token_id")
         head_dim = get("head_dim") or hidden // heads
-        rope = _rope(rope_parameters(raw, model_type))
+        rope = _rope(rope_parameters(raw, model_type), get("max_position_embeddings"))
         rope.rotary_dim(head_dim)  # refuses a width that cannot be rotated, now rather than at model build
+        extra: dict[str, Any] = {}
+        if arch.clamped_swiglu_experts:
+            extra = {"swiglu_alpha": get("swiglu_alpha"), "swiglu_limit": get("swiglu_limit")}
         return cls(
             model_type=model_type,
             arch=arch,
@@ -165,7 +209,9 @@ class ModelConfig:
             clip_qkv=get("clip_qkv") if "clip_qkv" in ALIASES[model_type] else None,
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
             mtp_layers=raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers")) or 0,
+            layer_windows=layer_windows(raw, model_type, num_layers),
             **moe,
+            **extra,
         )
 
     @classmethod
@@ -191,8 +237,6 @@ def _arch_options(raw: dict[str, Any], model_type: str) -> ArchSpec:
     elif get("attention_bias") and not arch.qkv_bias:
         # transformers then biases q, k, v and o_proj; we implement Qwen2's q/k/v-only bias
         raise UnsupportedModelError(f"{model_type}: attention_bias=true is not supported")
-    if "use_sliding_window" in table and get("use_sliding_window"):
-        raise UnsupportedModelError(f"{model_type}: use_sliding_window=true is not supported")
     if get("hidden_act") != "silu":
         raise UnsupportedModelError(f"{model_type}: hidden_act={get('hidden_act')!r} is not supported (silu)")
     if "mlp_bias" in table and get("mlp_bias"):
@@ -237,7 +281,46 @@ def _moe_fields(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[s
     }
 
 
-def _rope(params: dict[str, Any]) -> RopeConfig:
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def layer_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window as the architecture's transformers config and modeling files read it
+    (checked against each file; the parity tests hold them to it):
+
+    - gpt_oss: `layer_types` (default: even layers sliding, odd full), window `sliding_window`.
+    - mixtral: `sliding_window` on every layer when set (no use_sliding_window switch).
+    - qwen3_moe: `sliding_window` on every layer when `use_sliding_window`.
+    - qwen2, qwen3: `layer_types` (default: layers >= `max_window_layers` slide) when `use_sliding_window`.
+    - qwen2_moe: `layer_types` (default: even layers below `max_window_layers`) when `use_sliding_window`.
+    - llama, olmoe: none (their modeling files build a causal mask only).
+    """
+    window = raw.get("sliding_window")
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        window = raw.get("sliding_window", 4096) if raw.get("use_sliding_window", False) else None
+    elif model_type == "gpt_oss":
+        window = raw.get("sliding_window", 128)
+    if model_type in ("llama", "olmoe") or not window:
+        return ()
+    if model_type in ("mixtral", "qwen3_moe"):
+        return (window,) * num_layers
+    types = raw.get("layer_types")
+    if types is None:
+        if model_type == "gpt_oss":
+            types = [SLIDING if i % 2 == 0 else FULL for i in range(num_layers)]
+        elif model_type == "qwen2_moe":
+            below = raw.get("max_window_layers", 28)
+            types = [SLIDING if i % 2 == 0 and i < below else FULL for i in range(num_layers)]
+        else:  # qwen2, qwen3
+            above = raw.get("max_window_layers", 28)
+            types = [SLIDING if i >= above else FULL for i in range(num_layers)]
+    if len(types) != num_layers or not set(types) <= {SLIDING, FULL}:
+        raise UnsupportedModelError(f"{model_type}: layer_types {types!r} is not {num_layers} of {SLIDING}/{FULL}")
+    windows = tuple(window if t == SLIDING else None for t in types)
+    return windows if any(windows) else ()
+
+
+def _rope(params: dict[str, Any], max_position: int) -> RopeConfig:
     """`params`: config_aliases.rope_parameters (one dict, whichever transformers version wrote the config)."""
     theta, kind = params["rope_theta"], params["rope_type"]
     partial = float(params.get("partial_rotary_factor", 1.0))
@@ -256,4 +339,19 @@ def _rope(params: dict[str, Any]) -> RopeConfig:
             high_freq_factor=params["high_freq_factor"],
             original_max_position=params["original_max_position_embeddings"],
         )
-    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+    if kind == "yarn":
+        original = params["original_max_position_embeddings"]
+        factor = params.get("factor") or max_position / original
+        return RopeConfig(
+            theta=theta,
+            kind=kind,
+            factor=factor,
+            original_max_position=original,
+            beta_fast=params.get("beta_fast") or 32.0,
+            beta_slow=params.get("beta_slow") or 1.0,
+            truncate=params.get("truncate", True),
+            attention_factor=params.get("attention_factor"),
+            mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"),
+        )
+    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (default, linear, llama3, yarn)")

@@ -206,6 +206,7 @@ ALIASES: dict[str, dict[str, Spelling]] = {
         "attention_bias": _s("attention_bias", default=True),
         "num_experts": _s("num_local_experts", "num_experts", required=True),
         "num_experts_per_tok": _s("num_experts_per_tok", default=4),
+        "moe_intermediate_size": _s("intermediate_size", required=True),  # gpt-oss's experts are its MLP
         "sliding_window": _s("sliding_window", default=128),
         "layer_types": _s("layer_types"),  # None → sliding / full alternating, sliding first
         "swiglu_alpha": _s("swiglu_alpha", default=1.702),  # a field from 5.x; the modeling constant before

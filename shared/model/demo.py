@@ -62,6 +62,19 @@ HF_CLASS = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+}
+# gpt-oss's tiny demo: a window shorter than most test prompts (its even layers slide, its odd ones do not) and
+# a YaRN ramp that falls inside the tiny head dimension (rotations between beta_slow and beta_fast)
+GPT_OSS_WINDOW = 16
+GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 4.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 512,  # x factor = the tiny max_position
 }
 SIZES: dict[str, dict[str, int]] = {
     # a few million parameters: fast enough for every test
@@ -186,6 +199,19 @@ def demo_config(arch: str, size: str = "tiny") -> dict[str, Any]:
             "use_qk_norm": True,
             "num_nextn_predict_layers": 1,
         }
+    elif arch == "gpt_oss":
+        cfg |= {
+            "num_local_experts": s["experts"],
+            "num_experts_per_tok": 2,
+            "intermediate_size": s["expert_intermediate"],
+            "sliding_window": GPT_OSS_WINDOW if size.startswith("tiny") else 128,
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(s["layers"])],
+            "rope_parameters": GPT_OSS_ROPE,
+            "attention_bias": True,
+            "swiglu_limit": 7.0,
+            "rms_norm_eps": 1e-5,
+        }
+        del cfg["rope_theta"]
     return cfg
 
 
@@ -199,6 +225,11 @@ def random_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor
     tensors = {}
     for name, target in sorted(checkpoint_targets(model).items()):
         shape = tuple(target.param[target.index].shape)
+        fan_in = shape[-1]
+        if target.convert is not None and name.endswith(("gate_up_proj", "down_proj")):
+            # gpt-oss's stacked experts: the checkpoint holds (E, in, out), our parameter (E, out, in)
+            shape = (shape[0], shape[2], shape[1])
+            fan_in = shape[1]
         w = torch.randn(shape, generator=gen)
         if "norm" in name:
             w = 1.0 + 0.1 * w
@@ -206,8 +237,8 @@ def random_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor
             w = 0.1 * w
         elif name == "lm_head.weight" or name.endswith("mlp.gate.weight"):
             w = w * (4.0 / hidden**0.5)  # logits / router scores with std ~4: clear winners
-        elif "embed_tokens" not in name:
-            w = w / shape[-1] ** 0.5
+        elif "embed_tokens" not in name and "sinks" not in name:
+            w = w / fan_in**0.5
         tensors[checkpoint_name(model_cfg.model_type, name)] = w.contiguous()
     return tensors
 

@@ -158,8 +158,6 @@ def shard_experts(
 ) -> ExpertPlacement:
     """Give every sparse layer of a model still on the meta device (before `to_empty`) only this rank's
     expert slots, and its ExpertParallel; → the placement used (the default when None)."""
-    from shared.model.moe import Experts
-
     cfg = model.config
     layers = sorted(model.sparse_layers())
     placement = placement or ExpertPlacement.default(cfg.num_experts, group.world, layers)
@@ -169,9 +167,7 @@ def shard_experts(
         if old.gate_up.device.type != "meta":
             raise RuntimeError("shard_experts runs before the weights are allocated (the model on meta)")
         with torch.device("meta"):
-            experts = Experts(
-                cfg.num_experts, old.gate_up.shape[2], old.intermediate, slots=placement.slots(index, group.rank)
-            )
+            experts = old.with_slots(placement.slots(index, group.rank))
         experts.kernels = old.kernels
         moe.experts = experts
         moe.dispatch = ExpertParallel(group, placement.layers[index], cfg.num_experts, EPDispatch(mode))

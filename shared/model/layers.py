@@ -51,11 +51,16 @@ class Rotary(nn.Module):
         """Compute the tables in float32 on the host (the same numbers on every device), copy them in once."""
         hd = self.dim
         inv_freq = 1.0 / (self.rope.theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-        inv_freq = _scale_inv_freq(inv_freq, self.rope)
+        mscale = 1.0
+        if self.rope.kind == "yarn":
+            inv_freq, mscale = yarn_inv_freq_and_mscale(hd, self.rope)
+        else:
+            inv_freq = _scale_inv_freq(inv_freq, self.rope)
         freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, dim)
-        self.cos.copy_(emb.cos())
-        self.sin.copy_(emb.sin())
+        # YaRN's attention factor scales cos and sin (so q·k by its square), as transformers applies it
+        self.cos.copy_(emb.cos() * mscale)
+        self.sin.copy_(emb.sin() * mscale)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for these positions (on the tables' device), (T, 1, dim) each: looked up once per step,
@@ -82,6 +87,39 @@ def apply_rotary(
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def yarn_inv_freq_and_mscale(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071) as transformers' `_compute_yarn_parameters`: → inv_freq (dim/2,) float32 and the
+    attention factor that multiplies cos/sin. Frequencies that rotate fewer than `beta_slow` times over the
+    original context are interpolated (divided by `factor`), those rotating more than `beta_fast` times are kept,
+    with a linear ramp between; `truncate` rounds the ramp's ends to whole dimensions."""
+    base, factor = rope.theta, rope.factor
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the frequency, 0: interpolate it
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    mscale = rope.attention_factor
+    if mscale is None:
+        if rope.mscale and rope.mscale_all_dim:
+            mscale = get_mscale(factor, rope.mscale) / get_mscale(factor, rope.mscale_all_dim)
+        else:
+            mscale = get_mscale(factor)
+    return inv_freq, float(mscale)
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:

@@ -17,10 +17,11 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 from safetensors import safe_open
@@ -46,6 +47,7 @@ RENAMES: dict[str, list[tuple[str, str]]] = {
         (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
         (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."),
     ],
+    "gpt_oss": [(r"\.mlp\.router\.", ".mlp.gate.")],
 }
 # The inverse: canonical names back to the checkpoint's own spelling (for messages and demo checkpoints).
 CHECKPOINT_SPELLING: dict[str, list[tuple[str, str]]] = {
@@ -55,6 +57,7 @@ CHECKPOINT_SPELLING: dict[str, list[tuple[str, str]]] = {
         (r"\.experts\.(\d+)\.up_proj\.", r".experts.\1.w3."),
         (r"\.experts\.(\d+)\.down_proj\.", r".experts.\1.w2."),
     ],
+    "gpt_oss": [(r"\.mlp\.gate\.", ".mlp.router.")],
 }
 # Tensors some checkpoints carry that hold nothing we need.
 IGNORED = re.compile(r"(rotary_emb\.inv_freq$)")
@@ -90,8 +93,9 @@ class _Sharded(Protocol):
 
 
 # A module's declaration: checkpoint tensor (relative name) → (parameter (dotted name), the slice of it the
-# tensor fills[, the slice of the checkpoint tensor this rank reads]); () = all of it.
-Shard = tuple[str, tuple] | tuple[str, tuple, tuple]
+# tensor fills[, the slice of the checkpoint tensor this rank reads[, a function from the tensor read to what
+# the slice holds (a layout change: gpt-oss's stacked experts)]]); () = all of it.
+Shard = tuple[str, tuple] | tuple[str, tuple, tuple] | tuple[str, tuple, tuple, Callable]
 
 
 @runtime_checkable
@@ -107,6 +111,7 @@ class _Target:
     param: torch.Tensor
     index: tuple  # the slice of `param` this checkpoint tensor fills; () = all of it
     source: tuple = ()  # the slice of the checkpoint tensor this rank reads; () = all of it
+    convert: Callable[[torch.Tensor], torch.Tensor] | None = None  # applied to the tensor read, before the copy
 
 
 def resolve_dtype(requested: str | torch.dtype | None, checkpoint_dtype: str | None) -> torch.dtype:
@@ -173,6 +178,7 @@ def load_weights(
     others = checkpoint_ignored(model)
     renames = [(re.compile(a), b) for a, b in RENAMES.get(model.config.model_type, [])]
     files = checkpoint_files(model_dir)
+    quant = checkpoint_quantization(model_dir)
     if progress is None:
         progress = sum(f.stat().st_size for f in files) > PROGRESS_BYTES
     loaded: set[str] = set()
@@ -181,7 +187,7 @@ def load_weights(
         for raw_name in tqdm(tensors.names, desc="loading weights", disable=not progress, unit="tensor"):
             if quant.companion_of(raw_name) is not None:  # a scale: read with the weight it scales
                 continue
-            name = _renamed(raw_name, renames)
+            name = _renamed(quant.weight_name(raw_name), renames)  # MXFP4: `<w>_blocks` holds `<w>`
             target = targets.get(name)
             if target is None:
                 if name not in others:  # another rank's (its experts): never read
@@ -191,6 +197,8 @@ def load_weights(
                 tensor = quant.read(tensors, raw_name, target.source)
             except QuantizedCheckpointError as e:
                 raise CheckpointError(f"{model_dir}: {e}") from e
+            if target.convert is not None:
+                tensor = target.convert(tensor)
             dest = target.param[target.index]
             if tuple(dest.shape) != tuple(tensor.shape):
                 got = tensors.shape(raw_name)
@@ -305,8 +313,10 @@ def checkpoint_targets(model: CausalLM) -> dict[str, _Target]:
     for prefix, module in model.named_modules():  # parents before children: a parent's declaration wins
         shards = _shards(module)
         covered = {declared[0] for declared in shards.values()}
-        for suffix, (param, index, *source) in shards.items():
-            targets[_join(prefix, suffix)] = _Target(module.get_parameter(param), index, *source)
+        for suffix, (param, index, *rest) in shards.items():
+            source = cast(tuple, rest[0]) if rest else ()
+            convert = cast(Callable[[torch.Tensor], torch.Tensor], rest[1]) if len(rest) > 1 else None
+            targets[_join(prefix, suffix)] = _Target(module.get_parameter(param), index, source, convert)
         for name, tensor in _checkpoint_tensors(module):
             if name not in covered:
                 targets.setdefault(_join(prefix, name), _Target(tensor, ()))

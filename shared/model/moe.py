@@ -26,6 +26,8 @@ from shared.model.tensor_parallel import TensorShard
 
 
 class Experts(nn.Module):
+    fused_kernel = True  # the Triton fused_moe kernel computes these experts (a subclass may say it cannot)
+
     def __init__(
         self,
         num_experts: int,
@@ -59,6 +61,11 @@ class Experts(nn.Module):
             shards[f"{e}.down_proj.weight"] = ("down", (slot,), cols)
         return shards
 
+    def with_slots(self, slots: list[int]) -> Experts:
+        """A twin of this module (on the current default device) holding whole experts `slots`: expert
+        parallelism's shard (shared/model/expert_parallel.py shard_experts)."""
+        return Experts(self.total_experts, self.down.shape[1], self.intermediate, slots=slots)
+
     def checkpoint_ignored(self) -> set[str]:
         """The checkpoint tensors of the experts other ranks hold: the loader skips them without reading."""
         held = set(self.slots)
@@ -80,6 +87,8 @@ class Experts(nn.Module):
         grouped matmuls, no Python loop over experts. On an accelerator the padded path, which never reads
         the counts on the host (that would stall the stream once per layer). With the Triton kernels:
         fused_moe over the plain (unpacked) weights, also without a host read."""
+        if self.kernels is KernelChoice.TRITON and not self.fused_kernel:
+            return self.forward_padded(x, topk_ids, topk_weights, counts)
         if self.kernels is KernelChoice.TRITON:
             # imported here: triton loads only when the kernels were chosen (it may be absent on a CPU host)
             from shared.model.kernels.fused_moe import fused_moe
@@ -185,7 +194,20 @@ class MoE(nn.Module, PackedWeights):
         self.gate = Router(cfg.router, cfg.hidden_size)  # replicated: every rank routes alike
         self.cast_weights = cfg.arch.routing_weights_in_activation_dtype
         expert_shard = shard if split_experts else TensorShard.SINGLE
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, expert_shard)
+        self.experts: Experts
+        if cfg.arch.clamped_swiglu_experts:
+            from shared.model.clamped_experts import ClampedSwiGLUExperts  # it subclasses Experts: imported late
+
+            self.experts = ClampedSwiGLUExperts(
+                cfg.num_experts,
+                cfg.hidden_size,
+                cfg.moe_intermediate_size,
+                expert_shard,
+                alpha=cfg.swiglu_alpha,
+                limit=cfg.swiglu_limit,
+            )
+        else:
+            self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, expert_shard)
         # the always-on expert, named as the checkpoints name it (see SharedExpert)
         self.shared_kind = cfg.arch.shared_expert if cfg.shared_expert_intermediate_size else SharedExpert.NONE
         if self.shared_kind is SharedExpert.GATED:

@@ -10,11 +10,17 @@ Decode sequences are attended in buckets of similar context length, each padded 
 Triton kernels (KernelChoice.TRITON) every decode sequence goes to one kernel launch instead (`KernelDecodes`):
 the kernel walks only each sequence's own blocks, so padding the table costs it nothing. Prefill chunks take
 the torch path either way.
+
+Sliding windows (ModelConfig.layer_windows): a layer with window W attends, for a query at position p, to keys
+p-W+1..p. The step's metadata carries one view per distinct window (`for_window`), built on the host once per
+step like the full one: each sequence's block table starts at the first block its window reaches (blocks
+behind it are never read: the block manager may have freed them), and the masks keep the window's keys only.
+Attention sinks (gpt-oss): a learned logit per query head joins every softmax's denominator (`sinks`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +33,9 @@ from shared.model.kernels.choice import KernelChoice
 class PrefillChunk:
     start: int  # first token of the chunk in the flat batch
     count: int  # query tokens
-    blocks: torch.Tensor  # (nb,) int64: the blocks holding the context
-    context_len: int  # cached tokens + this chunk
-    mask: torch.Tensor | None  # (count, context_len) bool for a later chunk; None = plain causal
+    blocks: torch.Tensor  # (nb,) int64: the blocks holding the context (a windowed view: from its first block)
+    context_len: int  # cached tokens + this chunk (a windowed view: counted from its first block)
+    mask: torch.Tensor | None  # (count, context_len) bool for a later chunk or a window; None = plain causal
 
 
 # A decode sequence joins a bucket when padding it to the bucket's longest context costs at most this many
@@ -63,6 +69,7 @@ class KernelDecodes:
     blocks: torch.Tensor  # (Bd, NBmax) int64 block ids, padded with block 0 past each sequence's own blocks
     context_lens: torch.Tensor  # (Bd,) int64, on the device
     max_context_len: int  # the longest context, on the host: picks the kernel's split count without a sync
+    window: int | None = None  # a windowed view: the kernel masks keys more than window - 1 behind the query
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,14 @@ class AttentionMetadata:
     decodes: list[DecodeBucket]  # torch path: together they cover decode tokens 0..num_decodes-1 once each
     prefills: list[PrefillChunk]
     kernel_decodes: KernelDecodes | None = None  # triton path (decodes is then empty); None without decodes
+    windowed: dict[int, AttentionMetadata] = field(default_factory=dict)  # window → its view (see module doc)
+    has_full: bool = True  # False: built without the full view (build(full=False))
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """The view a layer with this sliding window attends through (None: the full context, self)."""
+        if window is None and not self.has_full:
+            raise ValueError("this step's metadata was built without the full-attention view")
+        return self if window is None else self.windowed[window]
 
     @classmethod
     def build(
@@ -85,9 +100,14 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
         kernels: KernelChoice = KernelChoice.TORCH,
+        windows: frozenset[int] | set[int] = frozenset(),
+        full: bool = True,
     ) -> AttentionMetadata:
         """One entry per sequence, decodes first. context_lens include this step's tokens. `kernels` (resolved:
-        TORCH or TRITON) decides how the decodes are laid out: torch buckets, or one KernelDecodes."""
+        TORCH or TRITON) decides how the decodes are laid out: torch buckets, or one KernelDecodes. `windows`:
+        the model's sliding windows, one view each (`for_window`). full=False: no layer attends to the whole
+        context (every layer slides), so the full view is left empty (its tables may hold blocks freed behind
+        the window, block_manager.FREED)."""
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
@@ -104,28 +124,62 @@ class AttentionMetadata:
             device,
         )
 
-        decodes: list[DecodeBucket] = []
-        kernel_decodes = None
-        if kernels is KernelChoice.TRITON:
-            if num_decodes:
-                kernel_decodes = _kernel_decodes(tables[:num_decodes], context_lens[:num_decodes], device)
-        else:
-            decodes = [
-                _decode_bucket(rows, tables, context_lens, block_size, device)
-                for rows in group_decodes([len(t) for t in tables[:num_decodes]], BUCKET_SLACK_SLOTS // block_size)
-            ]
+        def view(window: int | None) -> tuple:
+            return _views(tables, context_lens, query_lens, num_decodes, block_size, device, kernels, window)
 
-        prefills = []
-        start = num_decodes
-        for b in range(num_decodes, len(query_lens)):
-            q, n = query_lens[b], context_lens[b]
-            mask = None
-            if q != n:  # a later chunk: query i sits at position n - q + i and sees keys 0..that position
-                mask = to_device(torch.arange(n)[None, :] <= torch.arange(n - q, n)[:, None], device)
-            blocks = to_device(torch.tensor(tables[b], dtype=torch.int64), device)
-            prefills.append(PrefillChunk(start, q, blocks, n, mask))
-            start += q
-        return cls(slot_mapping, num_decodes, decodes, prefills, kernel_decodes)
+        windowed: dict[int, AttentionMetadata] = {w: cls(slot_mapping, num_decodes, *view(w)) for w in sorted(windows)}
+        if not full:
+            return cls(slot_mapping, num_decodes, [], [], None, windowed=windowed, has_full=False)
+        return cls(slot_mapping, num_decodes, *view(None), windowed=windowed)
+
+
+def _views(
+    tables: list[list[int]],
+    context_lens: list[int],
+    query_lens: list[int],
+    num_decodes: int,
+    block_size: int,
+    device: torch.device | str,
+    kernels: KernelChoice,
+    window: int | None,
+) -> tuple[list[DecodeBucket], list[PrefillChunk], KernelDecodes | None]:
+    """The decode buckets (or kernel decodes) and prefill chunks of one view: the full context (window None),
+    or each sequence's window: its table from the first block the window of its first query reaches, its
+    context counted from there (`first` tokens dropped), its masks keeping keys p-W+1..p of a query at p."""
+    first = [0] * len(tables)
+    if window is not None:
+        first = [
+            max(0, n - q - window + 1) // block_size * block_size for n, q in zip(context_lens, query_lens, strict=True)
+        ]
+        tables = [t[f // block_size :] for t, f in zip(tables, first, strict=True)]
+    lens = [n - f for n, f in zip(context_lens, first, strict=True)]
+    decodes: list[DecodeBucket] = []
+    kernel_decodes = None
+    if kernels is KernelChoice.TRITON:
+        if num_decodes:
+            kernel_decodes = _kernel_decodes(tables[:num_decodes], lens[:num_decodes], device, window)
+    else:
+        decodes = [
+            _decode_bucket(rows, tables, lens, block_size, device, window)
+            for rows in group_decodes([len(t) for t in tables[:num_decodes]], BUCKET_SLACK_SLOTS // block_size)
+        ]
+    prefills = []
+    start = num_decodes
+    for b in range(num_decodes, len(query_lens)):
+        q, n = query_lens[b], lens[b]
+        mask = None
+        if q != n or (window is not None and n > window):
+            # query i sits at position n - q + i (counted from the view's first token) and sees keys up to it,
+            # and with a window no key window or more behind it
+            keys, queries = torch.arange(n)[None, :], torch.arange(n - q, n)[:, None]
+            mask = keys <= queries
+            if window is not None:
+                mask &= keys > queries - window
+            mask = to_device(mask, device)
+        blocks = to_device(torch.tensor(tables[b], dtype=torch.int64), device)
+        prefills.append(PrefillChunk(start, q, blocks, n, mask))
+        start += q
+    return decodes, prefills, kernel_decodes
 
 
 def group_decodes(num_blocks: list[int], slack_blocks: int) -> list[list[int]]:
@@ -143,12 +197,21 @@ def group_decodes(num_blocks: list[int], slack_blocks: int) -> list[list[int]]:
 
 
 def _decode_bucket(
-    rows: list[int], tables: list[list[int]], context_lens: list[int], block_size: int, device: torch.device | str
+    rows: list[int],
+    tables: list[list[int]],
+    context_lens: list[int],
+    block_size: int,
+    device: torch.device | str,
+    window: int | None = None,
 ) -> DecodeBucket:
     nb_max = max(len(tables[i]) for i in rows)
     padded = [tables[i] + [0] * (nb_max - len(tables[i])) for i in rows]
     lens = torch.tensor([context_lens[i] for i in rows])
-    mask = (torch.arange(nb_max * block_size)[None, :] < lens[:, None]).view(len(rows), 1, 1, -1)
+    slots = torch.arange(nb_max * block_size)[None, :]
+    mask = slots < lens[:, None]
+    if window is not None:  # the query sits at lens - 1: keys more than window - 1 behind it are out
+        mask &= slots >= lens[:, None] - window
+    mask = mask.view(len(rows), 1, 1, -1)
     consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
     return DecodeBucket(
         slice(rows[0], rows[0] + len(rows))
@@ -159,11 +222,13 @@ def _decode_bucket(
     )
 
 
-def _kernel_decodes(tables: list[list[int]], context_lens: list[int], device: torch.device | str) -> KernelDecodes:
+def _kernel_decodes(
+    tables: list[list[int]], context_lens: list[int], device: torch.device | str, window: int | None = None
+) -> KernelDecodes:
     nb_max = max(len(t) for t in tables)
     padded = torch.tensor([t + [0] * (nb_max - len(t)) for t in tables], dtype=torch.int64)
     lens = torch.tensor(context_lens, dtype=torch.int64)
-    return KernelDecodes(to_device(padded, device), to_device(lens, device), max(context_lens))
+    return KernelDecodes(to_device(padded, device), to_device(lens, device), max(context_lens), window)
 
 
 def _slots(block_table: list[int], start: int, stop: int, block_size: int) -> torch.Tensor:
@@ -179,9 +244,11 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: (T, H, hd); k, v: (T, KVH, hd) for this step's tokens; kv_cache: (2, N, B, KVH, hd).
-    Writes k, v into the cache, then attends over each sequence's whole context. Returns (T, H, hd)."""
+    """q: (T, H, hd); k, v: (T, KVH, hd) for this step's tokens; kv_cache: (2, N, B, KVH, hd); sinks: (H,) float
+    logits or None. Writes k, v into the cache, then attends over each sequence's context (the view's: see
+    `for_window`). Returns (T, H, hd)."""
     kvh, hd = k.shape[1], k.shape[2]
     flat = kv_cache.view(2, -1, kvh, hd)
     flat[0].index_copy_(0, meta.slot_mapping, k)
@@ -194,8 +261,17 @@ def paged_attention(
 
         kd, nd = meta.kernel_decodes, meta.num_decodes
         out[:nd] = paged_decode_attention(
-            q[:nd], kv_cache, kd.blocks, kd.context_lens, scale, max_context_len=kd.max_context_len
+            q[:nd],
+            kv_cache,
+            kd.blocks,
+            kd.context_lens,
+            scale,
+            max_context_len=kd.max_context_len,
+            window=kd.window,
+            sinks=sinks,
         )
+    # sinks grouped as the queries are: query head j*g + i shares KV head j → (KVH, g)
+    grouped_sinks = None if sinks is None else sinks.view(kvh, -1)
     for d in meta.decodes:
         # Whole blocks in one gather: (2, b, NB, B, KVH, hd) → (2, b, KVH, NB*B, hd)
         ctx = kv_cache[:, d.blocks].flatten(2, 3).transpose(2, 3)
@@ -203,15 +279,41 @@ def paged_attention(
         # of head j, (b, KVH, g, hd), so each KV head's context is read once by a (g x L) product instead
         # of g matrix-vector ones: 2.5x less SDPA time on CPU than enable_gqa at 1 x 4096 and 32 x 144.
         qg = q[d.rows].view(d.blocks.shape[0], kvh, -1, hd)
-        o = F.scaled_dot_product_attention(qg, ctx[0], ctx[1], attn_mask=d.mask, scale=scale)
-        out[d.rows] = o.flatten(1, 2)
+        if grouped_sinks is None:
+            o = F.scaled_dot_product_attention(qg, ctx[0], ctx[1], attn_mask=d.mask, scale=scale)
+        else:  # one query row per head: (b, KVH, g, 1, hd)
+            o = attention_with_sinks(qg.unsqueeze(3), ctx[0], ctx[1], d.mask.unsqueeze(1), scale, grouped_sinks)
+        out[d.rows] = o.flatten(1, 2).view(-1, q.shape[1], hd)
     for c in meta.prefills:
         # 4-D (1, heads, tokens, hd): with a batch dimension torch picks its fused CPU kernel
         # instead of the math fallback that materializes the whole causal mask.
         ctx = kv_cache[:, c.blocks].flatten(1, 2)[:, : c.context_len].transpose(1, 2)  # (2, KVH, L, hd)
         qs = q[c.start : c.start + c.count].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(
-            qs, ctx[0:1], ctx[1:2], attn_mask=c.mask, is_causal=c.mask is None, scale=scale, enable_gqa=True
-        )
+        if grouped_sinks is None:
+            o = F.scaled_dot_product_attention(
+                qs, ctx[0:1], ctx[1:2], attn_mask=c.mask, is_causal=c.mask is None, scale=scale, enable_gqa=True
+            )
+        else:
+            mask = c.mask
+            if mask is None:
+                mask = torch.ones(c.count, c.context_len, dtype=torch.bool, device=q.device).tril()
+            qg = qs.view(1, kvh, -1, c.count, hd)  # (1, KVH, g, T, hd)
+            o = attention_with_sinks(qg, ctx[0:1], ctx[1:2], mask, scale, grouped_sinks).flatten(1, 2)
         out[c.start : c.start + c.count] = o[0].transpose(0, 1)
     return out
+
+
+def attention_with_sinks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, sinks: torch.Tensor
+) -> torch.Tensor:
+    """Softmax attention whose denominator also holds exp(sink) per query head (a key no value comes from), in
+    the order of transformers' gpt-oss eager attention: scores, the sink logit appended, max subtracted,
+    softmax, the sink's column dropped. q (b, KVH, g, T, hd); k, v (b, KVH, L, hd); mask broadcastable to
+    (b, KVH, g, T, L), True = attend; sinks (KVH, g). → (b, KVH, g, T, hd)."""
+    scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale  # (b, KVH, g, T, L)
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    sink = sinks.to(scores.dtype)[None, :, :, None, None].expand(*scores.shape[:-1], 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v.unsqueeze(2))

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from shared.model.config import UnsupportedModelError
+from shared.model.mxfp4 import Mxfp4
 
 FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2}
 # Tensor names that hold scales (of weights or activations): without a method that consumes them, the weights
@@ -49,6 +50,10 @@ class TensorSource(Protocol):
 
 class QuantMethod(Protocol):
     name: str
+
+    def weight_name(self, name: str) -> str:
+        """The name the unquantized checkpoint gives the tensor stored as `name` (MXFP4's `<w>_blocks` → `<w>`)."""
+        ...
 
     def companion_of(self, name: str) -> str | None:
         """The weight tensor that checkpoint tensor `name` is read with (its scale: consumed by that weight's
@@ -94,6 +99,9 @@ class _Plain:
 
     name: str = "none"
 
+    def weight_name(self, name: str) -> str:
+        return name
+
     def companion_of(self, name: str) -> str | None:
         return None
 
@@ -127,6 +135,9 @@ class BlockFp8:
     block: tuple[int, int]
     not_converted: tuple[str, ...] = ()
     name: str = "fp8"
+
+    def weight_name(self, name: str) -> str:
+        return name
 
     @classmethod
     def from_config(cls, qc: dict[str, Any]) -> BlockFp8:
@@ -181,6 +192,7 @@ class BlockFp8:
 
 
 register("fp8")(BlockFp8.from_config)
+register("mxfp4")(Mxfp4.from_config)  # gpt-oss's experts (shared/model/mxfp4.py)
 
 
 def _full_slices(index: tuple, shape: tuple[int, ...]) -> tuple[slice, slice]:

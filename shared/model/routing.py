@@ -34,6 +34,7 @@ from shared.model.linear import PackedWeights, linear, pack
 class Scoring(Enum):
     SOFTMAX = "softmax"  # over the E logits
     SIGMOID = "sigmoid"  # per logit
+    TOPK_SOFTMAX = "topk_softmax"  # gpt-oss: select on the logits, then softmax over the chosen A logits
 
 
 class TopkMethod(Enum):
@@ -53,6 +54,7 @@ class RouterConfig:
     norm_topk_prob: bool = False  # renormalize the A weights to sum to 1
     routed_scaling_factor: float = 1.0
     float32_logits: bool = False  # the router matmul in float32 (x and W upcast), not in the model dtype
+    logit_bias: bool = False  # gpt-oss: the router linear has a bias (checkpoint `mlp.router.bias`)
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -99,6 +101,7 @@ class _Policy:
     topk_group: int | None = 1
     scaling_default: float = 1.0
     float32_logits: bool = False
+    logit_bias: bool = False
 
 
 _POLICIES: dict[str, _Policy] = {
@@ -121,6 +124,8 @@ _POLICIES: dict[str, _Policy] = {
     "glm4_moe": _Policy(
         scoring=Scoring.SIGMOID, topk_method=TopkMethod.NOAUX_TC, norm_default=True, float32_logits=True
     ),
+    # gpt-oss: top-A of the biased logits, their softmax the weights (already summing to 1)
+    "gpt_oss": _Policy(scoring=Scoring.TOPK_SOFTMAX, logit_bias=True),
 }
 
 
@@ -155,6 +160,7 @@ def router_config(raw: dict[str, Any], model_type: str, num_experts: int, top_k:
         norm_topk_prob=norm,
         routed_scaling_factor=float(raw.get("routed_scaling_factor", p.scaling_default)),
         float32_logits=p.float32_logits,
+        logit_bias=p.logit_bias,
     )
 
 
@@ -170,12 +176,14 @@ class Router(nn.Module, PackedWeights):
 
     LINEAR_WEIGHTS = ("weight",)
     e_score_correction_bias: torch.Tensor | None  # (E,) float32, noaux_tc only
+    bias: nn.Parameter | None  # (E,) the logits' bias, gpt-oss only
 
     def __init__(self, cfg: RouterConfig, hidden: int) -> None:
         super().__init__()
         self.cfg = cfg
         self.in_features = hidden
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden))
+        self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.logit_bias else None
         # a persistent buffer: loaded from the checkpoint like a weight, but never trained, and float32
         # whatever the model's dtype (see _apply), as transformers keeps it
         bias = torch.empty(cfg.num_experts, dtype=torch.float32) if cfg.correction_bias else None
@@ -204,12 +212,16 @@ class Router(nn.Module, PackedWeights):
         """(T, D) → (T, E) float32."""
         if self.cfg.float32_logits:
             weight = self.w("weight")
-            return linear(x.float(), weight if weight.is_mkldnn else weight.float())
-        return linear(x, self.w("weight")).float()
+            bias = None if self.bias is None else self.bias.float()
+            return linear(x.float(), weight if weight.is_mkldnn else weight.float(), bias)
+        return linear(x, self.w("weight"), self.bias).float()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         logits = self.logits(x)
+        if cfg.scoring is Scoring.TOPK_SOFTMAX:
+            top, ids = logits.topk(cfg.top_k, dim=-1)
+            return ids, torch.softmax(top, dim=-1)
         scores = torch.softmax(logits, dim=-1) if cfg.scoring is Scoring.SOFTMAX else torch.sigmoid(logits)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if cfg.grouped:

@@ -33,7 +33,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, shard)
+        self.self_attn = Attention(cfg, shard, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         sparse = cfg.layer_is_sparse(index)
         self.mlp: nn.Module

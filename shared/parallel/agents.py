@@ -9,6 +9,11 @@ A handler that must change the pool does not touch it (the step loop owns it): i
 the op stream applies it between steps (ops.py). `StagedKv` is that staging for imported KV: each rank stages
 the KV heads it pulled itself under a key; the leader's import then writes them into the same blocks on every
 rank (`import_staged`). Reads of blocks no step writes (held, pinned blocks) may run on the agent thread.
+
+Events go the other way: `RankAgent.notify(name, payload)` reports something to the leader without being asked
+(a prefill rank's KV send that ended). A follower's notify sends a frame on its "events" channel; the leader's
+`GroupAgents.on_event(name, handler)` runs `handler(rank, payload)` on the leader's loop for each, its own
+rank's notifications included (called directly).
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ class StagedKv:
         """What the leader's `Engine.import_kv` takes to import the staged `key` on every rank."""
         with self._lock:
             kv = self._by_key[key]
-        return StagedExport(kv.layout, kv.num_tokens, kv.blocks, key)
+        return StagedExport(kv.layout, kv.num_tokens, kv.blocks, key, first_block=kv.first_block)
 
     def take(self, key: str) -> KVExport:
         with self._lock:
@@ -77,10 +82,31 @@ class StagedKv:
             return len(self._by_key)
 
 
+EventHandler = Callable[[int, Any], Awaitable[None]]  # (the reporting rank, payload)
+
+
 class RankAgent:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._handlers: dict[str, Handler] = {}
+        # where notify() goes: a follower's "events" channel, or (the leader) its GroupAgents' dispatch
+        self._notify: Callable[[str, Any], Awaitable[None]] | None = None
+
+    def events_to(self, channel: socket.socket) -> None:
+        """A follower: notify() sends on `channel` (the leader's GroupAgents reads it)."""
+        sending = threading.Lock()
+
+        async def send(name: str, payload: Any) -> None:
+            with sending:
+                send_frame(channel, (name, payload))
+
+        self._notify = send
+
+    async def notify(self, name: str, payload: Any) -> None:
+        """Report `name` to the leader (its `on_event` handler). OSError: the leader is gone."""
+        if self._notify is None:
+            raise RuntimeError(f"rank {self.rank}'s agent has nowhere to send events")
+        await self._notify(name, payload)
 
     def register(self, name: str, handler: Handler) -> None:
         if name in self._handlers:
@@ -129,11 +155,53 @@ class GroupAgents:
     """The leader's handle on every rank's agent. One call in flight per follower at a time (its channel is a
     request/reply pipe); different ranks are called concurrently."""
 
-    def __init__(self, local: RankAgent, channels: dict[int, socket.socket]) -> None:
+    def __init__(
+        self, local: RankAgent, channels: dict[int, socket.socket], events: dict[int, socket.socket] | None = None
+    ) -> None:
         self.local = local  # rank 0's own agent
         self._channels = channels  # follower rank → its agent channel
+        self._events = events or {}  # follower rank → its events channel
         self._locks = {rank: threading.Lock() for rank in channels}
         self._next_id = 0
+        self._event_handlers: dict[str, EventHandler] = {}
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        local._notify = lambda name, payload: self._dispatch(0, name, payload)
+
+    def on_event(self, name: str, handler: EventHandler) -> None:
+        """Run `handler(rank, payload)` on the calling (running) loop for every rank's notify(name, ...). The
+        first call starts one reader thread per follower's events channel."""
+        if name in self._event_handlers:
+            raise ValueError(f"an event handler for {name!r} is registered already")
+        self._event_handlers[name] = handler
+        if self._event_loop is None:
+            self._event_loop = asyncio.get_running_loop()
+            for rank, sock in self._events.items():
+                threading.Thread(
+                    target=self._read_events, args=(rank, sock), name=f"events-r{rank}", daemon=True
+                ).start()
+
+    async def _dispatch(self, rank: int, name: str, payload: Any) -> None:
+        handler = self._event_handlers.get(name)
+        if handler is None:
+            log.warning("rank %d reported %r, which no handler takes", rank, name)
+            return
+        await handler(rank, payload)
+
+    def _read_events(self, rank: int, sock: socket.socket) -> None:
+        loop = self._event_loop
+        assert loop is not None  # set before the readers start
+        while (frame := recv_frame(sock)) is not None:  # None: the rank is gone (the watch handles that)
+            name, payload = frame
+            try:
+                asyncio.run_coroutine_threadsafe(self._logged(rank, name, payload), loop)
+            except RuntimeError:  # the loop is closed: the worker is stopping
+                return
+
+    async def _logged(self, rank: int, name: str, payload: Any) -> None:
+        try:
+            await self._dispatch(rank, name, payload)
+        except Exception:
+            log.exception("handling rank %d's event %r failed", rank, name)
 
     @property
     def ranks(self) -> list[int]:

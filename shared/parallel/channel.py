@@ -1,8 +1,9 @@
 """The local channels between a group's leader and its followers (one host): loopback TCP, a random token.
 
 The leader listens (`ChannelServer`) before it spawns its followers and hands them (host, port, token); each
-follower dials twice, naming its rank and the channel's purpose: "ops" (the step loop's op headers) and "agent"
-(rank-agent calls). Frames: a 4-byte big-endian length, then a pickle. A closed socket reads as None: a
+follower dials three times, naming its rank and the channel's purpose: "ops" (the step loop's op headers),
+"agent" (rank-agent calls, the leader asking) and "events" (a rank's reports to the leader, e.g. a KV send that
+ended: the follower telling). Frames: a 4-byte big-endian length, then a pickle. A closed socket reads as None: a
 follower whose leader died sees it at once, without any timeout.
 """
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _LEN = struct.Struct(">I")
+PURPOSES = ("ops", "agent", "events")  # the channels each follower dials
 
 
 @dataclass(frozen=True)
@@ -55,16 +57,16 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 
 class ChannelServer:
-    """The leader's listening socket; `accept_all` takes every follower's two connections."""
+    """The leader's listening socket; `accept_all` takes every follower's connections."""
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         self._sock = socket.create_server((host, 0))
         self.address = ChannelAddress(host, self._sock.getsockname()[1], secrets.token_hex(16))
 
     def accept_all(self, followers: list[int], timeout_s: float) -> dict[tuple[int, str], socket.socket]:
-        """(rank, "ops" | "agent") → connected socket, for every follower rank; raises TimeoutError when they
+        """(rank, purpose in PURPOSES) → connected socket, for every follower rank; raises TimeoutError when they
         have not all dialled within `timeout_s`. A dialler without the token is dropped."""
-        wanted = {(r, purpose) for r in followers for purpose in ("ops", "agent")}
+        wanted = {(r, purpose) for r in followers for purpose in PURPOSES}
         got: dict[tuple[int, str], socket.socket] = {}
         deadline = time.monotonic() + timeout_s
         while len(got) < len(wanted):

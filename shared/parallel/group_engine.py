@@ -26,6 +26,7 @@ from multiprocessing.process import BaseProcess
 
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
+from shared.kv.rank_agents import register_rank_kv
 from shared.parallel.agents import GroupAgents, RankAgent, StagedKv, pool_digest
 from shared.parallel.channel import ChannelAddress, ChannelServer, dial
 from shared.parallel.group import RankGroup
@@ -93,6 +94,7 @@ def _register_builtins(agent: RankAgent, state: RankState) -> None:
     async def pid(_):
         return os.getpid()
 
+    register_rank_kv(agent, state.pool, state.staged)  # the KV hand-off between groups (kv.serve, kv.puller)
     for name, handler in (
         ("stage_kv", stage_kv),
         ("unstage_kv", unstage_kv),
@@ -166,7 +168,10 @@ def start_group(config: EngineConfig, on_death: Callable[[int, int | None], None
     engine.runner.run_step = ops.step
     agent = RankAgent(0)
     _register_builtins(agent, state)
-    agents = GroupAgents(agent, {r: conns[(r, "agent")] for r in range(1, layout.world)})
+    followers = range(1, layout.world)
+    agents = GroupAgents(
+        agent, {r: conns[(r, "agent")] for r in followers}, {r: conns[(r, "events")] for r in followers}
+    )
     group_handle = WorkerGroup(engine, layout, agents, ops, procs, watch, list(conns.values()))
     engine.worker_group = group_handle
     log.info(
@@ -186,9 +191,11 @@ def follower_main(group: RankGroup, config: EngineConfig, placements: list[RankP
     _place(placement)
     ops_channel = dial(address, group.rank, "ops", config.group_timeout_s)
     agent_channel = dial(address, group.rank, "agent", config.group_timeout_s)
+    events_channel = dial(address, group.rank, "events", config.group_timeout_s)
     engine = Engine(_rank_config(config, placement), group=group)
     state = RankState(engine.model, engine.pool, StagedKv())
     agent = RankAgent(group.rank)
+    agent.events_to(events_channel)
     _register_builtins(agent, state)
     agent.serve_in_thread(agent_channel)
     why = follow(group, ops_channel, state)

@@ -59,17 +59,19 @@ class PullRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., ticket: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., pair_id: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., kv_head_start: _Optional[int] = ..., kv_head_count: _Optional[int] = ..., group_pulls: _Optional[int] = ...) -> None: ...
 
 class PullReply(_message.Message):
-    __slots__ = ("num_tokens", "shape", "dtype", "block_size", "tag", "chunk_bytes")
+    __slots__ = ("num_tokens", "shape", "dtype", "block_size", "tag", "chunk_bytes", "first_block")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     block_size: int
     tag: int
     chunk_bytes: int
-    def __init__(self, num_tokens: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tag: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    first_block: int
+    def __init__(self, num_tokens: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tag: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., first_block: _Optional[int] = ...) -> None: ...

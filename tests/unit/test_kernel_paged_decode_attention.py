@@ -171,3 +171,51 @@ def test_reference_and_kernel_match_the_model_decode_path(group):
     torch.testing.assert_close(reference, model_out, atol=1e-5, rtol=1e-5)
     kernel = kernels.paged_decode_attention(q, kv_cache, padded, context_lens, SCALE, num_splits=2)
     torch.testing.assert_close(kernel, model_out, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "split-k"])
+@pytest.mark.parametrize("window", [1, 5, 13, 1000], ids=lambda w: f"window{w}")
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
+def test_windowed_kernel_with_sinks_matches_reference(window, with_sinks, num_splits):
+    """A sliding window over tables that start at block 0 (the walk skips the blocks behind the window, whole
+    splits included) and per-head sinks in the denominator, against the reference."""
+    q, kv_cache, tables, lens = _batch(2, 8, 16, _ragged_lens(8))
+    sinks = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(3)).to(DEVICE) if with_sinks else None
+    args = (q, kv_cache, tables, lens, SCALE)
+    got = kernels.paged_decode_attention(*args, num_splits=num_splits, window=window, sinks=sinks)
+    want = kernels.paged_decode_attention_reference(*args, window=window, sinks=sinks)
+    assert not want.isnan().any()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if window < 5 * 8 or with_sinks:  # the window or the sinks change the result: the test can fail
+        plain = kernels.paged_decode_attention_reference(*args)
+        assert not torch.allclose(plain, want, atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [3, 8, 11])
+def test_windowed_views_with_sinks_match_on_both_decode_paths(window):
+    """A decode-only batch through the model's windowed view (tables cut to the window's first block) with
+    sinks: the torch buckets and the kernel (its metadata) both equal the reference over the full tables."""
+    from shared.model.kernels.choice import KernelChoice
+
+    block_size, kv_heads, head_dim, group = 8, 2, 16, 2
+    lens = [1, 8, 19, 9, 30]
+    tables = [[3, 7, 1, 13], [0, 9], [2, 4, 6, 11], [5, 8], [10, 12, 14, 15]]
+    gen = torch.Generator().manual_seed(window)
+    kv_cache = torch.randn(2, 16, block_size, kv_heads, head_dim, generator=gen).to(DEVICE)
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(DEVICE)
+    k, v = torch.randn(2, len(lens), kv_heads, head_dim, generator=gen).to(DEVICE)
+    sinks = torch.randn(kv_heads * group, generator=gen).to(DEVICE)
+    outs = []
+    for choice in (KernelChoice.TORCH, KernelChoice.TRITON):
+        cache = kv_cache.clone()
+        meta = AttentionMetadata.build(
+            tables, lens, [1] * len(lens), block_size, device=DEVICE, kernels=choice, windows={window}
+        )
+        outs.append(paged_attention(q, k, v, cache, meta.for_window(window), SCALE, sinks))
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=DEVICE)
+    want = kernels.paged_decode_attention_reference(
+        q, cache, padded, torch.tensor(lens, device=DEVICE), SCALE, window=window, sinks=sinks
+    )
+    for got in outs:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

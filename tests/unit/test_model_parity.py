@@ -1,6 +1,9 @@
-"""Every supported architecture against transformers on the same random checkpoint, in float32."""
+"""Every supported architecture against transformers on the same random checkpoint, in float32; and the
+architectures whose configs can turn on sliding windows, with a window shorter than the prompts."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -20,9 +23,29 @@ PROMPT_LENGTHS = (5, 23, 100, 41)  # 100 > PREFILL_BUDGET: that prompt is prefil
 NEW_TOKENS = 32
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+WINDOW = 16  # shorter than three of the four prompts
+# arch → (config overrides that turn its sliding windows on, the per-layer windows transformers then applies:
+# read from each modeling file, see shared/model/config.py layer_windows). gpt_oss's demo slides by default.
+SLIDING = {
+    "mixtral": ({"sliding_window": WINDOW}, (WINDOW, WINDOW)),
+    "qwen3": ({"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}, (None, WINDOW)),
+    "qwen2_moe": ({"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2}, (WINDOW, None)),
+}
+CASES = sorted(ARCHITECTURES) + [f"{arch}-window" for arch in SLIDING]
+
+
+@pytest.fixture(scope="module", params=CASES)
 def checkpoint(request, tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp(request.param), arch=request.param, size="tiny")
+    arch = request.param.removesuffix("-window")
+    path = write_demo_checkpoint(tmp_path_factory.mktemp(request.param), arch=arch, size="tiny")
+    if request.param.endswith("-window"):
+        overrides, windows = SLIDING[arch]
+        config = json.loads((path / "config.json").read_text()) | overrides
+        (path / "config.json").write_text(json.dumps(config))
+        assert load_model(path).config.layer_windows == windows
+    if arch == "gpt_oss":  # its even layers slide (by its demo's layer_types, as by its config's default)
+        assert load_model(path).config.layer_windows == (WINDOW, None)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +96,7 @@ def test_prefill_logits_match_transformers(checkpoint, reference):
     n, block = len(prompt), 16
     caches = [torch.zeros(2, 8, block, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
     # Deliberately scattered blocks: the paged layout must not depend on contiguity.
-    meta = AttentionMetadata.build([[5, 0, 7, 2, 3, 1, 6]], [n], [n], block)
+    meta = AttentionMetadata.build([[5, 0, 7, 2, 3, 1, 6]], [n], [n], block, windows=cfg.windows)
     with torch.no_grad():
         ours = model.logits(model(prompt, torch.arange(n), caches, meta))
         ref = reference(prompt[None]).logits[0]

@@ -195,7 +195,7 @@ class KvTransferClient:
                 raise _transfer_error(e, f"receiving {request_id!r} from {address}") from e
         self.stats.pulls += 1
         self.stats.bytes_received += buffer.numel() * buffer.element_size()
-        return KVExport(source, reply.num_tokens, buffer)
+        return KVExport(source, reply.num_tokens, buffer, first_block=reply.first_block)
 
     async def _call(self, address: str, conn: _Connection | None, call, what: str):
         """Await an RPC on `conn`'s pair (None: Connect), mapping its failure to KvTransferError."""

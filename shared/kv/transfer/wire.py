@@ -24,6 +24,7 @@ MAX_PIECES = 1 << 20  # an announcement that cuts a tensor finer than this is re
 def describe(kv: KVExport, tag: int, chunk_bytes: int) -> pb.PullReply:
     return pb.PullReply(
         num_tokens=kv.num_tokens,
+        first_block=kv.first_block,
         shape=list(kv.blocks.shape),
         dtype=kv.layout.dtype,
         block_size=kv.layout.block_size,
@@ -61,9 +62,11 @@ def announced_layout(reply: pb.PullReply, layout: KVLayout) -> KVLayout:
         raise KvTransferError(
             FailureReason.PROTOCOL, f"announced {reply.dtype} {shape} does not match the receiver's layout {layout}"
         )
-    if reply.num_tokens < 1 or shape[2] != math.ceil(reply.num_tokens / reply.block_size):
+    if reply.num_tokens < 1 or shape[2] != math.ceil(reply.num_tokens / reply.block_size) - reply.first_block:
         raise KvTransferError(
-            FailureReason.PROTOCOL, f"{reply.num_tokens} tokens do not fill {shape[2]} blocks of {reply.block_size}"
+            FailureReason.PROTOCOL,
+            f"{reply.num_tokens} tokens from block {reply.first_block} on do not fill {shape[2]} blocks of "
+            f"{reply.block_size}",
         )
     if num_pieces(math.prod(shape), layout.torch_dtype.itemsize, reply.chunk_bytes) > MAX_PIECES:
         raise KvTransferError(FailureReason.PROTOCOL, f"chunks of {reply.chunk_bytes} bytes cut {shape} too fine")

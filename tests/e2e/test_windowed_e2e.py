@@ -1,0 +1,77 @@
+"""Sliding-window models disaggregated through the real stack (gateway, one prefill and one decode worker,
+NATS, Redis, the KV pull): gpt-oss (sinks, alternating sliding/full layers) and a Mixtral whose every layer
+slides (its decode worker frees blocks behind the window). Prompts are longer than the window (16 tokens).
+
+What moves (docs/architecture.md, "Sliding windows"): for gpt-oss every block (its full layers need them all,
+one pool holds every layer); for the all-sliding Mixtral only the window's blocks (the prefill worker freed
+the ones behind it while prefilling: the pull's first_block > 0 for the long prompt). Both sides hold
+nothing afterwards."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from services.local.infra import free_port
+from services.local.stack import StackSpec
+from shared.engine.engine import Engine
+from shared.engine.sampling import SamplingParams
+from shared.model.demo import write_demo_checkpoint
+from shared.model.tokenizer import Tokenizer
+from tests.e2e_support import heartbeats, kv_keys, start_stack
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["Tell me a story about disaggregation " * 3, "a window of sixteen tokens is short", "hi"]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module", params=["gpt_oss", "mixtral-window"])
+def model_dir(request, tmp_path_factory):
+    arch = request.param.removesuffix("-window")
+    path = write_demo_checkpoint(tmp_path_factory.mktemp(request.param) / "demo", arch=arch, size="tiny")
+    if request.param.endswith("-window"):
+        config = json.loads((path / "config.json").read_text()) | {"sliding_window": 16}
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir):
+    stack = start_stack(StackSpec(model=str(model_dir), port=free_port(), threads_per_worker=1, prefill=1, decode=1))
+    yield stack
+    stack.stop()
+
+
+def test_disaggregated_output_equals_the_engine_and_the_kv_moves_and_is_freed(stack, model_dir):
+    tok = Tokenizer(model_dir)
+    engine = Engine.from_dir(model_dir, max_model_len=1024)
+    assert engine.model.config.windows == {16}
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    ids = [tok.encode(p) for p in PROMPTS]
+    assert max(map(len, ids)) > 16  # past the window
+    expected = engine.generate(ids, params)
+    with httpx.Client(timeout=120) as client:
+        for prompt, want in zip(PROMPTS, expected, strict=True):
+            body = {"model": "demo", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+            resp = client.post(f"{stack.url}/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["choices"][0]["text"] == tok.decode(want)
+    deadline = time.monotonic() + 20
+    while True:
+        beats = heartbeats(stack.nats_url, seconds=1.2)
+        idle = all(b.running == 0 and b.held_kv == 0 and b.free_blocks == b.total_blocks for b in beats.values())
+        if idle or time.monotonic() > deadline:
+            break
+    prefill = [b for b in beats.values() if b.role == "prefill"]
+    decode = [b for b in beats.values() if b.role == "decode"]
+    assert len(prefill) == 1 and len(decode) == 1
+    assert decode[0].prefill_tokens == 0  # the decode worker never ran a prompt: every KV was pulled
+    assert decode[0].decode_tokens >= len(PROMPTS) * (MAX_TOKENS - 1)
+    assert prefill[0].prefill_tokens >= sum(map(len, ids)) and prefill[0].decode_tokens == 0
+    assert idle, beats  # freed on both sides
+    assert all(b.integrity_error is None for b in beats.values())
+    assert kv_keys(stack.redis_url) == []

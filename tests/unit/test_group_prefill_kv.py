@@ -1,0 +1,209 @@
+"""A prefill group's held KV over the real agent channels, in one process: the follower rank's agent runs on its
+own thread and loop (as in a spawned follower), talks to the leader over socket pairs, and reports each ended
+send on its events channel. What is checked: the leader's `PrefillGroupKv` frees a key exactly once, only after
+every rank retired it, once the decode group's pulls all ended, or at the first failed one; cancels free too."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import socket
+from types import SimpleNamespace
+
+import torch
+
+from shared.engine.kv_pool import KVLayout, KVPool
+from shared.kv.group_held import RankHeldKv
+from shared.kv.group_prefill import PrefillGroupKv
+from shared.kv.held import Freed
+from shared.kv.rank_agents import SEND_ENDED
+from shared.kv.registry import KvLocation
+from shared.kv.reslice import group_record
+from shared.parallel.agents import GroupAgents, RankAgent
+from shared.parallel.layout import kv_head_range
+
+KVH, TP = 4, 2
+MODEL = KVLayout(2, KVH, 3, 4, "float32")
+
+
+def sync(test):
+    """Run an async test on a fresh loop (the project has no async pytest plugin); fixtures pass through."""
+
+    @functools.wraps(test)
+    def run(*args, **kwargs) -> None:
+        asyncio.run(test(*args, **kwargs))
+
+    return run
+
+
+def _rank_held(agent: RankAgent) -> RankHeldKv:
+    """A rank's RankHeldKv on `agent` (kv.hold / kv.retire, as serve_rank_kv registers them, without a server),
+    and a test handler that makes one send of heads on the rank's own loop."""
+    layout = KVLayout(2, KVH, 3, 4, "float32", tuple(kv_head_range(KVH, TP, agent.rank)))
+    pool = KVPool(layout, 8)
+    pool.tensor.copy_(torch.randn(pool.tensor.shape))
+
+    async def report(key: str, rank: int, ok: bool, pulls: int) -> None:
+        await agent.notify(SEND_ENDED, (key, ok, pulls))
+
+    held = RankHeldKv(pool, agent.rank, report)
+    agent.register("kv.hold", lambda p: held.hold(p["key"], p["block_ids"], p["num_tokens"]))
+    agent.register("kv.retire", lambda p: held.retire(p["key"]))
+
+    async def send(p) -> list[int]:  # what a decode rank's pull does at this rank's transfer server
+        kv = await held.begin_send_heads(p["key"], range(*p["heads"]), p["pulls"])
+        await held.end_send(p["key"], p["ok"])
+        return list(kv.blocks.shape)
+
+    async def keys(_) -> list[str]:
+        return held.held()
+
+    agent.register("test.send", send)
+    agent.register("test.keys", keys)
+    return held
+
+
+class Registry:
+    def __init__(self) -> None:
+        self.entries: dict[str, KvLocation] = {}
+
+    async def put(self, loc: KvLocation) -> None:
+        self.entries[loc.request_id] = loc
+
+    async def delete(self, request_id: str) -> None:
+        self.entries.pop(request_id, None)
+
+
+class FakeEngine:
+    """What PrefillGroupKv asks of the leader's engine: a held request's block table, and freeing it."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, SimpleNamespace] = {}
+        self.blocks = SimpleNamespace(blocks_for=lambda n: -(-n // 4))
+        self.released: list[str] = []
+
+        self.ranks_hold: dict[int, list[str]] = {}
+
+    def release_kv(self, key: str) -> bool:
+        assert not any(key in keys for keys in self.ranks_hold.values()), f"{key} freed while {self.ranks_hold}"
+        self.released.append(key)
+        return self.requests.pop(key, None) is not None
+
+
+class Group:
+    """Leader (rank 0, this loop) and one follower (rank 1, its own thread and loop) over socket pairs."""
+
+    def __init__(self) -> None:
+        agent_ours, agent_theirs = socket.socketpair()
+        events_ours, events_theirs = socket.socketpair()
+        self.sockets = [agent_ours, agent_theirs, events_ours, events_theirs]
+        follower = RankAgent(1)
+        follower.events_to(events_theirs)
+        _rank_held(follower)
+        follower.serve_in_thread(agent_theirs)
+        leader = RankAgent(0)
+        self.agents = GroupAgents(leader, {1: agent_ours}, {1: events_ours})
+        _rank_held(leader)
+        self.engine = FakeEngine()
+        self.released = self.engine.released
+        self.registry = Registry()
+        self.kv = PrefillGroupKv(self.agents, TP, KVLayout(2, KVH, 3, 4, "float32", (0, 1)), self._call, 60.0,
+                                 self.registry)  # fmt: skip
+        self.kv.record = group_record(MODEL, TP, ["rank0:1", "rank1:1"])
+        self.agents.on_event(SEND_ENDED, self.kv._send_ended)  # what start() does, without the servers
+
+    async def _call(self, fn):
+        """The engine thread: fn on the fake engine; a release checks first that no rank still holds the key."""
+        self.engine.ranks_hold = await self.keys()  # what every rank holds as the engine call starts
+        return fn(self.engine)
+
+    async def keys(self) -> dict[int, list[str]]:
+        return await self.agents.call_all("test.keys", {0: None, 1: None})
+
+    async def wait_released(self, n: int) -> None:
+        for _ in range(200):
+            if len(self.released) >= n:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"released {self.released}, expected {n}")
+
+    def close(self) -> None:
+        for s in self.sockets:
+            s.close()
+
+
+def _request(g: Group, key: str) -> None:
+    """A finished prompt of 7 tokens holding blocks 6 and 1 (and a spare third one a pull must not copy)."""
+    g.engine.requests[key] = SimpleNamespace(num_computed_tokens=7, block_table=[6, 1, 3])
+
+
+def _loc(key: str) -> KvLocation:
+    return KvLocation(key, "prefill-g", "rank0:1", 0, MODEL.fingerprint)
+
+
+@sync
+async def test_events_from_a_follower_and_the_leader_reach_the_handler(caplog) -> None:
+    ours, theirs = socket.socketpair()
+    follower = RankAgent(1)
+    follower.events_to(theirs)
+    agents = GroupAgents(RankAgent(0), {}, {1: ours})
+    got: list[tuple[int, object]] = []
+    seen = asyncio.Event()
+
+    async def handler(rank: int, payload) -> None:
+        got.append((rank, payload))
+        if len(got) == 2:
+            seen.set()
+
+    agents.on_event("ping", handler)
+    await follower.notify("ping", ("from", 1))
+    await agents.local.notify("ping", ("from", 0))
+    with caplog.at_level(logging.WARNING):
+        await agents.local.notify("nobody-listens", None)
+    await asyncio.wait_for(seen.wait(), 5)
+    assert sorted(got) == [(0, ("from", 0)), (1, ("from", 1))]
+    assert "no handler takes" in caplog.text
+    ours.close()
+    theirs.close()
+
+
+@sync
+async def test_freed_once_after_every_rank_sent_and_retired() -> None:
+    g = Group()
+    try:
+        _request(g, "k")
+        assert await g.kv.hold("k", "r", 0, _loc("k"))
+        assert await g.keys() == {0: ["k"], 1: ["k"]}
+        entry = g.registry.entries["k"]
+        assert entry.group == g.kv.record and entry.num_tokens == 7  # the group's record travels with the location
+        # a decode TP 1 rank's plan: heads 0-1 from rank 0, heads 2-3 from rank 1: two transfers in all
+        shape = await g.agents.call(1, "test.send", {"key": "k", "heads": (2, 4), "pulls": 2, "ok": True})
+        assert shape == [2, 2, 2, 4, 2, 3]  # (L, K|V, the key's 2 blocks, block size, 2 heads, head dim)
+        await asyncio.sleep(0.05)
+        assert g.released == [] and g.kv.count() == 1  # one of the two pulls
+        await g.agents.call(0, "test.send", {"key": "k", "heads": (0, 2), "pulls": 2, "ok": True})
+        await g.wait_released(1)
+        assert g.kv.freed == {Freed.PULLED: 1} and g.kv.count() == 0 and "k" not in g.registry.entries
+        assert await g.keys() == {0: [], 1: []}
+    finally:
+        g.close()
+
+
+@sync
+async def test_a_failed_send_on_the_follower_frees_on_every_rank_and_a_cancel_frees_too() -> None:
+    g = Group()
+    try:
+        _request(g, "k")
+        assert await g.kv.hold("k", "r", 0, _loc("k"))
+        await g.agents.call(1, "test.send", {"key": "k", "heads": (2, 4), "pulls": 2, "ok": False})
+        await g.wait_released(1)
+        assert g.kv.freed == {Freed.SEND_FAILED: 1}
+        _request(g, "c")
+        assert await g.kv.hold("c", "rc", 3, _loc("c"))
+        assert await g.kv.cancel("rc", lambda attempt: attempt <= 2) == 0  # a later attempt: not covered
+        assert await g.kv.cancel("rc", lambda attempt: attempt <= 3) == 1
+        await g.wait_released(2)
+        assert g.kv.freed == {Freed.SEND_FAILED: 1, Freed.CANCELLED: 1} and await g.keys() == {0: [], 1: []}
+    finally:
+        g.close()
