@@ -14,6 +14,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from shared.model.config_aliases import ALIASES, read_field, rope_parameters
 from shared.model.mla import MLAConfig
 from shared.model.routing import RouterConfig, router_config
 
@@ -45,6 +46,9 @@ class ArchSpec:
     shared_expert: SharedExpert = SharedExpert.NONE
     # GLM-4.5: the q/k/v bias (`attention_bias`) and the per-head q/k norm (`use_qk_norm`) are config options
     attention_options: bool = False
+    # Qwen-MoE, OLMoE: transformers casts the top-k weights to the activations' dtype before they scale the
+    # expert outputs; Mixtral and GLM keep them float32 (only visible below float32: see MoE.route)
+    routing_weights_in_activation_dtype: bool = False
     # gpt-oss: q/k/v and o projections with biases (config `attention_bias`), a learned per-head sink logit in
     # every softmax, and experts with biases and the clamped SwiGLU (shared/model/clamped_experts.py
     # ClampedSwiGLUExperts); its router (biased, top-k of the logits then their softmax) is routing.py's
@@ -59,9 +63,11 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen2": ArchSpec(qkv_bias=True),
     "qwen3": ArchSpec(qk_norm=QKNorm.PER_HEAD),
     "mixtral": ArchSpec(moe=True),
-    "qwen2_moe": ArchSpec(qkv_bias=True, moe=True, shared_expert=SharedExpert.GATED),
-    "qwen3_moe": ArchSpec(qk_norm=QKNorm.PER_HEAD, moe=True),
-    "olmoe": ArchSpec(qk_norm=QKNorm.FULL, moe=True),
+    "qwen2_moe": ArchSpec(
+        qkv_bias=True, moe=True, shared_expert=SharedExpert.GATED, routing_weights_in_activation_dtype=True
+    ),
+    "qwen3_moe": ArchSpec(qk_norm=QKNorm.PER_HEAD, moe=True, routing_weights_in_activation_dtype=True),
+    "olmoe": ArchSpec(qk_norm=QKNorm.FULL, moe=True, routing_weights_in_activation_dtype=True),
     "deepseek_v2": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, mla=True),
     "deepseek_v3": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, mla=True),
     "glm4_moe": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, attention_options=True),
@@ -200,39 +206,40 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"unsupported model_type {model_type!r}; supported architectures: {', '.join(sorted(ARCHITECTURES))}"
             )
-        arch = ARCHITECTURES[model_type]
-        if arch.attention_options:
-            qk_norm = QKNorm.PER_HEAD if raw.get("use_qk_norm") else QKNorm.NONE
-            arch = replace(arch, qkv_bias=bool(raw.get("attention_bias", False)), qk_norm=qk_norm)
-        hidden = _require(raw, "hidden_size")
-        heads = _require(raw, "num_attention_heads")
-        num_layers = _require(raw, "num_hidden_layers")
+        arch = _arch_options(raw, model_type)
+
+        def get(name: str) -> Any:
+            return read_field(raw, model_type, name)
+
+        hidden = get("hidden_size")
+        heads = get("num_attention_heads")
+        num_layers = get("num_hidden_layers")
         moe = _moe_fields(raw, model_type, num_layers) if arch.moe else {}
         mla = MLAConfig.from_dict(raw) if arch.mla else None
-        eos = raw.get("eos_token_id")
+        eos = get("eos_token_id")
         # MLA: the rotary width (qk_rope_head_dim), as transformers' DeepSeek configs set head_dim
-        head_dim = mla.qk_rope_head_dim if mla else raw.get("head_dim") or hidden // heads
-        rope = replace(_rope(raw, model_type), partial_rotary_factor=_partial_rotary_factor(raw, model_type))
+        head_dim = mla.qk_rope_head_dim if mla else get("head_dim") or hidden // heads
+        rope = _rope(rope_parameters(raw, model_type), get("max_position_embeddings"))
         rope.rotary_dim(head_dim)  # refuses a width that cannot be rotated, now rather than at model build
         extra: dict[str, Any] = {}
         if arch.clamped_swiglu_experts:
-            extra = {"swiglu_alpha": raw.get("swiglu_alpha", 1.702), "swiglu_limit": raw.get("swiglu_limit", 7.0)}
+            extra = {"swiglu_alpha": get("swiglu_alpha"), "swiglu_limit": get("swiglu_limit")}
         return cls(
             model_type=model_type,
             arch=arch,
-            vocab_size=_require(raw, "vocab_size"),
+            vocab_size=get("vocab_size"),
             hidden_size=hidden,
             num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=1 if mla else raw.get("num_key_value_heads") or heads,
+            num_kv_heads=1 if mla else get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            intermediate_size=raw.get("intermediate_size", 0),
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            intermediate_size=get("intermediate_size"),
+            rms_norm_eps=get("rms_norm_eps"),
             rope=rope,
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            clip_qkv=raw.get("clip_qkv"),
+            max_position_embeddings=get("max_position_embeddings"),
+            tie_word_embeddings=bool(get("tie_word_embeddings")),
+            torch_dtype=get("dtype"),
+            clip_qkv=get("clip_qkv") if "clip_qkv" in ALIASES[model_type] else None,
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
             mla=mla,
             mtp_layers=raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers")) or 0,
@@ -249,46 +256,55 @@ class ModelConfig:
         return cls.from_dict(json.loads(path.read_text()))
 
 
-def _require(raw: dict[str, Any], key: str) -> Any:
-    if key not in raw:
-        raise ValueError(f"config.json is missing {key!r}")
-    return raw[key]
+def _arch_options(raw: dict[str, Any], model_type: str) -> ArchSpec:
+    """The architecture's spec with the options its config may switch; options we do not implement are
+    refused here rather than loaded wrong."""
+    arch = ARCHITECTURES[model_type]
+    table = ALIASES[model_type]
+
+    def get(name: str) -> Any:
+        return read_field(raw, model_type, name)
+
+    if arch.attention_options:  # GLM-4.5: q/k/v bias and per-head q/k norm switched by the config
+        qk_norm = QKNorm.PER_HEAD if get("use_qk_norm") else QKNorm.NONE
+        arch = replace(arch, qkv_bias=bool(get("attention_bias")), qk_norm=qk_norm)
+    elif get("attention_bias") and not arch.qkv_bias:
+        # transformers then biases q, k, v and o_proj; we implement Qwen2's q/k/v-only bias
+        raise UnsupportedModelError(f"{model_type}: attention_bias=true is not supported")
+    if get("hidden_act") != "silu":
+        raise UnsupportedModelError(f"{model_type}: hidden_act={get('hidden_act')!r} is not supported (silu)")
+    if "mlp_bias" in table and get("mlp_bias"):
+        raise UnsupportedModelError(f"{model_type}: mlp_bias=true is not supported")
+    if "qkv_bias" in table:  # Qwen2-MoE: a switch since 4.57
+        arch = replace(arch, qkv_bias=bool(get("qkv_bias")))
+    return arch
 
 
 def _moe_fields(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
     arch = ARCHITECTURES[model_type]
-    deepseek_style = _DEEPSEEK_STYLE.get(model_type)
-    if deepseek_style is not None:
-        raw = deepseek_style | raw  # transformers' defaults under what the config.json says
-        num_experts, moe_intermediate = raw["n_routed_experts"], raw["moe_intermediate_size"]
-    elif model_type in ("mixtral", "gpt_oss"):
-        # gpt-oss's config class aliases num_experts to num_local_experts
-        num_experts = raw["num_experts"] if "num_local_experts" not in raw and "num_experts" in raw else None
-        num_experts = num_experts or _require(raw, "num_local_experts")
-        moe_intermediate = _require(raw, "intermediate_size")
-    elif model_type == "olmoe":
-        num_experts = _require(raw, "num_experts")
-        moe_intermediate = _require(raw, "intermediate_size")
-    else:
-        num_experts = _require(raw, "num_experts")
-        moe_intermediate = _require(raw, "moe_intermediate_size")
-    top_k = _require(raw, "num_experts_per_tok")
-    if deepseek_style is not None:
-        # the first `first_k_dense_replace` layers dense, then every `moe_layer_freq`-th layer sparse (DeepSeek's
-        # own code; transformers reads no moe_layer_freq, and every published checkpoint has 1)
-        first_dense, freq = raw["first_k_dense_replace"], raw.get("moe_layer_freq") or 1
+    table = ALIASES[model_type]
+
+    def get(name: str) -> Any:
+        return read_field(raw, model_type, name)
+
+    num_experts, top_k = get("num_experts"), get("num_experts_per_tok")
+    moe_intermediate = get("moe_intermediate_size")
+    if "first_k_dense_replace" in table:
+        # DeepSeek-style: the first `first_k_dense_replace` layers dense, then every `moe_layer_freq`-th layer
+        # sparse (DeepSeek's own code; transformers reads no moe_layer_freq, and every published checkpoint has 1)
+        first_dense, freq = get("first_k_dense_replace"), raw.get("moe_layer_freq") or 1
         sparse = frozenset(i for i in range(num_layers) if i >= first_dense and i % freq == 0)
     else:
         # Qwen-MoE can interleave dense layers; the others are sparse everywhere.
-        step = raw.get("decoder_sparse_step", 1) or 1
-        dense_only = set(raw.get("mlp_only_layers") or [])
+        step = (get("decoder_sparse_step") if "decoder_sparse_step" in table else 1) or 1
+        dense_only = set((get("mlp_only_layers") if "mlp_only_layers" in table else None) or [])
         sparse = frozenset(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
-    shared = {
-        SharedExpert.NONE: 0,
-        SharedExpert.GATED: raw.get("shared_expert_intermediate_size", 0),
-        # the n_shared_experts shared experts are one MLP of n times the width
-        SharedExpert.PLAIN: moe_intermediate * raw.get("n_shared_experts", 1),
-    }[arch.shared_expert]
+    if arch.shared_expert is SharedExpert.GATED:
+        shared = get("shared_expert_intermediate_size")
+    elif arch.shared_expert is SharedExpert.PLAIN:  # the n_shared_experts shared experts: one MLP n times as wide
+        shared = moe_intermediate * get("n_shared_experts")
+    else:
+        shared = 0
     return {
         "num_experts": num_experts,
         "num_experts_per_tok": top_k,
@@ -297,39 +313,6 @@ def _moe_fields(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[s
         "shared_expert_intermediate_size": shared,
         "sparse_layers": sparse,
     }
-
-
-# DeepSeek-style MoE configs (n_routed_experts, n_shared_experts, first_k_dense_replace): the defaults of
-# transformers' config classes, for the keys a config.json leaves out
-_DEEPSEEK_STYLE: dict[str, dict[str, int]] = {
-    "glm4_moe": {
-        "n_routed_experts": 128,
-        "moe_intermediate_size": 1408,
-        "num_experts_per_tok": 8,
-        "first_k_dense_replace": 1,
-    },
-    "deepseek_v2": {
-        "n_routed_experts": 64,
-        "moe_intermediate_size": 1407,
-        "n_shared_experts": 2,
-        "first_k_dense_replace": 0,
-    },
-    "deepseek_v3": {
-        "n_routed_experts": 256,
-        "moe_intermediate_size": 2048,
-        "num_experts_per_tok": 8,
-        "first_k_dense_replace": 3,
-    },
-}
-
-
-def _partial_rotary_factor(raw: dict[str, Any], model_type: str) -> float:
-    """As transformers resolves it: `rope_parameters` first, then the top-level key, then the architecture's
-    default (Glm4MoeConfig sets 0.5)."""
-    default = 0.5 if model_type == "glm4_moe" else 1.0
-    return float(
-        (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", default))
-    )
 
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -371,20 +354,14 @@ def layer_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> tupl
     return windows if any(windows) else ()
 
 
-def _rope(raw: dict[str, Any], model_type: str = "") -> RopeConfig:
-
-    # transformers 5 writes `rope_parameters`; older checkpoints use rope_theta + rope_scaling.
-    params = dict(raw.get("rope_parameters") or {})
-    scaling = raw.get("rope_scaling") or {}
-    params = {**scaling, **params}
-    if model_type == "gpt_oss" and not params:  # GptOssConfig's default rope_parameters
-        params = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
-        params["original_max_position_embeddings"] = 4096
-    default_theta = 150000.0 if model_type == "gpt_oss" else 10000.0  # GptOssConfig.default_theta
-    theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
-    kind = params.get("rope_type", params.get("type", "default"))
+def _rope(params: dict[str, Any], max_position: int) -> RopeConfig:
+    """`params`: config_aliases.rope_parameters (one dict, whichever transformers version wrote the config)."""
+    theta, kind = params["rope_theta"], params["rope_type"]
+    partial = float(params.get("partial_rotary_factor", 1.0))
+    if kind != "default" and partial != 1.0:
+        raise UnsupportedModelError(f"rope scaling type {kind!r} with partial_rotary_factor is not supported")
     if kind == "default":
-        return RopeConfig(theta=theta)
+        return RopeConfig(theta=theta, partial_rotary_factor=partial)
     if kind == "linear":
         return RopeConfig(theta=theta, kind=kind, factor=params["factor"])
     if kind == "llama3":
@@ -398,7 +375,7 @@ def _rope(raw: dict[str, Any], model_type: str = "") -> RopeConfig:
         )
     if kind == "yarn":
         original = params["original_max_position_embeddings"]
-        factor = params.get("factor") or raw.get("max_position_embeddings", original) / original
+        factor = params.get("factor") or max_position / original
         return RopeConfig(
             theta=theta,
             kind=kind,

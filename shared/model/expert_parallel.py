@@ -101,8 +101,9 @@ class ExpertParallel:
         mine = (dest_rank.flatten() == self.group.rank).nonzero().squeeze(1)  # this rank's pairs
         token = mine // a
         y = self._compute(experts, x[token], dest_slot.flatten()[mine])
-        w = weights.flatten()[mine].unsqueeze(1).to(x.dtype)
-        out = torch.zeros_like(x).index_add_(0, token, y * w)
+        w = weights.flatten()[mine].unsqueeze(1)
+        out = x.new_zeros(x.shape, dtype=torch.promote_types(x.dtype, w.dtype)).index_add_(0, token, y * w)
+        out = out.to(x.dtype)  # summed in the routing weights' dtype, like the single-rank paths
         return self.group.all_reduce_(out)
 
     def _alltoall(self, experts, x, weights, dest_rank, dest_slot) -> torch.Tensor:
@@ -127,9 +128,10 @@ class ExpertParallel:
         recv_rows = group.all_to_all(x.new_empty(n, x.shape[1]), send_rows, recv_splits, send_splits)
         y = self._compute(experts, recv_rows, recv_slot)
         back = group.all_to_all(torch.empty_like(send_rows), y, send_splits, recv_splits)
-        w = weights[lo:hi].flatten()[order].unsqueeze(1).to(x.dtype)
-        part = x.new_zeros(max(sizes), x.shape[1])  # padded to the largest slice: all_gather takes equal shapes
-        part.index_add_(0, token, back * w)
+        w = weights[lo:hi].flatten()[order].unsqueeze(1)
+        # padded to the largest slice: all_gather takes equal shapes; summed in the routing weights' dtype
+        part = x.new_zeros(max(sizes), x.shape[1], dtype=torch.promote_types(x.dtype, w.dtype))
+        part = part.index_add_(0, token, back * w).to(x.dtype)
         gathered = group.all_gather(part, dim=0)  # (R * max, D)
         keep = torch.cat(
             [torch.arange(r * max(sizes), r * max(sizes) + s, device=x.device) for r, s in enumerate(sizes)]

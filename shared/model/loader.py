@@ -7,7 +7,8 @@ gate/up → gate_up_proj, experts.N.* → stacked experts).
 
 Sharded (tensor-parallel) loading: a declaration may add the slice of the checkpoint tensor this rank reads
 (rows, columns); the loader then reads only that slice from the file (`safe_open(...).get_slice(name)[...]`),
-never the whole tensor. A parent module's declaration of a child's parameter wins over the plain mapping
+never the whole tensor. Quantized checkpoints (`quantization`) are dequantized in that same read, slice by slice.
+A parent module's declaration of a child's parameter wins over the plain mapping
 (Attention cuts its FULL q/k norm weights).
 """
 
@@ -26,9 +27,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from shared.model.config import ModelConfig, UnsupportedModelError
+from shared.model.config import ModelConfig
 from shared.model.expert_parallel import EPDispatch, shard_experts
-from shared.model.mxfp4 import Mxfp4
+from shared.model.quantization import SCALE_TENSOR, QuantizedCheckpointError, QuantMethod, quant_method_for
 from shared.model.transformer import CausalLM
 from shared.parallel.group import RankGroup
 from shared.parallel.layout import ParallelLayout
@@ -61,6 +62,20 @@ CHECKPOINT_SPELLING: dict[str, list[tuple[str, str]]] = {
 # Tensors some checkpoints carry that hold nothing we need.
 IGNORED = re.compile(r"(rotary_emb\.inv_freq$)")
 LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 # Above this many bytes of weights, show a progress bar unless told otherwise.
 PROGRESS_BYTES = 1 << 30
@@ -125,13 +140,14 @@ def load_model(
     the model cannot take the layout (heads, KV heads or an intermediate size that does not split)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
+    quant = checkpoint_quantization(model_dir)  # refuses an unsupported quantization before building anything
     with torch.device("meta"):
         model = CausalLM(cfg, group, layout)
     if layout is not None and layout.ep > 1:
         assert group is not None  # CausalLM checked the group's size against the layout
         shard_experts(model, group, expert_placement, ep_dispatch)
     model.to(resolve_dtype(dtype, cfg.torch_dtype)).to_empty(device=device)
-    load_weights(model, model_dir, progress)
+    load_weights(model, model_dir, progress, quant)
     model.init_runtime()
     return model.eval()
 
@@ -150,7 +166,14 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-def load_weights(model: CausalLM, model_dir: Path, progress: bool | None = None) -> None:
+def load_weights(
+    model: CausalLM, model_dir: Path, progress: bool | None = None, quant: QuantMethod | None = None
+) -> None:
+    """Fill `model` from the checkpoint, each tensor through the checkpoint's quantization method (`quant`, else
+    read from config.json): dequantized to the parameter's dtype. Every checkpoint tensor is accounted for:
+    loaded, consumed by its weight's method (scales), another rank's, or known to be unneeded; anything else is
+    a CheckpointError, since a weight we did not load (a bias, a scale) means the model would be wrong."""
+    quant = quant or checkpoint_quantization(model_dir)
     targets = checkpoint_targets(model)
     others = checkpoint_ignored(model)
     renames = [(re.compile(a), b) for a, b in RENAMES.get(model.config.model_type, [])]
@@ -160,38 +183,40 @@ def load_weights(model: CausalLM, model_dir: Path, progress: bool | None = None)
         progress = sum(f.stat().st_size for f in files) > PROGRESS_BYTES
     loaded: set[str] = set()
     mtp_skipped = 0
-    with torch.no_grad(), _Tensors(files) as tensors:
+    with torch.no_grad(), CheckpointTensors(files) as tensors:
         for raw_name in tqdm(tensors.names, desc="loading weights", disable=not progress, unit="tensor"):
-            if quant is not None and quant.companion_of(raw_name) is not None:
-                continue  # a scale: read with the weight it scales
-            name = quant.weight_name(raw_name) if quant is not None else raw_name
-            for pattern, repl in renames:
-                name = pattern.sub(repl, name)
+            if quant.companion_of(raw_name) is not None:  # a scale: read with the weight it scales
+                continue
+            name = _renamed(quant.weight_name(raw_name), renames)  # MXFP4: `<w>_blocks` holds `<w>`
             target = targets.get(name)
             if target is None:
-                if name in others:  # another rank's (its experts): never read
-                    continue
-                if _is_mtp(name, model.config):  # never read either
-                    mtp_skipped += 1
-                    continue
-                if not (IGNORED.search(name) or (name == "lm_head.weight" and model.lm_head is None)):
-                    log.warning("ignoring unexpected checkpoint tensor %s", raw_name)
+                if name not in others:  # another rank's (its experts): never read
+                    mtp_skipped += _check_unneeded(model, raw_name, name)
                 continue
-            if quant is not None:
+            try:
                 tensor = quant.read(tensors, raw_name, target.source)
-            else:
-                tensor = tensors.read(raw_name, target.source)
+            except QuantizedCheckpointError as e:
+                raise CheckpointError(f"{model_dir}: {e}") from e
             if target.convert is not None:
                 tensor = target.convert(tensor)
             dest = target.param[target.index]
             if tuple(dest.shape) != tuple(tensor.shape):
-                got = tensors.shape(raw_name) if target.source else tuple(tensor.shape)
+                got = tensors.shape(raw_name)
                 raise CheckpointError(
                     f"tensor {raw_name} has shape {got}, the config implies "
                     f"{tuple(dest.shape) if not target.source else 'a slice ' + str(tuple(dest.shape))}"
                 )
             dest.copy_(tensor)
             loaded.add(name)
+        unused = [
+            n
+            for n in tensors.names
+            if (weight := quant.companion_of(n)) is not None
+            and n not in tensors.read_names
+            and _renamed(weight, renames) not in others  # another rank's expert: skipped unread with its weight
+        ]
+        if unused:
+            raise CheckpointError(f"{model_dir}: scale tensor(s) no float8 weight used: {', '.join(unused[:5])}")
     if mtp_skipped:
         log.info(
             "skipped the %d tensors of the %d multi-token-prediction layer(s): nothing runs them (no speculative "
@@ -205,41 +230,49 @@ def load_weights(model: CausalLM, model_dir: Path, progress: bool | None = None)
         raise CheckpointError(f"{model_dir}: checkpoint is missing tensor(s): {shown}")
 
 
-def _is_mtp(name: str, cfg: ModelConfig) -> bool:
-    """A tensor of the multi-token-prediction layers the config declares after its last decoder layer
-    (model.layers.{num_layers .. num_layers + mtp_layers - 1}.*); any other layer index is not one."""
-    match = LAYER_INDEX.match(name)
-    return match is not None and cfg.num_layers <= int(match.group(1)) < cfg.num_layers + cfg.mtp_layers
+def checkpoint_quantization(model_dir: Path) -> QuantMethod:
+    """How this checkpoint's tensors are read (`quantization_config` of its config.json); refused by name when
+    its quantization is not supported."""
+    return quant_method_for(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
-def checkpoint_quantization(model_dir: Path) -> Mxfp4 | None:
-    """The reader of a quantized checkpoint (config.json's quantization_config): MXFP4, or None for none.
-    Any other quant_method is refused by name. (A registry of methods is being built next to this one; MXFP4
-    then becomes its entry: `Mxfp4.from_config`.)"""
-    qc = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config")
-    if not qc:
-        return None
-    method = qc.get("quant_method")
-    if method != "mxfp4":
-        raise UnsupportedModelError(f"quantization_config.quant_method={method!r} is not supported (mxfp4 only)")
-    return Mxfp4.from_config(qc)
+def _check_unneeded(model: CausalLM, raw_name: str, name: str) -> bool:
+    """Accept a checkpoint tensor no parameter takes only when it is known not to matter (→ whether it is one of
+    the declared multi-token-prediction layers'); CheckpointError otherwise."""
+    if _is_mtp(name, model.config):  # never read
+        return True
+    if IGNORED.search(name) or (name == "lm_head.weight" and model.lm_head is None):
+        return False
+    if SCALE_TENSOR.search(name):
+        raise CheckpointError(
+            f"checkpoint tensor {raw_name} is a quantization scale, but config.json's quantization_config "
+            "(none, or one that does not use it) does not say how: its weights would load wrong"
+        )
+    raise CheckpointError(f"checkpoint tensor {raw_name} matches no parameter of the model")
 
 
-class _Tensors:
-    """Every tensor of the checkpoint's files by name (one open handle per file), read whole or sliced: a
-    quantized weight's companion may sit in another file."""
+def _renamed(name: str, renames: list) -> str:
+    for pattern, repl in renames:
+        name = pattern.sub(repl, name)
+    return name
+
+
+class CheckpointTensors:
+    """Every tensor of the checkpoint's files by name (one open handle per file), read whole or sliced; records
+    which it read (the loader's proof that each scale was used)."""
 
     def __init__(self, files: list[Path]) -> None:
         self._stack = ExitStack()
         self._where: dict[str, Any] = {}
         self.names: list[str] = []
+        self.read_names: set[str] = set()
         for file in files:
             handle = self._stack.enter_context(safe_open(str(file), framework="pt"))
             for name in handle.keys():
                 self._where[name] = handle
                 self.names.append(name)
 
-    def __enter__(self) -> _Tensors:
+    def __enter__(self) -> CheckpointTensors:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -248,12 +281,23 @@ class _Tensors:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def dtype(self, name: str) -> torch.dtype:
+        return SAFETENSORS_DTYPES[self._where[name].get_slice(name).get_dtype()]
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._where[name].get_slice(name).get_shape())
 
     def read(self, name: str, index: tuple = ()) -> torch.Tensor:
+        self.read_names.add(name)
         handle = self._where[name]
         return handle.get_slice(name)[index] if index else handle.get_tensor(name)
+
+
+def _is_mtp(name: str, cfg: ModelConfig) -> bool:
+    """A tensor of the multi-token-prediction layers the config declares after its last decoder layer
+    (model.layers.{num_layers .. num_layers + mtp_layers - 1}.*); any other layer index is not one."""
+    match = LAYER_INDEX.match(name)
+    return match is not None and cfg.num_layers <= int(match.group(1)) < cfg.num_layers + cfg.mtp_layers
 
 
 def checkpoint_name(model_type: str, canonical: str) -> str:

@@ -144,17 +144,17 @@ class Experts(nn.Module):
         rows[expert_of_pair, rank] = x[token_of_pair]
         gate, up = torch.bmm(rows, self.gate_up.transpose(1, 2)).chunk(2, dim=-1)  # (E, T, I) each
         y = torch.bmm(F.silu(gate) * up, self.down.transpose(1, 2))  # (E, T, D)
-        weight_of_pair = topk_weights.flatten()[order].unsqueeze(1).to(x.dtype)
-        out = torch.zeros_like(x)
-        return out.index_add_(0, token_of_pair, y[expert_of_pair, rank] * weight_of_pair)
+        weight_of_pair = topk_weights.flatten()[order].unsqueeze(1)
+        out = x.new_zeros(x.shape, dtype=torch.promote_types(x.dtype, topk_weights.dtype))
+        return out.index_add_(0, token_of_pair, y[expert_of_pair, rank] * weight_of_pair).to(x.dtype)
 
     def forward_reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Plain per-token loop over the unpacked weights; the grouped path is tested against this."""
-        out = torch.zeros_like(x)
+        out = x.new_zeros(x.shape, dtype=torch.promote_types(x.dtype, topk_weights.dtype))
         for t in range(x.shape[0]):
             for e, w in zip(topk_ids[t].tolist(), topk_weights[t], strict=True):
-                out[t] += w.to(x.dtype) * gated_mlp(x[t : t + 1], self.gate_up[e], self.down[e])[0]
-        return out
+                out[t] += w * gated_mlp(x[t : t + 1], self.gate_up[e], self.down[e])[0]
+        return out.to(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ class _Pairs:
 
     rows: torch.Tensor  # (T*A, D) the pairs' input rows, gathered from x
     order: torch.Tensor  # (T*A,) int64: sorted pair i is pair order[i] of the flat (T, A) routing
-    weights: torch.Tensor  # (T, A) routing weights in routing order, in x's dtype
+    weights: torch.Tensor  # (T, A) routing weights in routing order, in the dtype MoE.route gives them
 
     def combine(self, y: torch.Tensor) -> torch.Tensor:
         """y: (T*A, D) expert outputs of the sorted pairs → (T, D) routing-weighted sum per token. The outputs
@@ -173,13 +173,14 @@ class _Pairs:
         t, a = self.weights.shape
         # index_copy_: whole rows to their routing positions (the same as unsorted[order] = y, a little cheaper)
         unsorted = torch.empty_like(y).index_copy_(0, self.order, y)
-        return (unsorted.view(t, a, y.shape[1]) * self.weights.unsqueeze(2)).sum(1)
+        # products and their sum in the weights' dtype, rounded once to y's (transformers' grouped/batched experts)
+        return (unsorted.view(t, a, y.shape[1]) * self.weights.unsqueeze(2)).sum(1).to(y.dtype)
 
 
 def _sorted_pairs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> _Pairs:
     order = topk_ids.flatten().argsort(stable=True)
     # index_select copies whole rows: ~4x faster on CPU than advanced indexing x[...] (per-element kernel)
-    return _Pairs(x.index_select(0, order // topk_ids.shape[1]), order, topk_weights.to(x.dtype))
+    return _Pairs(x.index_select(0, order // topk_ids.shape[1]), order, topk_weights)
 
 
 class MoE(nn.Module, PackedWeights):
@@ -192,6 +193,7 @@ class MoE(nn.Module, PackedWeights):
         assert cfg.router is not None  # a sparse layer of an MoE config
         self.shard = shard
         self.gate = Router(cfg.router, cfg.hidden_size)  # replicated: every rank routes alike
+        self.cast_weights = cfg.arch.routing_weights_in_activation_dtype
         expert_shard = shard if split_experts else TensorShard.SINGLE
         self.experts: Experts
         if cfg.arch.clamped_swiglu_experts:
@@ -223,8 +225,12 @@ class MoE(nn.Module, PackedWeights):
         self.dispatch: ExpertParallel | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """→ topk_ids (T, A) int64, topk_weights (T, A) float32 (shared/model/routing.py)."""
-        return self.gate(x)
+        """→ topk_ids (T, A) int64 and topk_weights (T, A) (shared/model/routing.py) in the dtype transformers
+        scales the expert outputs with: x's where its router casts them (Qwen-MoE, OLMoE), else float32 (Mixtral,
+        GLM). Every path multiplies and sums in that dtype and rounds the sum to x's: at bfloat16, transformers'
+        rounding."""
+        ids, weights = self.gate(x)
+        return ids, weights.to(x.dtype) if self.cast_weights else weights
 
     def shared(self, x: torch.Tensor) -> torch.Tensor | None:
         """The shared expert's output (T, D), a partial sum under tensor parallelism; None without one."""

@@ -166,9 +166,9 @@ def test_missing_tensor_is_named(tmp_path, arch, deleted):
     assert deleted in str(exc.value)
 
 
-def test_multi_token_prediction_layers_are_skipped_and_other_strays_still_reported(tmp_path, caplog):
+def test_multi_token_prediction_layers_are_skipped_and_other_strays_refused(tmp_path, caplog):
     """GLM-4.5 (like DeepSeek-V3) ships its MTP layer as model.layers.{num_hidden_layers}.*: skipped without
-    a warning; a tensor of a layer index past the declared MTP layers is still an unexpected one."""
+    a warning; a tensor of a layer index past the declared MTP layers is an error."""
     clean = write_demo_checkpoint(tmp_path / "clean", arch="glm4_moe", size="tiny")
     ckpt = write_demo_checkpoint(tmp_path / "mtp", arch="glm4_moe", size="tiny")
     assert json.loads((ckpt / "config.json").read_text())["num_nextn_predict_layers"] == 1
@@ -179,15 +179,17 @@ def test_multi_token_prediction_layers_are_skipped_and_other_strays_still_report
         tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
         tensors["model.layers.2.enorm.weight"] = torch.ones(64)
         tensors["model.layers.2.shared_head.head.weight"] = torch.zeros(259, 64)
-        tensors["model.layers.3.self_attn.o_proj.weight"] = torch.zeros(64, 64)  # no such layer, MTP or not
 
     rewrite_single_file(ckpt, add_mtp_layer)
     with caplog.at_level("INFO", logger="shared.model.loader"):
         model = load_model(ckpt)
     assert_same_parameters(model, load_model(clean))
-    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert warned == ["ignoring unexpected checkpoint tensor model.layers.3.self_attn.o_proj.weight"]
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
     assert any("multi-token-prediction" in r.getMessage() for r in caplog.records if r.levelname == "INFO")
+    stray = "model.layers.3.self_attn.o_proj.weight"  # no such layer, MTP or not: an error, not a warning
+    rewrite_single_file(ckpt, lambda t: t.__setitem__(stray, torch.zeros(64, 64)))
+    with pytest.raises(CheckpointError, match=f"{stray} matches no parameter"):
+        load_model(ckpt)
 
 
 def test_many_missing_tensors_are_summarized(tmp_path):

@@ -202,6 +202,9 @@ def test_each_rank_loads_its_slices_only(checkpoints, monkeypatch, arch, size):
                 def get_shape(self):
                     return inner.get_shape()
 
+                def get_dtype(self):  # metadata: the loader's quantization check reads it, no data
+                    return inner.get_dtype()
+
                 def __getitem__(self, index):
                     t = inner[index]
                     read.append(t.numel() * t.element_size())
