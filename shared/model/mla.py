@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from shared.model.config_aliases import read_field
+
 
 @dataclass(frozen=True)
 class MLAConfig:
@@ -35,18 +37,21 @@ class MLAConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> MLAConfig:
-        def need(key: str) -> int:
-            if raw.get(key) is None:
-                raise ValueError(f"config.json is missing {key!r}")
-            return int(raw[key])
+        """Read as transformers' DeepSeek config classes read it (shared/model/config_aliases.py: their
+        spellings and defaults; a `q_lora_rank` written as null means no query compression)."""
+        arch = raw.get("model_type", "deepseek_v3")
 
+        def get(name: str) -> Any:
+            return read_field(raw, arch, name)
+
+        q_lora_rank = get("q_lora_rank")
         return cls(
-            q_lora_rank=raw.get("q_lora_rank"),
-            kv_lora_rank=need("kv_lora_rank"),
-            qk_nope_head_dim=need("qk_nope_head_dim"),
-            qk_rope_head_dim=need("qk_rope_head_dim"),
-            v_head_dim=need("v_head_dim"),
+            q_lora_rank=None if q_lora_rank is None else int(q_lora_rank),
+            kv_lora_rank=int(get("kv_lora_rank")),
+            qk_nope_head_dim=int(get("qk_nope_head_dim")),
+            qk_rope_head_dim=int(get("qk_rope_head_dim")),
+            v_head_dim=int(get("v_head_dim")),
             # V2's modeling applies RoPE to interleaved pairs unconditionally (it has no such field)
-            rope_interleave=bool(raw.get("rope_interleave", True)) if raw.get("model_type") == "deepseek_v3" else True,
-            attention_bias=bool(raw.get("attention_bias", False)),
+            rope_interleave=bool(get("rope_interleave")) if arch == "deepseek_v3" else True,
+            attention_bias=bool(get("attention_bias")),
         )

@@ -51,6 +51,30 @@ EXTRA: dict[str, dict] = {
         n_shared_experts=2,
     ),
 }
+# DeepSeek's MLA sizes (tiny), shared by V2 (no query compression here) and V3
+_MLA_SHAPES = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+EXTRA |= {
+    "deepseek_v2": dict(
+        _MLA_SHAPES,
+        q_lora_rank=None,
+        n_routed_experts=6,
+        num_experts_per_tok=3,
+        moe_intermediate_size=40,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+    ),
+    "deepseek_v3": dict(
+        _MLA_SHAPES,
+        q_lora_rank=24,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=40,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+    ),
+}
 HF_CONFIG = {
     "llama": "LlamaConfig",
     "qwen2": "Qwen2Config",
@@ -85,9 +109,13 @@ def _expected(hf) -> dict:
         tie_word_embeddings=hf.tie_word_embeddings,
         rope_theta=hf.rope_parameters["rope_theta"],
     )
+    if hf.model_type.startswith("deepseek"):
+        # MLA: one latent entry per token for all heads (one "KV head"); head_dim is the rotary width, which
+        # transformers 5.x also writes as head_dim
+        out |= dict(num_kv_heads=1, head_dim=hf.qk_rope_head_dim)
     if hasattr(hf, "num_experts_per_tok") and hf.model_type != "llama":
         # transformers' attribute_map makes `num_experts` and `num_local_experts` both readable where aliased
-        experts = getattr(hf, "num_local_experts", None) or hf.num_experts
+        experts = getattr(hf, "num_local_experts", None) or getattr(hf, "n_routed_experts", None) or hf.num_experts
         out |= dict(num_experts=experts, num_experts_per_tok=hf.num_experts_per_tok)
     return out
 
@@ -135,6 +163,7 @@ def test_a_config_with_only_the_shapes_gets_transformers_defaults(arch):
         "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8},
         "glm4_moe": {},  # every MoE size has a class default: 128 experts, top 8, width 1408
         "gpt_oss": {"num_local_experts": 8},
+        "deepseek_v2": {"num_experts_per_tok": 2},  # DeepseekV2Config has no default top-k (None)
     }
     raw |= moe.get(arch, {})
     if arch == "qwen2_moe":
