@@ -17,16 +17,22 @@ from shared.model.tensor_parallel import TensorShard
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """Normalize in float32. Llama's order (the default) casts back to the activations' dtype before the
+    weight; `weight_in_float32` (gpt-oss) scales by the weight in float32 and casts once after it, one
+    rounding instead of two below float32, as transformers' GptOssRMSNorm does."""
+
+    def __init__(self, dim: int, eps: float, weight_in_float32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
+        self.weight_in_float32 = weight_in_float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32 and cast back before the weight, as the reference implementation does.
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_float32:
+            return (self.weight * x32).to(dtype)
         return self.weight * x32.to(dtype)
 
 

@@ -33,9 +33,9 @@ class DecoderLayer(nn.Module):
         self, cfg: ModelConfig, index: int, shard: TensorShard = TensorShard.SINGLE, split_experts: bool = True
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.arch.norm_weight_in_float32)
         self.self_attn: nn.Module = MLAAttention(cfg, shard) if cfg.arch.mla else Attention(cfg, shard, index)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.arch.norm_weight_in_float32)
         sparse = cfg.layer_is_sparse(index)
         self.mlp: nn.Module
         if sparse:
@@ -53,7 +53,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard, split_experts) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.arch.norm_weight_in_float32)
 
 
 class VocabHead(nn.Module):
