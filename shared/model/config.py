@@ -57,6 +57,9 @@ class ArchSpec:
     clamped_swiglu_experts: bool = False
     # gpt-oss: its RMSNorm multiplies the float32-normalized rows by the weight before casting back (layers.py)
     norm_weight_in_float32: bool = False
+    # DeepSeek-V2: RoPE as a complex product in float32 (cos/sin never rounded), one cast of the result back;
+    # V3 and the others rotate in the activations' dtype with tables already cast to it
+    rope_in_float32: bool = False
     mla: bool = False  # DeepSeek: multi-head latent attention, a latent KV cache (shared/model/mla.py)
 
 
@@ -70,7 +73,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     ),
     "qwen3_moe": ArchSpec(qk_norm=QKNorm.PER_HEAD, moe=True, routing_weights_in_activation_dtype=True),
     "olmoe": ArchSpec(qk_norm=QKNorm.FULL, moe=True, routing_weights_in_activation_dtype=True),
-    "deepseek_v2": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, mla=True),
+    "deepseek_v2": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, mla=True, rope_in_float32=True),
     "deepseek_v3": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, mla=True),
     "glm4_moe": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, attention_options=True),
     "gpt_oss": ArchSpec(

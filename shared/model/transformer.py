@@ -146,7 +146,7 @@ class CausalLM(nn.Module, PackedWeights):
         if not self.runtime_ready:
             raise RuntimeError("call init_runtime() (load_model does) before running the model")
         x = self.model.embed_tokens(input_ids)
-        rope = self.rotary.tables(positions, x.dtype)
+        rope = self.rotary.tables(positions, torch.float32 if self.config.arch.rope_in_float32 else x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, rope, kv_cache, meta)
         return self.model.norm(x)

@@ -60,10 +60,9 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
 
 
-# DeepSeek-V2's bfloat16 prefill logits differ by ~0.2-0.33 of ~18 (3-5 bf16 ulps at that scale; V3, on the same
-# MLA code, is bit-identical in the expanded form): not explained yet (not its float32 RoPE, tried); its greedy
-# tokens agree. Strict: a fix turns this red until the entry is removed.
-KNOWN_BF16_LOGIT_GAPS = {"deepseek_v2": "DeepSeek-V2 bf16 prefill logits 3-5 ulps from transformers' (open)"}
+# Architectures whose bfloat16 prefill logits (only) are off transformers' (strict xfail, as above). DeepSeek-V2
+# left it once its RoPE used float32 cos/sin: the tables had been cast to bfloat16 with the model.
+KNOWN_BF16_LOGIT_GAPS: dict[str, str] = {}
 
 
 def test_bf16_prefill_logits_match_transformers(checkpoint, reference, request):
