@@ -102,7 +102,10 @@ class Attention(nn.Module, PackedWeights):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, rope)
         out = paged_attention(q, k, v, kv_cache, meta.for_window(self.window), self.scale, self.sinks)
-        out = self.shard.all_reduce_(linear(out.reshape(t, self.q_size), self.w("o_proj")))
+        out = out.reshape(t, self.q_size)
+        if not self.shard.split:  # the bias inside the matmul: one rounding, as nn.Linear's (transformers')
+            return linear(out, self.w("o_proj"), self.o_bias)
+        out = self.shard.all_reduce_(linear(out, self.w("o_proj")))  # the bias is whole-row: added once, after
         return out if self.o_bias is None else out + self.o_bias
 
     def _full_qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

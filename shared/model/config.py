@@ -46,7 +46,7 @@ class ArchSpec:
     shared_expert: SharedExpert = SharedExpert.NONE
     # GLM-4.5: the q/k/v bias (`attention_bias`) and the per-head q/k norm (`use_qk_norm`) are config options
     attention_options: bool = False
-    # Qwen-MoE, OLMoE: transformers casts the top-k weights to the activations' dtype before they scale the
+    # Qwen-MoE, OLMoE, gpt-oss: transformers casts the top-k weights to the activations' dtype before they scale the
     # expert outputs; Mixtral and GLM keep them float32 (only visible below float32: see MoE.route)
     routing_weights_in_activation_dtype: bool = False
     # gpt-oss: q/k/v and o projections with biases (config `attention_bias`), a learned per-head sink logit in
@@ -55,6 +55,11 @@ class ArchSpec:
     attention_sinks: bool = False
     o_bias: bool = False
     clamped_swiglu_experts: bool = False
+    # gpt-oss: its RMSNorm multiplies the float32-normalized rows by the weight before casting back (layers.py)
+    norm_weight_in_float32: bool = False
+    # DeepSeek-V2: RoPE as a complex product in float32 (cos/sin never rounded), one cast of the result back;
+    # V3 and the others rotate in the activations' dtype with tables already cast to it
+    rope_in_float32: bool = False
     mla: bool = False  # DeepSeek: multi-head latent attention, a latent KV cache (shared/model/mla.py)
 
 
@@ -68,10 +73,18 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     ),
     "qwen3_moe": ArchSpec(qk_norm=QKNorm.PER_HEAD, moe=True, routing_weights_in_activation_dtype=True),
     "olmoe": ArchSpec(qk_norm=QKNorm.FULL, moe=True, routing_weights_in_activation_dtype=True),
-    "deepseek_v2": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, mla=True),
+    "deepseek_v2": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, mla=True, rope_in_float32=True),
     "deepseek_v3": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, mla=True),
     "glm4_moe": ArchSpec(moe=True, shared_expert=SharedExpert.PLAIN, attention_options=True),
-    "gpt_oss": ArchSpec(qkv_bias=True, moe=True, attention_sinks=True, o_bias=True, clamped_swiglu_experts=True),
+    "gpt_oss": ArchSpec(
+        qkv_bias=True,
+        moe=True,
+        attention_sinks=True,
+        o_bias=True,
+        clamped_swiglu_experts=True,
+        norm_weight_in_float32=True,
+        routing_weights_in_activation_dtype=True,  # its router's softmax runs in the logits' dtype
+    ),
 }
 
 

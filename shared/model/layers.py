@@ -17,16 +17,22 @@ from shared.model.tensor_parallel import TensorShard
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """Normalize in float32. Llama's order (the default) casts back to the activations' dtype before the
+    weight; `weight_in_float32` (gpt-oss) scales by the weight in float32 and casts once after it, one
+    rounding instead of two below float32, as transformers' GptOssRMSNorm does."""
+
+    def __init__(self, dim: int, eps: float, weight_in_float32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
+        self.weight_in_float32 = weight_in_float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32 and cast back before the weight, as the reference implementation does.
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_float32:
+            return (self.weight * x32).to(dtype)
         return self.weight * x32.to(dtype)
 
 
@@ -48,7 +54,12 @@ class Rotary(nn.Module):
 
     @torch.no_grad()
     def fill(self) -> None:
-        """Compute the tables in float32 on the host (the same numbers on every device), copy them in once."""
+        """Compute the tables in float32 on the host (the same numbers on every device), copy them in once.
+        They stay float32 under a model in a lower dtype (the `.to(dtype)` at load casts buffers too): `tables`
+        casts its rows to the dtype asked for, and DeepSeek-V2 rotates with the float32 ones."""
+        if self.cos.dtype != torch.float32:
+            self.cos = torch.empty_like(self.cos, dtype=torch.float32)
+            self.sin = torch.empty_like(self.sin, dtype=torch.float32)
         hd = self.dim
         inv_freq = 1.0 / (self.rope.theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
         mscale = 1.0
@@ -96,7 +107,8 @@ def apply_rotary_interleaved(
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        # float32 tables (DeepSeek-V2) promote the products: one rounding back to x's dtype, after the sums
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
     return rotate(q), rotate(k)
 

@@ -33,9 +33,9 @@ class DecoderLayer(nn.Module):
         self, cfg: ModelConfig, index: int, shard: TensorShard = TensorShard.SINGLE, split_experts: bool = True
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.arch.norm_weight_in_float32)
         self.self_attn: nn.Module = MLAAttention(cfg, shard) if cfg.arch.mla else Attention(cfg, shard, index)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.arch.norm_weight_in_float32)
         sparse = cfg.layer_is_sparse(index)
         self.mlp: nn.Module
         if sparse:
@@ -53,7 +53,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard, split_experts) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.arch.norm_weight_in_float32)
 
 
 class VocabHead(nn.Module):
@@ -146,7 +146,7 @@ class CausalLM(nn.Module, PackedWeights):
         if not self.runtime_ready:
             raise RuntimeError("call init_runtime() (load_model does) before running the model")
         x = self.model.embed_tokens(input_ids)
-        rope = self.rotary.tables(positions, x.dtype)
+        rope = self.rotary.tables(positions, torch.float32 if self.config.arch.rope_in_float32 else x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, rope, kv_cache, meta)
         return self.model.norm(x)
