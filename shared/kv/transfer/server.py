@@ -357,12 +357,7 @@ class KvTransferServer:
             log.warning("KV send of %s to %s through shared memory failed: %s", rid, slot.worker_id, e)
             self._drop(slot)
         finally:
-            try:
-                await self.source.end_send(rid, ok=error is None)
-            except Exception:
-                log.exception("ending the send of %s failed", rid)
-            span.set_attribute(tracing.KV_DURATION, time.perf_counter() - started)
-            tracing.end_span(span, error=error)
+            await self._end_send(rid, error, span, started)
         if error is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, error)
         reply = announce(kv.layout, kv.num_tokens, shape, 0, 0, first_block=kv.first_block)
@@ -445,12 +440,16 @@ class KvTransferServer:
             log.warning("KV send of %s to %s failed: %s", rid, slot.worker_id, e)
             self._drop(slot)
         finally:
-            try:
-                await self.source.end_send(rid, ok=error is None)
-            except Exception:
-                log.exception("ending the send of %s failed", rid)
-            span.set_attribute(tracing.KV_DURATION, time.perf_counter() - started)
-            tracing.end_span(span, error=error)
+            await self._end_send(rid, error, span, started)
+
+    async def _end_send(self, rid: str, error: str | None, span, started: float) -> None:
+        """A send is over, on either path (pair or shared memory): the source frees the blocks, the span ends."""
+        try:
+            await self.source.end_send(rid, ok=error is None)
+        except Exception:
+            log.exception("ending the send of %s failed", rid)
+        span.set_attribute(tracing.KV_DURATION, time.perf_counter() - started)
+        tracing.end_span(span, error=error)
 
     def _send_blocking(self, pair: Pair, kv: Outgoing, tag: int) -> None:
         """On a send thread, on the send stream: returns once the send's work is done (its buffer is free)."""
