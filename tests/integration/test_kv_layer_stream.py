@@ -52,14 +52,15 @@ def _run(engine: Engine) -> list[int]:
 # ---- the prefill process ----------------------------------------------------------------------------------
 
 
-def _prefill_main(conn: Connection, checkpoint: str, settings: dict) -> None:
-    asyncio.run(_prefill_serve(conn, checkpoint, settings))
+def _prefill_main(conn: Connection, checkpoint: str) -> None:
+    asyncio.run(_prefill_serve(conn, checkpoint))
 
 
-async def _prefill_serve(conn: Connection, checkpoint: str, settings: dict) -> None:
+async def _prefill_serve(conn: Connection, checkpoint: str) -> None:
     """Commands: ("stream", id, prompt, gated) → once its last chunk started and its KV is held: the layers
     done so far; ("first", id) → its first token once the prefill ended; ("open",) → the gate opens;
-    ("cancel", id) → the held KV is released (as a Cancel does); ("state",) → blocks, held keys, stats."""
+    ("cancel", id) → the held KV is released (as a Cancel does); ("configure", path) → the sends of PATHS[path]
+    from now on; ("state",) → blocks, held keys, stats."""
     loop = asyncio.get_running_loop()
     engine = Engine(EngineConfig(model=checkpoint, **ENGINE_OPTS))
     engine_thread = concurrent.futures.ThreadPoolExecutor(1)  # the engine's own thread, as AsyncEngine has
@@ -68,11 +69,8 @@ async def _prefill_serve(conn: Connection, checkpoint: str, settings: dict) -> N
         return await loop.run_in_executor(engine_thread, fn, engine)
 
     blocks = EngineKvBlocks(engine, call=call)
-    blocks.min_segment_bytes = settings.get("min_segment_bytes", blocks.min_segment_bytes)
     held = HeldKv(blocks, lease_s=600.0)
-    server = KvTransferServer(
-        "127.0.0.1", 0, held, secret=SECRET, timeout_s=TIMEOUT_S, chunk_bytes=settings.get("chunk_bytes", 0)
-    )
+    server = KvTransferServer("127.0.0.1", 0, held, secret=SECRET, timeout_s=TIMEOUT_S)
     gate = threading.Event()
     layer = engine.model.model.layers[GATED_LAYER]
     forward = layer.forward
@@ -115,6 +113,11 @@ async def _prefill_serve(conn: Connection, checkpoint: str, settings: dict) -> N
                 conn.send(await firsts.pop(args[0]))
             elif op == "open":
                 gate.set()
+                conn.send(None)
+            elif op == "configure":
+                settings = PATHS[args[0]]
+                blocks.min_segment_bytes = settings["min_segment_bytes"]
+                server.chunk_bytes = settings.get("chunk_bytes", 0)
                 conn.send(None)
             elif op == "cancel":
                 await held.release(args[0])
@@ -159,10 +162,10 @@ class PrefillProcess:
         return state
 
 
-def _start(checkpoint, settings: dict | None = None) -> PrefillProcess:
+def _start(checkpoint) -> PrefillProcess:
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_prefill_main, args=(theirs, str(checkpoint), settings or {}), daemon=True)
+    proc = ctx.Process(target=_prefill_main, args=(theirs, str(checkpoint)), daemon=True)
     proc.start()
     if not ours.poll(60):
         proc.kill()
@@ -198,10 +201,11 @@ PATHS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(PATHS))
-def prefill(request, checkpoint):
-    process = _start(checkpoint, PATHS[request.param])
+@pytest.fixture(scope="module")
+def prefill(checkpoint):
+    process = _start(checkpoint)
     try:
+        process.call("configure", "direct")
         yield process
     finally:
         _stop(process)
@@ -218,9 +222,11 @@ def _client(worker: str) -> KvTransferClient:
 # ---- tests ------------------------------------------------------------------------------------------------
 
 
-def test_a_streamed_pull_hands_off_identical_bytes_and_decodes_exactly(prefill, checkpoint, model):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_streamed_pull_hands_off_identical_bytes_and_decodes_exactly(prefill, checkpoint, model, path):
     """The pull starts with one layer written; it completes only after the gate opens, with every byte of the
     prefill's KV and its first token; the decode side continues token for token as one engine would."""
+    prefill.call("configure", path)
     prompt = _prompt(300, seed=3)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     whole = _engine(checkpoint, model)
@@ -247,6 +253,7 @@ def test_a_streamed_pull_hands_off_identical_bytes_and_decodes_exactly(prefill, 
 
     kv, stats = asyncio.run(run())
     first = prefill.call("first", "s")
+    prefill.call("configure", "direct")
     assert isinstance(kv, StreamedKv) and [kv.first_token] == first  # the trailer carried the first token
     assert stats.streamed_pulls == 1 and stats.shm_pulls == 0  # the same-host segment is not used for a stream
     assert kv.num_tokens == len(prompt) and torch.equal(kv.blocks, want.blocks)  # bytes identical, padding too
@@ -307,8 +314,9 @@ def test_an_abort_midway_fails_the_pull_and_frees_both_sides(prefill, checkpoint
 
 def test_a_prefill_worker_killed_mid_stream(checkpoint, model):
     """SIGKILL while layer 1 is being computed: the pull fails at once, and this side keeps nothing."""
-    victim = _start(checkpoint, PATHS["direct"])
+    victim = _start(checkpoint)
     try:
+        victim.call("configure", "direct")
         assert victim.call("stream", "doomed", _prompt(300, seed=6), True) == 0
         layout = _engine(checkpoint, model).layout
 
