@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere, installed or not
 from shared.engine.config import SchedulerConfig  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.kv_pool import KVLayout  # noqa: E402
+from shared.engine.layer_streams import StreamStart  # noqa: E402
 from shared.engine.sampling import SamplingParams  # noqa: E402
 from shared.kv.held import HeldKv  # noqa: E402
 from shared.kv.transfer import EngineKvBlocks, KvTransferClient, KvTransferServer  # noqa: E402
@@ -92,7 +93,11 @@ async def serve(conn, model_dir: str, sizes: list[int], chunk: int) -> None:
             def add(e: Engine, kind=kind, rid=rid, n=n, started=started) -> float:
                 e.add_request(rid, prompts[n], PREFILL, hold_kv=kind != "alone")
                 if kind == "streamed":
-                    blocks.watch(e, rid, lambda _: loop.call_soon_threadsafe(started.set_result, None))
+
+                    def announce(_: StreamStart) -> None:
+                        loop.call_soon_threadsafe(started.set_result, None)
+
+                    blocks.watch(e, rid, announce)
                 return time.monotonic()
 
             t0 = await call(add)
@@ -152,7 +157,7 @@ async def measure(address: str, layout: KVLayout, conn, sizes: list[int], repeat
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--model", help="checkpoint directory (default: the small demo model, written if missing)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (max_num_batched_tokens)")

@@ -140,7 +140,12 @@ class LayerStreams:
         if not self._live:
             return None
         live = list(self._live.values())  # streams started in an earlier step but not ended cannot exist
-        return lambda layer: [p.mark(layer) for p in live]
+
+        def mark(layer: int) -> None:
+            for progress in live:
+                progress.mark(layer)
+
+        return mark
 
     def end(self, sampled: dict[str, int]) -> None:
         """After the step: each live stream's first token (every one samples in the step it started)."""

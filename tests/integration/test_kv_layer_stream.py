@@ -17,6 +17,7 @@ import multiprocessing as mp
 import threading
 import time
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ from shared.model.loader import load_model
 TIMEOUT_S = 20.0
 SECRET = b"test-cluster-secret-0123456789"
 # 128-token chunks: a 300-token prompt is prefilled in three steps, only the last of which is streamed
-ENGINE_OPTS = dict(num_kv_blocks=64, max_model_len=1024, scheduler=SchedulerConfig(max_num_batched_tokens=128))
+ENGINE_OPTS: dict = dict(num_kv_blocks=64, max_model_len=1024, scheduler=SchedulerConfig(max_num_batched_tokens=128))
 PREFILL = SamplingParams(max_tokens=1, temperature=0.0)
 GATED_LAYER = 1
 
@@ -137,7 +138,7 @@ async def _prefill_serve(conn: Connection, checkpoint: str) -> None:
 
 @dataclasses.dataclass
 class PrefillProcess:
-    proc: mp.Process
+    proc: BaseProcess
     conn: Connection
     address: str
 
