@@ -61,7 +61,7 @@ async def _prefill_serve(conn: Connection, checkpoint: str) -> None:
     """Commands: ("stream", id, prompt, gated) → once its last chunk started and its KV is held: the layers
     done so far; ("first", id) → its first token once the prefill ended; ("open",) → the gate opens;
     ("cancel", id) → the held KV is released (as a Cancel does); ("configure", path) → the sends of PATHS[path]
-    from now on; ("state",) → blocks, held keys, stats."""
+    from now on; ("sending",) → the keys being sent; ("state",) → blocks, held keys, stats."""
     loop = asyncio.get_running_loop()
     engine = Engine(EngineConfig(model=checkpoint, **ENGINE_OPTS))
     engine_thread = concurrent.futures.ThreadPoolExecutor(1)  # the engine's own thread, as AsyncEngine has
@@ -123,6 +123,8 @@ async def _prefill_serve(conn: Connection, checkpoint: str) -> None:
             elif op == "cancel":
                 await held.release(args[0])
                 conn.send(None)
+            elif op == "sending":  # not through the engine's thread, which the gate may hold
+                conn.send([key for key in held.keys() if held.is_sending(key)])
             elif op == "state":
                 integrity = None
                 try:
@@ -148,6 +150,13 @@ class PrefillProcess:
             raise TimeoutError(f"prefill process did not answer {command[0]!r}")
         return self.conn.recv()
 
+    async def until_sending(self, rid: str) -> None:
+        """Return once the pull of `rid` was accepted (its stream is on the wire, waiting for layer 1)."""
+        deadline = time.monotonic() + TIMEOUT_S
+        while rid not in await asyncio.to_thread(self.call, "sending"):
+            assert time.monotonic() < deadline, f"the pull of {rid!r} never started"
+            await asyncio.sleep(0.02)
+
     def settled_state(self) -> dict:
         """State once nothing is held any more (the release follows the send's end, so it may lag)."""
         deadline = time.monotonic() + 10
@@ -168,7 +177,7 @@ def _start(checkpoint) -> PrefillProcess:
     ours, theirs = ctx.Pipe()
     proc = ctx.Process(target=_prefill_main, args=(theirs, str(checkpoint)), daemon=True)
     proc.start()
-    if not ours.poll(60):
+    if not ours.poll(180):  # a loaded machine: spawning and loading torch may take a while
         proc.kill()
         raise RuntimeError(f"the prefill process did not start (exit code {proc.exitcode})")
     return PrefillProcess(proc, ours, ours.recv())
@@ -245,7 +254,8 @@ def test_a_streamed_pull_hands_off_identical_bytes_and_decodes_exactly(prefill, 
         client = _client("decode-stream")
         try:
             pull = asyncio.ensure_future(client.pull(prefill.address, "s", decode.layout))
-            await asyncio.sleep(0.5)
+            await prefill.until_sending("s")
+            await asyncio.sleep(0.2)
             assert not pull.done()  # layer 1 is not written yet: decode may not begin
             await asyncio.to_thread(prefill.call, "open")
             return await asyncio.wait_for(pull, TIMEOUT_S), client.stats
@@ -295,7 +305,8 @@ def test_an_abort_midway_fails_the_pull_and_frees_both_sides(prefill, checkpoint
         client = _client("decode-abort")
         try:
             pull = asyncio.ensure_future(client.pull(prefill.address, "x", layout))
-            await asyncio.sleep(0.3)
+            await prefill.until_sending("x")
+            await asyncio.sleep(0.1)  # layer 0 on the wire, layer 1 held by the gate
             await asyncio.to_thread(prefill.call, "cancel", "x")
             t0 = time.monotonic()
             with pytest.raises(KvTransferError) as failed:
@@ -325,7 +336,8 @@ def test_a_prefill_worker_killed_mid_stream(checkpoint, model):
             client = _client("decode-bereaved")
             try:
                 pull = asyncio.ensure_future(client.pull(victim.address, "doomed", layout))
-                await asyncio.sleep(0.3)
+                await victim.until_sending("doomed")
+                await asyncio.sleep(0.1)
                 assert not pull.done()
                 victim.proc.kill()
                 t0 = time.monotonic()

@@ -139,7 +139,7 @@ class EngineKvBlocks:
     async def release_kv(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         # a streamed request whose step failed is not finished: aborting it frees its blocks all the same
-        await self._call(lambda e: e.release_kv(request_id) or e.abort(request_id))
+        await self._call(lambda e: e.release_kv(request_id) or (request_id in e.requests and e.abort(request_id)))
         lent = self._lent.pop(request_id, None)
         if lent is not None:
             with self._buffers_lock:
