@@ -29,6 +29,7 @@ from shared.engine.group_model import load_rank_model
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_measure import outside_torch, plan_kv_pool
 from shared.engine.kv_pool import KVLayout, KVPool
+from shared.engine.layer_streams import LayerStreams, OnStart
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.request import FinishReason, Request, RequestStatus
 from shared.engine.runner import ModelRunner
@@ -122,6 +123,8 @@ class Engine:
         self.last_logits: dict[str, torch.Tensor] = {}  # from the latest step, for tests and logprobs
         self.pending_forks = PendingForks()  # children forked at their parent's first token
         self.worker_group: WorkerGroup | None = None  # on a group's leader: its ranks (parallel/group_engine.py)
+        # requests whose KV is sent layer by layer as their last chunk runs (layer_streams.py)
+        self.layer_streams = LayerStreams(mc.num_layers, config.block_size)
 
     def _plan_kv(self, non_torch_at_start: int, graph_backend: GraphBackend | None) -> tuple[GraphBackend | None, str]:
         """Prepack the weights, choose the kernels, plan the KV pool and allocate it (sets kernels, layout,
@@ -311,6 +314,7 @@ class Engine:
         to the next choice (shared/engine/fork.py)."""
         req = self.requests.pop(request_id, None)
         self.structured.remove(request_id)
+        self.layer_streams.drop(request_id)  # a stream of its KV fails (its sender frees nothing twice)
         if req is None:
             return self.pending_forks.drop_child(request_id)  # a child not forked yet holds nothing
         if req.is_finished:  # held for export
@@ -323,6 +327,23 @@ class Engine:
             heir, *rest = pending.children
             self.add_group(req.prompt_token_ids, [heir, *rest], hold_kv=pending.parent_holds_kv)
         return True
+
+    def can_stream_kv(self) -> bool:
+        """Whether this engine can stream a request's KV layer by layer (layer_streams.py): a host-memory pool,
+        one process (no worker group), no sliding windows."""
+        mc = self.model.config
+        return self.pool.tensor.device.type == "cpu" and self.worker_group is None and not mc.layer_windows
+
+    def stream_kv(self, request_id: str, on_start: OnStart) -> None:
+        """Watch a request added with hold_kv: when the step that completes its prompt starts, `on_start` is called
+        (on this thread) with its blocks and the per-layer progress a sender waits on. ValueError where the
+        engine cannot stream (`can_stream_kv`) or the request is unknown."""
+        if not self.can_stream_kv():
+            raise ValueError("this engine cannot stream KV layer by layer (CUDA pool, worker group or windows)")
+        req = self.requests.get(request_id)
+        if req is None or not req.hold_kv or req.output_token_ids:
+            raise ValueError(f"request {request_id!r} is not a fresh prefill holding its KV")
+        self.layer_streams.watch(request_id, on_start)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -347,7 +368,14 @@ class Engine:
         self.stats.preemptions += len(plan.preempted)
         if not plan.seqs:
             return []
-        out = self.runner.execute(plan)
+        self.model.on_layer = self.layer_streams.begin(plan)  # None unless a watched prompt completes now
+        try:
+            out = self.runner.execute(plan)
+        except BaseException as e:
+            self.layer_streams.fail_all(f"the prefill step failed: {e!r}")
+            raise
+        finally:
+            self.model.on_layer = None
         self.last_logits = out.logits
         self.stats.steps += 1
         for s in plan.seqs:
@@ -368,6 +396,7 @@ class Engine:
             outputs.append(self._output(req, [r.new_token_id], None if logprobs is None else [logprobs]))
             if req.request_id in self.pending_forks:  # a group's parent sampled its first token
                 outputs += self._fork_at_first_token(req, out.logits[req.request_id])
+        self.layer_streams.end(out.sampled)  # last: a stream's sender may free the request once it ends
         return outputs
 
     def _output(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None) -> RequestOutput:

@@ -153,6 +153,9 @@ class HeldKv:
             return
         if record.state is HeldState.SENDING:
             record.free_after_send = record.free_after_send or why
+            stop = getattr(self.blocks, "stop_stream", None)  # a layer-streamed send stops now, not at its end
+            if stop is not None:
+                stop(key, f"its KV was released ({why.value})")
             return
         await self._free(key, why)
 

@@ -12,6 +12,8 @@ a tied LM head uses the replicated embedding and computes the full logits on eve
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -102,6 +104,9 @@ class CausalLM(nn.Module, PackedWeights):
         self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.runtime_ready = False
         self.kernels = KernelChoice.TORCH  # see use_kernels
+        # called with each layer's index once its forward returned (its KV written): a layer-streamed KV send
+        # waits on it (shared/engine/layer_streams.py); None: no step of a streamed request is running
+        self.on_layer: Callable[[int], object] | None = None
         self.LINEAR_WEIGHTS = ("model.embed_tokens.weight",) if self.lm_head is None else ("lm_head.weight",)
 
     def init_runtime(self) -> None:
@@ -147,8 +152,10 @@ class CausalLM(nn.Module, PackedWeights):
             raise RuntimeError("call init_runtime() (load_model does) before running the model")
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, torch.float32 if self.config.arch.rope_in_float32 else x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             x = layer(x, rope, kv_cache, meta)
+            if self.on_layer is not None:
+                self.on_layer(i)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,7 @@ class PullRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., ticket: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., pair_id: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., kv_head_start: _Optional[int] = ..., kv_head_count: _Optional[int] = ..., group_pulls: _Optional[int] = ..., shm_offset: _Optional[int] = ..., shm_capacity: _Optional[int] = ...) -> None: ...
 
 class PullReply(_message.Message):
-    __slots__ = ("num_tokens", "shape", "dtype", "block_size", "tag", "chunk_bytes", "first_block", "runs", "shm_bytes")
+    __slots__ = ("num_tokens", "shape", "dtype", "block_size", "tag", "chunk_bytes", "first_block", "runs", "shm_bytes", "layer_streamed")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class PullReply(_message.Message):
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     RUNS_FIELD_NUMBER: _ClassVar[int]
     SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_STREAMED_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
@@ -88,4 +89,5 @@ class PullReply(_message.Message):
     first_block: int
     runs: _containers.RepeatedScalarFieldContainer[int]
     shm_bytes: int
-    def __init__(self, num_tokens: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tag: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., first_block: _Optional[int] = ..., runs: _Optional[_Iterable[int]] = ..., shm_bytes: _Optional[int] = ...) -> None: ...
+    layer_streamed: bool
+    def __init__(self, num_tokens: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tag: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., first_block: _Optional[int] = ..., runs: _Optional[_Iterable[int]] = ..., shm_bytes: _Optional[int] = ..., layer_streamed: _Optional[bool] = ...) -> None: ...

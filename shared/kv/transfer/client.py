@@ -34,6 +34,7 @@ from shared.kv.transfer.buffers import BufferPool
 from shared.kv.transfer.channel_tls import KvTls
 from shared.kv.transfer.errors import FailureReason, KvTransferError
 from shared.kv.transfer.heads import head_fields
+from shared.kv.transfer.layer_stream import StreamedKv, receive_parts
 from shared.kv.transfer.pair import (
     DECODE_RANK,
     Pair,
@@ -70,6 +71,7 @@ class ClientStats:
     connects: int = 0  # pairs joined: one process group constructed each
     pulls: int = 0  # pulls completed
     shm_pulls: int = 0  # of which arrived through a shared segment
+    streamed_pulls: int = 0  # of which were sent layer by layer, the first token after them (layer_stream.py)
     bytes_received: int = 0
 
 
@@ -221,8 +223,9 @@ class KvTransferClient:
                 if reply.shm_bytes:
                     return self._from_segment(conn, reply, source, offset, request_id)
                 buffer = self._buffers.take(tuple(reply.shape), layout.torch_dtype)
-                # The server is sending already: the same pieces, from the announced tag on.
-                parts = receive_pieces(buffer, reply)
+                # The server is sending already: the same pieces, from the announced tag on (a layer-streamed
+                # send: as the prefill writes each layer, then the first token; layer_stream.py).
+                parts, trailer = receive_parts(receive_pieces(buffer, reply), reply)
                 await asyncio.get_running_loop().run_in_executor(self._executor, conn.pair.recv, parts, reply.tag)
             except KvTransferError:
                 self._forget(address, conn)  # closing the pair fails the server's send: it frees the blocks
@@ -232,6 +235,10 @@ class KvTransferClient:
                 raise _transfer_error(e, f"receiving {request_id!r} from {address}") from e
         self.stats.pulls += 1
         self.stats.bytes_received += buffer.numel() * buffer.element_size()
+        if trailer is not None:  # every layer and the first token arrived: decode may begin
+            self.stats.streamed_pulls += 1
+            token = int(trailer[0])
+            return StreamedKv(source, reply.num_tokens, buffer, first_block=reply.first_block, first_token=token)
         return KVExport(source, reply.num_tokens, buffer, first_block=reply.first_block)
 
     def _from_segment(

@@ -39,6 +39,7 @@ from shared.kv.replay import DEFAULT_CAPACITY, ReplayCache
 from shared.kv.tickets import TicketError, TicketReason, Tickets
 from shared.kv.transfer.channel_tls import KvTls
 from shared.kv.transfer.heads import HeadsRefused, begin_send
+from shared.kv.transfer.layer_stream import StreamedPoolKv
 from shared.kv.transfer.pair import PREFILL_RANK, Pair, TransferBackend, check_backend, store_client
 from shared.kv.transfer.pair_proof import PairProofs, PairRefused
 from shared.kv.transfer.pool_kv import PoolKv
@@ -78,6 +79,7 @@ class ServerStats:
     pairs_created: int = 0  # Connect calls accepted: one process group each
     pulls: int = 0  # pulls accepted (export done, send started)
     shm_pulls: int = 0  # of which written into a pair's shared segment
+    streamed_pulls: int = 0  # of which sent layer by layer as the prefill wrote them (layer_stream.py)
     segments: int = 0  # shared segments created (one per same-host pair)
     bytes_sent: int = 0
     failed_sends: int = 0  # injected faults included
@@ -321,11 +323,15 @@ class KvTransferServer:
             }
         )
         self.stats.pulls += 1
-        if fits(slot.segment, request.shm_offset, request.shm_capacity, kv):
+        streamed = isinstance(kv, StreamedPoolKv)  # layer by layer, then the first token (layer_stream.py)
+        if not streamed and fits(slot.segment, request.shm_offset, request.shm_capacity, kv):
             return await self._write_segment(slot, kv, request, span, started, context)
         if isinstance(kv, PoolKv):
             tag = slot.reserve_tags(kv.num_pieces(self.chunk_bytes))
             reply = announce(kv.layout, kv.num_tokens, kv.shape, tag, self.chunk_bytes, kv.runs, kv.first_block)
+            if isinstance(kv, StreamedPoolKv):
+                kv.wait_s, reply.layer_streamed = self.timeout_s, True
+                self.stats.streamed_pulls += 1
         else:
             tag = slot.reserve_tags(num_pieces(kv.blocks.numel(), kv.blocks.element_size(), self.chunk_bytes))
             reply = describe(kv, tag, self.chunk_bytes)

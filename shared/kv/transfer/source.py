@@ -20,7 +20,9 @@ import torch
 from shared.engine.engine import Engine
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVLayout
+from shared.engine.layer_streams import StreamStart
 from shared.kv.transfer.buffers import BufferPool
+from shared.kv.transfer.layer_stream import StreamedPoolKv
 from shared.kv.transfer.pool_kv import MIN_SEGMENT_BYTES, SMALL_KV_BYTES, PoolKv
 from shared.kv.transfer.send_stream import SendStream
 
@@ -98,20 +100,46 @@ class EngineKvBlocks:
         self._buffers = BufferPool(buffer_bytes, str(engine.pool.tensor.device))
         self._buffers_lock = threading.Lock()  # taken on the engine's thread, given back on the loop
         self._lent: dict[str, torch.Tensor] = {}  # request id → the buffer its export copied into
+        # request id → its layer stream (layer_stream.py), from its last chunk's start until it is released;
+        # written on the engine's thread, read on the loop (one dict operation each, atomic under the GIL)
+        self._streams: dict[str, StreamStart] = {}
+
+    def watch(self, engine: Engine, request_id: str, announce: Callable[[StreamStart], None]) -> None:
+        """On the engine's thread: stream the request's KV layer by layer (Engine.stream_kv). When its last
+        chunk starts, `announce(start)` is called there (hand it to the loop: `call_soon_threadsafe`); from then
+        on `export_kv` lends the blocks as a `StreamedPoolKv` without waiting for the engine's thread."""
+
+        def started(start: StreamStart) -> None:
+            self._streams[request_id] = start
+            announce(start)
+
+        engine.stream_kv(request_id, started)
+
+    def stop_stream(self, request_id: str, why: str) -> None:
+        """Fail the request's layer stream if it is still running (its send then fails and ends); any thread."""
+        start = self._streams.get(request_id)
+        if start is not None:
+            start.progress.fail(why)
 
     @property
     def layout(self) -> KVLayout:
         return self.engine.layout
 
     async def export_kv(self, request_id: str) -> Outgoing:
-        kv = await self._call(lambda e: self._export(e, request_id))
+        start = self._streams.get(request_id)
+        if start is not None:  # its last chunk may be running: not through the engine's thread (busy with it)
+            kv = StreamedPoolKv.of_stream(self.engine.pool, start, self._take, self.min_segment_bytes)
+        else:
+            kv = await self._call(lambda e: self._export(e, request_id))
         lent = kv.blocks if isinstance(kv, KVExport) else kv.staging
         if lent is not None:
             self._lent[request_id] = lent
         return kv
 
     async def release_kv(self, request_id: str) -> None:
-        await self._call(lambda e: e.release_kv(request_id))
+        self._streams.pop(request_id, None)
+        # a streamed request whose step failed is not finished: aborting it frees its blocks all the same
+        await self._call(lambda e: e.release_kv(request_id) or (request_id in e.requests and e.abort(request_id)))
         lent = self._lent.pop(request_id, None)
         if lent is not None:
             with self._buffers_lock:
