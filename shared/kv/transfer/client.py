@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -223,7 +224,11 @@ class KvTransferClient:
                 buffer = self._buffers.take(tuple(reply.shape), layout.torch_dtype)
                 # The server is sending already: the same pieces, from the announced tag on.
                 parts = receive_pieces(buffer, reply)
-                await asyncio.get_running_loop().run_in_executor(self._executor, conn.pair.recv, parts, reply.tag)
+                if self.backend is TransferBackend.GLOO:  # posted here, waited for in a thread (pair.py)
+                    finish = conn.pair.post_recv(parts, reply.tag).wait
+                else:
+                    finish = functools.partial(conn.pair.recv, parts, reply.tag)
+                await asyncio.get_running_loop().run_in_executor(self._executor, finish)
             except KvTransferError:
                 self._forget(address, conn)  # closing the pair fails the server's send: it frees the blocks
                 raise
