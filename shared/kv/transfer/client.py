@@ -10,7 +10,8 @@ worker's certificate (channel_tls.py). A joined pair is used only once the prefi
 cluster secret (pair_proof.py). On one host (same host identity, shm.py) the server also offers a
 shared-memory segment with the pair: each pull then reserves a region of it, and a KV that fits arrives
 there (the result is a view of it, no copy here), else over the pair as usual. Blocking joins and recv waits
-run in this client's thread pool, so the decode loop keeps stepping while KV arrives. Every failure
+run in this client's thread pool, so the decode loop keeps stepping while KV arrives; gloo recvs are posted
+from the loop as soon as the reply is in (pair.py), so only their wait takes a thread. Every failure
 surfaces as KvTransferError; one that may have left the pair mid-transfer closes and forgets it, so the
 next pull negotiates a fresh pair.
 """

@@ -217,8 +217,13 @@ class Posted:
             raise RuntimeError("this transfer was waited for already")
         pending = self.pending
         try:
+            # Last first: a pair's operations complete in posting order (one TCP connection, written and read
+            # in order), so once the last is done the others are too and their waits return without sleeping.
+            # Waiting first to last instead wakes this thread once per piece, and on loaded cores each wake-up
+            # costs up to a scheduler slice (docs/benchmarks.md, "Where a pull's milliseconds go"). Every
+            # operation is still waited for, so nothing depends on that order being kept.
             while pending:
-                pending.popleft().wait(timedelta(seconds=max(self._deadline - time.monotonic(), 0.001)))
+                pending.pop().wait(timedelta(seconds=max(self._deadline - time.monotonic(), 0.001)))
         except BaseException:
             _settle(pending)
             raise
