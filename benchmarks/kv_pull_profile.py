@@ -102,11 +102,11 @@ def prefill_entry(conn, model_dir: str, sizes: list[int], repeats: int, out: str
 
 
 def patch_client() -> None:
-    call = client_mod.KvTransferClient._call
+    original = client_mod.KvTransferClient._call
     current = {"rid": ""}
 
-    async def _call(self, address, conn, rpc, what):
-        reply = await call(self, address, conn, rpc, what)
+    async def _call(self, address, conn, call, what):
+        reply = await original(self, address, conn, call, what)
         if what == "Pull":  # not the Connect of the first pull
             stamp(current["rid"], "c_reply")
         return reply
@@ -175,7 +175,7 @@ def summarize(stamps: list[tuple[str, str, float]], ends: dict[str, float], size
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 1024, 4096])
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
