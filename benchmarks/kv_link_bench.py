@@ -21,6 +21,12 @@ the transfer; share = transfer / TTFT. The transfer depends only on the KV layou
 dim, dtype), so it is measured once per distinct layout and applies to every shape with that layout.
 Medians of `--repeats` pulls after one checked pull (bytes compared by hash); prefill: median of 3 up to
 1k tokens, one run above. Writes JSON (default benchmarks/results/kv_link.json).
+
+Transports are measured one after another (every length over one, then the next, minutes apart): on a shared
+machine a load change between passes shows as a transport difference, so this table gives each transport's
+cost against prefill, not transports against each other; `kv_transfer_bench.py` interleaves them. The
+shared-memory send is one gather with the prefill process's torch threads (`--threads`, default 1), while a
+gloo pull over loopback needs none (docs/benchmarks.md, "Why kv_transfer_bench and kv_link_bench disagreed").
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ median of a few runs), holds the KV and serves KvTransfer on 127.0.0.1. This pro
 A first row of FIXED_TOKENS (one block) shows the per-pull fixed cost, with `rpc`: a Pull of an unknown
 request (the round trip with its ticket checks, NOT_FOUND) and its parts measured in this process.
 The bench source never frees the KV (its end_send only takes back its staging), so each repeat pulls the
-same blocks again. Repeats alternate the kinds; each figure is the median, after one warm-up of each.
+same blocks again. Repeats alternate the transfers, in an order rotated each repeat; the local copies are
+timed after them, apart. Each figure is the median, after one warm-up of each.
 """
 
 from __future__ import annotations
@@ -216,14 +217,22 @@ async def measure(info: dict, sizes: list[int], repeats: int) -> tuple[list[dict
             times: dict[str, list[float]] = {k: [] for k in (*KINDS, "raw", "clone", "copy")}
             copy_buffer = torch.empty_like(raw_buffer)
             copy_buffer.copy_(raw_buffer)  # touched once: no page faults while timing
-            for _ in range(repeats):
-                for key, rid in pulls.items():
+            # The transfers rotate their order each repeat, so none always follows the same one; the local
+            # copies run apart, after them: a torch copy leaves this process's OpenMP threads spinning for a
+            # while, which on two cores slowed whichever transfer came next (kinds measured right after one
+            # were penalised, the others not: the contradiction between this bench and kv_link_bench).
+            kinds = [*pulls, "raw"]
+            for r in range(repeats):
+                for key in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
+                    if key == "raw":
+                        times["raw"].append(await asyncio.to_thread(raw_pull, raw, index, raw_buffer))
+                        continue
                     t0 = time.perf_counter()
-                    kv = await by_kind[key].pull(address, rid, layout)
+                    kv = await by_kind[key].pull(address, pulls[key], layout)
                     times[key].append(time.perf_counter() - t0)
                     client.recycle(kv)  # as a decode worker does once the KV is imported
                     del kv
-                times["raw"].append(await asyncio.to_thread(raw_pull, raw, index, raw_buffer))
+            for _ in range(repeats):
                 times["clone"].append(median_s(raw_buffer.clone, 1))
                 times["copy"].append(median_s(functools.partial(copy_buffer.copy_, raw_buffer), 1))
             seconds = {k: statistics.median(v) for k, v in times.items()}

@@ -186,7 +186,8 @@ class Scheduler:
             return True
         if not self.blocks.can_allocate(need):
             return False
-        req.block_table.extend(self.blocks.allocate(need))
+        last = next((b for b in reversed(req.block_table) if b != FREED), None)
+        req.block_table.extend(self.blocks.allocate(need, after=last))  # one run where the pool allows
         return True
 
     def _reserve(self, req: Request, num_tokens: int, plan: SchedulePlan) -> bool:

@@ -75,6 +75,7 @@ def register_rank_kv(agent: RankAgent, pool: KVPool, staged: StagedKv) -> None:
             model_name=job.model_name,
             tls=KvTls.load(*kv.tls_files),
             replay_capacity=kv.replay_cache_entries,
+            shm_bytes=kv.shm_bytes,  # a decode rank on this host gets a shared segment, as with single workers
         )
         servers.append(server)
         return address
@@ -89,6 +90,7 @@ def register_rank_kv(agent: RankAgent, pool: KVPool, staged: StagedKv) -> None:
             model_name=job.model_name,
             tls=KvTls.load(*kv.tls_files),
             group_id=job.group_id,
+            shared_memory=kv.shm_bytes > 0,  # PDSERVE_KV_SHM_BYTES=0 turns it off for group hand-offs too
         )
         clients.append(client)
         # the plan works in the model's heads (all of them); the pulled part is this pool's slice

@@ -672,3 +672,48 @@ def test_a_prefill_worker_killed_mid_transfer(checkpoint, model, path):
         if proc.is_alive():
             proc.kill()
             proc.join(5)
+
+
+def test_the_warm_pair_carries_every_loop_posted_way_and_survives_a_replayed_ticket(prefill, checkpoint, model):
+    """One client, one pair, formed once: pulls the direct, flat and export ways back to back (the sends
+    posted from the server's loop, the recvs from the client's: loop_send.py), each bytes-identical to the
+    pool; in between, a replayed ticket is refused (DENIED) without costing the pair."""
+    decode = _engine(checkpoint, model, block_size=8, num_kv_blocks=96)
+    ways = {"warm-direct": PATHS["direct"][0], "warm-flat": PATHS["flat"][0], "warm-export": PATHS["export"][0]}
+    sent = {}
+    for i, rid in enumerate(ways):
+        prefill.prefill(rid, _prompt(100 + 10 * i, seed=40 + i))
+        sent[rid] = prefill.call("export", rid)
+    pairs_before = prefill.call("state")["pairs_created"]
+
+    async def run():
+        client = _client("decode-warm")
+        minted: list[str] = []
+        mint = client._tickets.mint
+
+        def fresh(*claims):
+            minted.append(mint(*claims))
+            return minted[-1]
+
+        client._tickets.mint = fresh  # type: ignore[method-assign]
+        try:
+            got = {}
+            for rid, settings in ways.items():
+                with prefill.configured(**settings):
+                    got[rid] = await client.pull(prefill.address, rid, decode.layout)
+                if rid == "warm-direct":  # the same ticket again, on the warm pair: single use holds
+                    client._tickets.mint = lambda *a: minted[-1]  # type: ignore[method-assign]
+                    with pytest.raises(KvTransferError) as replayed:
+                        await client.pull(prefill.address, rid, decode.layout)
+                    client._tickets.mint = fresh  # type: ignore[method-assign]
+                    assert replayed.value.reason is FailureReason.DENIED and "replayed" in str(replayed.value)
+            return got, client.stats
+        finally:
+            await client.close()
+
+    got, stats = asyncio.run(run())
+    assert stats.connects == 1 and stats.pulls == len(ways)
+    assert prefill.call("state")["pairs_created"] - pairs_before == 1
+    for rid, kv in got.items():
+        assert torch.equal(kv.blocks, sent[rid]), rid
+    prefill.assert_all_free()

@@ -150,21 +150,23 @@ def test_check_integrity_detects_a_block_both_free_and_used():
     bm = BlockManager(4, 8)
     (b,) = bm.allocate(1)
     bm.check_integrity()
-    bm._free.append(b)  # corrupt: a used block on the free list
+    bm._free[b] = True  # corrupt: a used block marked free
+    bm._num_free += 1
     with pytest.raises(AssertionError):
         bm.check_integrity()
 
 
-def test_check_integrity_detects_a_duplicate_in_the_free_list():
+def test_check_integrity_detects_a_free_count_that_disagrees_with_the_mask():
     bm = BlockManager(4, 8)
-    bm._free.append(bm._free[0])
-    with pytest.raises(AssertionError, match="twice"):
+    bm._num_free -= 1
+    with pytest.raises(AssertionError, match="count"):
         bm.check_integrity()
 
 
 def test_check_integrity_detects_a_leaked_block():
     bm = BlockManager(4, 8)
-    bm._free.popleft()  # neither free nor referenced
+    bm._free[0] = False  # neither free nor referenced
+    bm._num_free -= 1
     with pytest.raises(AssertionError):
         bm.check_integrity()
 
@@ -174,3 +176,76 @@ def test_check_integrity_detects_a_used_count_on_a_free_block():
     bm._refs[2] = 1  # referenced but still on the free list
     with pytest.raises(AssertionError):
         bm.check_integrity()
+
+
+def runs_of(blocks: list[int]) -> int:
+    """How many runs of consecutive ids (in table order) `blocks` is."""
+    return sum(1 for i, b in enumerate(blocks) if i == 0 or b != blocks[i - 1] + 1)
+
+
+def test_a_fresh_pool_gives_one_run():
+    bm = BlockManager(16, 4)
+    assert bm.allocate(5) == [0, 1, 2, 3, 4]
+    assert bm.allocate(3) == [5, 6, 7]
+
+
+def test_allocation_takes_the_smallest_free_run_that_holds_it():
+    bm = BlockManager(20, 4)
+    taken = bm.allocate(20)
+    bm.free(taken[2:4])  # a hole of 2
+    bm.free(taken[6:12])  # a hole of 6
+    bm.free(taken[14:19])  # a hole of 5
+    assert bm.free_runs() == [(2, 2), (6, 6), (14, 5)]
+    assert bm.allocate(5) == [14, 15, 16, 17, 18]  # the 5-hole, not the first hole big enough (6)
+    assert bm.allocate(2) == [2, 3]
+    assert bm.allocate(6) == [6, 7, 8, 9, 10, 11]
+    bm.check_integrity()
+
+
+def test_a_fragmented_pool_gives_the_longest_runs_first():
+    bm = BlockManager(20, 4)
+    taken = bm.allocate(20)
+    for start, count in ((0, 1), (3, 4), (9, 2), (13, 3)):
+        bm.free(taken[start : start + count])
+    blocks = bm.allocate(8)  # no hole holds 8: the 4-run, the 3-run, then one of the 2-run
+    assert blocks == [3, 4, 5, 6, 13, 14, 15, 9]
+    assert runs_of(blocks) == 3
+    bm.check_integrity()
+
+
+def test_a_growing_request_extends_its_run():
+    bm = BlockManager(16, 4)
+    first = bm.allocate(2)
+    other = bm.allocate(1, after=None)  # another request takes the block right after, best fit
+    assert other == [2]
+    bm.free(other)
+    grown = first + bm.allocate(3, after=first[-1])
+    assert grown == [0, 1, 2, 3, 4]
+    assert bm.allocate(1, after=1) == [5]  # block 2 is taken: no extension, the smallest hole instead
+    bm.check_integrity()
+
+
+def test_random_churn_keeps_integrity_and_all_or_nothing():
+    import random
+
+    rng = random.Random(0)
+    bm = BlockManager(64, 4)
+    held: list[list[int]] = []
+    for _ in range(500):
+        if held and (rng.random() < 0.45 or bm.num_free == 0):
+            bm.free(held.pop(rng.randrange(len(held))))
+        else:
+            n = rng.randint(1, 12)
+            if n > bm.num_free:
+                with pytest.raises(NoFreeBlocksError):
+                    bm.allocate(n)
+                continue
+            one_run_possible = any(count >= n for _, count in bm.free_runs())
+            blocks = bm.allocate(n)
+            assert len(blocks) == n == len(set(blocks))
+            if one_run_possible:
+                assert runs_of(blocks) == 1, (n, blocks)
+            held.append(blocks)
+        bm.check_integrity()
+    owned = [b for blocks in held for b in blocks]
+    assert len(owned) == len(set(owned)) == 64 - bm.num_free

@@ -10,7 +10,8 @@ worker's certificate (channel_tls.py). A joined pair is used only once the prefi
 cluster secret (pair_proof.py). On one host (same host identity, shm.py) the server also offers a
 shared-memory segment with the pair: each pull then reserves a region of it, and a KV that fits arrives
 there (the result is a view of it, no copy here), else over the pair as usual. Blocking joins and recv waits
-run in this client's thread pool, so the decode loop keeps stepping while KV arrives. Every failure
+run in this client's thread pool, so the decode loop keeps stepping while KV arrives; gloo recvs are posted
+from the loop as soon as the reply is in (pair.py), so only their wait takes a thread. Every failure
 surfaces as KvTransferError; one that may have left the pair mid-transfer closes and forgets it, so the
 next pull negotiates a fresh pair.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -226,7 +228,11 @@ class KvTransferClient:
                 # The server is sending already: the same pieces, from the announced tag on (a layer-streamed
                 # send: as the prefill writes each layer, then the first token; layer_stream.py).
                 parts, trailer = receive_parts(receive_pieces(buffer, reply), reply)
-                await asyncio.get_running_loop().run_in_executor(self._executor, conn.pair.recv, parts, reply.tag)
+                if self.backend is TransferBackend.GLOO:  # posted here, waited for in a thread (pair.py)
+                    finish = conn.pair.post_recv(parts, reply.tag).wait
+                else:
+                    finish = functools.partial(conn.pair.recv, parts, reply.tag)
+                await asyncio.get_running_loop().run_in_executor(self._executor, finish)
             except KvTransferError:
                 self._forget(address, conn)  # closing the pair fails the server's send: it frees the blocks
                 raise

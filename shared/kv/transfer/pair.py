@@ -5,7 +5,11 @@ A pair is set up once per (prefill worker, decode worker) and reused for every t
 group is built directly on a PrefixStore of the prefill worker's TCPStore, never through
 `init_process_group`: a worker has many pairs and no global default group. A transfer moves a list of
 pieces (see wire.pieces), piece i under tag first_tag + i; transfers in flight on one pair are told apart
-by their tags. Every method here blocks; callers run them in worker threads.
+by their tags. `send`, `recv`, `join` and `Posted.wait` block (callers run them in worker threads);
+`post_send` / `post_recv` only post (gloo operations are asynchronous) and hand back the transfer to wait
+for, so an event loop can start a transfer without first waking a thread: the bytes move while the waiting
+thread is being scheduled, and the hop leaves the critical path (docs/benchmarks.md, "Where a pull's
+milliseconds go").
 
 After a failed or timed-out operation gloo closes the connection: a pair that failed once is dropped by
 both sides and a new one is negotiated. `close()` destroys the group once no transfer is in flight on it
@@ -142,11 +146,21 @@ class Pair:
         overlaps its gather with the wire (pool_kv.py).
         Raises RuntimeError on timeout (timeout_s for the whole transfer), a lost peer (the pair is unusable
         afterwards) or a closed pair."""
-        self._transfer(lambda group, piece, tag: group.send([piece], self.peer, tag), pieces, first_tag)
+        self.post_send(pieces, first_tag).wait()
 
     def recv(self, pieces: Sequence[torch.Tensor], first_tag: int) -> None:
         """Fill contiguous tensors from the peer's sends with the same tags. Raises like `send`."""
-        self._transfer(lambda group, piece, tag: group.recv([piece], self.peer, tag), pieces, first_tag)
+        self.post_recv(pieces, first_tag).wait()
+
+    def post_send(self, pieces: Iterable[torch.Tensor], first_tag: int) -> Posted:
+        """Post the sends of `send` and return at once (gloo posts do not block): the caller, e.g. an event
+        loop, need not hop to a thread before the bytes can move. The Posted must be waited on (in a thread:
+        `wait` blocks), and the pieces kept alive until it returns. Raises like `send` if posting fails."""
+        return self._post(lambda group, piece, tag: group.send([piece], self.peer, tag), pieces, first_tag)
+
+    def post_recv(self, pieces: Sequence[torch.Tensor], first_tag: int) -> Posted:
+        """Post the recvs of `recv` and return at once; as `post_send`."""
+        return self._post(lambda group, piece, tag: group.recv([piece], self.peer, tag), pieces, first_tag)
 
     def close(self) -> None:
         """No new transfer on this pair; its group goes as soon as none is in flight (now, if idle)."""
@@ -155,30 +169,27 @@ class Pair:
             doomed = self._detach_if_idle()
         del doomed  # the last reference, dropped outside the lock: destroys the group, closes its sockets
 
-    def _transfer(self, post, pieces: Iterable[torch.Tensor], first_tag: int) -> None:
+    def _post(self, post, pieces: Iterable[torch.Tensor], first_tag: int) -> Posted:
         deadline = time.monotonic() + self.timeout_s
         with self._lock:
             if self._closing:
                 raise RuntimeError(f"pair {self.pair_id!r} is closed")
             self._in_flight += 1
-        # All pieces are posted at once (gloo moves them in order) and awaited against one deadline. No
-        # reference to a Work may outlive this call (not even from a traceback): a Work keeps the group's
-        # connection alive, and close() relies on destroying it.
-        pending: deque = deque()
+        # All pieces are posted at once (gloo moves them in order) and awaited against one deadline.
+        posted = Posted(self, deadline)
         try:
             for i, piece in enumerate(pieces):
-                pending.append(post(self._group, piece, first_tag + i))
-            while pending:
-                pending.popleft().wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                posted.pending.append(post(self._group, piece, first_tag + i))
         except BaseException:
-            _settle(pending)
+            posted.abandon()
             raise
-        finally:
-            pending.clear()
-            with self._lock:
-                self._in_flight -= 1
-                doomed = self._detach_if_idle()
-            del doomed
+        return posted
+
+    def _end_transfer(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            doomed = self._detach_if_idle()
+        del doomed
 
     def _detach_if_idle(self) -> C10dGroup | None:
         """Under the lock: the group, taken off this pair, once it is closing and unused; else None."""
@@ -186,6 +197,47 @@ class Pair:
             return None
         group, self._group = self._group, None
         return group
+
+
+class Posted:
+    """The operations of one transfer, posted on a pair and not yet waited for: the transfer counts as in
+    flight on the pair (close() waits for it) until `wait` returns or raises. No reference to a Work may
+    outlive `wait` (not even from a traceback): a Work keeps the group's connection alive, and close() relies
+    on destroying it."""
+
+    def __init__(self, pair: Pair, deadline: float) -> None:
+        self._pair = pair
+        self._deadline = deadline
+        self.pending: deque = deque()
+        self._ended = False
+
+    def wait(self) -> None:
+        """Blocking: until every operation completed; RuntimeError on timeout, a lost peer or a closed pair."""
+        if self._ended:
+            raise RuntimeError("this transfer was waited for already")
+        pending = self.pending
+        try:
+            # Last first: a pair's operations complete in posting order (one TCP connection, written and read
+            # in order), so once the last is done the others are too and their waits return without sleeping.
+            # Waiting first to last instead wakes this thread once per piece, and on loaded cores each wake-up
+            # costs up to a scheduler slice (docs/benchmarks.md, "Where a pull's milliseconds go"). Every
+            # operation is still waited for, so nothing depends on that order being kept.
+            while pending:
+                pending.pop().wait(timedelta(seconds=max(self._deadline - time.monotonic(), 0.001)))
+        except BaseException:
+            _settle(pending)
+            raise
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Settle what is still pending (after a failure: gloo fails the rest at once) and end the transfer."""
+        if self._ended:
+            return
+        self._ended = True
+        _settle(self.pending)
+        self.pending.clear()
+        self._pair._end_transfer()
 
 
 def _settle(works: deque) -> None:

@@ -2,7 +2,8 @@
 
 One TCPStore per server is the rendezvous of all its pairs (one per decode worker, each under its own key
 prefix). Threading: gRPC handlers run on the event loop; pair construction and send waits, which block,
-run in this server's thread pool, so the loop (and the engine steps it drives) keeps going.
+run in this server's thread pool, so the loop (and the engine steps it drives) keeps going. Sends that cost
+nothing to produce are posted from the loop before the reply (loop_send.py); only their wait takes a thread.
 
 Every call is checked before it touches anything: readable message, ids present and of sane length,
 then a ticket signed with the cluster secret for this caller (and, on Pull, this request), used for the
@@ -20,6 +21,7 @@ bytes, in shared memory) and drops the pair; `fault_send_stall_s` (tests only) s
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import secrets
@@ -40,6 +42,7 @@ from shared.kv.tickets import TicketError, TicketReason, Tickets
 from shared.kv.transfer.channel_tls import KvTls
 from shared.kv.transfer.heads import HeadsRefused, begin_send
 from shared.kv.transfer.layer_stream import StreamedPoolKv
+from shared.kv.transfer.loop_send import loop_pieces
 from shared.kv.transfer.pair import PREFILL_RANK, Pair, TransferBackend, check_backend, store_client
 from shared.kv.transfer.pair_proof import PairProofs, PairRefused
 from shared.kv.transfer.pool_kv import PoolKv
@@ -335,7 +338,7 @@ class KvTransferServer:
         else:
             tag = slot.reserve_tags(num_pieces(kv.blocks.numel(), kv.blocks.element_size(), self.chunk_bytes))
             reply = describe(kv, tag, self.chunk_bytes)
-        task = asyncio.create_task(self._send(slot, pair, kv, tag, rid, span, started))
+        task = asyncio.create_task(self._send(slot, kv, self._post_now(pair, kv, tag), rid, span, started))
         self._sends.add(task)
         task.add_done_callback(self._sends.discard)
         return reply
@@ -426,8 +429,23 @@ class KvTransferServer:
                 grpc.StatusCode.FAILED_PRECONDITION, f"KV layout fingerprint {fingerprint!r} differs from ours {ours!r}"
             )
 
-    async def _send(self, slot: _Slot, pair: Pair, kv: Outgoing, tag: int, rid: str, span, started: float) -> None:
-        """Send on the pair, piece by piece, then end the send whatever happened (the source frees the blocks).
+    def _post_now(self, pair: Pair, kv: Outgoing, tag: int) -> Callable[[], None]:
+        """Post the send from the loop where that is cheap (loop_send.py), before the reply leaves; returns
+        the blocking rest of the send (its wait, or the whole send on a thread), which raises if it failed."""
+        faults = self.fault_send_midway or self.fault_send_stall_s
+        parts = None if faults else loop_pieces(kv, self.backend, self.chunk_bytes)
+        if parts is None:
+            return functools.partial(self._send_blocking, pair, kv, tag)
+        try:
+            return pair.post_send(parts, tag).wait
+        except Exception as e:  # the pair closed under us: the send task fails it as any failed send
+            return functools.partial(_reraise, e)
+
+    async def _send(
+        self, slot: _Slot, kv: Outgoing, finish: Callable[[], None], rid: str, span, started: float
+    ) -> None:
+        """Finish the send (`finish` blocks: on a send thread), then end it whatever happened (the source
+        frees the blocks).
 
         A failed send drops the pair: gloo has closed it already after an error or timeout, and closing it
         here too destroys the group once idle, so the receiver's pending recvs fail at once. An injected
@@ -435,7 +453,7 @@ class KvTransferServer:
         labels = (self.model_name, "prefill")
         error = None
         try:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self._send_blocking, pair, kv, tag)
+            await asyncio.get_running_loop().run_in_executor(self._executor, finish)
             self.stats.bytes_sent += kv.nbytes
             metrics.KV_TRANSFER_BYTES.labels(*labels).inc(kv.nbytes)
             metrics.KV_TRANSFER_SECONDS.labels(*labels).observe(time.perf_counter() - started)
@@ -536,6 +554,10 @@ def _handler(method, request_type, reply_type) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(
         method, request_deserializer=parse, response_serializer=reply_type.SerializeToString
     )
+
+
+def _reraise(error: Exception) -> NoReturn:
+    raise error
 
 
 def _failure_reason(error: Exception) -> str:

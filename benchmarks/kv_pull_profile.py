@@ -1,0 +1,207 @@
+"""Where the milliseconds of one KV pull go: timestamps on both sides of a pull, per phase, medians.
+
+    .venv/bin/python benchmarks/kv_pull_profile.py [--tokens 16 1024 4096] [--repeats 15]
+
+The same two processes as kv_transfer_bench.py (a spawned prefill process holding the `small` demo model's KV
+and serving KvTransfer on 127.0.0.1; this process pulls with `KvTransferClient`, shared memory off). Both sides
+stamp `time.perf_counter()` (CLOCK_MONOTONIC: one clock for every process of the host) at the phase boundaries
+by wrapping the plane's own methods in this script (the library is not instrumented), so the differences across
+the two processes are meaningful. Phases, in order along one pull:
+
+- client: ticket minted and the Pull sent; server: handler entered (gRPC + loop wake-up); ticket checked;
+  blocks lent (`begin_send`); reply returned; client: reply seen (gRPC back + loop wake-up);
+- recv: posted (after any thread hop), done; server: sends posted, sends done; client: the pull returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import kv_transfer_bench as bench  # noqa: E402
+
+from shared.engine.kv_pool import KVLayout  # noqa: E402
+from shared.kv.transfer import KvTransferClient  # noqa: E402
+from shared.kv.transfer import client as client_mod  # noqa: E402
+from shared.kv.transfer import pair as pair_mod  # noqa: E402
+from shared.kv.transfer import server as server_mod  # noqa: E402
+
+STAMPS: list[tuple[str, str, float]] = []  # (request id, phase, perf_counter)
+
+
+def stamp(rid: str, phase: str) -> None:
+    STAMPS.append((rid, phase, time.perf_counter()))
+
+
+def patch_server() -> None:
+    """Wrap the server's phases (one pull at a time, so the current request id is the one stamped)."""
+    current = {"rid": ""}
+    accept, authorize, begin = server_mod.KvTransferServer._accept, server_mod.KvTransferServer._authorize, None
+    begin = server_mod.begin_send
+
+    async def _accept(self, request, context, span):
+        current["rid"] = request.request_id
+        stamp(request.request_id, "s_enter")
+        reply = await accept(self, request, context, span)
+        stamp(request.request_id, "s_reply")
+        return reply
+
+    async def _authorize(self, context, rpc, ticket, worker, request_id=None):
+        await authorize(self, context, rpc, ticket, worker, request_id)
+        stamp(request_id or "", "s_ticket")
+
+    async def begin_send(source, request_id, request):
+        kv = await begin(source, request_id, request)
+        stamp(request_id, "s_lent")
+        return kv
+
+    server_mod.KvTransferServer._accept = _accept
+    server_mod.KvTransferServer._authorize = _authorize
+    server_mod.begin_send = begin_send
+    patch_transfers(current, "s_send")
+
+
+def patch_transfers(current: dict[str, str], prefix: str) -> None:
+    """Stamp `<prefix>_start` when a transfer's operations are posted and `<prefix>_done` when its wait
+    returns (tag 0, the pair proof, is not a pull's)."""
+    post_send, post_recv, wait = pair_mod.Pair.post_send, pair_mod.Pair.post_recv, pair_mod.Posted.wait
+
+    def stamped(post):
+        def wrapper(self, pieces, first_tag):
+            if first_tag:
+                stamp(current["rid"], f"{prefix}_start")
+            posted = post(self, pieces, first_tag)
+            posted.profiled = bool(first_tag)
+            return posted
+
+        return wrapper
+
+    def stamped_wait(self):
+        wait(self)
+        if getattr(self, "profiled", False):
+            stamp(current["rid"], f"{prefix}_done")
+
+    pair_mod.Pair.post_send = stamped(post_send)
+    pair_mod.Pair.post_recv = stamped(post_recv)
+    pair_mod.Posted.wait = stamped_wait
+
+
+def prefill_entry(conn, model_dir: str, sizes: list[int], repeats: int, out: str) -> None:
+    patch_server()
+    bench.prefill_main(conn, model_dir, sizes, repeats)
+    Path(out).write_text(json.dumps(STAMPS))
+
+
+def patch_client() -> None:
+    original = client_mod.KvTransferClient._call
+    current = {"rid": ""}
+
+    async def _call(self, address, conn, call, what):
+        reply = await original(self, address, conn, call, what)
+        if what == "Pull":  # not the Connect of the first pull
+            stamp(current["rid"], "c_reply")
+        return reply
+
+    pull_once = client_mod.KvTransferClient._pull_once
+
+    async def _pull_once(self, address, request_id, layout, group_pulls):
+        current["rid"] = request_id
+        stamp(request_id, "c_start")
+        return await pull_once(self, address, request_id, layout, group_pulls)
+
+    client_mod.KvTransferClient._call = _call
+    client_mod.KvTransferClient._pull_once = _pull_once
+    patch_transfers(current, "c_recv")
+
+
+async def pull_all(info: dict, sizes: list[int], repeats: int) -> dict[str, float]:
+    layout = KVLayout(**info["layout"])
+    client = KvTransferClient("profile-decode", secret=bench.SECRET, timeout_s=bench.TIMEOUT_S, shared_memory=False)
+    ends: dict[str, float] = {}
+    try:
+        for n in sizes:
+            await client.pull(info["address"], f"kv-{n}", layout)  # forms the pair; a warm-up
+            for i in range(repeats):
+                rid = f"kv-{n}"
+                kv = await client.pull(info["address"], rid, layout)
+                ends[f"{rid}#{i}"] = time.perf_counter()
+                client.recycle(kv)
+    finally:
+        await client.close()
+    return ends
+
+
+PHASES = [
+    ("c_start", "s_enter", "Pull sent -> server handler (mint, gRPC, loop)"),
+    ("s_enter", "s_ticket", "ticket verified + replay check"),
+    ("s_ticket", "s_lent", "pair/fingerprint checks + blocks lent"),
+    ("s_lent", "s_reply", "plan, tags, announce, send task created"),
+    ("s_reply", "c_reply", "reply -> client loop (gRPC back)"),
+    ("c_reply", "c_recv_start", "client: reply -> recvs posted"),
+    ("s_lent", "s_send_start", "server: blocks lent -> sends posted"),
+    ("c_recv_start", "c_recv_done", "recv posted -> all pieces in"),
+    ("s_send_start", "s_send_done", "sends posted -> all out"),
+    ("c_recv_done", "c_end", "recv thread -> loop -> pull returns"),
+    ("c_start", "c_end", "whole pull"),
+]
+
+
+def summarize(stamps: list[tuple[str, str, float]], ends: dict[str, float], sizes: list[int], repeats: int) -> dict:
+    """Group the stamps into pulls (the n-th occurrence of each phase of one request id is pull n), drop the
+    warm-up, take medians of each phase's duration."""
+    by_rid: dict[str, dict[str, list[float]]] = {}
+    for rid, phase, t in stamps:
+        by_rid.setdefault(rid, {}).setdefault(phase, []).append(t)
+    table = {}
+    for n in sizes:
+        rid = f"kv-{n}"
+        seen = by_rid[rid]
+        seen["c_end"] = [0.0] + [ends[f"{rid}#{i}"] for i in range(repeats)]  # the warm-up has no end stamp
+        rows = {}
+        for a, b, what in PHASES:
+            durations = [(seen[b][i] - seen[a][i]) * 1e3 for i in range(1, repeats + 1)]
+            rows[what] = statistics.median(durations)
+        table[n] = rows
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 1024, 4096])
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    model_dir = bench.prepare_model(None)
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    out = Path("/tmp") / f"kv_pull_profile_{time.time_ns()}.json"
+    proc = ctx.Process(target=prefill_entry, args=(theirs, str(model_dir), args.tokens, 1, str(out)), daemon=True)
+    proc.start()
+    try:
+        info = ours.recv()
+        patch_client()
+        ends = asyncio.run(pull_all(info, args.tokens, args.repeats))
+        ours.send("stop")
+        proc.join(60)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    stamps = [tuple(s) for s in json.loads(out.read_text())] + STAMPS
+    out.unlink()
+    table = summarize(stamps, ends, args.tokens, args.repeats)  # type: ignore[arg-type]
+    print("| phase | " + " | ".join(f"{n} tokens" for n in args.tokens) + " |")
+    print("| --- | " + " | ".join("---:" for _ in args.tokens) + " |")
+    for _, _, what in PHASES:
+        print(f"| {what} | " + " | ".join(f"{table[n][what]:.2f} ms" for n in args.tokens) + " |")
+
+
+if __name__ == "__main__":
+    main()
