@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.engine.kv_groups import kv_groups
 from shared.model.device import to_device
 from shared.model.paged_attention import AttentionMetadata
 from shared.model.transformer import CausalLM
@@ -30,6 +31,9 @@ class StepInputs:
     query_lens: list[int]  # per sequence: tokens this step
     sample_rows: list[int]  # flat rows whose logits are sampled (a sequence's last row), in order
     score_rows: list[tuple[int, int]]  # (first row, count): the prompt-scoring logits calls, in order
+    # KV cache groups after the first (shared/engine/kv_groups.py), in group order: per sequence, its block
+    # table in that group. Empty for a one-group model. Not packed: grouped KV runs on single-rank engines only.
+    group_tables: tuple[list[list[int]], ...] = ()
 
     def sizes(self) -> tuple[int, int, int, int, int]:
         """(tokens, sequences, block-table entries, sampling rows, scoring calls): the packed sections' sizes."""
@@ -38,6 +42,8 @@ class StepInputs:
 
     def pack(self) -> tuple[tuple[int, ...], torch.Tensor]:
         """(header sizes, one int64 tensor): what a follower needs to rebuild these inputs with `unpack`."""
+        if self.group_tables:
+            raise ValueError("a step over several KV cache groups is not sent to a worker group's followers")
         flat = (
             self.input_ids
             + self.positions
@@ -87,7 +93,11 @@ def forward_step(
     """Run one step's model calls: the forward pass over the paged cache (writing this step's KV), one logits
     call per scoring slice (handed to `on_scored`, so a long prompt's logits are never all held at once), and
     the sampling rows' logits. → (S, V) float32 logits of the sampling rows, None if none. Every rank of a
-    group calls this with the same inputs."""
+    group calls this with the same inputs. `caches`: per layer, its view of its KV cache group's pool."""
+    cfg = model.config
+    windows = [g.window for g in kv_groups(cfg.num_layers, cfg.layer_windows)[1:]]
+    if len(inputs.group_tables) != len(windows):
+        raise ValueError(f"{len(inputs.group_tables)} extra groups' tables for a model of {len(windows) + 1} groups")
     meta = AttentionMetadata.build(
         block_tables=inputs.block_tables,
         context_lens=inputs.context_lens,
@@ -97,6 +107,7 @@ def forward_step(
         kernels=model.kernels,
         windows=model.config.windows,
         full=model.config.has_full_layers,
+        window_tables={w: t for w, t in zip(windows, inputs.group_tables, strict=True) if w is not None},
     )
     t = len(inputs.input_ids)
     staged = torch.tensor(inputs.input_ids + inputs.positions + inputs.sample_rows, dtype=torch.int64)
