@@ -11,7 +11,7 @@ every rank, so greedy sampling agrees.
 
 KV cache groups (shared/engine/kv_groups.py: gpt-oss's full and sliding layers): one pool, block manager and
 block table per request per group; `pool`, `blocks` are group 0's (the only ones of a one-group model), `pools`
-and `group_blocks` all of them. Grouped KV runs on single-rank engines only (refused on a worker group).
+and `group_blocks` all of them. Single-rank engines only: on a worker group a hybrid model keeps one pool.
 """
 
 from __future__ import annotations
@@ -191,15 +191,17 @@ class Engine:
         """Split the KV plan between the model's KV cache groups (sets kv_groups, kv_plans); one group: the plan
         as it is. Logs the start-up line."""
         self.kv_groups: tuple[KVGroup, ...] = kv_groups(num_layers, layer_windows)
+        if len(self.kv_groups) > 1 and self.group.world > 1:
+            # a worker group's ranks mirror one pool and send one table per step (step_inputs.py): not grouped
+            # yet, so the hybrid model keeps one pool of every layer there, as before groups (nothing freed)
+            log.info(
+                "KV cache groups: off on a worker group of %d ranks (one pool, every block kept)", self.group.world
+            )
+            self.kv_groups = (KVGroup(tuple(range(num_layers)), None),)
         if len(self.kv_groups) == 1:
             self.kv_plans: list[KvPlan] = [self.kv_plan]
             log.info("%s", self.kv_plan.summary())
             return
-        if self.group.world > 1:
-            raise ValueError(
-                "full and sliding-window layers in separate KV cache groups run on a single rank only: "
-                f"tp={self.parallel.tp}, ep={self.parallel.ep} is not supported for this model yet"
-            )
         b = self.config.block_size
         chunk = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         needs = []
@@ -541,8 +543,11 @@ class Engine:
             )
         if len(self.scheduler.running) >= self.config.scheduler.max_num_seqs:
             raise NoFreeBlocksError(f"{self.config.scheduler.max_num_seqs} requests already running")
-        if len(kv.parts or (None,)) != len(self.pools):
-            raise ValueError(f"KV of {len(kv.parts or (None,))} KV cache groups for an engine of {len(self.pools)}")
+        if kv.parts and len(kv.parts) != len(self.pools):
+            raise ValueError(
+                f"KV of {len(kv.parts)} KV cache groups cannot fill this engine's pool of {len(self.pools)}: a "
+                "hybrid model's grouped KV goes to single-rank engines"
+            )
         tables = self._allocate_import(kv)
         try:  # the matcher replays the output so far (the prefill worker sampled the first token under it)
             self.structured.add(request_id, params.structured, output_token_ids)
@@ -550,8 +555,12 @@ class Engine:
             for blocks, table in zip(self.group_blocks, tables, strict=True):
                 blocks.free(table.blocks)
             raise
-        if not kv.parts:
+        if len(self.pools) == 1:
             self.pool.write_export(tables[0].blocks[tables[0].freed :], kv)  # a worker group: on every rank
+        elif not kv.parts:  # from one pool of every layer (a worker group's): each group takes its layers
+            data = kv.reblock(self.layout.block_size)
+            for g, pool, table in zip(self.kv_groups, self.pools, tables, strict=True):
+                pool.write(table.blocks[table.freed :], data[list(g.layers)])
         else:
             for i, (pool, table) in enumerate(zip(self.pools, tables, strict=True)):
                 pool.write(table.blocks[table.freed :], kv.reblock(self.layout.block_size, i))
@@ -566,6 +575,8 @@ class Engine:
         window), fresh blocks from there on. All or nothing: NoFreeBlocksError with nothing taken."""
         n = self.blocks.blocks_for(kv.num_tokens)
         firsts = [kv.first_block_at(self.layout.block_size, i if kv.parts else None) for i in range(len(self.pools))]
+        if not kv.parts and kv.first_block and len(self.pools) > 1:
+            raise ValueError("KV of one pool without its first blocks cannot fill a full-attention group")
         if not all(b.can_allocate(n - f) for b, f in zip(self.group_blocks, firsts, strict=True)):
             free = [b.num_free for b in self.group_blocks]
             raise NoFreeBlocksError(f"an import of {kv.num_tokens} tokens does not fit: free blocks per group {free}")
