@@ -126,9 +126,8 @@ class Engine:
         )
         graphs = self._capture(backend, why_not)
         caches = None if len(self.pools) == 1 else self._group_caches()
-        self.runner = ModelRunner(
-            self.model, self.pool, Sampler(config.seed), graphs, self.structured, caches, len(self.pools)
-        )
+        windows = tuple(g.window for g in self.kv_groups[1:] if g.window is not None)
+        self.runner = ModelRunner(self.model, self.pool, Sampler(config.seed), graphs, self.structured, caches, windows)
         self.requests: dict[str, Request] = {}  # live, or finished and holding KV
         self.stats = EngineStats()
         self.last_logits: dict[str, torch.Tensor] = {}  # from the latest step, for tests and logprobs

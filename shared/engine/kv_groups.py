@@ -37,7 +37,7 @@ class KVGroup:
         return dataclasses.replace(model, num_layers=len(self.layers), layer_windows=windows)
 
 
-@functools.cache  # asked on every step (step_inputs.forward_step): the answer of a model never changes
+@functools.cache
 def kv_groups(num_layers: int, layer_windows: tuple[int | None, ...]) -> tuple[KVGroup, ...]:
     """The groups of a model with these per-layer windows (empty: all full). One group unless full and
     sliding layers mix; then the full layers first, then one group per window, smallest window first."""

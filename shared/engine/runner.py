@@ -41,16 +41,17 @@ class ModelRunner:
         graphs: DecodeGraphs | None = None,
         structured: StructuredDecoding | None = None,
         caches: list[torch.Tensor] | None = None,
-        num_groups: int = 1,
+        group_windows: tuple[int, ...] = (),
     ) -> None:
         """`caches`: per model layer its cache view, when the layers' KV lies in several KV cache groups' pools
-        (`num_groups` of them, shared/engine/kv_groups.py); default: `pool`'s layers, one group."""
+        (shared/engine/kv_groups.py; `group_windows`: the windows of the groups after the first, in order);
+        default: `pool`'s layers, one group."""
         self.model = model
         self.pool = pool
         self.sampler = sampler
         self.structured = structured  # grammar matchers of the requests with structured output
         self._caches = caches if caches is not None else pool.layer_caches()
-        self.num_groups = num_groups
+        self.group_windows = group_windows
         self.device = pool.tensor.device
         self.graphs = graphs  # captured decode steps (decode_graphs.py); None = every step runs eagerly
         self.graph_steps = 0  # steps that replayed a graph
@@ -111,7 +112,8 @@ class ModelRunner:
             sample_rows=[ends[i] - 1 for i in sampling],
             score_rows=[(c.first_row, len(c.targets)) for c in slices],
             group_tables=tuple(
-                [s.request.group_tables[g].blocks for s in plan.seqs] for g in range(1, self.num_groups)
+                (w, [s.request.group_tables[g].blocks for s in plan.seqs])
+                for g, w in enumerate(self.group_windows, start=1)
             ),
         )
         return self.run_step(inputs, lambda i, logits: score(slices[i], logits))

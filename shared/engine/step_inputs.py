@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.kv_groups import kv_groups
 from shared.model.device import to_device
 from shared.model.paged_attention import AttentionMetadata
 from shared.model.transformer import CausalLM
@@ -31,9 +30,10 @@ class StepInputs:
     query_lens: list[int]  # per sequence: tokens this step
     sample_rows: list[int]  # flat rows whose logits are sampled (a sequence's last row), in order
     score_rows: list[tuple[int, int]]  # (first row, count): the prompt-scoring logits calls, in order
-    # KV cache groups after the first (shared/engine/kv_groups.py), in group order: per sequence, its block
-    # table in that group. Empty for a one-group model. Not packed: grouped KV runs on single-rank engines only.
-    group_tables: tuple[list[list[int]], ...] = ()
+    # KV cache groups after the first (shared/engine/kv_groups.py), in group order: (the group's window, per
+    # sequence its block table there). Empty with one group (a hybrid model on a worker group keeps one pool:
+    # grouped steps are not packed).
+    group_tables: tuple[tuple[int, list[list[int]]], ...] = ()
 
     def sizes(self) -> tuple[int, int, int, int, int]:
         """(tokens, sequences, block-table entries, sampling rows, scoring calls): the packed sections' sizes."""
@@ -94,10 +94,6 @@ def forward_step(
     call per scoring slice (handed to `on_scored`, so a long prompt's logits are never all held at once), and
     the sampling rows' logits. → (S, V) float32 logits of the sampling rows, None if none. Every rank of a
     group calls this with the same inputs. `caches`: per layer, its view of its KV cache group's pool."""
-    cfg = model.config
-    windows = [g.window for g in kv_groups(cfg.num_layers, cfg.layer_windows)[1:]]
-    if len(inputs.group_tables) != len(windows):
-        raise ValueError(f"{len(inputs.group_tables)} extra groups' tables for a model of {len(windows) + 1} groups")
     meta = AttentionMetadata.build(
         block_tables=inputs.block_tables,
         context_lens=inputs.context_lens,
@@ -107,7 +103,7 @@ def forward_step(
         kernels=model.kernels,
         windows=model.config.windows,
         full=model.config.has_full_layers,
-        window_tables={w: t for w, t in zip(windows, inputs.group_tables, strict=True) if w is not None},
+        window_tables=dict(inputs.group_tables),
     )
     t = len(inputs.input_ids)
     staged = torch.tensor(inputs.input_ids + inputs.positions + inputs.sample_rows, dtype=torch.int64)
