@@ -116,7 +116,11 @@ class Engine:
             self.max_model_len,
             eos_token_ids=self.model.config.eos_token_ids,
             window=self.kv_groups[0].window,
-            window_groups=[(b, g.window) for b, g in zip(self.group_blocks[1:], self.kv_groups[1:], strict=True)],
+            window_groups=[
+                (b, g.window)
+                for b, g in zip(self.group_blocks[1:], self.kv_groups[1:], strict=True)
+                if g.window is not None  # every group after the first has one (kv_groups.py)
+            ],
         )
         self.graph_capture: CaptureReport | None = None  # what capturing the decode graphs took, when on
         # grammar matchers of the requests with structured output (the tokenizer is read on first use)

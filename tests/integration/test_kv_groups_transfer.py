@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+from typing import Any
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ def prefill(checkpoint):
     try:
         if not ours.poll(60):
             raise RuntimeError(f"the prefill process did not start (exit code {proc.exitcode})")
-        yield PrefillProcess(proc, ours, ours.recv())
+        yield PrefillProcess(proc, ours, ours.recv())  # type: ignore[arg-type]  # a spawned Process
         ours.send(("stop",))
         proc.join(15)
     finally:
@@ -66,7 +67,8 @@ def _pull(address: str, rid: str, layout, shared_memory: bool):
 def test_a_grouped_hand_off_moves_the_window_only_and_decodes_exactly(prefill, checkpoint, shared_memory):
     prompt = _prompt(150, seed=41)  # 10 blocks of 16; the window (16) reaches back into block 8
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    whole = Engine(EngineConfig(model=str(checkpoint), **ENGINE_OPTS))
+    opts: dict[str, Any] = dict(ENGINE_OPTS)
+    whole = Engine(EngineConfig(model=str(checkpoint), **opts))
     assert len(whole.pools) == 2
     whole.add_request("w", prompt, params)
     expected = _run(whole)
@@ -74,7 +76,7 @@ def test_a_grouped_hand_off_moves_the_window_only_and_decodes_exactly(prefill, c
     rid = f"grouped-{'shm' if shared_memory else 'pair'}"
     first = prefill.prefill(rid, prompt)
     sent = prefill.call("export", rid)  # the prefill engine's export: both groups' blocks, flat
-    decode = Engine(EngineConfig(model=str(checkpoint), **(ENGINE_OPTS | dict(block_size=8, num_kv_blocks=96))))
+    decode = Engine(EngineConfig(model=str(checkpoint), **{**opts, "block_size": 8, "num_kv_blocks": 96}))
     kv, client = _pull(prefill.address, rid, decode.layout, shared_memory)
     assert torch.equal(kv.blocks, sent)
     assert client.stats.shm_pulls == (1 if shared_memory else 0)
