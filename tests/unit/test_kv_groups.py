@@ -216,3 +216,25 @@ def test_an_import_that_does_not_fit_a_group_takes_nothing(checkpoint):
     assert decode.group_blocks[1].num_free == 64 and "held" not in decode.requests
     with pytest.raises(ValueError, match="KV cache groups"):
         decode.kv_blocks("held")
+
+
+def test_the_wire_announces_each_group_and_refuses_spans_that_do_not_fit(checkpoint):
+    from shared.kv.transfer.errors import KvTransferError
+    from shared.kv.transfer.wire import announced_layout, describe, received
+
+    prefill, _ = _prefill_held(checkpoint, PROMPTS[0])
+    kv = prefill.export_kv("held")
+    reply = describe(kv, tag=0, chunk_bytes=0)
+    assert [(g.num_layers, g.first_block, g.num_blocks) for g in reply.groups] == [
+        (p.num_layers, p.first_block, p.num_blocks) for p in kv.parts
+    ]
+    assert list(reply.shape) == [kv.blocks.numel()]
+    source = announced_layout(reply, prefill.layout)
+    back = received(reply, source, kv.blocks.clone())
+    assert back.parts == kv.parts and back.part_blocks(1).equal(kv.part_blocks(1))
+    for field, value in [("first_block", 0), ("num_blocks", 1), ("num_layers", 2)]:
+        bad = type(reply)()
+        bad.CopyFrom(reply)
+        setattr(bad.groups[1], field, value)
+        with pytest.raises(KvTransferError, match="does not match the receiver's layout"):
+            announced_layout(bad, prefill.layout)
