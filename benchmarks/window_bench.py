@@ -7,6 +7,14 @@ The same random checkpoint twice: as written (full attention) and with `sliding_
 (Mixtral: every layer slides, so blocks behind the window are freed). Per run: the most KV blocks in use at
 once, the blocks freed behind the window, prefill seconds, and decode tokens/s over the decode-only steps.
 Prints a table and writes JSON (with the CPU model).
+
+    .venv/bin/python benchmarks/window_bench.py --hybrid [--size small] [--prompt-len 4096] [--max-tokens 64]
+
+Hybrid (gpt-oss-shaped: its demo's even layers slide over 128 tokens, odd ones are full): the same checkpoint
+with one pool of every layer (as before KV cache groups: nothing can be freed) and with its KV cache groups
+(shared/engine/kv_groups.py), in one process. Per run: KV bytes one request holds when it has decoded
+(all groups), the bytes of its hand-off (a prefill engine's export of a held `--prompt-len` prompt), and decode
+tokens/s.
 """
 
 from __future__ import annotations
@@ -17,9 +25,12 @@ import platform
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
+from shared.engine import engine as engine_module
 from shared.engine.config import SchedulerConfig
 from shared.engine.engine import Engine
+from shared.engine.kv_groups import KVGroup
 from shared.engine.sampling import SamplingParams
 from shared.model.demo import write_demo_checkpoint
 
@@ -66,6 +77,70 @@ def run(model_dir: Path, args: argparse.Namespace) -> dict:
     }
 
 
+def one_pool(num_layers: int, layer_windows: tuple[int | None, ...]) -> tuple[KVGroup, ...]:
+    """The grouping before KV cache groups: one pool of every layer, nothing freed (a hybrid model)."""
+    return (KVGroup(tuple(range(num_layers)), None),)
+
+
+def held_bytes(engine: Engine, request_id: str) -> int:
+    """KV bytes `request_id` holds now, over every group (FREED entries hold nothing)."""
+    tables = engine.scheduler.tables(engine.requests[request_id])
+    pairs = zip(tables, engine.pools, strict=True)
+    return sum(sum(b >= 0 for b in t.blocks) * pool.layout.bytes_per_block for t, pool in pairs)
+
+
+def run_hybrid(model_dir: Path, args: argparse.Namespace) -> dict:
+    """One request of prompt_len + max_tokens: bytes held once decoded, hand-off bytes, decode tok/s."""
+    opts = dict(
+        threads=args.threads,
+        kv_cache_bytes=1 << 30,
+        max_model_len=args.prompt_len + args.max_tokens,
+        scheduler=SchedulerConfig(max_num_batched_tokens=512),
+    )
+    prompt = [j % 250 + 3 for j in range(args.prompt_len)]
+    prefill = Engine.from_dir(model_dir, **opts)
+    prefill.add_request("h", prompt, SamplingParams(max_tokens=1, temperature=0.0), hold_kv=True)
+    while prefill.has_unfinished():
+        prefill.step()
+    handoff = prefill.export_kv("h").nbytes
+    engine = Engine.from_dir(model_dir, **opts)
+    engine.add_request("r", prompt, SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True))
+    steps: list[float] = []
+    held = 0
+    while engine.has_unfinished():
+        decoding = all(r.num_computed_tokens == r.num_tokens - 1 for r in engine.scheduler.running)
+        start = time.perf_counter()
+        engine.step()
+        if decoding:
+            steps.append(time.perf_counter() - start)
+        if "r" in engine.requests and engine.requests["r"].block_table:
+            held = held_bytes(engine, "r")
+    steps.sort()
+    return {
+        "groups": len(engine.pools),
+        "held_mib": round(held / 2**20, 2),
+        "handoff_mib": round(handoff / 2**20, 2),
+        "decode_step_ms_median": round(1000 * steps[len(steps) // 2], 2) if steps else None,
+    }
+
+
+def main_hybrid(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_demo_checkpoint(Path(tmp) / "gpt_oss", arch="gpt_oss", size=args.size)
+        with mock.patch.object(engine_module, "kv_groups", one_pool):
+            before = run_hybrid(model_dir, args)
+        after = run_hybrid(model_dir, args)
+    report = {"cpu": cpu_model(), "args": vars(args), "results": {"one pool": before, "groups": after}}
+    print(f"{'run':10} {'groups':>7} {'held MiB':>9} {'hand-off MiB':>13} {'decode step ms':>15}")
+    for name, r in report["results"].items():
+        print(
+            f"{name:10} {r['groups']:>7} {r['held_mib']:>9} {r['handoff_mib']:>13} {r['decode_step_ms_median']!s:>15}"
+        )
+    print(report["cpu"])
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="mixtral")
@@ -76,7 +151,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--hybrid", action="store_true", help="gpt-oss: one pool against KV cache groups")
     args = parser.parse_args()
+    if args.hybrid:
+        return main_hybrid(args)
     with tempfile.TemporaryDirectory() as tmp:
         full = write_demo_checkpoint(Path(tmp) / "full", arch=args.arch, size=args.size)
         windowed = write_demo_checkpoint(Path(tmp) / "windowed", arch=args.arch, size=args.size)

@@ -8,11 +8,16 @@ shard of the model and a KV pool of its KV heads only; the pool's block count is
 ranks). Every rank's model call is a collective, so the ranks must run the same steps: in SPMD use (tests)
 every rank runs the same requests and the deterministic scheduler makes the same plans; the logits are full on
 every rank, so greedy sampling agrees.
+
+KV cache groups (shared/engine/kv_groups.py: gpt-oss's full and sliding layers): one pool, block manager and
+block table per request per group; `pool`, `blocks` are group 0's (the only ones of a one-group model), `pools`
+and `group_blocks` all of them. Single-rank engines only: on a worker group a hybrid model keeps one pool.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,12 +31,14 @@ from shared.engine.decode_graphs import CaptureReport, DecodeGraphs, GraphBacken
 from shared.engine.device_setup import exclusive_setup
 from shared.engine.fork import Choice, PendingForks, fork_children
 from shared.engine.group_model import load_rank_model
-from shared.engine.kv_export import KVExport
+from shared.engine.kv_budget import GroupNeed, KvPlan, grouped_summary, split_plan
+from shared.engine.kv_export import KVExport, KVPart
+from shared.engine.kv_groups import KVGroup, kv_groups, window_live_blocks
 from shared.engine.kv_measure import outside_torch, plan_kv_pool
 from shared.engine.kv_pool import KVLayout, KVPool
 from shared.engine.layer_streams import LayerStreams, OnStart
 from shared.engine.logprobs import TokenLogprobs
-from shared.engine.request import FinishReason, Request, RequestStatus
+from shared.engine.request import FinishReason, GroupTable, Request, RequestStatus
 from shared.engine.runner import ModelRunner
 from shared.engine.sampling import Sampler, SamplingParams
 from shared.engine.scheduler import Scheduler
@@ -102,13 +109,19 @@ class Engine:
             non_torch_at_start = outside_torch(torch.cuda, self.device) if self.device.type == "cuda" else 0
             self.model = model or load_rank_model(config, self.group)
             backend, why_not = self._plan_kv(non_torch_at_start, graph_backend)
-        self.blocks = BlockManager(self.kv_plan.num_blocks, config.block_size)
+        self.group_blocks = [BlockManager(p.num_blocks, config.block_size) for p in self.kv_plans]
+        self.blocks = self.group_blocks[0]
         self.scheduler = Scheduler(
             config.scheduler,
             self.blocks,
             self.max_model_len,
             eos_token_ids=self.model.config.eos_token_ids,
-            window=self.model.config.freeable_window,
+            window=self.kv_groups[0].window,
+            window_groups=[
+                (b, g.window)
+                for b, g in zip(self.group_blocks[1:], self.kv_groups[1:], strict=True)
+                if g.window is not None  # every group after the first has one (kv_groups.py)
+            ],
         )
         self.graph_capture: CaptureReport | None = None  # what capturing the decode graphs took, when on
         # grammar matchers of the requests with structured output (the tokenizer is read on first use)
@@ -117,7 +130,9 @@ class Engine:
             lambda: Grammars.from_model_dir(config.model, mc.vocab_size, mc.eos_token_ids)
         )
         graphs = self._capture(backend, why_not)
-        self.runner = ModelRunner(self.model, self.pool, Sampler(config.seed), graphs, self.structured)
+        caches = None if len(self.pools) == 1 else self._group_caches()
+        windows = tuple(g.window for g in self.kv_groups[1:] if g.window is not None)
+        self.runner = ModelRunner(self.model, self.pool, Sampler(config.seed), graphs, self.structured, caches, windows)
         self.requests: dict[str, Request] = {}  # live, or finished and holding KV
         self.stats = EngineStats()
         self.last_logits: dict[str, torch.Tensor] = {}  # from the latest step, for tests and logprobs
@@ -158,7 +173,7 @@ class Engine:
             if agreed != self.kv_plan.num_blocks:
                 budget = f"{self.kv_plan.budget}, the group's smallest rank: {agreed} blocks"
                 self.kv_plan = replace(self.kv_plan, num_blocks=agreed, budget=budget)
-        log.info("%s", self.kv_plan.summary())
+        self._plan_groups(mc.num_layers, mc.layer_windows)
         backend, why_not = choose_backend(config.cuda_graphs, self.device, self.kernels)
         if backend is not None and self.group.world > 1:
             # the step's collectives would be captured too: not verified on NCCL yet, impossible on gloo
@@ -171,8 +186,48 @@ class Engine:
             backend, why_not = None, "off (sliding-window layers: not captured yet)"
         # With graphs the pool gets one block more than the plan, the scratch block padded rows write to: the
         # block manager hands out ids 0..plan-1 only, so the scratch block (id = plan) is nobody's.
-        self.pool = KVPool(self.layout, self.kv_plan.num_blocks + (backend is not None), self.device)
+        self.pools = [
+            KVPool(g.layout(self.layout), p.num_blocks + (backend is not None), self.device)
+            for g, p in zip(self.kv_groups, self.kv_plans, strict=True)
+        ]
+        self.pool = self.pools[0]
         return backend, why_not
+
+    def _plan_groups(self, num_layers: int, layer_windows: tuple[int | None, ...]) -> None:
+        """Split the KV plan between the model's KV cache groups (sets kv_groups, kv_plans); one group: the plan
+        as it is. Logs the start-up line."""
+        self.kv_groups: tuple[KVGroup, ...] = kv_groups(num_layers, layer_windows)
+        if len(self.kv_groups) > 1 and self.group.world > 1:
+            # a worker group's ranks mirror one pool and send one table per step (step_inputs.py): not grouped
+            # yet, so the hybrid model keeps one pool of every layer there, as before groups (nothing freed)
+            log.info(
+                "KV cache groups: off on a worker group of %d ranks (one pool, every block kept)", self.group.world
+            )
+            self.kv_groups = (KVGroup(tuple(range(num_layers)), None),)
+        if len(self.kv_groups) == 1:
+            self.kv_plans: list[KvPlan] = [self.kv_plan]
+            log.info("%s", self.kv_plan.summary())
+            return
+        b = self.config.block_size
+        chunk = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        needs = []
+        for g in self.kv_groups:
+            full = -(-self.max_model_len // b)
+            per_request = full if g.window is None else min(full, window_live_blocks(g.window, b, chunk))
+            name = "full" if g.window is None else f"window {g.window}"
+            needs.append(GroupNeed(name, g.layout(self.layout).bytes_per_block, per_request))
+        self.kv_plans = split_plan(self.kv_plan, needs)
+        self.kv_plan = self.kv_plans[0]
+        log.info("%s", grouped_summary(needs, self.kv_plans))
+
+    def _group_caches(self) -> list[torch.Tensor]:
+        """Per model layer, its (P, N_g, B, KVH, hd) view of its KV cache group's pool."""
+        caches: list[torch.Tensor | None] = [None] * self.model.config.num_layers
+        for g, pool in zip(self.kv_groups, self.pools, strict=True):
+            for layer, cache in zip(g.layers, pool.layer_caches(), strict=True):
+                caches[layer] = cache
+        assert all(c is not None for c in caches)
+        return [c for c in caches if c is not None]
 
     def _capture(self, backend: GraphBackend | None, why_not: str) -> DecodeGraphs | None:
         """The decode graphs, captured over the real pool (after it exists), and the one start-up line."""
@@ -251,7 +306,7 @@ class Engine:
         parent = self.requests[parent_id]
         for c in children:
             self._validate(c.request_id, parent.prompt_token_ids + list(c.output_token_ids))
-        made = fork_children(self.scheduler, self.pool, parent, children, hold_kv=parent.hold_kv)
+        made = fork_children(self.scheduler, self.pools, parent, children, hold_kv=parent.hold_kv)
         self._register_children(made)
         return [self._output(r, r.output_token_ids[-1:], None) for r in made if r.is_finished]
 
@@ -282,7 +337,7 @@ class Engine:
         )
         children = [Choice(c.request_id, c.params, (t,)) for c, t in zip(pending.children, tokens, strict=True)]
         first_logprobs = {c.request_id: lp for c, lp in zip(pending.children, logprobs, strict=True)}
-        made = fork_children(self.scheduler, self.pool, parent, children, hold_kv=pending.parent_holds_kv)
+        made = fork_children(self.scheduler, self.pools, parent, children, hold_kv=pending.parent_holds_kv)
         parent.hold_kv = pending.parent_holds_kv
         if parent.is_finished and not parent.hold_kv:
             self.release_kv(parent.request_id)
@@ -318,8 +373,7 @@ class Engine:
         if req is None:
             return self.pending_forks.drop_child(request_id)  # a child not forked yet holds nothing
         if req.is_finished:  # held for export
-            self.blocks.free(req.block_table)
-            req.block_table = []
+            self.scheduler.release(req)
         else:
             self.scheduler.abort(req)
         pending = self.pending_forks.pop(request_id)
@@ -437,28 +491,53 @@ class Engine:
         self, request_id: str, alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
     ) -> KVExport:
         """Copy out the KV of a request that is decoding or finished holding its KV. No state changes.
-        `alloc(shape, dtype)` supplies the memory to copy into (e.g. a reused buffer)."""
-        num_tokens, block_ids, first = self.kv_blocks(request_id)
-        out = None
-        if alloc is not None:
-            out = alloc(self.layout.block_shape(len(block_ids)), self.layout.torch_dtype)
-        return KVExport(self.layout, num_tokens, self.pool.read(block_ids, out=out), first_block=first)
+        `alloc(shape, dtype)` supplies the memory to copy into (e.g. a reused buffer). Several KV cache groups:
+        each group's held blocks, concatenated flat (KVExport.parts)."""
+        num_tokens, held = self.group_kv_blocks(request_id)
+        if len(held) == 1:
+            first, block_ids = held[0]
+            out = None
+            if alloc is not None:
+                out = alloc(self.layout.block_shape(len(block_ids)), self.layout.torch_dtype)
+            return KVExport(self.layout, num_tokens, self.pool.read(block_ids, out=out), first_block=first)
+        parts = tuple(
+            KVPart(len(g.layers), first, len(ids)) for g, (first, ids) in zip(self.kv_groups, held, strict=True)
+        )
+        size = sum(math.prod(pool.layout.block_shape(p.num_blocks)) for pool, p in zip(self.pools, parts, strict=True))
+        dtype = self.layout.torch_dtype
+        flat = alloc((size,), dtype) if alloc is not None else torch.empty(size, dtype=dtype, device=self.device)
+        kv = KVExport(self.layout, num_tokens, flat, parts=parts)
+        for i, (pool, (_, ids)) in enumerate(zip(self.pools, held, strict=True)):
+            pool.read(ids, out=kv.part_blocks(i))
+        return kv
 
     def kv_blocks(self, request_id: str) -> tuple[int, list[int], int]:
         """(tokens computed, the pool blocks holding them in order, the request's block they start at) of a
         request that is decoding or finished holding its KV: what `export_kv` copies, for a caller that reads
         the pool itself (a send straight from the blocks). Blocks freed behind the sliding window are not
-        among them (they start at the first unfreed one). The blocks stay the request's; nothing changes."""
+        among them (they start at the first unfreed one). The blocks stay the request's; nothing changes.
+        One KV cache group only (ValueError otherwise: export those)."""
+        if len(self.pools) > 1:
+            raise ValueError("a model of several KV cache groups sends exports (export_kv), not one pool's blocks")
+        num_tokens, ((first, block_ids),) = self.group_kv_blocks(request_id)
+        return num_tokens, block_ids, first
+
+    def group_kv_blocks(self, request_id: str) -> tuple[int, list[tuple[int, list[int]]]]:
+        """(tokens computed, per KV cache group (its first held block, the pool blocks from there on)) of a
+        request that is decoding or finished holding its KV. Nothing changes."""
         req = self.requests.get(request_id)
         if req is None:
             raise KeyError(f"unknown request {request_id!r}")
         if req.status is RequestStatus.WAITING or req.num_computed_tokens < req.num_tokens - 1:
             raise ValueError(f"request {request_id!r} has not finished its prefill")
         n = self.blocks.blocks_for(req.num_computed_tokens)
-        first = req.window_freed  # blocks freed behind the sliding window are not carried
-        if FREED in req.block_table[first:n]:
-            raise AssertionError(f"request {request_id!r} has freed blocks past its first {first}")
-        return req.num_computed_tokens, list(req.block_table[first:n]), first
+        held = []
+        for table in self.scheduler.tables(req):
+            first = table.freed  # blocks freed behind the sliding window are not carried
+            if FREED in table.blocks[first:n]:
+                raise AssertionError(f"request {request_id!r} has freed blocks past its first {first}")
+            held.append((first, list(table.blocks[first:n])))
+        return req.num_computed_tokens, held
 
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks of a finished request that held them. False if there is no such request."""
@@ -466,8 +545,7 @@ class Engine:
         if req is None or not req.is_finished:
             return False
         del self.requests[request_id]
-        self.blocks.free(req.block_table)
-        req.block_table = []
+        self.scheduler.release(req)
         return True
 
     def import_kv(
@@ -497,34 +575,59 @@ class Engine:
             )
         if len(self.scheduler.running) >= self.config.scheduler.max_num_seqs:
             raise NoFreeBlocksError(f"{self.config.scheduler.max_num_seqs} requests already running")
-        first = kv.first_block_at(self.layout.block_size)  # the blocks before it are behind the window
-        blocks = self.blocks.allocate(self.blocks.blocks_for(kv.num_tokens) - first)
+        if kv.parts and len(kv.parts) != len(self.pools):
+            raise ValueError(
+                f"KV of {len(kv.parts)} KV cache groups cannot fill this engine's pool of {len(self.pools)}: a "
+                "hybrid model's grouped KV goes to single-rank engines"
+            )
+        tables = self._allocate_import(kv)
         try:  # the matcher replays the output so far (the prefill worker sampled the first token under it)
             self.structured.add(request_id, params.structured, output_token_ids)
         except ValueError:
-            self.blocks.free(blocks)
+            for blocks, table in zip(self.group_blocks, tables, strict=True):
+                blocks.free(table.blocks)
             raise
-        self.pool.write_export(blocks, kv)  # in a worker group: on every rank (shared/parallel/mirror.py)
+        if len(self.pools) == 1:
+            self.pool.write_export(tables[0].blocks[tables[0].freed :], kv)  # a worker group: on every rank
+        elif not kv.parts:  # from one pool of every layer (a worker group's): each group takes its layers
+            data = kv.reblock(self.layout.block_size)
+            for g, pool, table in zip(self.kv_groups, self.pools, tables, strict=True):
+                pool.write(table.blocks[table.freed :], data[list(g.layers)])
+        else:
+            for i, (pool, table) in enumerate(zip(self.pools, tables, strict=True)):
+                pool.write(table.blocks[table.freed :], kv.reblock(self.layout.block_size, i))
         req = Request(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids))
-        req.block_table = [FREED] * first + blocks
-        req.window_freed = first
+        req.group_tables = tables
         req.num_computed_tokens = kv.num_tokens
         self.requests[request_id] = req
         self.scheduler.add_running(req)
 
+    def _allocate_import(self, kv: KVExport) -> list[GroupTable]:
+        """Every group's table for an imported request: FREED up to the group's first carried block (behind its
+        window), fresh blocks from there on. All or nothing: NoFreeBlocksError with nothing taken."""
+        n = self.blocks.blocks_for(kv.num_tokens)
+        firsts = [kv.first_block_at(self.layout.block_size, i if kv.parts else None) for i in range(len(self.pools))]
+        if not kv.parts and kv.first_block and len(self.pools) > 1:
+            raise ValueError("KV of one pool without its first blocks cannot fill a full-attention group")
+        if not all(b.can_allocate(n - f) for b, f in zip(self.group_blocks, firsts, strict=True)):
+            free = [b.num_free for b in self.group_blocks]
+            raise NoFreeBlocksError(f"an import of {kv.num_tokens} tokens does not fit: free blocks per group {free}")
+        return [GroupTable([FREED] * f + b.allocate(n - f), f) for b, f in zip(self.group_blocks, firsts, strict=True)]
+
     def check_integrity(self) -> None:
         """Block manager invariants, plus: every block's reference count is the number of live requests whose
         tables hold it (forked choices share prompt blocks), so no block is free while held, nor held by
-        nobody."""
-        self.blocks.check_integrity()
-        holders = [0] * self.blocks.num_blocks
-        for req in self.requests.values():
-            for b in req.block_table:
-                if b == FREED:  # given back behind the sliding window
-                    continue
-                if self.blocks.ref_count(b) == 0:
-                    raise AssertionError(f"request {req.request_id} holds free block {b}")
-                holders[b] += 1
-        for b, n in enumerate(holders):
-            if self.blocks.ref_count(b) != n:
-                raise AssertionError(f"block {b} has {self.blocks.ref_count(b)} references, {n} holders")
+        nobody. In every KV cache group."""
+        for g, blocks in enumerate(self.group_blocks):
+            blocks.check_integrity()
+            holders = [0] * blocks.num_blocks
+            for req in self.requests.values():
+                for b in self.scheduler.tables(req)[g].blocks:
+                    if b == FREED:  # given back behind the sliding window
+                        continue
+                    if blocks.ref_count(b) == 0:
+                        raise AssertionError(f"request {req.request_id} holds free block {b} of group {g}")
+                    holders[b] += 1
+            for b, n in enumerate(holders):
+                if blocks.ref_count(b) != n:
+                    raise AssertionError(f"block {b} of group {g} has {blocks.ref_count(b)} references, {n} holders")

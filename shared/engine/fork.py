@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from shared.choices import choice_seed
 from shared.engine.block_manager import BlockManager, NoFreeBlocksError
 from shared.engine.kv_pool import KVPool
-from shared.engine.request import Request, RequestStatus
+from shared.engine.request import GroupTable, Request, RequestStatus
 from shared.engine.sampling import SamplingParams
 from shared.engine.scheduler import Scheduler
 
@@ -98,8 +98,24 @@ def share_prefix(blocks: BlockManager, pool: KVPool, parent_table: list[int], nu
     return shared + own
 
 
+def share_groups(scheduler: Scheduler, pools: list[KVPool], parent: Request, num_tokens: int) -> list[GroupTable]:
+    """`share_prefix` in every KV cache group (shared/engine/kv_groups.py; `pools` in group order): the child's
+    tables. All or nothing: raises NoFreeBlocksError with nothing taken in any group."""
+    made: list[GroupTable] = []
+    groups = scheduler.groups()
+    try:
+        for (blocks, _), pool, table in zip(groups, pools, scheduler.tables(parent), strict=True):
+            # FREED entries (behind a window) stay FREED: the child's next query sees no more than the parent's
+            made.append(GroupTable(share_prefix(blocks, pool, table.blocks, num_tokens), table.freed))
+    except NoFreeBlocksError:
+        for (blocks, _), table in zip(groups, made, strict=False):
+            blocks.free(table.blocks)
+        raise
+    return made
+
+
 def fork_children(
-    scheduler: Scheduler, pool: KVPool, parent: Request, children: list[Choice], hold_kv: bool
+    scheduler: Scheduler, pools: list[KVPool], parent: Request, children: list[Choice], hold_kv: bool
 ) -> list[Request]:
     """The children as requests sharing the parent's prompt KV: each runs from the prompt's end (computing its
     own tokens so far, all but the last sampled one). A child that finds no block for its copy of the partial
@@ -124,7 +140,7 @@ def fork_children(
             scheduler.add(req)
             continue
         try:
-            req.block_table = share_prefix(scheduler.blocks, pool, parent.block_table, prompt_len)
+            req.group_tables = share_groups(scheduler, pools, parent, prompt_len)
         except NoFreeBlocksError:
             scheduler.add(req)
             continue

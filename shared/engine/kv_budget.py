@@ -145,3 +145,50 @@ def _checked(plan: KvPlan) -> KvPlan:
 def _size(n: int) -> str:
     """Bytes for people: GiB from 1 GiB up, else MiB (sign kept: a CUDA budget can be negative)."""
     return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / MIB:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class GroupNeed:
+    """One KV cache group (shared/engine/kv_groups.py) as the memory plan sees it: its bytes per block and the
+    blocks one max-length request holds in it at most (a full group: the whole sequence; a window group: the
+    window plus a step's queries, kv_groups.window_live_blocks)."""
+
+    name: str  # "full" or "window W", for the start-up line
+    bytes_per_block: int
+    blocks_per_request: int
+
+
+def split_plan(total: KvPlan, needs: list[GroupNeed]) -> list[KvPlan]:
+    """The budget of `total` (planned as if one pool held every layer) shared between KV cache groups so that
+    each holds the same number of max-length requests: group g gets budget × need_g / Σ need_j, need_j =
+    blocks_per_request × bytes_per_block. With num_kv_blocks (tests) every group gets that many blocks.
+    ValueError when some group holds no request at all."""
+    if total.sizing is KvSizing.NUM_KV_BLOCKS:
+        counts = [total.num_blocks] * len(needs)
+    else:
+        per_request = sum(n.blocks_per_request * n.bytes_per_block for n in needs)
+        requests = total.bytes // per_request
+        counts = [requests * n.blocks_per_request for n in needs]
+    plans = []
+    for n, count in zip(needs, counts, strict=True):
+        if count < n.blocks_per_request:
+            raise ValueError(
+                f"the {n.name} KV group gets {count} blocks, less than one request needs ({n.blocks_per_request}; "
+                f"{total.budget}): {_REMEDY[total.sizing]}"
+            )
+        shape = KvShape(n.bytes_per_block, total.shape.block_size, total.shape.max_model_len)
+        plans.append(KvPlan(count, shape, total.sizing, f"{n.name} layers' share of {total.budget}"))
+    return plans
+
+
+def grouped_summary(needs: list[GroupNeed], plans: list[KvPlan]) -> str:
+    """The start-up line of a pool split into KV cache groups: blocks, tokens and bytes per group."""
+    parts = [
+        f"{n.name}: {p.num_blocks} blocks x {p.shape.block_size} = {p.tokens} tokens, {_size(p.bytes)}"
+        for n, p in zip(needs, plans, strict=True)
+    ]
+    fits = min(p.num_blocks // n.blocks_per_request for n, p in zip(needs, plans, strict=True))
+    return (
+        f"KV cache in {len(plans)} groups ({'; '.join(parts)}; {plans[0].budget.split(' of ', 1)[-1]}); holds "
+        f"{fits} requests of max_model_len {plans[0].shape.max_model_len}"
+    )

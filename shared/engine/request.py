@@ -22,6 +22,15 @@ class FinishReason(Enum):
     ABORT = "abort"
 
 
+@dataclass
+class GroupTable:
+    """A request's blocks in one KV cache group: entry i holds positions i*B..; the first `freed` entries were
+    given back behind the group's sliding window (FREED, scheduler.py)."""
+
+    blocks: list[int] = field(default_factory=list)
+    freed: int = 0
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -33,9 +42,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
-    block_table: list[int] = field(default_factory=list)
-    # Leading block-table entries already freed behind the sliding window (FREED in the table; scheduler.py)
-    window_freed: int = 0
+    # Per KV cache group (shared/engine/kv_groups.py; one unless full and sliding layers mix): its block table
+    group_tables: list[GroupTable] = field(default_factory=lambda: [GroupTable()])
     # Tokens (prompt + output) whose K/V is in the cache. A request is decoding once this is
     # num_tokens - 1: only the last sampled token still has to go through the model.
     num_computed_tokens: int = 0
@@ -47,6 +55,23 @@ class Request:
     # an output carried them yet
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+
+    @property
+    def block_table(self) -> list[int]:
+        """Group 0's block table: the only one of a one-group model; the full layers' of a hybrid one."""
+        return self.group_tables[0].blocks
+
+    @block_table.setter
+    def block_table(self, blocks: list[int]) -> None:
+        self.group_tables[0].blocks = blocks
+
+    @property
+    def window_freed(self) -> int:
+        return self.group_tables[0].freed
+
+    @window_freed.setter
+    def window_freed(self, n: int) -> None:
+        self.group_tables[0].freed = n
 
     @property
     def num_tokens(self) -> int:

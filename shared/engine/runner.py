@@ -40,12 +40,18 @@ class ModelRunner:
         sampler: Sampler,
         graphs: DecodeGraphs | None = None,
         structured: StructuredDecoding | None = None,
+        caches: list[torch.Tensor] | None = None,
+        group_windows: tuple[int, ...] = (),
     ) -> None:
+        """`caches`: per model layer its cache view, when the layers' KV lies in several KV cache groups' pools
+        (shared/engine/kv_groups.py; `group_windows`: the windows of the groups after the first, in order);
+        default: `pool`'s layers, one group."""
         self.model = model
         self.pool = pool
         self.sampler = sampler
         self.structured = structured  # grammar matchers of the requests with structured output
-        self._caches = pool.layer_caches()
+        self._caches = caches if caches is not None else pool.layer_caches()
+        self.group_windows = group_windows
         self.device = pool.tensor.device
         self.graphs = graphs  # captured decode steps (decode_graphs.py); None = every step runs eagerly
         self.graph_steps = 0  # steps that replayed a graph
@@ -105,6 +111,10 @@ class ModelRunner:
             query_lens=[s.num_tokens for s in plan.seqs],
             sample_rows=[ends[i] - 1 for i in sampling],
             score_rows=[(c.first_row, len(c.targets)) for c in slices],
+            group_tables=tuple(
+                (w, [s.request.group_tables[g].blocks for s in plan.seqs])
+                for g, w in enumerate(self.group_windows, start=1)
+            ),
         )
         return self.run_step(inputs, lambda i, logits: score(slices[i], logits))
 

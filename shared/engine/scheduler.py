@@ -13,17 +13,22 @@ Policy (continuous batching):
   before each plan, the blocks of a running request that lie wholly behind the window of its next query
   are freed (the table entry becomes FREED). A request that holds its KV for a hand-off exports only the
   blocks from its first unfreed one on (KVExport.first_block): the hand-off moves the window's blocks.
+- KV cache groups (full and sliding layers mixed, gpt-oss; shared/engine/kv_groups.py): `blocks`/`window` are
+  group 0's (the full layers: nothing freed), `window_groups` the others, each with its own block manager and
+  a table per request (Request.group_tables) freed behind its window as above. A request grows in every
+  group or in none; preemption and finishing free every group's table.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shared.engine.block_manager import FREED, BlockManager
 from shared.engine.config import SchedulerConfig
-from shared.engine.request import FinishReason, Request, RequestStatus
+from shared.engine.request import FinishReason, GroupTable, Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -62,10 +67,12 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
         window: int | None = None,
+        window_groups: Sequence[tuple[BlockManager, int]] = (),
     ) -> None:
         """`max_model_len`: prompt + output tokens of one request (the engine resolves it from the model).
-        `window`: every layer's sliding window is at most this (ModelConfig.freeable_window): blocks behind it
-        are freed; None = every block is kept while the request runs."""
+        `window`: every layer of `blocks`' group slides within this (ModelConfig.freeable_window for a one-group
+        model): blocks behind it are freed; None = every block is kept while the request runs.
+        `window_groups`: the other KV cache groups' block managers and windows (kv_groups.py), in group order."""
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 "without chunked prefill a whole prompt must fit in one step: "
@@ -78,6 +85,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.window = window
+        self.window_groups = list(window_groups)
         self.freed_behind_window = 0  # blocks given back behind the window so far (a counter for stats/tests)
 
     def add(self, request: Request) -> None:
@@ -103,9 +111,8 @@ class Scheduler:
     # ---- planning -------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulePlan:
-        if self.window is not None:
-            for req in self.running:
-                self._free_behind_window(req)
+        for req in self.running:
+            self._free_behind_window(req)
         plan = SchedulePlan()
         if not self.config.enable_chunked_prefill and self._admit_waiting(plan, self.config.max_num_batched_tokens):
             return plan  # a prefill-only step
@@ -163,31 +170,50 @@ class Scheduler:
             admitted = True
         return admitted
 
+    def groups(self) -> list[tuple[BlockManager, int | None]]:
+        """Every KV cache group's (block manager, window), group 0 first: the order of Request.group_tables."""
+        return [(self.blocks, self.window), *self.window_groups]
+
+    def tables(self, req: Request) -> list[GroupTable]:
+        """`req`'s table in every group (the missing ones made empty): in the order of `groups()`."""
+        while len(req.group_tables) < 1 + len(self.window_groups):
+            req.group_tables.append(GroupTable())
+        return req.group_tables
+
     def _free_behind_window(self, req: Request) -> None:
-        """Free the blocks no query of `req` reads again: its next query sits at num_computed_tokens, and
-        sees keys from num_computed_tokens - window + 1 on (the same for every later query)."""
-        assert self.window is not None
-        behind = max(0, req.num_computed_tokens - self.window + 1) // self.blocks.block_size
-        behind = min(behind, len(req.block_table))
-        for i in range(req.window_freed, behind):
-            if req.block_table[i] != FREED:  # a forked child's table may share the parent's FREED entries
-                self.blocks.free([req.block_table[i]])
-                req.block_table[i] = FREED
-                self.freed_behind_window += 1
-        req.window_freed = max(req.window_freed, behind)
+        """Free, in every windowed group, the blocks no query of `req` reads again: its next query sits at
+        num_computed_tokens, and sees keys from num_computed_tokens - window + 1 on (so do all later ones)."""
+        for (blocks, window), table in zip(self.groups(), self.tables(req), strict=True):
+            if window is None:
+                continue
+            behind = max(0, req.num_computed_tokens - window + 1) // blocks.block_size
+            behind = min(behind, len(table.blocks))
+            for i in range(table.freed, behind):
+                if table.blocks[i] != FREED:  # a forked child's table may share the parent's FREED entries
+                    blocks.free([table.blocks[i]])
+                    table.blocks[i] = FREED
+                    self.freed_behind_window += 1
+            table.freed = max(table.freed, behind)
+
+    def release(self, req: Request) -> None:
+        """Give back every group's blocks of `req` (one reference each) and empty its tables."""
+        for (blocks, _), table in zip(self.groups(), self.tables(req), strict=True):
+            blocks.free(table.blocks)
+            table.blocks, table.freed = [], 0
 
     def _is_decoding(self, req: Request) -> bool:
         return req.num_computed_tokens == req.num_tokens - 1
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Give `req` blocks for `num_tokens` tokens if the pool can; False (nothing taken) otherwise."""
-        need = self.blocks.blocks_for(num_tokens) - len(req.block_table)
-        if need <= 0:
-            return True
-        if not self.blocks.can_allocate(need):
-            return False
-        last = next((b for b in reversed(req.block_table) if b != FREED), None)
-        req.block_table.extend(self.blocks.allocate(need, after=last))  # one run where the pool allows
+        groups, tables = self.groups(), self.tables(req)
+        needs = [blocks.blocks_for(num_tokens) - len(t.blocks) for (blocks, _), t in zip(groups, tables, strict=True)]
+        if not all(blocks.can_allocate(n) for (blocks, _), n in zip(groups, needs, strict=True) if n > 0):
+            return False  # all groups or none
+        for (blocks, _), table, n in zip(groups, tables, needs, strict=True):
+            if n > 0:
+                last = next((b for b in reversed(table.blocks) if b != FREED), None)
+                table.blocks.extend(blocks.allocate(n, after=last))  # one run where the pool allows
         return True
 
     def _reserve(self, req: Request, num_tokens: int, plan: SchedulePlan) -> bool:
@@ -201,9 +227,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, plan: SchedulePlan) -> None:
         self.running.remove(req)
-        self.blocks.free(req.block_table)
-        req.block_table = []
-        req.window_freed = 0
+        self.release(req)
         req.num_computed_tokens = 0  # recompute prompt + output so far when readmitted
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
@@ -249,7 +273,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         keep = req.hold_kv and reason is not FinishReason.ABORT
-        if not keep and req.block_table:
-            self.blocks.free(req.block_table)
-            req.block_table = []
-            req.window_freed = 0
+        if not keep:
+            self.release(req)
+        elif req.num_computed_tokens:  # held for a hand-off: what is behind its next query's window never moves
+            self._free_behind_window(req)

@@ -30,6 +30,10 @@ class StepInputs:
     query_lens: list[int]  # per sequence: tokens this step
     sample_rows: list[int]  # flat rows whose logits are sampled (a sequence's last row), in order
     score_rows: list[tuple[int, int]]  # (first row, count): the prompt-scoring logits calls, in order
+    # KV cache groups after the first (shared/engine/kv_groups.py), in group order: (the group's window, per
+    # sequence its block table there). Empty with one group (a hybrid model on a worker group keeps one pool:
+    # grouped steps are not packed).
+    group_tables: tuple[tuple[int, list[list[int]]], ...] = ()
 
     def sizes(self) -> tuple[int, int, int, int, int]:
         """(tokens, sequences, block-table entries, sampling rows, scoring calls): the packed sections' sizes."""
@@ -38,6 +42,8 @@ class StepInputs:
 
     def pack(self) -> tuple[tuple[int, ...], torch.Tensor]:
         """(header sizes, one int64 tensor): what a follower needs to rebuild these inputs with `unpack`."""
+        if self.group_tables:
+            raise ValueError("a step over several KV cache groups is not sent to a worker group's followers")
         flat = (
             self.input_ids
             + self.positions
@@ -87,7 +93,7 @@ def forward_step(
     """Run one step's model calls: the forward pass over the paged cache (writing this step's KV), one logits
     call per scoring slice (handed to `on_scored`, so a long prompt's logits are never all held at once), and
     the sampling rows' logits. → (S, V) float32 logits of the sampling rows, None if none. Every rank of a
-    group calls this with the same inputs."""
+    group calls this with the same inputs. `caches`: per layer, its view of its KV cache group's pool."""
     meta = AttentionMetadata.build(
         block_tables=inputs.block_tables,
         context_lens=inputs.context_lens,
@@ -97,6 +103,7 @@ def forward_step(
         kernels=model.kernels,
         windows=model.config.windows,
         full=model.config.has_full_layers,
+        window_tables=dict(inputs.group_tables),
     )
     t = len(inputs.input_ids)
     staged = torch.tensor(inputs.input_ids + inputs.positions + inputs.sample_rows, dtype=torch.int64)

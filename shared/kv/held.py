@@ -217,6 +217,12 @@ class HeldKv:
             record.export = None
             await self._slice_ended(key, record, ok=None)
             raise
+        if full.parts:  # kv_groups.py: a hybrid model's flat export of several groups
+            await self._slice_ended(key, record, ok=None)
+            raise ValueError(
+                f"the KV of {key!r} lies in {len(full.parts)} KV cache groups (full and sliding layers): a decode "
+                "worker group's head slices of it are not supported yet; pull it whole into a single-rank engine"
+            )
         layout = dataclasses.replace(full.layout, kv_heads=tuple(heads))  # its planes too (a latent stays one)
         blocks = full.blocks[:, :, :, :, heads.start : heads.stop].contiguous()
         return KVExport(layout, full.num_tokens, blocks, first_block=full.first_block)

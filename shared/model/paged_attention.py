@@ -15,6 +15,9 @@ Sliding windows (ModelConfig.layer_windows): a layer with window W attends, for 
 p-W+1..p. The step's metadata carries one view per distinct window (`for_window`), built on the host once per
 step like the full one: each sequence's block table starts at the first block its window reaches (blocks
 behind it are never read: the block manager may have freed them), and the masks keep the window's keys only.
+With KV cache groups (shared/engine/kv_groups.py: full and sliding layers mixed) a window's layers have their
+own pool and block tables: its view is built from those (`window_tables`), slot mapping included, so the
+step's K/V of those layers is written to their own slots.
 Attention sinks (gpt-oss): a learned logit per query head joins every softmax's denominator (`sinks`).
 """
 
@@ -112,35 +115,54 @@ class AttentionMetadata:
         kernels: KernelChoice = KernelChoice.TORCH,
         windows: frozenset[int] | set[int] = frozenset(),
         full: bool = True,
+        window_tables: dict[int, list[list[int]]] | None = None,
     ) -> AttentionMetadata:
         """One entry per sequence, decodes first. context_lens include this step's tokens. `kernels` (resolved:
         TORCH or TRITON) decides how the decodes are laid out: torch buckets, or one KernelDecodes. `windows`:
         the model's sliding windows, one view each (`for_window`). full=False: no layer attends to the whole
         context (every layer slides), so the full view is left empty (its tables may hold blocks freed behind
-        the window, block_manager.FREED)."""
+        the window, block_manager.FREED). `window_tables`: window → per sequence its own group's block table
+        (KV cache groups); a window without an entry uses `block_tables`."""
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
-        tables = []
-        for bt, n in zip(block_tables, context_lens, strict=True):
-            nb = -(-n // block_size)
-            if nb > len(bt):
-                raise ValueError(f"block table holds {len(bt) * block_size} slots, context needs {n}")
-            tables.append(bt[:nb])
-        slot_mapping = to_device(
-            torch.cat(
-                [_slots(bt, n - q, n, block_size) for bt, n, q in zip(tables, context_lens, query_lens, strict=True)]
-            ),
-            device,
-        )
+        tables = _cut_tables(block_tables, context_lens, block_size)
+        slot_mapping = _slot_mapping(tables, context_lens, query_lens, block_size, device)
 
-        def view(window: int | None) -> tuple:
+        def view(window: int | None, tables: list[list[int]] = tables) -> tuple:
             return _views(tables, context_lens, query_lens, num_decodes, block_size, device, kernels, window)
 
-        windowed: dict[int, AttentionMetadata] = {w: cls(slot_mapping, num_decodes, *view(w)) for w in sorted(windows)}
+        windowed: dict[int, AttentionMetadata] = {}
+        for w in sorted(windows):
+            own = (window_tables or {}).get(w)
+            if own is None:
+                windowed[w] = cls(slot_mapping, num_decodes, *view(w))
+            else:  # the window's own KV cache group: its tables, its slots
+                cut = _cut_tables(own, context_lens, block_size)
+                slots = _slot_mapping(cut, context_lens, query_lens, block_size, device)
+                windowed[w] = cls(slots, num_decodes, *view(w, cut))
         if not full:
             return cls(slot_mapping, num_decodes, [], [], None, windowed=windowed, has_full=False)
         return cls(slot_mapping, num_decodes, *view(None), windowed=windowed)
+
+
+def _cut_tables(block_tables: list[list[int]], context_lens: list[int], block_size: int) -> list[list[int]]:
+    """Each table cut to the blocks its context fills (ValueError when a table is too short)."""
+    tables = []
+    for bt, n in zip(block_tables, context_lens, strict=True):
+        nb = -(-n // block_size)
+        if nb > len(bt):
+            raise ValueError(f"block table holds {len(bt) * block_size} slots, context needs {n}")
+        tables.append(bt[:nb])
+    return tables
+
+
+def _slot_mapping(
+    tables: list[list[int]], context_lens: list[int], query_lens: list[int], block_size: int, device: torch.device | str
+) -> torch.Tensor:
+    """(T,) the cache slot of each of the step's tokens, sequence after sequence."""
+    slots = [_slots(bt, n - q, n, block_size) for bt, n, q in zip(tables, context_lens, query_lens, strict=True)]
+    return to_device(torch.cat(slots), device)
 
 
 def _views(

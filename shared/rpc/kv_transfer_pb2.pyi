@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -69,7 +69,7 @@ class PullRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., ticket: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., pair_id: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., kv_head_start: _Optional[int] = ..., kv_head_count: _Optional[int] = ..., group_pulls: _Optional[int] = ..., shm_offset: _Optional[int] = ..., shm_capacity: _Optional[int] = ...) -> None: ...
 
 class PullReply(_message.Message):
-    __slots__ = ("num_tokens", "shape", "dtype", "block_size", "tag", "chunk_bytes", "first_block", "runs", "shm_bytes", "layer_streamed")
+    __slots__ = ("num_tokens", "shape", "dtype", "block_size", "tag", "chunk_bytes", "first_block", "runs", "shm_bytes", "layer_streamed", "groups")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class PullReply(_message.Message):
     RUNS_FIELD_NUMBER: _ClassVar[int]
     SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYER_STREAMED_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
@@ -90,4 +91,15 @@ class PullReply(_message.Message):
     runs: _containers.RepeatedScalarFieldContainer[int]
     shm_bytes: int
     layer_streamed: bool
-    def __init__(self, num_tokens: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tag: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., first_block: _Optional[int] = ..., runs: _Optional[_Iterable[int]] = ..., shm_bytes: _Optional[int] = ..., layer_streamed: _Optional[bool] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[KvGroupSpan]
+    def __init__(self, num_tokens: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tag: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., first_block: _Optional[int] = ..., runs: _Optional[_Iterable[int]] = ..., shm_bytes: _Optional[int] = ..., layer_streamed: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[KvGroupSpan, _Mapping]]] = ...) -> None: ...
+
+class KvGroupSpan(_message.Message):
+    __slots__ = ("num_layers", "first_block", "num_blocks")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    first_block: int
+    num_blocks: int
+    def __init__(self, num_layers: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...

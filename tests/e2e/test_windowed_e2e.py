@@ -2,10 +2,11 @@
 NATS, Redis, the KV pull): gpt-oss (sinks, alternating sliding/full layers) and a Mixtral whose every layer
 slides (its decode worker frees blocks behind the window). Prompts are longer than the window (16 tokens).
 
-What moves (docs/architecture.md, "Sliding windows"): for gpt-oss every block (its full layers need them all,
-one pool holds every layer); for the all-sliding Mixtral only the window's blocks (the prefill worker freed
-the ones behind it while prefilling: the pull's first_block > 0 for the long prompt). Both sides hold
-nothing afterwards."""
+What moves (docs/architecture.md, "Sliding windows"): for gpt-oss, whose layers form two KV cache groups, the
+full layers' every block and only the window's blocks of the sliding layers; for the all-sliding Mixtral only
+the window's blocks (the prefill worker freed the ones behind it: the pull's first_block > 0 for the long
+prompt). Either way the bytes pulled are what a local engine exports, less than one pool of every layer's
+blocks. Both sides hold nothing afterwards."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
-from tests.e2e_support import heartbeats, kv_keys, start_stack
+from tests.e2e_support import heartbeats, kv_keys, scraped_total, start_stack
 
 pytestmark = pytest.mark.slow
 
@@ -75,3 +76,20 @@ def test_disaggregated_output_equals_the_engine_and_the_kv_moves_and_is_freed(st
     assert idle, beats  # freed on both sides
     assert all(b.integrity_error is None for b in beats.values())
     assert kv_keys(stack.redis_url) == []
+
+    # the hand-off moved what the engine exports (the window's blocks of the sliding layers), less than one pool
+    handoff, one_pool = _handoff_bytes(model_dir, ids)
+    moved = sum(scraped_total(url, "pdserve:kv_transfer_bytes_total", role="decode") for url in stack.metrics_urls())
+    assert moved == handoff < one_pool
+
+
+def _handoff_bytes(model_dir, ids: list[list[int]]) -> tuple[int, int]:
+    """(bytes a local prefill engine exports for these prompts, bytes of every layer's every block of them)."""
+    engine = Engine.from_dir(model_dir, max_model_len=1024)
+    for i, prompt in enumerate(ids):
+        engine.add_request(f"h{i}", prompt, SamplingParams(max_tokens=1, temperature=0.0), hold_kv=True)
+    while engine.has_unfinished():
+        engine.step()
+    exported = sum(engine.export_kv(f"h{i}").nbytes for i in range(len(ids)))
+    layout = engine.layout
+    return exported, sum(-(-len(p) // layout.block_size) * layout.bytes_per_block for p in ids)

@@ -47,7 +47,7 @@ from shared.kv.transfer.pair import (
 )
 from shared.kv.transfer.pair_proof import PairProofs
 from shared.kv.transfer.shm import Regions, Segment, host_identity
-from shared.kv.transfer.wire import announced_layout, receive_pieces
+from shared.kv.transfer.wire import announced_layout, receive_pieces, received
 from shared.rpc import kv_transfer_pb2 as pb
 from shared.rpc import kv_transfer_pb2_grpc as pb_grpc
 from shared.telemetry import metrics, tracing
@@ -241,11 +241,13 @@ class KvTransferClient:
                 raise _transfer_error(e, f"receiving {request_id!r} from {address}") from e
         self.stats.pulls += 1
         self.stats.bytes_received += buffer.numel() * buffer.element_size()
+        kv = received(reply, source, buffer)
         if trailer is not None:  # every layer and the first token arrived: decode may begin
             self.stats.streamed_pulls += 1
-            token = int(trailer[0])
-            return StreamedKv(source, reply.num_tokens, buffer, first_block=reply.first_block, first_token=token)
-        return KVExport(source, reply.num_tokens, buffer, first_block=reply.first_block)
+            return StreamedKv(
+                kv.layout, kv.num_tokens, kv.blocks, first_block=kv.first_block, parts=kv.parts, first_token=int(trailer[0])
+            )
+        return kv
 
     def _from_segment(
         self, conn: _Connection, reply: pb.PullReply, source: KVLayout, offset: int, request_id: str
@@ -266,7 +268,7 @@ class KvTransferClient:
         self.stats.pulls += 1
         self.stats.shm_pulls += 1
         self.stats.bytes_received += reply.shm_bytes
-        return KVExport(source, reply.num_tokens, blocks, first_block=reply.first_block)
+        return received(reply, source, blocks)
 
     async def _call(self, address: str, conn: _Connection | None, call, what: str):
         """Await an RPC on `conn`'s pair (None: Connect), mapping its failure to KvTransferError."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.engine.kv_export import KVPart
 from shared.engine.kv_pool import KVLayout, KVPool, block_runs
 from shared.kv.transfer.wire import num_pieces, num_segment_pieces, pieces, segments
 
@@ -47,6 +48,7 @@ class PoolKv:
     staging: torch.Tensor | None = None
     # the request's block `block_ids` start at: those before are behind every layer's sliding window (freed)
     first_block: int = 0
+    parts: tuple[KVPart, ...] = ()  # always one KV cache group: several groups send exports (KVExport.parts)
 
     @classmethod
     def plan(

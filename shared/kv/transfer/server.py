@@ -369,7 +369,7 @@ class KvTransferServer:
             await self._end_send(rid, error, span, started)
         if error is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, error)
-        reply = announce(kv.layout, kv.num_tokens, shape, 0, 0, first_block=kv.first_block)
+        reply = announce(kv.layout, kv.num_tokens, shape, 0, 0, first_block=kv.first_block, groups=kv.parts)
         reply.shm_bytes = kv.nbytes
         return reply
 

@@ -146,7 +146,9 @@ class EngineKvBlocks:
                 self._buffers.give_back(lent)
 
     def _export(self, engine: Engine, request_id: str) -> Outgoing:
-        if self.from_pool:  # on the engine's thread: the block table is read where it is written
+        # on the engine's thread: the block table is read where it is written. A model of several KV cache
+        # groups (shared/engine/kv_groups.py) exports: its groups' blocks travel as one flat tensor (wire.py).
+        if self.from_pool and len(engine.pools) == 1:
             num_tokens, block_ids, first_block = engine.kv_blocks(request_id)
             return PoolKv.plan(
                 engine.pool,

@@ -11,6 +11,10 @@ Two cuts, told apart by the reply's `runs`:
   summing to the block count); for each layer, each plane, each run, the receiver's slice
   tensor[layer, plane, start:start + count] (contiguous) is one segment, itself cut by chunk_bytes
   (`segment_pieces`). On the sender each segment is a view of the pool, or of a layer gathered just before.
+
+A model of several KV cache groups (shared/engine/kv_groups.py: gpt-oss's full and sliding layers) sends
+its export (KVExport.parts) flat: the reply's `groups` say, per group, its layers, first block and block count,
+and `shape` is the flat tensor's one dimension (`received` rebuilds the export on the receiver).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import math
 
 import torch
 
-from shared.engine.kv_export import KVExport
+from shared.engine.kv_export import KVExport, KVPart
 from shared.engine.kv_pool import KVLayout
 from shared.kv.transfer.errors import FailureReason, KvTransferError
 from shared.rpc import kv_transfer_pb2 as pb
@@ -30,7 +34,8 @@ MAX_PIECES = 1 << 20  # an announcement that cuts a tensor finer than this is re
 
 def describe(kv: KVExport, tag: int, chunk_bytes: int) -> pb.PullReply:
     """The reply announcing an export copy (the flat cut)."""
-    return announce(kv.layout, kv.num_tokens, tuple(kv.blocks.shape), tag, chunk_bytes, first_block=kv.first_block)
+    shape = tuple(kv.blocks.shape)
+    return announce(kv.layout, kv.num_tokens, shape, tag, chunk_bytes, first_block=kv.first_block, groups=kv.parts)
 
 
 def announce(
@@ -41,9 +46,11 @@ def announce(
     chunk_bytes: int,
     runs: list[int] | None = None,
     first_block: int = 0,
+    groups: tuple[KVPart, ...] = (),
 ) -> pb.PullReply:
     """The reply announcing a tensor of `shape`; `runs`: the block-run cut (None or []: the flat cut);
-    `first_block`: the request's block the tensor starts at (those before are behind the sliding window)."""
+    `first_block`: the request's block the tensor starts at (those before are behind the sliding window);
+    `groups`: a grouped export's parts (KVExport.parts; `shape` is then flat)."""
     return pb.PullReply(
         num_tokens=num_tokens,
         first_block=first_block,
@@ -53,7 +60,18 @@ def announce(
         tag=tag,
         chunk_bytes=chunk_bytes,
         runs=runs or [],
+        groups=[_span(g) for g in groups],
     )
+
+
+def _span(part: KVPart) -> pb.KvGroupSpan:
+    return pb.KvGroupSpan(num_layers=part.num_layers, first_block=part.first_block, num_blocks=part.num_blocks)
+
+
+def received(reply: pb.PullReply, source: KVLayout, blocks: torch.Tensor) -> KVExport:
+    """The export a receiver holds once `blocks` (shaped as announced) arrived; `source`: announced_layout's."""
+    parts = tuple(KVPart(g.num_layers, g.first_block, g.num_blocks) for g in reply.groups)
+    return KVExport(source, reply.num_tokens, blocks, first_block=reply.first_block, parts=parts)
 
 
 def segments(num_layers: int, num_planes: int, runs: list[int]) -> list[tuple[int, int, int, int]]:
@@ -107,6 +125,8 @@ def _piece_numel(element_size: int, chunk_bytes: int) -> int:
 def announced_layout(reply: pb.PullReply, layout: KVLayout) -> KVLayout:
     """The layout of the tensor announced, (L, P, n, B_src, KVH, hd) with the source's block size. Raises
     KvTransferError(PROTOCOL) when the announcement does not fit `layout` (the receiver's) or itself."""
+    if reply.groups:
+        return _announced_groups(reply, layout)
     shape = tuple(reply.shape)
     expected = (layout.num_layers, layout.planes, None, reply.block_size, layout.num_held_kv_heads, layout.head_dim)
     fits = len(shape) == 6 and all(want is None or got == want for got, want in zip(shape, expected, strict=True))
@@ -130,3 +150,32 @@ def announced_layout(reply: pb.PullReply, layout: KVLayout) -> KVLayout:
     if count > MAX_PIECES:
         raise KvTransferError(FailureReason.PROTOCOL, f"chunks of {reply.chunk_bytes} bytes cut {shape} too fine")
     return dataclasses.replace(layout, block_size=reply.block_size)
+
+
+def _announced_groups(reply: pb.PullReply, layout: KVLayout) -> KVLayout:
+    """announced_layout of a grouped reply: the groups' layers add up to the model's, each group's blocks run from
+    its first block to the last token's, the flat shape holds exactly them."""
+    source = dataclasses.replace(layout, block_size=max(reply.block_size, 1))
+    per_block = layout.planes * reply.block_size * layout.num_held_kv_heads * layout.head_dim
+    numel = sum(g.num_layers * g.num_blocks * per_block for g in reply.groups)
+    need = math.ceil(reply.num_tokens / max(reply.block_size, 1))
+    fits = (
+        reply.dtype == layout.dtype
+        and reply.block_size >= 1
+        and reply.num_tokens >= 1
+        and not reply.runs
+        and reply.first_block == 0
+        and sum(g.num_layers for g in reply.groups) == layout.num_layers
+        and all(g.num_layers >= 1 and g.num_blocks == need - g.first_block for g in reply.groups)
+        and tuple(reply.shape) == (numel,)
+    )
+    if not fits:
+        spans = [(g.num_layers, g.first_block, g.num_blocks) for g in reply.groups]
+        raise KvTransferError(
+            FailureReason.PROTOCOL,
+            f"announced {reply.dtype} {list(reply.shape)} in groups {spans} (layers, first block, blocks) for "
+            f"{reply.num_tokens} tokens does not match the receiver's layout {layout}",
+        )
+    if num_pieces(numel, layout.torch_dtype.itemsize, reply.chunk_bytes) > MAX_PIECES:
+        raise KvTransferError(FailureReason.PROTOCOL, f"chunks of {reply.chunk_bytes} bytes cut {numel} too fine")
+    return source
