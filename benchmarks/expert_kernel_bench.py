@@ -29,7 +29,7 @@ from shared.model.moe import Experts  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", default="1,8,32,128")
     ap.add_argument("--repeats", type=int, default=15)
@@ -61,7 +61,7 @@ def main() -> None:
         counts = torch.bincount(ids.flatten(), minlength=e)
         fns = {
             "plain": lambda c=(x, ids, weights, counts): plain.forward_grouped_mm(*c),
-            "packed": lambda c=(x, ids, weights, counts): packed.forward_grouped(*c[:3], c[3].tolist()),
+            "packed": lambda x=x, i=ids, w=weights, n=counts: packed.forward_grouped(x, i, w, n.tolist()),
             "kernel": lambda c=(x, ids, weights): kernel.forward_cpu_kernel(*c),
         }
         times: dict[str, list[float]] = {n: [] for n in fns}
