@@ -68,7 +68,9 @@ def _blocks(tokens: int) -> int:
 
 
 class PdserveRunner:
-    def __init__(self, model_dir: Path, prefill_batch: int, decode_batch: int, prepack: bool = True) -> None:
+    def __init__(
+        self, model_dir: Path, prefill_batch: int, decode_batch: int, prepack: bool = True, cpu_kernel: bool = True
+    ) -> None:
         blocks = max(
             _blocks(PREFILL_LEN + 1) * prefill_batch,
             _blocks(DECODE_PROMPT + DECODE_TOKENS + 1) * decode_batch,
@@ -85,6 +87,7 @@ class PdserveRunner:
             num_kv_blocks=blocks,  # enough that nothing is ever preempted
             block_size=BLOCK_SIZE,
             prepack_weights=prepack,
+            cpu_expert_kernel=cpu_kernel,
         )
         self._ids = itertools.count()
 
@@ -337,6 +340,14 @@ def run_config(model_dir: Path, model, hf_model, quick: bool, prefill_repeats: i
 
 
 PREPACK_SYSTEMS = {"on": ("pdserve",), "off": ("pdserve_noprepack",), "both": ("pdserve", "pdserve_noprepack")}
+CPU_KERNEL_SUFFIX = "_cpukernel"  # a system name ending so runs its experts on the CPU expert kernel
+
+
+def system_names(prepack: str, cpu_kernel: str) -> list[str]:
+    """pdserve systems for --prepack and --cpu-kernel; with `both`, the kernel's systems come first (the headline)."""
+    with_kernel = [n + CPU_KERNEL_SUFFIX for n in PREPACK_SYSTEMS[prepack]]
+    torch_experts = list(PREPACK_SYSTEMS[prepack])
+    return {"on": with_kernel, "off": torch_experts, "both": with_kernel + torch_experts}[cpu_kernel]
 
 
 def main() -> None:
@@ -348,6 +359,9 @@ def main() -> None:
     ap.add_argument("--prepack", choices=list(PREPACK_SYSTEMS), default="on",
                     help="pdserve with oneDNN-packed weights (on), plain ones (off), or both side by side")  # fmt: skip
     ap.add_argument("--no-prepack", dest="prepack", action="store_const", const="off", help="= --prepack off")
+    ap.add_argument("--cpu-kernel", choices=("on", "off", "both"), default="on",
+                    help="experts on the CPU expert kernel (on), the torch path (off), or both")  # fmt: skip
+    ap.add_argument("--skip-prefill", action="store_true", help="leave out the prefill measurement")
     ap.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS, help="timed decode steps per run")
     ap.add_argument("--repeats", type=int, help="repeats of every measurement (default 5 prefill, 3 decode)")
     ap.add_argument("--skip-mixed", action="store_true", help="leave out the mixed-length decode measurement")
@@ -360,9 +374,17 @@ def main() -> None:
         prefill_repeats = decode_repeats = args.repeats
 
     model_dir = prepare_model(args.model)
+    if args.skip_prefill:
+        prefill_batches = ()
     systems: dict = {
-        name: PdserveRunner(model_dir, max(prefill_batches), max(decode_batches), prepack=name == "pdserve")
-        for name in PREPACK_SYSTEMS[args.prepack]
+        name: PdserveRunner(
+            model_dir,
+            max(prefill_batches, default=1),
+            max(decode_batches),
+            prepack=not name.startswith("pdserve_noprepack"),
+            cpu_kernel=name.endswith(CPU_KERNEL_SUFFIX),
+        )
+        for name in system_names(args.prepack, args.cpu_kernel)
     }
     pd = next(iter(systems.values()))
     model = pd.engine.model

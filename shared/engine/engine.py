@@ -44,8 +44,9 @@ from shared.engine.sampling import Sampler, SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.structured import StructuredDecoding
 from shared.model.device import resolve_device
-from shared.model.kernels.choice import resolve_kernels
+from shared.model.kernels.choice import KernelChoice, resolve_kernels
 from shared.model.linear import can_prepack, prepack
+from shared.model.moe import use_cpu_expert_kernel
 from shared.model.transformer import CausalLM
 from shared.parallel.group import RankGroup
 from shared.parallel.layout import kv_head_range
@@ -155,6 +156,8 @@ class Engine:
         self.kernels = resolve_kernels(config.kernels, self.device, config.block_size)
         self.model.use_kernels(self.kernels)  # before the KV plan: its dummy step runs the chosen kernels
         log.info("kernels: %s (setting %s, device %s)", self.kernels, config.kernels, self.device)
+        if config.cpu_expert_kernel and self.device.type == "cpu" and self.kernels is KernelChoice.TORCH:
+            log.info("CPU experts: %s", use_cpu_expert_kernel(self.model))
         if self.model.layout != self.parallel:
             raise ValueError(
                 f"the model was built for {self.model.layout}, the engine is configured for {self.parallel}"

@@ -98,6 +98,7 @@ class ClampedSwiGLUExperts(Experts):
     # The Experts paths (its `forward` picks one), with the biases and the clamped activation. The Triton
     # fused_moe kernel has neither: these experts take the padded torch path there (`fused_kernel`).
     fused_kernel = False
+    cpu_kernel = False  # nor has the CPU expert kernel (shared/model/kernels/cpu_moe.c)
 
     def forward_grouped(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts: list[int]

@@ -18,15 +18,22 @@ from torch import nn
 
 from shared.model.config import ModelConfig, SharedExpert
 from shared.model.expert_parallel import ExpertParallel
+from shared.model.kernels import cpu_moe
 from shared.model.kernels.choice import KernelChoice
 from shared.model.layers import GatedMLP, gated_mlp
 from shared.model.linear import PackedWeights, linear, pack
 from shared.model.routing import Router
 from shared.model.tensor_parallel import TensorShard
 
+# Batches up to this many tokens take the CPU expert kernel when it is on; larger ones (prefill) keep the BLAS
+# path, which runs on every intra-op thread (the kernel runs on one). Measured at one thread, loaded host: the
+# kernel 1.9x the plain path at 128 tokens and 1.5x at 512 (docs/benchmarks.md, 2026-12-02 expert kernel).
+CPU_KERNEL_MAX_TOKENS = 256
+
 
 class Experts(nn.Module):
     fused_kernel = True  # the Triton fused_moe kernel computes these experts (a subclass may say it cannot)
+    cpu_kernel = True  # SiLU-gated experts without biases: what shared/model/kernels/cpu_moe.c computes
 
     def __init__(
         self,
@@ -49,6 +56,9 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(self.num_experts, 2 * intermediate, hidden))
         self.down = nn.Parameter(torch.empty(self.num_experts, hidden, intermediate))
         self._packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # the CPU expert kernel's weight panels and library (use_cpu_kernel); None = the torch paths
+        self._panels: cpu_moe.ExpertPanels | None = None
+        self._cpu_lib = None
         # TORCH or TRITON, set by CausalLM.use_kernels when the engine starts
         self.kernels = KernelChoice.TORCH
 
@@ -75,6 +85,18 @@ class Experts(nn.Module):
     def prepack(self) -> None:
         self._packed = [(pack(self.gate_up[e]), pack(self.down[e])) for e in range(self.num_experts)]
 
+    def use_cpu_kernel(self, lib) -> str | None:
+        """Re-lay the weights out for the CPU expert kernel `lib` (cpu_moe.load()), which then computes decode-
+        sized batches; the oneDNN packs of the experts are dropped (the panels replace them). → None, or why these
+        experts cannot use it (they keep the torch path)."""
+        why = "not SiLU-gated plain experts" if not self.cpu_kernel else None
+        why = why or ("not on the CPU" if self.down.device.type != "cpu" else None)
+        why = why or cpu_moe.supports(self.down.shape[1], self.intermediate, self.down.dtype)
+        if why is None:
+            self._panels = cpu_moe.ExpertPanels.pack(self.gate_up.data, self.down.data)
+            self._cpu_lib, self._packed = lib, None
+        return why
+
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._packed[e] if self._packed is not None else (self.gate_up[e], self.down[e])
 
@@ -95,6 +117,8 @@ class Experts(nn.Module):
 
             return fused_moe(x, self.gate_up, self.down, topk_ids, topk_weights)
         if x.device.type == "cpu":
+            if self._panels is not None and x.shape[0] <= CPU_KERNEL_MAX_TOKENS:
+                return self.forward_cpu_kernel(x, topk_ids, topk_weights)
             if self._packed is not None:
                 return self.forward_grouped(x, topk_ids, topk_weights, counts.tolist())
             return self.forward_grouped_mm(x, topk_ids, topk_weights, counts)
@@ -112,6 +136,14 @@ class Experts(nn.Module):
                 ys.append(gated_mlp(pairs.rows[start : start + n], *self.expert_weights(e)))
                 start += n
         return pairs.combine(torch.cat(ys) if ys else pairs.rows)
+
+    def forward_cpu_kernel(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The same sum in one call of the CPU expert kernel (shared/model/kernels/cpu_moe.c): routing sort,
+        both matmuls, SiLU * up and the weighted combine, over the panels use_cpu_kernel made. float32; products
+        and sums in float32 (for A = 2 the sum rounds as the torch paths' does; the matmuls differ in the last bits)."""
+        assert self._panels is not None and self._cpu_lib is not None
+        out = cpu_moe.moe(self._cpu_lib, x, topk_ids, topk_weights, self._panels)
+        return out
 
     def forward_grouped_mm(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts: torch.Tensor
@@ -155,6 +187,21 @@ class Experts(nn.Module):
             for e, w in zip(topk_ids[t].tolist(), topk_weights[t], strict=True):
                 out[t] += w * gated_mlp(x[t : t + 1], self.gate_up[e], self.down[e])[0]
         return out.to(x.dtype)
+
+
+def use_cpu_expert_kernel(model: nn.Module) -> str:
+    """Give every Experts module of `model` the CPU expert kernel where it can run (float32 SiLU experts on a CPU
+    with AVX2 + FMA and gcc at hand); → a line for the engine's log saying what was chosen."""
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    if not experts:
+        return "no routed experts"
+    lib = cpu_moe.load()
+    if lib is None:
+        return "torch (the kernel could not be built or run here, see the warning above)"
+    refused = {why for m in experts if (why := m.use_cpu_kernel(lib)) is not None}
+    used = sum(m._panels is not None for m in experts)
+    rest = f" (torch in the rest: {'; '.join(sorted(refused))})" if refused else ""
+    return f"cpu kernel in {used}/{len(experts)} layers{rest}"
 
 
 @dataclass(frozen=True)
