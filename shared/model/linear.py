@@ -26,7 +26,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+    """oneDNN packs float32 on any x86 CPU; bfloat16 only where the CPU has the instructions for it
+    (AVX-512 BW/VL/DQ or AVX-NE-CONVERT: without them `_reorder_linear_weight` raises), else plain weights."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

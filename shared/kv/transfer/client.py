@@ -245,7 +245,12 @@ class KvTransferClient:
         if trailer is not None:  # every layer and the first token arrived: decode may begin
             self.stats.streamed_pulls += 1
             return StreamedKv(
-                kv.layout, kv.num_tokens, kv.blocks, first_block=kv.first_block, parts=kv.parts, first_token=int(trailer[0])
+                kv.layout,
+                kv.num_tokens,
+                kv.blocks,
+                first_block=kv.first_block,
+                parts=kv.parts,
+                first_token=int(trailer[0]),
             )
         return kv
 
