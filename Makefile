@@ -29,7 +29,8 @@ lint: $(STAMP)
 	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(VENV)/bin/pyright --pythonpath $(abspath $(PY))  # no "newer version" ping
 
 # Every tier (tests/unit, tests/integration, tests/e2e); each also runs alone (`make test-unit` in seconds).
-# The slow scenarios (marked `slow`: worker groups, fault stacks) are a tier of their own: `make test-slow` (CI runs both).
+# The slow scenarios (marked `slow`: worker groups, fault stacks, single stack scenarios over ~30 s on 2 cores) are a
+# tier of their own: `make test-slow` (CI runs both). Keep `make test` under 15 minutes on a 2-core machine.
 test: $(STAMP) lint
 	$(PY) -m pytest -m "not slow"
 

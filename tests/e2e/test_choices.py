@@ -173,6 +173,7 @@ FAST = {  # as tests/e2e/test_faults.py: a worker silent for 2 s is dead
 LONG_TOKENS = 1000
 
 
+@pytest.mark.slow  # a fault stack (two decode workers, one killed mid-stream), like tests/e2e/test_faults.py
 def test_every_choice_continues_when_its_decode_worker_dies(model_dir):
     """The decode worker streaming the three choices is killed: the gateway moves each choice on alone (prompt +
     its tokens so far, its own seed) and every choice still equals the single request with its derived seed."""

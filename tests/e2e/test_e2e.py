@@ -230,7 +230,12 @@ def _generated_tokens(stack: Stack) -> float:
 
 
 @pytest.mark.parametrize(
-    "topology", [dict(prefill=2, decode=2), dict(mixed=1, prefill=0, decode=0)], ids=["2p2d", "mixed"]
+    "topology",
+    [
+        # Four workers and a gateway on two cores: over a minute to start and serve (make test-slow).
+        pytest.param(dict(prefill=2, decode=2), id="2p2d", marks=pytest.mark.slow),
+        pytest.param(dict(mixed=1, prefill=0, decode=0), id="mixed"),
+    ],
 )
 def test_other_topologies_match(model_dir, reference, topology):
     tok = Tokenizer(model_dir)

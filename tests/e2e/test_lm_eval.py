@@ -42,6 +42,7 @@ def _task_dir(tmp_path) -> str:
     return str(tmp_path)
 
 
+@pytest.mark.slow  # a stack, lm-eval's import and its evaluation loop: over a minute on two cores (make test-slow)
 def test_lm_eval_loglikelihoods_equal_transformers(model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -242,6 +242,7 @@ def test_drain_timeline():
 # ---- real processes ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a stack under 15 s of load, then 20 s of settling: most of a minute (make test-slow)
 def test_soak_briefly(model_dir, tmp_path):
     """benchmarks/soak.py for 15 s: its report's shape, and nothing lost or left behind. Memory is not judged:
     15 s are all warm-up for it (the prefill worker's oneDNN and allocator caches fill over ~30 s)."""
