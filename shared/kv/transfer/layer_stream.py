@@ -52,7 +52,9 @@ class StreamedPoolKv(PoolKv):
         shape = (pool.tensor.shape[0], pool.num_planes, n, *pool.tensor.shape[3:])
         staging = None if direct else alloc(shape, pool.tensor.dtype)
         mode = "direct" if direct else "layered"
-        return cls(pool.layout, start.num_tokens, pool, start.block_ids, mode, staging, 0, start.progress)
+        return cls(
+            pool.layout, start.num_tokens, pool, start.block_ids, mode, staging, first_block=0, progress=start.progress
+        )
 
     def num_pieces(self, chunk_bytes: int) -> int:
         return super().num_pieces(chunk_bytes) + 1  # the trailer
