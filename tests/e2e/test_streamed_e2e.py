@@ -57,6 +57,7 @@ def _streamed_pulls(stack: Stack) -> float:
 
 def _idle_beats(stack: Stack) -> dict:
     """Heartbeats once both workers hold nothing (or after 20 s: the caller's asserts say what is left)."""
+    assert stack.nats_url is not None  # set once started
     deadline = time.monotonic() + 20
     while True:
         beats = heartbeats(stack.nats_url, seconds=1.2)
@@ -71,7 +72,7 @@ def _check_freed(stack: Stack, beats: dict) -> tuple:
     assert len(prefill) == 1 and len(decode) == 1
     assert all(b.running == 0 and b.held_kv == 0 and b.free_blocks == b.total_blocks for b in beats.values()), beats
     assert all(b.integrity_error is None for b in beats.values())
-    assert kv_keys(stack.redis_url) == []
+    assert stack.redis_url is not None and kv_keys(stack.redis_url) == []
     return prefill[0], decode[0]
 
 
