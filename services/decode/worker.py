@@ -113,6 +113,8 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
             kv, failure = await self._pull(job)
             if isinstance(kv, StagedExport):  # each rank staged its heads: imported on every rank, or dropped
                 staged = kv
+            if job.kv_streamed and kv is not None and not isinstance(kv, StreamedKv):  # no first token came with it
+                kv, failure = None, "the streamed KV came without its first token"  # recomputed (or failed)
             group = self._choices(entry)
             if entry.cancelled:  # during the pull (the gateway cancels a group's choices together)
                 for e in group:

@@ -169,6 +169,7 @@ class PrefillWorker(Worker[PrefillJob]):
         """On the loop, as the job's last chunk starts: hand it on now (its first token is not sampled yet)."""
         entry = self.ledger.get(key)
         if entry is None or entry.phase is not Phase.PREFILLING or key not in self._streamed:
+            self._streamed.pop(key, None)
             return  # cancelled meanwhile (its abort failed the stream)
         entry.phase = Phase.HANDING_ON
         asyncio.create_task(self._hand_on_streamed(entry))
@@ -201,7 +202,7 @@ class PrefillWorker(Worker[PrefillJob]):
         # cancelled during the publish, or the location not written: its KV was freed (the running request
         # aborted), so no first token comes to forget it (a decode job without a holder recomputes)
         if entry.cancelled or holder is None:
-            self._forget_streamed(key)
+            self._forget_streamed(key, "cancelled" if entry.cancelled else "its KV location could not be written")
 
     async def _drop_streamed(self, key: str, settle: bool) -> None:
         """A streamed hand-on that cannot go on: its KV freed (the request aborted if still running), forgotten
@@ -214,12 +215,13 @@ class PrefillWorker(Worker[PrefillJob]):
         if entry is not None:
             spans.end_once(entry.span)
 
-    def _forget_streamed(self, key: str) -> None:
-        """A published streamed job that was cancelled: its abort means no first token will come to forget it."""
+    def _forget_streamed(self, key: str, why: str) -> None:
+        """A published streamed job whose KV was freed (cancelled, not recorded): the running request was aborted,
+        so no first token will come to forget it."""
         if self._streamed.pop(key, None) is not None:
             entry = self.ledger.finish(key)
             if entry is not None:
-                spans.end_once(entry.span, error="cancelled")
+                spans.end_once(entry.span, error=why)
 
     def _streamed_done(self, key: str) -> None:
         """Forget a streamed job once its decode job is out and its first token came (acks the prefill job)."""
@@ -310,10 +312,12 @@ class PrefillWorker(Worker[PrefillJob]):
         await super().on_cancel(cancel)  # the jobs in hand
         if self.held is not None:  # the KV held for a pull; KV being sent is freed when its send ends
             await self.held.cancel(cancel.request_id, cancel.covers)
-        for key, state in list(self._streamed.items()):  # published, still streaming: marked by the cancel above
+        for key, state in list(self._streamed.items()):
             entry = self.ledger.get(key)
-            if state.published and entry is not None and entry.cancelled:
-                self._forget_streamed(key)
+            if entry is None:  # dropped before its stream started (the abort dropped the watch)
+                del self._streamed[key]
+            elif state.published and entry.cancelled:  # streaming: its KV released above, the request aborted
+                self._forget_streamed(key, "cancelled")
 
 
 def _decode_job(

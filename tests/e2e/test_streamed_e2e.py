@@ -6,7 +6,8 @@ trailer (docs/kv_transfer.md, "Layer-by-layer streaming").
 Proven here: greedy output equals the single-process engine's (what `pdserve generate` runs), the KV was
 streamed (the prefill worker's `kv_layer_streamed_pulls` counts every streamed job, none other) and never
 recomputed (the decode worker's heartbeat reports no prefill tokens); max_tokens 1 (not streamed) and a stop
-on the first token (streamed: the decode worker ends it) finish right; a send broken midway (the fault switch)
+on the first token (streamed: the decode worker ends it) finish right, a client leaving mid-stream frees
+everything; a send broken midway (the fault switch)
 makes decode recompute and sample the first token itself, with the same output. Every block is freed and no
 Redis key left on both sides."""
 
@@ -91,7 +92,13 @@ def test_streamed_hand_off_equals_the_engine_and_decode_emits_the_first_token(mo
             first = reference[PROMPTS[1]][0]
             stop = _complete(client, stack.url, PROMPTS[1], stop_token_ids=[first])
             assert stop["usage"]["completion_tokens"] == 1 and stop["choices"][0]["finish_reason"] == "stop"
-        assert _streamed_pulls(stack) == len(PROMPTS) + 1  # every streamable job, each pulled once
+            # a client that leaves mid-stream: the cancel reaches the decode worker, which frees everything
+            body = {"model": "demo", "prompt": "cancel me", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+            with client.stream("POST", f"{stack.url}/v1/completions", json=body) as resp:
+                for i, _ in enumerate(resp.iter_lines()):
+                    if i > 6:
+                        break
+        assert _streamed_pulls(stack) == len(PROMPTS) + 2  # every streamable job, each pulled once
         prefill, decode = _check_freed(stack, _idle_beats(stack))
         assert decode.prefill_tokens == 0  # the decode worker never ran a prompt: every KV was pulled
         assert decode.decode_tokens >= len(PROMPTS) * (MAX_TOKENS - 2)
