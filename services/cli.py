@@ -257,6 +257,11 @@ def _add_service_commands(sub) -> None:
                 default=1,
                 help=f"{what}-parallel ranks of each {role} worker (a worker group of that many processes)",
             )
+    up.add_argument(
+        "--kv-stream-layers",
+        action="store_true",
+        help="prefill workers stream each request's KV layer by layer during its last chunk (PDSERVE_KV_STREAM_LAYERS)",
+    )
     up.add_argument("--trace-file", help="every service appends its spans here (read with `pdserve trace`)")
     up.add_argument("--drain-timeout-s", type=float, help="on SIGTERM / Ctrl-C: how long services drain (default 60)")
     up.add_argument("--log-dir", help="each service's output in <dir>/<service>.log (default: this terminal)")
@@ -341,6 +346,8 @@ def _up(args: argparse.Namespace) -> int:
         model = str(ensure_demo_checkpoint("models/demo-tiny-qwen3_moe"))
     # every service drains this long on SIGTERM; the supervisor waits that (and a grace) before SIGKILL
     drain_env = {} if args.drain_timeout_s is None else {"PDSERVE_DRAIN_TIMEOUT_S": str(args.drain_timeout_s)}
+    if args.kv_stream_layers:  # every worker reads it: prefill streams, decode needs nothing set
+        drain_env["PDSERVE_KV_STREAM_LAYERS"] = "1"
     spec = StackSpec(
         model=model,
         port=args.port,

@@ -208,6 +208,9 @@ class DecodeJob(msgspec.Struct, frozen=True):
     siblings: list[Sibling] = []  # the group's other unfinished choices, each with its first token
     # the attempt key the KV is held under when it is not this job's own (its group's first choice ended)
     kv_key: str | None = None
+    # published before the first token existed (layer-streamed KV, docs/kv_transfer.md): output_token_ids stop
+    # before it; the decode worker takes it from the pull's trailer (or samples it when it recomputes) and emits it
+    kv_streamed: bool = False
 
     @property
     def key(self) -> str:

@@ -186,6 +186,10 @@ class KvTransferSettings:
     gets, and the largest KV it carries (bigger KV goes over the socket); 0 = never shared memory."""
     fallback: KvFallback = KvFallback.RECOMPUTE
     """Decode workers, when the KV cannot be pulled: recompute (the prompt again) | fail (a clear error)."""
+    stream_layers: bool = False
+    """Prefill workers: send a request's KV layer by layer while its last prefill chunk runs, and publish the
+    decode job before the first token exists (the decode worker then emits it). Only single-choice jobs on a
+    CPU, single-process engine without sliding windows, max_tokens > 1, no logprobs; others hand off as usual."""
     fault_send_midway: bool = flat("fault_kv_send_midway", False)
     """Testing only: every KV send stops after its first piece and drops the pair (an injected failure)."""
     # Mutual TLS on the transfer gRPC (shared/kv/transfer/channel_tls.py): all three files, or none.

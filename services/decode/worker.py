@@ -7,6 +7,11 @@ KV cannot be had (no location, transfer failed), the request is recomputed from 
 so far (kv_fallback `recompute`), or fails with a clear error (`fail`). A job with nothing to pull (moved
 here from a worker that died) and one with no room to import its KV are always recomputed.
 
+A layer-streamed job (`kv_streamed`: published by the prefill worker before its first token existed) carries no
+first token: the pull's trailer does (`StreamedKv.first_token`), and this worker emits it to the client before
+decoding on (or ends the request there when that token finished it). When the pull fails it recomputes as
+above, and samples the first token itself: the client only ever sees one of the two.
+
 A request's entry: PULLING (its KV pull in flight, owned by `_admit`) → RUNNING (in the engine) → forgotten
 with its last token.
 """
@@ -17,10 +22,13 @@ import asyncio
 import dataclasses
 import logging
 
+import msgspec
 from nats.aio.msg import Msg
 
 from shared.engine.block_manager import NoFreeBlocksError
+from shared.engine.engine import Engine
 from shared.engine.kv_export import KVExport
+from shared.engine.request import FinishReason
 from shared.kv.rank_agents import RankPuller
 from shared.kv.rank_transfer import drop_group_kv, pull_group_kv, pull_rank_kv
 from shared.kv.registry import KvLocation, KvRegistry
@@ -28,6 +36,7 @@ from shared.kv.reslice import IncompatibleKv, check_compatible, group_record
 from shared.kv.transfer.channel_tls import KvTls
 from shared.kv.transfer.client import KvTransferClient
 from shared.kv.transfer.errors import KvTransferError
+from shared.kv.transfer.layer_stream import StreamedKv
 from shared.messages import DecodeJob, Role, decode_subject
 from shared.parallel.agents import StagedExport
 from shared.parallel.group_engine import WorkerGroup
@@ -35,6 +44,7 @@ from shared.parallel.layout import LayoutError
 from shared.telemetry import metrics, tracing
 from shared.worker import Entry, Phase, StreamingWorker, error_event, sampling_params, spans
 from shared.worker.choices import choice_jobs, engine_choices, import_and_fork
+from shared.worker.events import streamed_first_token_event
 
 log = logging.getLogger(__name__)
 MAX_CONCURRENT_PULLS = 4
@@ -103,6 +113,8 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
             kv, failure = await self._pull(job)
             if isinstance(kv, StagedExport):  # each rank staged its heads: imported on every rank, or dropped
                 staged = kv
+            if job.kv_streamed and kv is not None and not isinstance(kv, StreamedKv):  # no first token came with it
+                kv, failure = None, "the streamed KV came without its first token"  # recomputed (or failed)
             group = self._choices(entry)
             if entry.cancelled:  # during the pull (the gateway cancels a group's choices together)
                 for e in group:
@@ -115,8 +127,19 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
                     self.ledger.finish(e.key)  # answered: the job is done
                 span.set_attribute(tracing.KV_OUTCOME, "failed")
                 return
-            prompt, outputs = job.prompt_token_ids, job.output_token_ids
-            choices = engine_choices([e.job for e in group], [sampling_params(e.job.sampling) for e in group])
+            prompt, outputs, jobs = job.prompt_token_ids, job.output_token_ids, [e.job for e in group]
+            if job.kv_streamed and isinstance(kv, StreamedKv):  # its first token came with the KV: emitted here
+                outputs = [*outputs, kv.first_token]
+                jobs = [msgspec.structs.replace(job, output_token_ids=outputs)]  # streamed jobs have one choice
+                end = first_token_end(self.engine.engine, job, outputs)
+                first = streamed_first_token_event(job, kv.first_token, end, self.settings.worker_id)
+                self.emit(job.reply_subject, first)
+                if end is not None:  # that token finished it: nothing to decode
+                    self.client.recycle(kv)
+                    self.ledger.finish(key)
+                    span.set_attribute(tracing.KV_OUTCOME, "pulled")
+                    return
+            choices = engine_choices(jobs, [sampling_params(j.sampling) for j in jobs])
             # Running before the engine sees it: its first outputs may reach the loop before this resumes.
             for e in group:
                 e.phase = Phase.RUNNING
@@ -196,3 +219,14 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
             log.warning("KV pull of %s from %s failed (%s)", key, loc.worker_id, failure)
             return None, f"pulling it from {loc.worker_id} failed: {failure}"
         return group.ops.state.staged.ref(key), None
+
+
+def first_token_end(engine: Engine, job: DecodeJob, outputs: list[int]) -> FinishReason | None:
+    """Whether a layer-streamed job's first token (the last of `outputs`) ends it, as the prefill engine's
+    scheduler decided (Scheduler._finish_reason): a stop token or EOS, max_tokens, or the model's length."""
+    s, token, scheduler = job.sampling, outputs[-1], engine.scheduler
+    if token in s.stop_token_ids or (not s.ignore_eos and token in scheduler.eos_token_ids):
+        return FinishReason.STOP
+    if len(outputs) >= s.max_tokens or len(job.prompt_token_ids) + len(outputs) >= engine.max_model_len:
+        return FinishReason.LENGTH
+    return None

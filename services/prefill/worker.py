@@ -7,12 +7,20 @@ worker's pull completes, the lease expires or the attempt is cancelled: HeldKv (
 from the hold on (held → sending → freed). Everything inside the worker is keyed by the job's attempt key
 (engine request, held KV, Redis entry). A job's ledger entry: PREFILLING (in the engine) → HANDING_ON (first
 token out; `_hand_off` owns it) → forgotten once the decode job is published and the prefill job acked.
+
+Layer-streamed (kv_stream_layers, docs/kv_transfer.md): a job that can stream (`_streams_kv`) is watched, and
+its hand-on starts when its last chunk does, before the first token exists: HANDING_ON from then, the KV held
+and the decode job published (`kv_streamed`, without the first token) while the forward runs, so the pull
+overlaps it. The first token reaches decode as the pull's trailer and the client from the decode worker: this
+worker records it (metrics, the prefill span) but never emits it. The entry is forgotten once both the publish
+and the first token are done (`_StreamedHandOn`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 from nats.aio.msg import Msg
 
@@ -36,6 +44,15 @@ from shared.worker.events import first_token_event, queued_event
 log = logging.getLogger(__name__)
 
 
+class _StreamedHandOn:
+    """A layer-streamed job's hand-on, between its last chunk's start and the end of both halves: the publish
+    (a task) and the first token (the engine's output); whichever comes last forgets the entry."""
+
+    def __init__(self) -> None:
+        self.out: RequestOutput | None = None
+        self.published = False
+
+
 class PrefillWorker(Worker[PrefillJob]):
     role = Role.PREFILL
 
@@ -45,6 +62,8 @@ class PrefillWorker(Worker[PrefillJob]):
         # A worker group whose ranks hold KV head slices: every rank serves its own heads (PrefillGroupKv).
         self.held: HeldKv | PrefillGroupKv | None = None
         self.server: KvTransferServer | None = None
+        self.blocks: EngineKvBlocks | None = None  # a single process's engine blocks (layer streaming watches them)
+        self._streamed: dict[str, _StreamedHandOn] = {}  # attempt key → a layer-streamed job being handed on
 
     def job_subject(self) -> str:
         return prefill_subject(self.model_name)
@@ -66,7 +85,7 @@ class PrefillWorker(Worker[PrefillJob]):
             return
         # one stream for this server's exports and sends, off the engine's compute stream (a no-op on CPU)
         stream = SendStream(self.engine.engine.device)
-        blocks = EngineKvBlocks(self.engine.engine, call=self.engine.call, send_stream=stream)
+        blocks = self.blocks = EngineKvBlocks(self.engine.engine, call=self.engine.call, send_stream=stream)
         self.held = HeldKv(blocks, kv.lease_s, registry=KvRegistry(self.conn.redis, kv.lease_s))
         self.server = KvTransferServer(
             kv.rpc_host,
@@ -113,10 +132,106 @@ class PrefillWorker(Worker[PrefillJob]):
                 for j in live
             ]
             choices = engine_choices(live, params)
-            await self.engine.call(lambda e: e.add_group(job.prompt_token_ids, choices, hold_kv=True))
+            if self._streams_kv(job, len(live)):  # added and watched in one call: no step runs in between
+                loop, key = asyncio.get_running_loop(), job.key
+                announce = lambda _start: loop.call_soon_threadsafe(self._stream_started, key)  # noqa: E731
+                await self.engine.call(
+                    lambda e: (e.add_group(job.prompt_token_ids, choices, hold_kv=True), self._watch(e, key, announce))
+                )
+            else:
+                await self.engine.call(lambda e: e.add_group(job.prompt_token_ids, choices, hold_kv=True))
         except Exception as exc:  # ValueError: the engine refused the job; anything else: a bug, answered as such
             for e in entries:
                 await self.fail(e, exc)
+
+    def _streams_kv(self, job: PrefillJob, choices: int) -> bool:
+        """Whether the job's KV is sent layer by layer (kv_stream_layers): one choice, a fresh prompt, more than
+        one token to make (max_tokens 1 ends at the prefill: nothing to stream to), no logprobs (the trailer
+        carries the token only), on an engine that can stream (CPU, one process, no windows)."""
+        s = job.sampling
+        return (
+            self.settings.kv.stream_layers
+            and self.blocks is not None
+            and choices == 1
+            and not job.output_token_ids
+            and s.max_tokens > 1
+            and s.logprobs is None
+            and s.prompt_logprobs is None
+            and self.engine.engine.can_stream_kv()
+        )
+
+    def _watch(self, engine, key: str, announce) -> None:
+        assert self.blocks is not None
+        self._streamed[key] = _StreamedHandOn()  # on the engine thread, before any step: the loop reads it later
+        self.blocks.watch(engine, key, announce)
+
+    def _stream_started(self, key: str) -> None:
+        """On the loop, as the job's last chunk starts: hand it on now (its first token is not sampled yet)."""
+        entry = self.ledger.get(key)
+        if entry is None or entry.phase is not Phase.PREFILLING or key not in self._streamed:
+            self._streamed.pop(key, None)
+            return  # cancelled meanwhile (its abort failed the stream)
+        entry.phase = Phase.HANDING_ON
+        asyncio.create_task(self._hand_on_streamed(entry))
+
+    async def _hand_on_streamed(self, entry: Entry[PrefillJob]) -> None:
+        """Hold the KV (the forward is writing it) and publish the decode job without its first token."""
+        assert self.held is not None
+        job, span, worker_id = entry.job, entry.span, self.settings.worker_id
+        key, state = job.key, self._streamed[job.key]
+        with tracing.use_span(span):
+            try:
+                if entry.cancelled or self.is_cancelled(job.request_id, job.attempt):
+                    await self._drop_streamed(key, settle=True)  # nothing held yet
+                    return
+                location = KvLocation(key, worker_id, self.rpc_address or "", len(job.prompt_token_ids),
+                                      self.held.layout.fingerprint)  # fmt: skip
+                holder = worker_id if await self.held.hold(key, job.request_id, job.attempt, location) else None
+                decode_job = _decode_job([(job, None)], holder, key, streamed=True)
+                subject = decode_subject(self.model_name)
+                with tracing.producer_span(subject, job.request_id):
+                    await self.conn.js.publish(subject, encode(decode_job), headers=tracing.carrier() or None)
+                self.emit(job.reply_subject, queued_event(job, worker_id, streamed=True))
+            except Exception as exc:  # NATS away: the job stays unacked, so JetStream hands it out again
+                log.warning("handing %s on to decode failed (%s); freeing its KV", key, exc)
+                tracing.mark_error(span, str(exc))
+                await self._drop_streamed(key, settle=False)
+                return
+        state.published = True
+        self._streamed_done(key)
+        # cancelled during the publish, or the location not written: its KV was freed (the running request
+        # aborted), so no first token comes to forget it (a decode job without a holder recomputes)
+        if entry.cancelled or holder is None:
+            self._forget_streamed(key, "cancelled" if entry.cancelled else "its KV location could not be written")
+
+    async def _drop_streamed(self, key: str, settle: bool) -> None:
+        """A streamed hand-on that cannot go on: its KV freed (the request aborted if still running), forgotten
+        (its message acked when `settle`: cancelled; else left for JetStream to hand out again)."""
+        assert self.held is not None
+        await self.held.release(key)  # a no-op when not held
+        await self.engine.call(lambda e: e.release_kv(key) or (key in e.requests and e.abort(key)))
+        self._streamed.pop(key, None)
+        entry = self.ledger.finish(key) if settle else self.ledger.pop(key)
+        if entry is not None:
+            spans.end_once(entry.span)
+
+    def _forget_streamed(self, key: str, why: str) -> None:
+        """A published streamed job whose KV was freed (cancelled, not recorded): the running request was aborted,
+        so no first token will come to forget it."""
+        if self._streamed.pop(key, None) is not None:
+            entry = self.ledger.finish(key)
+            if entry is not None:
+                spans.end_once(entry.span, error=why)
+
+    def _streamed_done(self, key: str) -> None:
+        """Forget a streamed job once its decode job is out and its first token came (acks the prefill job)."""
+        state = self._streamed.get(key)
+        if state is None or not state.published or state.out is None:
+            return
+        del self._streamed[key]
+        entry = self.ledger.finish(key)
+        if entry is not None:
+            spans.end_once(entry.span)
 
     def handle_outputs(self, outputs: list[RequestOutput]) -> None:
         # A group's choices sample their first tokens in one step and are handed on together, its first choice
@@ -124,6 +239,14 @@ class PrefillWorker(Worker[PrefillJob]):
         groups: dict[str, list[tuple[Entry[PrefillJob], RequestOutput]]] = {}
         for out in outputs:
             entry = self.ledger.get(out.request_id)
+            state = self._streamed.get(out.request_id)
+            if entry is not None and state is not None and entry.phase is Phase.HANDING_ON:
+                # streamed: the decode worker emits this token (it has it from the pull's trailer); counted here
+                spans.record_prefill(entry.job, out, entry.span, self.labels)
+                metrics.GENERATION_TOKENS.labels(*self.labels).inc(len(out.new_token_ids))
+                state.out = out
+                self._streamed_done(out.request_id)
+                continue
             if entry is not None and entry.phase is Phase.PREFILLING:
                 entry.phase = Phase.HANDING_ON
                 groups.setdefault(entry.group_key or entry.key, []).append((entry, out))
@@ -189,18 +312,28 @@ class PrefillWorker(Worker[PrefillJob]):
         await super().on_cancel(cancel)  # the jobs in hand
         if self.held is not None:  # the KV held for a pull; KV being sent is freed when its send ends
             await self.held.cancel(cancel.request_id, cancel.covers)
+        for key, state in list(self._streamed.items()):
+            entry = self.ledger.get(key)
+            if entry is None:  # dropped before its stream started (the abort dropped the watch)
+                del self._streamed[key]
+            elif state.published and entry.cancelled:  # streaming: its KV released above, the request aborted
+                self._forget_streamed(key, "cancelled")
 
 
-def _decode_job(going_on: list[tuple[PrefillJob, int]], holder: str | None, kv_key: str) -> DecodeJob:
+def _decode_job(
+    going_on: Sequence[tuple[PrefillJob, int | None]], holder: str | None, kv_key: str, streamed: bool = False
+) -> DecodeJob:
     """One decode job for the choices that go on, each with its first token: the first of them is the job's
-    own request, the others its siblings; the KV is the one held under `kv_key`."""
+    own request, the others its siblings; the KV is the one held under `kv_key`. Streamed: one choice, whose
+    first token (None) is not sampled yet: the decode worker takes it from the pull."""
     (head, token), rest = going_on[0], going_on[1:]
-    siblings = [Sibling(j.request_id, j.reply_subject, j.sampling.seed, [*j.output_token_ids, t]) for j, t in rest]
+    siblings = [Sibling(j.request_id, j.reply_subject, j.sampling.seed, [*j.output_token_ids, t])
+                for j, t in rest if t is not None]  # fmt: skip
     return DecodeJob(
         request_id=head.request_id,
         model=head.model,
         prompt_token_ids=head.prompt_token_ids,
-        output_token_ids=[*head.output_token_ids, token],
+        output_token_ids=[*head.output_token_ids] if token is None else [*head.output_token_ids, token],
         sampling=head.sampling,
         reply_subject=head.reply_subject,
         attempt=head.attempt,
@@ -208,4 +341,5 @@ def _decode_job(going_on: list[tuple[PrefillJob, int]], holder: str | None, kv_k
         created_at=head.created_at,
         siblings=siblings,
         kv_key=None if head.key == kv_key else kv_key,
+        kv_streamed=streamed,
     )

@@ -76,6 +76,9 @@ KV_TRANSFER_SECONDS = Histogram(
     buckets=_LATENCY_BUCKETS,
 )
 KV_TRANSFER_BYTES = Counter(f"{PREFIX}kv_transfer_bytes", "KV bytes moved.", LABELS)
+KV_LAYER_STREAMED = Counter(
+    f"{PREFIX}kv_layer_streamed_pulls", "KV pulls sent layer by layer as the prefill ran (docs/kv_transfer.md).", LABELS
+)
 KV_TRANSFER_FAILURES = Counter(f"{PREFIX}kv_transfer_failures", "Failed KV transfers.", (*LABELS, "reason"))
 REQUEST_MIGRATIONS = Counter(
     f"{PREFIX}request_migrations",

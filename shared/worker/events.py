@@ -41,8 +41,11 @@ def error_event(job: PrefillJob | DecodeJob, message: str, worker_id: str, statu
 
 
 def announce_event(job: PrefillJob | DecodeJob, worker_id: str) -> TokenEvent:
-    """This worker holds the request now (the gateway watches its heartbeats from here on)."""
-    return TokenEvent.taken(job.request_id, job.attempt, len(job.output_token_ids), worker_id)
+    """This worker holds the request now (the gateway watches its heartbeats from here on). Its position is where
+    the stage begins (the gateway keeps one taker per stage): a layer-streamed decode job's stage is still the one
+    after the first token, although this worker emits that token too."""
+    streamed = isinstance(job, DecodeJob) and job.kv_streamed
+    return TokenEvent.taken(job.request_id, job.attempt, len(job.output_token_ids) + streamed, worker_id)
 
 
 def first_token_event(
@@ -64,6 +67,18 @@ def first_token_event(
     return TokenEvent.tokens(rid, attempt, seq, tokens, worker_id, prompt_tokens, lps, prompt_lps)
 
 
-def queued_event(job: PrefillJob, worker_id: str) -> TokenEvent:
-    """The decode job is published: no worker holds the request until a decode worker takes it."""
-    return TokenEvent.queued(job.request_id, job.attempt, len(job.output_token_ids) + 1, worker_id)
+def queued_event(job: PrefillJob, worker_id: str, streamed: bool = False) -> TokenEvent:
+    """The decode job is published: no worker holds the request until a decode worker takes it (streamed: it was
+    published before the first token, which the decode worker emits)."""
+    return TokenEvent.queued(job.request_id, job.attempt, len(job.output_token_ids) + (not streamed), worker_id)
+
+
+def streamed_first_token_event(
+    job: DecodeJob, token: int, reason: EngineFinishReason | None, worker_id: str
+) -> TokenEvent:
+    """A decode worker's event for the first token of a layer-streamed job (the pull's trailer: sampled by the
+    prefill worker, which did not emit it), the request's end too when that token finished it."""
+    rid, attempt, seq, prompt_tokens = job.request_id, job.attempt, len(job.output_token_ids), len(job.prompt_token_ids)
+    if reason is not None:
+        return TokenEvent.finished(rid, attempt, seq, [token], wire_finish_reason(reason), worker_id, prompt_tokens)
+    return TokenEvent.tokens(rid, attempt, seq, [token], worker_id, prompt_tokens)

@@ -335,6 +335,7 @@ class KvTransferServer:
             if isinstance(kv, StreamedPoolKv):
                 kv.wait_s, reply.layer_streamed = self.timeout_s, True
                 self.stats.streamed_pulls += 1
+                metrics.KV_LAYER_STREAMED.labels(self.model_name, "prefill").inc()
         else:
             tag = slot.reserve_tags(num_pieces(kv.blocks.numel(), kv.blocks.element_size(), self.chunk_bytes))
             reply = describe(kv, tag, self.chunk_bytes)
