@@ -10,7 +10,8 @@ nothing to produce are posted there, since the loop also drives the engine's ste
 - an export copy already in host memory, over gloo.
 
 Everything else keeps the send thread: the layered way (its gather of every layer overlaps the wire there),
-a layer-streamed send (its pieces wait for the forward pass to write each layer: layer_stream.py), a CUDA export (the send stream's ordering, send_stream.py), NCCL, and the test-only faults.
+a layer-streamed send (its pieces wait for the forward pass to write each layer: layer_stream.py), a CUDA
+export (the send stream's ordering, send_stream.py), NCCL, and the test-only faults.
 """
 
 from __future__ import annotations
