@@ -125,15 +125,15 @@ def test_one_two_and_three_threads_give_the_same_bits(top_k):
     of the torch reference, for every row count 1..40, including one expert taking every pair."""
     experts = _experts(8, 48, 40, seed=top_k)
     assert experts.use_cpu_kernel(LIB) is None
-    panels = experts._panels
-    assert panels is not None
+    lib, panels = LIB, experts._panels
+    assert lib is not None and panels is not None
     gen = torch.Generator().manual_seed(10 + top_k)
     for tokens in range(1, 41):
         x = torch.randn(tokens, 48, generator=gen)
         only = 1 if top_k == 1 and tokens % 5 == 0 else None  # every fifth: all pairs on expert 0
         ids, weights = _routing(tokens, 8, top_k, gen, only=only)
         with torch.inference_mode():
-            one, two, three = (cpu_moe.moe(LIB, x, ids, weights, panels, threads=n) for n in (1, 2, 3))
+            one, two, three = (cpu_moe.moe(lib, x, ids, weights, panels, threads=n) for n in (1, 2, 3))
             torch_path = experts.forward_grouped_mm(x, ids, weights, torch.bincount(ids.flatten(), minlength=8))
         assert torch.equal(one, two) and torch.equal(one, three), tokens
         torch.testing.assert_close(two, torch_path, rtol=1e-5, atol=1e-5)
