@@ -362,6 +362,7 @@ def main() -> None:
     ap.add_argument("--cpu-kernel", choices=("on", "off", "both"), default="on",
                     help="experts on the CPU expert kernel (on), the torch path (off), or both")  # fmt: skip
     ap.add_argument("--skip-prefill", action="store_true", help="leave out the prefill measurement")
+    ap.add_argument("--decode-batches", help="comma-separated decode batch sizes (default 1,8,32; --quick 1,32)")
     ap.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS, help="timed decode steps per run")
     ap.add_argument("--repeats", type=int, help="repeats of every measurement (default 5 prefill, 3 decode)")
     ap.add_argument("--skip-mixed", action="store_true", help="leave out the mixed-length decode measurement")
@@ -370,6 +371,8 @@ def main() -> None:
     load_before = load_average()
     prefill_batches, decode_batches = ((1,), (1, 32)) if args.quick else ((1, 8), (1, 8, 32))
     prefill_repeats, decode_repeats = (1, 1) if args.quick else (5, 3)
+    if args.decode_batches:
+        decode_batches = tuple(int(b) for b in args.decode_batches.split(","))
     if args.repeats:
         prefill_repeats = decode_repeats = args.repeats
 

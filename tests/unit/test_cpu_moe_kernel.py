@@ -115,3 +115,44 @@ def test_build_is_cached_by_source_hash(tmp_path):
     edited = tmp_path / "cpu_moe.c"
     edited.write_text(cpu_moe.SOURCE.read_text() + "\n/* edited */\n")
     assert cpu_moe._build(edited, tmp_path) != first
+
+
+@needs_kernel
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+def test_one_two_and_three_threads_give_the_same_bits(top_k):
+    """Threads split (expert, panel) tiles and each token's row is combined by one thread in expert order, so
+    the result may not depend on the thread count: bitwise equal at 1, 2 and 3 threads, and within tolerance
+    of the torch reference, for every row count 1..40, including one expert taking every pair."""
+    experts = _experts(8, 48, 40, seed=top_k)
+    assert experts.use_cpu_kernel(LIB) is None
+    lib, panels = LIB, experts._panels
+    assert lib is not None and panels is not None
+    gen = torch.Generator().manual_seed(10 + top_k)
+    for tokens in range(1, 41):
+        x = torch.randn(tokens, 48, generator=gen)
+        only = 1 if top_k == 1 and tokens % 5 == 0 else None  # every fifth: all pairs on expert 0
+        ids, weights = _routing(tokens, 8, top_k, gen, only=only)
+        with torch.inference_mode():
+            one, two, three = (cpu_moe.moe(lib, x, ids, weights, panels, threads=n) for n in (1, 2, 3))
+            torch_path = experts.forward_grouped_mm(x, ids, weights, torch.bincount(ids.flatten(), minlength=8))
+        assert torch.equal(one, two) and torch.equal(one, three), tokens
+        torch.testing.assert_close(two, torch_path, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_the_kernel_takes_torchs_thread_count():
+    """threads=None means torch.get_num_threads(): the engine's intra-op count reaches the kernel."""
+    experts = _experts(4, 32, 16)
+    experts.use_cpu_kernel(LIB)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 32, generator=gen)
+    ids, weights = _routing(16, 4, 2, gen)
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with torch.inference_mode():
+                out = experts.forward_cpu_kernel(x, ids, weights)
+            torch.testing.assert_close(out, experts.forward_reference(x, ids, weights), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)

@@ -26,7 +26,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
-CFLAGS = ("-O3", "-std=gnu11", "-shared", "-fPIC")
+# -fopenmp links libgomp.so.1: torch's CPU build loads its own libgomp under that soname first, so the kernel's
+# parallel regions run on torch's OpenMP pool (one pool, no second set of spinning threads)
+CFLAGS = ("-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off")
 GATE_UP_COLS, DOWN_COLS = 8, 16  # output columns per weight panel (cpu_moe.c: 2 x 8 and 16 floats per row)
 
 
@@ -71,7 +73,7 @@ def load() -> ctypes.CDLL | None:
         log.warning("CPU expert kernel needs AVX2 and FMA, which this CPU lacks: using the torch path")
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.pdserve_moe_f32.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
+    lib.pdserve_moe_f32.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.pdserve_moe_f32.restype = ctypes.c_int
     return lib
 
@@ -108,10 +110,16 @@ class ExpertPanels:
 
 
 def moe(
-    lib: ctypes.CDLL, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, panels: ExpertPanels
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    panels: ExpertPanels,
+    threads: int | None = None,
 ) -> torch.Tensor:
     """x (T, D) float32, topk_ids (T, A) int64, topk_weights (T, A) → (T, D): sum over a of
-    topk_weights[t, a] * expert_{topk_ids[t, a]}(x[t]), SiLU-gated experts."""
+    topk_weights[t, a] * expert_{topk_ids[t, a]}(x[t]), SiLU-gated experts, on `threads` threads (None =
+    torch.get_num_threads(), the engine's intra-op count). The result is bitwise the same for any count."""
     assert x.dtype == torch.float32 and topk_ids.dtype == torch.int64
     x = x.contiguous()
     ids = topk_ids.contiguous()
@@ -123,6 +131,7 @@ def moe(
     rc = lib.pdserve_moe_f32(
         x.data_ptr(), t, d, i, e, ids.shape[1], ids.data_ptr(), weights.data_ptr(),
         panels.gate_up.data_ptr(), panels.down.data_ptr(), out.data_ptr(),
+        torch.get_num_threads() if threads is None else threads,
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("CPU expert kernel: scratch allocation failed")
