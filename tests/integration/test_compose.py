@@ -861,6 +861,10 @@ def test_dockerfile_contract():
     assert "docker/healthcheck.py /opt/venv/bin/pdserve-healthcheck" in body
     assert "docker/model-init.sh /opt/venv/bin/pdserve-model-init" in body
     assert "docker/secrets_init.py /opt/venv/bin/pdserve-secrets-init" in body
+    # the CPU expert kernel is compiled at build time into the cache the runtime (no compiler) reads
+    kernels = "PDSERVE_KERNEL_CACHE=/opt/venv/share/pdserve/kernels"
+    assert f"RUN {kernels} python -c" in " ".join(f"{op} {rest}" for op, rest in instructions)
+    assert kernels in ops["ENV"]
     # the secrets volume starts out as the image's directory: the pdserve user's, private
     assert f"chown pdserve:pdserve /models {SECRETS_MOUNT}" in body and f"chmod 0700 {SECRETS_MOUNT}" in body
 

@@ -61,11 +61,17 @@ def _build(source: Path, out_dir: Path) -> Path:
     return target
 
 
+def build() -> Path:
+    """Compile the kernel into the cache now (raises if it cannot): a Docker image does this at build time, so
+    its runtime, which has no compiler, finds the library in `PDSERVE_KERNEL_CACHE`."""
+    return _build(SOURCE, cache_dir())
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernel library, or None (logged once) where it cannot be built or this CPU cannot run it."""
     try:
-        lib = ctypes.CDLL(str(_build(SOURCE, cache_dir())))
+        lib = ctypes.CDLL(str(build()))
     except (OSError, RuntimeError) as exc:
         log.warning("CPU expert kernel unavailable, using the torch path: %s", exc)
         return None
