@@ -30,7 +30,7 @@ lint: $(STAMP)
 
 # Every tier (tests/unit, tests/integration, tests/e2e); each also runs alone (`make test-unit` in seconds).
 # The slow scenarios (marked `slow`: worker groups, fault stacks, single stack scenarios over ~30 s on 2 cores) are a
-# tier of their own: `make test-slow` (CI runs both). Keep `make test` under 15 minutes on a 2-core machine.
+# tier of their own: `make test-slow` (CI runs both). Keep `make test` under 15 minutes of tests on a 2-core machine.
 test: $(STAMP) lint
 	$(PY) -m pytest -m "not slow"
 

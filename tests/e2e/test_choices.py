@@ -224,6 +224,7 @@ def _holding_decode_worker(stack: Stack, watch: EventWatch) -> str:
     raise AssertionError("no decode worker holds the choices")
 
 
+@pytest.mark.slow  # a whole stack or spawned ranks, > ~30 s on 2 cores: the slow tier (CI runs it)
 def test_disconnect_frees_the_group_kv_a_prefill_worker_holds(model_dir):
     """The client leaves while the prefill worker holds the prompt KV of three choices for a decode worker that is
     paused: the choices' cancels free the blocks and the Redis entry well before the lease would."""

@@ -234,7 +234,7 @@ def _generated_tokens(stack: Stack) -> float:
     [
         # Four workers and a gateway on two cores: over a minute to start and serve (make test-slow).
         pytest.param(dict(prefill=2, decode=2), id="2p2d", marks=pytest.mark.slow),
-        pytest.param(dict(mixed=1, prefill=0, decode=0), id="mixed"),
+        pytest.param(dict(mixed=1, prefill=0, decode=0), id="mixed", marks=pytest.mark.slow),
     ],
 )
 def test_other_topologies_match(model_dir, reference, topology):

@@ -83,6 +83,7 @@ def _whole_trace(receiver: OtlpReceiver, request_id: str) -> list[dict]:
     return receiver.wait_for(complete) or []
 
 
+@pytest.mark.slow  # a whole stack or spawned ranks, > ~30 s on 2 cores: the slow tier (CI runs it)
 def test_one_trace_across_gateway_prefill_and_decode(stack, receiver):
     answer = _chat(stack.url, "Trace this request across every service")
     spans = _whole_trace(receiver, answer["id"])

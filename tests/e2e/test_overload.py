@@ -363,6 +363,7 @@ def rejected_at(url: str, reason: str) -> float:
     return 0.0
 
 
+@pytest.mark.slow  # a whole stack or spawned ranks, > ~30 s on 2 cores: the slow tier (CI runs it)
 @pytest.mark.parametrize(
     "reason, flags",
     [("queue", ("--max-pending-requests", "2")), ("kv", ("--kv-overcommit", "0.000001"))],

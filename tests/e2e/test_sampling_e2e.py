@@ -54,6 +54,7 @@ PENALTIES = [
 ]
 
 
+@pytest.mark.slow  # a whole stack or spawned ranks, > ~30 s on 2 cores: the slow tier (CI runs it)
 @pytest.mark.parametrize(("api", "ours"), PENALTIES, ids=lambda v: "-".join(v) if isinstance(v, dict) else "")
 def test_each_penalty_gives_the_engines_tokens_through_the_hand_off(client, engine, model_dir, api, ours):
     tok = Tokenizer(model_dir)

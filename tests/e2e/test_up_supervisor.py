@@ -186,6 +186,7 @@ def reference(model_dir) -> str:
     return tok.decode(out)
 
 
+@pytest.mark.slow  # a whole stack or spawned ranks, > ~30 s on 2 cores: the slow tier (CI runs it)
 def test_a_dead_worker_is_replaced_while_the_rest_serves(launch, reference):
     up = launch("--prefill", "1", "--decode", "1")
     up.wait_ready()
@@ -220,6 +221,7 @@ def test_a_dead_worker_is_replaced_while_the_rest_serves(launch, reference):
     assert_all_gone(up, 2.0)
 
 
+@pytest.mark.slow  # a whole stack or spawned ranks, > ~30 s on 2 cores: the slow tier (CI runs it)
 def test_a_crash_looping_worker_stops_the_stack(launch):
     up = launch("--mixed", "1", env={"PDSERVE_BLOCK_SIZE": "not-a-number"})  # the worker exits at once (2)
     deadline = time.monotonic() + 150

@@ -544,6 +544,7 @@ def test_cli_all_failed_exits_1(capsys, model_dir):
 # ---------------------------------------------------------------------------------------------------- real stack
 
 
+@pytest.mark.slow  # a whole stack or spawned ranks, > ~30 s on 2 cores: the slow tier (CI runs it)
 def test_bench_cli_against_a_real_stack(model_dir, tmp_path, capsys):
     stack = Stack(StackSpec(model=str(model_dir), port=free_port(), threads_per_worker=1, prefill=1, decode=1))
     try:

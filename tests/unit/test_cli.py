@@ -72,6 +72,7 @@ def test_generate_reports_bad_input(demo_dir, tmp_path, capsys):
     assert "max_tokens" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # two fresh interpreters importing torch under -OO, ~20-50 s on 2 cores: the slow tier
 def test_parser_builds_without_docstrings():
     """`python -OO` (or PYTHONOPTIMIZE=2) strips docstrings; the bench and trace commands take their
     descriptions from their module's, and building the parser used to fail on None.split."""

@@ -118,6 +118,7 @@ PENALTIES = [
 _OFF = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0, "logit_bias": ()}
 
 
+@pytest.mark.slow  # three engines per penalty, ~30 s in all on 2 cores: the slow tier (CI runs it)
 @pytest.mark.parametrize("extra", PENALTIES, ids=lambda d: "-".join(d))
 def test_penalised_tokens_are_the_same_after_a_kv_hand_off(checkpoint, extra):
     """One engine runs the request; then engine A prefills it (one token, KV held), exports the KV and engine B

@@ -97,6 +97,7 @@ def checkpoints(tmp_path_factory):
     return {arch: str(write_demo_checkpoint(tmp_path_factory.mktemp(arch), arch=arch)) for arch in MOE_ARCHS}
 
 
+@pytest.mark.slow  # a whole stack or spawned ranks, > ~30 s on 2 cores: the slow tier (CI runs it)
 def test_moe_layer_at_ep2_equals_the_single_rank_layer(checkpoints):
     leader, followers = _spmd(_layer_errors, checkpoints["qwen2_moe"])  # qwen2_moe: with its shared expert
     assert leader == [] and followers == [[]]

@@ -163,6 +163,7 @@ def test_every_operation_is_fuzzed(gateway_schema):
     assert documented == set(OPERATIONS)
 
 
+@pytest.mark.slow  # schema fuzzing of every operation, ~45 s on 2 cores: the slow tier (CI runs it)
 @pytest.mark.parametrize(("operation", "mode"), CASES, ids=lambda x: " ".join(x) if isinstance(x, tuple) else x.value)
 def test_fuzz(gateway_schema, operation, mode):
     method, path = operation
