@@ -193,8 +193,13 @@ class Engine:
             KVPool(g.layout(self.layout), p.num_blocks + (backend is not None), self.device)
             for g, p in zip(self.kv_groups, self.kv_plans, strict=True)
         ]
-        self.pool = self.pools[0]
         return backend, why_not
+
+    @property
+    def pool(self) -> KVPool:
+        """Group 0's pool (the only one of a one-group model): derived, so replacing `pools[0]` (a worker
+        group's mirrored pool) cannot leave a second reference behind."""
+        return self.pools[0]
 
     def _plan_groups(self, num_layers: int, layer_windows: tuple[int | None, ...]) -> None:
         """Split the KV plan between the model's KV cache groups (sets kv_groups, kv_plans); one group: the plan

@@ -163,10 +163,10 @@ def start_group(config: EngineConfig, on_death: Callable[[int, int | None], None
     state = RankState(engine.model, engine.pool, StagedKv())
     op_channels = [conns[(r, "ops")] for r in range(1, layout.world)]
     ops = LeaderOps(group, op_channels, state)
-    # A worker group's engine keeps one pool (KV cache groups are single-rank: engine.py), and every reader of
-    # it (fork's copies, imports) must see the mirrored one, or its changes never reach the followers.
+    # A worker group's engine keeps one pool (KV cache groups are single-rank: engine.py); `engine.pool` is
+    # pools[0], so fork's copies and imports all go through the mirrored one and reach the followers.
     assert len(engine.pools) == 1, "a worker group's engine has one KV pool"
-    engine.pool = engine.pools[0] = MirroredKVPool(engine.pool, ops)
+    engine.pools[0] = MirroredKVPool(engine.pool, ops)
     engine.runner.pool = engine.pool
     engine.runner.run_step = ops.step
     agent = RankAgent(0)
