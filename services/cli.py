@@ -8,11 +8,15 @@ import json
 import shlex
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from services.bench.cli import add_bench_command
 from services.experts_cli import add_experts_command
 from services.trace.timeline import add_trace_command
 from shared.model.config import ARCHITECTURES
+
+if TYPE_CHECKING:
+    from services.local.kv_certs import KvTlsFiles
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,6 +266,17 @@ def _add_service_commands(sub) -> None:
         action="store_true",
         help="prefill workers stream each request's KV layer by layer during its last chunk (PDSERVE_KV_STREAM_LAYERS)",
     )
+    up.add_argument(
+        "--kv-tls",
+        action="store_true",
+        help="mutual TLS on the workers' KV transfer gRPC: a CA and a certificate for every prefill and decode "
+        "worker are made with openssl in <log dir>/kv-tls (docs/security.md)",
+    )
+    for part, what in (("ca", "CA that signs the certificate"), ("cert", "certificate (serverAuth and clientAuth, "
+                       "naming the hosts decode workers dial)"), ("key", "certificate's key")):  # fmt: skip
+        up.add_argument(
+            f"--kv-tls-{part}", metavar="FILE", help=f"--kv-tls with your own files: the {what} (all three)"
+        )
     up.add_argument("--trace-file", help="every service appends its spans here (read with `pdserve trace`)")
     up.add_argument("--drain-timeout-s", type=float, help="on SIGTERM / Ctrl-C: how long services drain (default 60)")
     up.add_argument("--log-dir", help="each service's output in <dir>/<service>.log (default: this terminal)")
@@ -336,6 +351,7 @@ def _worker_class(role: str):
 
 
 def _up(args: argparse.Namespace) -> int:
+    from services.local.kv_certs import KvCertError
     from services.local.stack import Stack, StackSpec
     from services.local.supervisor import Supervisor
     from shared.model.demo import ensure_demo_checkpoint
@@ -348,6 +364,7 @@ def _up(args: argparse.Namespace) -> int:
     drain_env = {} if args.drain_timeout_s is None else {"PDSERVE_DRAIN_TIMEOUT_S": str(args.drain_timeout_s)}
     if args.kv_stream_layers:  # every worker reads it: prefill streams, decode needs nothing set
         drain_env["PDSERVE_KV_STREAM_LAYERS"] = "1"
+    kv_tls = _kv_tls(args)
     spec = StackSpec(
         model=model,
         port=args.port,
@@ -374,11 +391,29 @@ def _up(args: argparse.Namespace) -> int:
         },
         trace_file=args.trace_file,
         env=drain_env,
+        kv_tls=kv_tls,
     )
     drain_s = from_env(CommonSettings, drain_timeout_s=args.drain_timeout_s).drain_timeout_s
     stack = Stack(spec, log_dir=args.log_dir, quiet=args.log_dir is not None)
     supervisor = Supervisor(stack, drain_s, metrics_port=args.supervisor_metrics_port, on_ready=_print_ready(args))
-    return supervisor.run()
+    try:
+        return supervisor.run()
+    except KvCertError as exc:  # openssl refused a step of --kv-tls's generation (at launch): nothing was started
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _kv_tls(args: argparse.Namespace) -> bool | KvTlsFiles:
+    """What `up` does about KV transfer TLS: the user's three files, True (generate; openssl is checked now, so
+    its absence is an error before anything starts), or False."""
+    from services.local.kv_certs import KvTlsFiles, find_openssl
+
+    given = KvTlsFiles.given(args.kv_tls_ca, args.kv_tls_cert, args.kv_tls_key)
+    if given is not None:
+        return given
+    if args.kv_tls:
+        find_openssl()
+    return bool(args.kv_tls)
 
 
 def _print_ready(args: argparse.Namespace):
@@ -396,6 +431,8 @@ def _print_ready(args: argparse.Namespace):
             print(f"  logs: {stack.log_dir}/<service>.log")
         if args.trace_file:
             print(f"  spans: {args.trace_file} (pdserve trace {args.trace_file})")
+        if stack.kv_tls is not None:
+            print(f"  KV transfer: mutual TLS (CA {stack.kv_tls.ca}, certificate {stack.kv_tls.cert})")
         print(flush=True)
 
     return announce

@@ -192,6 +192,9 @@ class KvTransferSettings:
     CPU, single-process engine without sliding windows, max_tokens > 1, no logprobs; others hand off as usual."""
     fault_send_midway: bool = flat("fault_kv_send_midway", False)
     """Testing only: every KV send stops after its first piece and drops the pair (an injected failure)."""
+    fault_send_stall_s: float = flat("fault_kv_send_stall_s", 0.0)
+    """Testing only: every KV send over a pair sleeps this long after its first piece (a window in which to
+    kill the prefill worker mid-transfer, mid-stream for a layer-streamed send); 0 = off."""
     # Mutual TLS on the transfer gRPC (shared/kv/transfer/channel_tls.py): all three files, or none.
     tls_ca: str | None = None
     """CA bundle that signs every prefill and decode worker's KV transfer certificate; with kv_tls_cert and
@@ -209,6 +212,8 @@ class KvTransferSettings:
     def __post_init__(self) -> None:
         if self.lease_s <= 0:
             raise ValueError("kv_lease_s must be positive")
+        if self.fault_send_stall_s < 0:
+            raise ValueError("fault_kv_send_stall_s must be >= 0")
         if self.timeout_s <= 0 or self.chunk_bytes < 0 or self.shm_bytes < 0:
             raise ValueError("kv_transfer_timeout_s must be positive, kv_chunk_bytes and kv_shm_bytes >= 0")
         if self.replay_cache_entries < 1:

@@ -3,7 +3,8 @@ the gateway and the workers as separate processes — ready when the gateway's /
 
 The private nats-server and redis-server require passwords generated here, as is the cluster secret that
 signs KV pull tickets; every service gets them, and the server URLs, in its environment (never on a command
-line, which any local user can read).
+line, which any local user can read). With `kv_tls` the workers' KV transfer gRPC speaks mutual TLS, with
+certificates generated in the run directory (kv_certs.py) or the user's own.
 
 The tests start stacks through the same class, so what they exercise is what users run.
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from services.local.children import popen_options
 from services.local.infra import ServerProcess, free_port, start_nats, start_redis
+from services.local.kv_certs import KV_TLS_DIR, KvTlsFiles, dialled_hosts, generate, refuse_other_kv_tls, without_kv_tls
 from shared.engine.config import EngineConfig
 from shared.parallel.layout import ParallelLayout
 from shared.urls import split_credentials
@@ -62,6 +64,10 @@ class StackSpec:
     gateway_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     trace_file: str | None = None  # every service appends its spans to this JSON-lines file
+    # Mutual TLS on the KV transfer gRPC of every prefill and decode worker: True = a CA and certificate
+    # generated at launch in <log dir>/kv-tls (kv_certs.generate); files = the user's own; False = the
+    # workers' own settings apply (PDSERVE_KV_TLS_* inherited, if any).
+    kv_tls: bool | KvTlsFiles = False
 
     def __post_init__(self) -> None:
         if self.mixed < 0 or self.prefill < 0 or self.decode < 0:
@@ -77,6 +83,9 @@ class StackSpec:
         ):
             if unknown := set(per_role) - {"prefill", "decode", "mixed"}:
                 raise ValueError(f"{name}: unknown roles {sorted(unknown)} (prefill, decode, mixed)")
+        if self.kv_tls:  # the stack sets the workers' KV TLS files: the same settings another way are refused
+            flags = [f for role in ("prefill", "decode", "mixed") for f in self.worker_flags_of(role)]
+            refuse_other_kv_tls(self.env, flags, own_files=isinstance(self.kv_tls, KvTlsFiles))
         for tp, ep in self.parallel.values():
             ParallelLayout(tp, ep)  # a LayoutError (ValueError) names what to change
         for role, devices in self.devices.items():
@@ -93,6 +102,10 @@ class StackSpec:
                         f"cpu_affinity[{role!r}] = {tuple(cpus)}: not a non-empty subset of the CPUs this "
                         f"process may use, {sorted(have)} ({os.cpu_count()} cores on this machine)"
                     )
+
+    def worker_flags_of(self, role: str) -> list[str]:
+        """The flags every worker of `role` gets from the spec (worker_args, then the role's own)."""
+        return [*self.worker_args, *self.role_args.get(role, ())]
 
     def roles(self) -> list[str]:
         """The role of every worker, in start order."""
@@ -160,6 +173,8 @@ class Stack:
         self._spawned: dict[str, tuple[list[str], dict[str, str] | None]] = {}  # name → spawn()'s arguments
         # Signs KV pull tickets between this stack's workers; one given in the environment wins.
         self.cluster_secret = secrets.token_urlsafe(32)
+        # The KV transfer TLS files every prefill and decode worker gets (spec.kv_tls), set at launch.
+        self.kv_tls: KvTlsFiles | None = None
 
     @property
     def url(self) -> str:
@@ -179,6 +194,7 @@ class Stack:
         """Start the private servers, the workers and the gateway, without waiting for them to be ready (the
         supervisor waits its own way). Stops what it started if any start fails."""
         try:
+            self.prepare_kv_tls()
             if self.nats_url is None:
                 user, password = "pdserve", secrets.token_urlsafe(24)
                 self.infra.append(start_nats(user=user, password=password))
@@ -196,12 +212,25 @@ class Stack:
                 name = f"{role}-{i}"
                 self.metrics_ports[name] = port = free_port(self.spec.host)
                 flags = ["--worker-id", f"{name}-{os.getpid()}", "--metrics-port", str(port)]
-                self.spawn(name, [role, *flags, *self._worker_flags(role, device)])
+                self.spawn(name, [role, *flags, *self._worker_flags(role, device)], env=self.worker_env())
             self.spawn("gateway", ["gateway", "--port", str(self.spec.port), "--host", self.spec.host,
                                    *self._common_flags(), *self.spec.gateway_args])  # fmt: skip
         except BaseException:
             self.stop()
             raise
+
+    def prepare_kv_tls(self) -> None:
+        """The files of spec.kv_tls: generated afresh in the run directory (kept with the logs; the CA's key is
+        deleted once it has signed), or the user's."""
+        if self.spec.kv_tls is True:
+            hosts = dialled_hosts(os.environ | self.spec.env, self.spec.worker_flags_of("prefill"))
+            self.kv_tls = generate(self.log_dir / KV_TLS_DIR, hosts)
+        elif isinstance(self.spec.kv_tls, KvTlsFiles):
+            self.kv_tls = self.spec.kv_tls
+
+    def worker_env(self) -> dict[str, str]:
+        """What a worker's environment has beyond service_env(): the KV transfer TLS files, with spec.kv_tls."""
+        return self.kv_tls.env() if self.kv_tls is not None else {}
 
     def _common_flags(self) -> list[str]:
         flags = ["--model", self.spec.model]
@@ -249,12 +278,15 @@ class Stack:
 
         A cluster secret already in the environment wins (several stacks may share workers). For a server
         this stack started, its URL and credentials replace any PDSERVE_NATS_* / PDSERVE_REDIS_* inherited
-        (they were meant for another server); for a server given by URL, the inherited ones apply to it.
-        spec.env wins over everything."""
+        (they were meant for another server); for a server given by URL, the inherited ones apply to it. With
+        spec.kv_tls, inherited PDSERVE_KV_TLS_* are dropped (worker_env sets the stack's; a server name stays
+        with the user's own files). spec.env wins over everything."""
         inherited = dict(os.environ)
         for plane in ("NATS", "REDIS"):
             if f"PDSERVE_{plane}_URL" in self._infra_env:
                 inherited = {k: v for k, v in inherited.items() if not k.startswith(f"PDSERVE_{plane}_")}
+        if self.spec.kv_tls:  # the stack's KV TLS files (worker_env) replace inherited ones
+            inherited = without_kv_tls(inherited, own_files=isinstance(self.spec.kv_tls, KvTlsFiles))
         given = {"PDSERVE_NATS_URL": self.spec.nats_url, "PDSERVE_REDIS_URL": self.spec.redis_url}
         # a secret file of the user's names the cluster's secret: ours would hide it (the variable wins the file)
         own_secret = {"PDSERVE_CLUSTER_SECRET": self.cluster_secret}

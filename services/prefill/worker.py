@@ -96,6 +96,7 @@ class PrefillWorker(Worker[PrefillJob]):
             timeout_s=kv.timeout_s,
             chunk_bytes=kv.chunk_bytes,
             fault_send_midway=kv.fault_send_midway,
+            fault_send_stall_s=kv.fault_send_stall_s,
             advertise_host=kv.advertise_host,
             model_name=self.model_name,
             send_stream=stream,
