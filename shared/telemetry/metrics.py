@@ -12,8 +12,10 @@ Who records what:
                  moe_rank_tokens (pairs each EP rank computed) and moe_rank_imbalance (busiest rank / mean)
     transfers    kv_transfer_seconds / bytes / failures: decode side (pull) and prefill side (send)
 
-Summed over the workers of a P/D stack, generation tokens equal the gateway's: the prefill worker samples
-each request's first token, the decode worker the rest. Metrics live in the process-wide default
+Summed over the workers of a P/D stack, generation tokens equal the gateway's: a worker counts the tokens it
+emits (the prefill worker each request's first token, the decode worker the rest; a layer-streamed request's
+first token is emitted and counted by the decode worker, whether it came in the pull's trailer or was sampled
+there after a failed pull). Metrics live in the process-wide default
 registry; the gateway serves them at /metrics, a worker on its own port (`serve_metrics`).
 """
 
