@@ -8,6 +8,7 @@ Who records what:
                  requests_rejected by reason (admission, draining)
     workers      request_queue_time (created at the gateway → first scheduled), prompt/generation tokens
                  the engine computed and sampled, num_requests_running|waiting, kv_cache_usage_perc,
+                 kv_cache_group_usage_perc|free_blocks|num_blocks (every KV cache group, label `group`),
                  moe_expert_tokens (routed tokens per layer and expert); with expert parallelism
                  moe_rank_tokens (pairs each EP rank computed) and moe_rank_imbalance (busiest rank / mean)
     transfers    kv_transfer_seconds / bytes / failures: decode side (pull) and prefill side (send)
@@ -70,7 +71,19 @@ REQUESTS_REJECTED = Counter(
 )
 REQUESTS_RUNNING = Gauge(f"{PREFIX}num_requests_running", "Requests being computed (gateway: in flight).", LABELS)
 REQUESTS_WAITING = Gauge(f"{PREFIX}num_requests_waiting", "Requests queued in the engine.", LABELS)
-KV_CACHE_USAGE = Gauge(f"{PREFIX}kv_cache_usage_perc", "Fraction of KV blocks in use (0-1, as vLLM).", LABELS)
+KV_CACHE_USAGE = Gauge(
+    f"{PREFIX}kv_cache_usage_perc", "Fraction of KV blocks in use (0-1, as vLLM; KV cache group 0's).", LABELS
+)
+# KV cache groups (shared/engine/kv_groups.py): group 0 the full layers, then one per sliding window, ascending
+KV_CACHE_GROUP_USAGE = Gauge(
+    f"{PREFIX}kv_cache_group_usage_perc", "Fraction of a KV cache group's blocks in use (0-1).", (*LABELS, "group")
+)
+KV_CACHE_GROUP_FREE_BLOCKS = Gauge(
+    f"{PREFIX}kv_cache_group_free_blocks", "Free KV blocks of a KV cache group.", (*LABELS, "group")
+)
+KV_CACHE_GROUP_BLOCKS = Gauge(
+    f"{PREFIX}kv_cache_group_num_blocks", "KV blocks of a KV cache group.", (*LABELS, "group")
+)
 KV_TRANSFER_SECONDS = Histogram(
     f"{PREFIX}kv_transfer_seconds",
     "One KV transfer: pull (decode) or export + send (prefill).",
