@@ -390,6 +390,7 @@ class Heartbeat(msgspec.Struct, frozen=True):
     rpc_address: str | None  # prefill workers: where decode workers pull KV from
     running: int = 0
     waiting: int = 0
+    # KV cache group 0's blocks (the full layers'; a one-group model's only group): what the gateway reads
     free_blocks: int = 0
     total_blocks: int = 0
     # cumulative tokens the engine computed by phase: a decode worker's prefill_tokens stays 0 when every
@@ -402,6 +403,10 @@ class Heartbeat(msgspec.Struct, frozen=True):
     draining: bool = False  # shutting down: finishes what it has, takes nothing new
     parallel: str = ""  # a worker group's layout ("tp=2 ep=1"); empty for a single-process worker
     rank_pids: tuple[int, ...] = ()  # a worker group's process ids, rank by rank (the leader's first)
+    # every KV cache group's blocks, group 0 first (gpt-oss: the full layers, then the sliding window's); empty
+    # from a worker that predates them
+    kv_group_free_blocks: tuple[int, ...] = ()
+    kv_group_total_blocks: tuple[int, ...] = ()
 
 
 _encoder = msgspec.json.Encoder()

@@ -134,6 +134,7 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
                 end = first_token_end(self.engine.engine, job, outputs)
                 first = streamed_first_token_event(job, kv.first_token, end, self.settings.worker_id)
                 self.emit(job.reply_subject, first)
+                metrics.GENERATION_TOKENS.labels(*self.labels).inc()  # emitted here, so counted here (not by prefill)
                 if end is not None:  # that token finished it: nothing to decode
                     self.client.recycle(kv)
                     self.ledger.finish(key)

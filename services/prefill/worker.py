@@ -12,7 +12,8 @@ Layer-streamed (kv_stream_layers, docs/kv_transfer.md): a job that can stream (`
 its hand-on starts when its last chunk does, before the first token exists: HANDING_ON from then, the KV held
 and the decode job published (`kv_streamed`, without the first token) while the forward runs, so the pull
 overlaps it. The first token reaches decode as the pull's trailer and the client from the decode worker: this
-worker records it (metrics, the prefill span) but never emits it. The entry is forgotten once both the publish
+worker records its prefill (the span, queue time, prompt tokens) but never emits it, nor counts it among the
+generated tokens: the worker that emits a token counts it. The entry is forgotten once both the publish
 and the first token are done (`_StreamedHandOn`).
 """
 
@@ -242,9 +243,9 @@ class PrefillWorker(Worker[PrefillJob]):
             entry = self.ledger.get(out.request_id)
             state = self._streamed.get(out.request_id)
             if entry is not None and state is not None and entry.phase is Phase.HANDING_ON:
-                # streamed: the decode worker emits this token (it has it from the pull's trailer); counted here
+                # streamed: the decode worker emits this token (it has it from the pull's trailer) and counts it;
+                # when its pull fails it samples one of its own, so a count here would count the request's twice
                 spans.record_prefill(entry.job, out, entry.span, self.labels)
-                metrics.GENERATION_TOKENS.labels(*self.labels).inc(len(out.new_token_ids))
                 state.out = out
                 self._streamed_done(out.request_id)
                 continue

@@ -8,12 +8,15 @@ Who records what:
                  requests_rejected by reason (admission, draining)
     workers      request_queue_time (created at the gateway → first scheduled), prompt/generation tokens
                  the engine computed and sampled, num_requests_running|waiting, kv_cache_usage_perc,
+                 kv_cache_group_usage_perc|free_blocks|num_blocks (every KV cache group, label `group`),
                  moe_expert_tokens (routed tokens per layer and expert); with expert parallelism
                  moe_rank_tokens (pairs each EP rank computed) and moe_rank_imbalance (busiest rank / mean)
     transfers    kv_transfer_seconds / bytes / failures: decode side (pull) and prefill side (send)
 
-Summed over the workers of a P/D stack, generation tokens equal the gateway's: the prefill worker samples
-each request's first token, the decode worker the rest. Metrics live in the process-wide default
+Summed over the workers of a P/D stack, generation tokens equal the gateway's: a worker counts the tokens it
+emits (the prefill worker each request's first token, the decode worker the rest; a layer-streamed request's
+first token is emitted and counted by the decode worker, whether it came in the pull's trailer or was sampled
+there after a failed pull). Metrics live in the process-wide default
 registry; the gateway serves them at /metrics, a worker on its own port (`serve_metrics`).
 """
 
@@ -68,7 +71,19 @@ REQUESTS_REJECTED = Counter(
 )
 REQUESTS_RUNNING = Gauge(f"{PREFIX}num_requests_running", "Requests being computed (gateway: in flight).", LABELS)
 REQUESTS_WAITING = Gauge(f"{PREFIX}num_requests_waiting", "Requests queued in the engine.", LABELS)
-KV_CACHE_USAGE = Gauge(f"{PREFIX}kv_cache_usage_perc", "Fraction of KV blocks in use (0-1, as vLLM).", LABELS)
+KV_CACHE_USAGE = Gauge(
+    f"{PREFIX}kv_cache_usage_perc", "Fraction of KV blocks in use (0-1, as vLLM; KV cache group 0's).", LABELS
+)
+# KV cache groups (shared/engine/kv_groups.py): group 0 the full layers, then one per sliding window, ascending
+KV_CACHE_GROUP_USAGE = Gauge(
+    f"{PREFIX}kv_cache_group_usage_perc", "Fraction of a KV cache group's blocks in use (0-1).", (*LABELS, "group")
+)
+KV_CACHE_GROUP_FREE_BLOCKS = Gauge(
+    f"{PREFIX}kv_cache_group_free_blocks", "Free KV blocks of a KV cache group.", (*LABELS, "group")
+)
+KV_CACHE_GROUP_BLOCKS = Gauge(
+    f"{PREFIX}kv_cache_group_num_blocks", "KV blocks of a KV cache group.", (*LABELS, "group")
+)
 KV_TRANSFER_SECONDS = Histogram(
     f"{PREFIX}kv_transfer_seconds",
     "One KV transfer: pull (decode) or export + send (prefill).",

@@ -17,7 +17,7 @@ class EngineLoad:
     running: int
     waiting: int
     waiting_tokens: int  # tokens the queued requests still need computed
-    free_blocks: int
+    free_blocks: int  # KV cache group 0's (the full layers'; a one-group model's only group)
     total_blocks: int
     prefill_tokens: int  # cumulative (EngineStats)
     decode_tokens: int
@@ -27,6 +27,10 @@ class EngineLoad:
     max_num_batched_tokens: int
     max_model_len: int
     vocab_size: int
+    # every KV cache group's, group 0 first (shared/engine/kv_groups.py: gpt-oss's full layers, then one group
+    # per sliding window); a one-group model: (free_blocks,) and (total_blocks,)
+    group_free_blocks: tuple[int, ...] = ()
+    group_total_blocks: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, engine: Engine) -> EngineLoad:
@@ -46,12 +50,20 @@ class EngineLoad:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_model_len=engine.max_model_len,
             vocab_size=engine.model.config.vocab_size,
+            group_free_blocks=tuple(b.num_free for b in engine.group_blocks),
+            group_total_blocks=tuple(b.num_blocks for b in engine.group_blocks),
         )
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use, 0.0–1.0."""
+        """Fraction of group 0's blocks in use, 0.0–1.0."""
         return 1.0 - self.free_blocks / self.total_blocks
+
+    def group_usage(self) -> tuple[float, ...]:
+        """Fraction of each KV cache group's blocks in use, group 0 first."""
+        return tuple(
+            1.0 - free / total for free, total in zip(self.group_free_blocks, self.group_total_blocks, strict=True)
+        )
 
     def has_room(self) -> bool:
         """The engine can start one more job soon: a sequence slot and blocks to spare, and the queue shorter

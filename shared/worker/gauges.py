@@ -12,10 +12,17 @@ if TYPE_CHECKING:  # torch-free at import, like the rest of this module
 
 
 def record_load(labels: tuple[str, str], load: EngineLoad) -> None:
-    """Requests running and waiting, and the KV cache's usage, labelled (model_name, role)."""
+    """Requests running and waiting, and the KV cache's usage (group 0's, and every group's by its index),
+    labelled (model_name, role)."""
     metrics.REQUESTS_RUNNING.labels(*labels).set(load.running)
     metrics.REQUESTS_WAITING.labels(*labels).set(load.waiting)
     metrics.KV_CACHE_USAGE.labels(*labels).set(load.usage)
+    for group, (free, total, usage) in enumerate(
+        zip(load.group_free_blocks, load.group_total_blocks, load.group_usage(), strict=True)
+    ):
+        metrics.KV_CACHE_GROUP_USAGE.labels(*labels, str(group)).set(usage)
+        metrics.KV_CACHE_GROUP_FREE_BLOCKS.labels(*labels, str(group)).set(free)
+        metrics.KV_CACHE_GROUP_BLOCKS.labels(*labels, str(group)).set(total)
 
 
 def record_expert_load(labels: tuple[str, str], expert_load: dict[int, list[int]]) -> None:

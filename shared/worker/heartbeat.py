@@ -47,6 +47,8 @@ def build_heartbeat(
         draining=draining,
         parallel=parallel,
         rank_pids=rank_pids,
+        kv_group_free_blocks=load.group_free_blocks,
+        kv_group_total_blocks=load.group_total_blocks,
     )
 
 

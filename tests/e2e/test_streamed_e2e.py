@@ -8,7 +8,8 @@ streamed (the prefill worker's `kv_layer_streamed_pulls` counts every streamed j
 recomputed (the decode worker's heartbeat reports no prefill tokens); max_tokens 1 (not streamed) and a stop
 on the first token (streamed: the decode worker ends it) finish right, a client leaving mid-stream frees
 everything; a send broken midway (the fault switch)
-makes decode recompute and sample the first token itself, with the same output. Every block is freed and no
+makes decode recompute and sample the first token itself, with the same output, each token counted once (by
+the decode worker, which emitted it). Every block is freed and no
 Redis key left on both sides."""
 
 from __future__ import annotations
@@ -122,6 +123,10 @@ def test_a_broken_streamed_send_is_recomputed_by_decode(model_dir, reference):
                 out = _complete(client, stack.url, prompt)["choices"][0]
                 assert out["text"] == tok.decode(reference[prompt])
         assert _streamed_pulls(stack) == len(PROMPTS)  # streamed, and broken
+        # each first token counted once, by the decode worker that sampled and emitted it (the prefill's is unseen)
+        generated = {role: sum(scraped_total(url, "pdserve:generation_tokens_total", role=role)
+                               for url in stack.metrics_urls()) for role in ("prefill", "decode")}  # fmt: skip
+        assert generated == {"prefill": 0, "decode": len(PROMPTS) * MAX_TOKENS}
         prefill, decode = _check_freed(stack, _idle_beats(stack))
         ids = [tok.encode(p) for p in PROMPTS]
         assert decode.prefill_tokens >= sum(map(len, ids))  # recomputed there
