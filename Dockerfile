@@ -35,8 +35,8 @@ RUN pip install --no-deps /tmp/src \
     && install -m 0755 /tmp/src/docker/healthcheck.py /opt/venv/bin/pdserve-healthcheck \
     && install -m 0755 /tmp/src/docker/model-init.sh /opt/venv/bin/pdserve-model-init \
     && install -m 0755 /tmp/src/docker/secrets_init.py /opt/venv/bin/pdserve-secrets-init
-# The CPU expert kernel, compiled once here into the environment (portable: no -march; the kernel checks
-# AVX2/FMA at run time and otherwise the torch path runs).
+# The CPU expert kernel's AVX-512 and AVX2 builds, compiled once here into the environment (portable: no
+# -march; at run time the widest build the CPU runs is used, and without AVX2/FMA the torch path).
 RUN PDSERVE_KERNEL_CACHE=/opt/venv/share/pdserve/kernels python -c \
         "from shared.model.kernels import cpu_moe; print('built', cpu_moe.build())"
 

@@ -1,40 +1,53 @@
-"""One MoE layer's routed experts on CPU: the C expert kernel against the torch paths, in one process.
+"""One MoE layer's routed experts on CPU: the C expert kernel's builds against the torch paths, in one process.
 
     .venv/bin/python benchmarks/expert_kernel_bench.py [--threads 1,2] [--tokens 1,8,32,128] [--repeats 15]
+        [--isa avx512,avx2] [--variant NAME=FLAGS ...] [--no-torch] [--out FILE.json]
 
 The `small` demo's expert shapes by default (8 experts, hidden 512, intermediate 1024, top-2), random float32
-weights and routing. Per token count, the three paths run alternately `--repeats` times (after a warm-up):
-plain = forward_grouped_mm over the stacked weights (MKL), packed = the per-expert loop over oneDNN-packed
-weights (the engine's default before the kernel), kernel = shared/model/kernels/cpu_moe.c. With several
-`--threads` counts, every repeat runs each count in turn (order alternated), so the thread counts are
-compared side by side too; every path uses the count torch is set to. Prints the median of each, the
-kernel's speed-up, its GFLOP/s, and the largest difference from the plain path. A 2048^3 matmul's rate,
-measured in the same process, says how close to this host's (loaded) matmul rate the kernel gets.
+weights and routing. Per token count, the paths run alternately `--repeats` times (after a warm-up): plain =
+forward_grouped_mm over the stacked weights (MKL), packed = the per-expert loop over oneDNN-packed weights (the
+engine's default before the kernel), then one path per kernel build (`--isa`, default every build this CPU
+runs) and per `--variant` (the first `--isa` built with extra gcc flags, e.g. pf0=-DPDSERVE_PREFETCH=0). With
+several `--threads` counts, every repeat runs each count in turn (order alternated), so the thread counts are
+compared side by side too; every path uses the count torch is set to. Prints the median of each, every kernel
+path's speed-up over plain and over the first kernel path, its GFLOP/s, and whether all kernel paths gave the
+same bits. A 2048^3 matmul's rate, measured in the same process, says how close to this host's (loaded) matmul
+rate the kernel gets; the host's read bandwidth gives each case's memory floor (its weights read once).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.host_info import load_average, matmul_gflops  # noqa: E402
+from benchmarks.host_info import cpu_info, load_average, matmul_gflops, read_bandwidth  # noqa: E402
 from shared.model.kernels import cpu_moe  # noqa: E402
 from shared.model.moe import Experts  # noqa: E402
 
 
-def _diff(fns, threads: int) -> float:
-    """Warm each path at `threads` and → the kernel's largest difference from the plain path."""
-    torch.set_num_threads(threads)
-    fns["packed"]()
-    return (fns["kernel"]() - fns["plain"]()).abs().max().item()
+def _kernel_paths(isas: list[str], variants: list[str]) -> dict[str, cpu_moe.Kernel]:
+    paths = {}
+    for isa in isas:
+        kernel = cpu_moe.load_build(isa)
+        if kernel is None:
+            sys.exit(f"this CPU cannot run the {isa} build of the kernel")
+        paths[f"kernel-{isa}"] = kernel
+    for spec in variants:
+        name, _, flags = spec.partition("=")
+        kernel = cpu_moe.load_build(isas[0], tuple(flags.split()))
+        assert kernel is not None
+        paths[f"kernel-{name}"] = kernel
+    return paths
 
 
 def main() -> None:
@@ -46,38 +59,53 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--intermediate", type=int, default=1024)
     ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--isa", default=None, help="comma-separated builds (default: every one this CPU runs)")
+    ap.add_argument("--variant", action="append", default=[], help="NAME=FLAGS: the first --isa with gcc FLAGS")
+    ap.add_argument("--no-torch", action="store_true", help="kernel paths only (plain is still the reference)")
+    ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     thread_counts = [int(n) for n in args.threads.split(",")]
-    lib = cpu_moe.load()
-    if lib is None:
+    isas = args.isa.split(",") if args.isa else [k.isa for k in cpu_moe.kernels()]
+    if not isas:
         sys.exit("the CPU expert kernel cannot be built or run here (see the warning)")
+    kernels = _kernel_paths(isas, args.variant)
     e, d, i, a = args.experts, args.hidden, args.intermediate, args.top_k
     plain = Experts(e, d, i)
     with torch.no_grad():
         plain.gate_up.normal_(0, 0.05)
         plain.down.normal_(0, 0.05)
-    packed, kernel = copy.deepcopy(plain), copy.deepcopy(plain)
+    packed = copy.deepcopy(plain)
     packed.prepack()
-    assert kernel.use_cpu_kernel(lib) is None
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    panels = {name: k.pack(plain.gate_up.data, plain.down.data) for name, k in kernels.items()}
+    host = {**cpu_info(), "read_gbps": read_bandwidth()}
     torch.set_num_threads(thread_counts[0])
-    print(f"{cpu}, threads {args.threads}, load {load_average()[0]:.1f}, matmul {matmul_gflops():.0f} GFLOP/s"
-          f" at {thread_counts[0]} thread(s)")  # fmt: skip
+    gflops = matmul_gflops()
+    print(f"{host['cpu']}, threads {args.threads}, load {load_average()[0]:.1f}, matmul {gflops:.0f} GFLOP/s"
+          f" at {thread_counts[0]} thread(s), read {host['read_gbps']:.1f} GB/s")  # fmt: skip
     print(f"experts {e} x (hidden {d}, intermediate {i}), top-{a}, float32, median of {args.repeats}")
-    print("tokens threads  plain ms  packed ms  kernel ms  vs plain  vs packed  kernel GFLOP/s  max |diff|")
+    first = next(iter(kernels))
+    rows = []
     gen = torch.Generator().manual_seed(0)
     for t in (int(s) for s in args.tokens.split(",")):
         x = torch.randn(t, d, generator=gen)
         weights, ids = torch.randn(t, e, generator=gen).softmax(-1).topk(a, dim=-1)
         counts = torch.bincount(ids.flatten(), minlength=e)
-        fns = {
-            "plain": lambda c=(x, ids, weights, counts): plain.forward_grouped_mm(*c),
-            "packed": lambda x=x, i=ids, w=weights, n=counts: packed.forward_grouped(x, i, w, n.tolist()),
-            "kernel": lambda c=(x, ids, weights): kernel.forward_cpu_kernel(*c),
+        fns: dict[str, Callable[[], torch.Tensor]] = {
+            "plain": lambda c=(x, ids, weights, counts): plain.forward_grouped_mm(*c)
         }
+        if not args.no_torch:
+            fns["packed"] = lambda x=x, i=ids, w=weights, n=counts: packed.forward_grouped(x, i, w, n.tolist())
+        for name, k in kernels.items():
+            fns[name] = lambda k=k, p=panels[name], c=(x, ids, weights): k.moe(*c, p)
         times = {(n, th): [] for th in thread_counts for n in fns}
         with torch.inference_mode():
-            diff = max(_diff(fns, th) for th in thread_counts)
+            outs = {}
+            for th in thread_counts:  # warm every path at every count; keep the outputs of the first
+                torch.set_num_threads(th)
+                for name, fn in fns.items():
+                    outs.setdefault(name, fn())
+            same_bits = all(torch.equal(outs[first], outs[n]) for n in kernels)
+            diff = (outs[first] - outs["plain"]).abs().max().item()
             for r in range(args.repeats):
                 for th in thread_counts[:: 1 if r % 2 == 0 else -1]:  # alternate: drift hits all alike
                     torch.set_num_threads(th)
@@ -86,12 +114,24 @@ def main() -> None:
                         fns[name]()
                         times[name, th].append(time.perf_counter() - t0)
         flops = t * a * (2 * d * 2 * i + 2 * i * d)
+        active = int((counts > 0).sum())
+        floor_ms = active * 3 * d * i * 4 / (host["read_gbps"] * 1e9) * 1e3  # the active experts' weights, once
         for th in thread_counts:
             ms = {n: statistics.median(times[n, th]) * 1e3 for n in fns}
-            print(f"{t:6d} {th:7d} {ms['plain']:9.3f} {ms['packed']:10.3f} {ms['kernel']:10.3f}"
-                  f" {ms['plain'] / ms['kernel']:8.2f}x {ms['packed'] / ms['kernel']:9.2f}x"
-                  f" {flops / ms['kernel'] / 1e6:15.1f} {diff:11.2e}")  # fmt: skip
-    print(f"load after {load_average()[0]:.1f}")
+            rows.append({"tokens": t, "threads": th, "ms": ms, "floor_ms": floor_ms, "same_bits": same_bits,
+                         "max_abs_diff_vs_plain": diff})  # fmt: skip
+            print(
+                f"\ntokens {t}, threads {th}: memory floor {floor_ms:.3f} ms ({active} experts' weights),"
+                f" kernel paths bitwise equal: {'yes' if same_bits else 'NO'}, |{first} - plain| {diff:.2e}"
+            )
+            print(f"  {'path':22s} {'ms':>8s} {'vs plain':>9s} {'vs ' + first:>18s} {'GFLOP/s':>8s} {'x floor':>8s}")
+            for name, v in ms.items():
+                print(f"  {name:22s} {v:8.3f} {ms['plain'] / v:8.2f}x {ms[first] / v:17.2f}x"
+                      f" {flops / v / 1e6:8.1f} {v / floor_ms:8.2f}")  # fmt: skip
+    print(f"\nload after {load_average()[0]:.1f}")
+    if args.out:
+        args.out.write_text(json.dumps({"host": host, "matmul_gflops": gflops, "rows": rows}, indent=1))
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

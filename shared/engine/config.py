@@ -71,7 +71,8 @@ class EngineConfig:
     """oneDNN-packed matmul weights on CPU (faster; a second copy of them)."""
     cpu_expert_kernel: bool = True
     """On CPU with the torch kernels, float32 SiLU experts of decode-sized batches run the C expert kernel
-    (shared/model/kernels/cpu_moe.c, built with gcc at first use; AVX2 + FMA; on `threads` intra-op threads)
+    (shared/model/kernels/cpu_moe.c, built with gcc at first use; AVX-512F where the CPU has it, else AVX2 + FMA,
+    the same bits either way; on `threads` intra-op threads)
     instead of the BLAS path; where it cannot be built or run, the torch path, with a log line. False = the torch
     path (the kernel's reference). On by default at any thread count: it was faster at 1 and 2 threads
     (docs/benchmarks.md, "the expert kernel threaded")."""

@@ -56,9 +56,9 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(self.num_experts, 2 * intermediate, hidden))
         self.down = nn.Parameter(torch.empty(self.num_experts, hidden, intermediate))
         self._packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        # the CPU expert kernel's weight panels and library (use_cpu_kernel); None = the torch paths
+        # the CPU expert kernel's weight panels and build (use_cpu_kernel); None = the torch paths
         self._panels: cpu_moe.ExpertPanels | None = None
-        self._cpu_lib = None
+        self._cpu_kernel: cpu_moe.Kernel | None = None
         # TORCH or TRITON, set by CausalLM.use_kernels when the engine starts
         self.kernels = KernelChoice.TORCH
 
@@ -85,16 +85,16 @@ class Experts(nn.Module):
     def prepack(self) -> None:
         self._packed = [(pack(self.gate_up[e]), pack(self.down[e])) for e in range(self.num_experts)]
 
-    def use_cpu_kernel(self, lib) -> str | None:
-        """Re-lay the weights out for the CPU expert kernel `lib` (cpu_moe.load()), which then computes decode-
-        sized batches; the oneDNN packs of the experts are dropped (the panels replace them). → None, or why these
-        experts cannot use it (they keep the torch path)."""
+    def use_cpu_kernel(self, kernel: cpu_moe.Kernel) -> str | None:
+        """Re-lay the weights out for the CPU expert kernel build `kernel` (cpu_moe.kernels()), which then computes
+        decode-sized batches; the oneDNN packs of the experts are dropped (the panels replace them). → None, or
+        why these experts cannot use it (they keep the torch path)."""
         why = "not SiLU-gated plain experts" if not self.cpu_kernel else None
         why = why or ("not on the CPU" if self.down.device.type != "cpu" else None)
-        why = why or cpu_moe.supports(self.down.shape[1], self.intermediate, self.down.dtype)
+        why = why or kernel.supports(self.down.shape[1], self.intermediate, self.down.dtype)
         if why is None:
-            self._panels = cpu_moe.ExpertPanels.pack(self.gate_up.data, self.down.data)
-            self._cpu_lib, self._packed = lib, None
+            self._panels = kernel.pack(self.gate_up.data, self.down.data)
+            self._cpu_kernel, self._packed = kernel, None
         return why
 
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,9 +141,8 @@ class Experts(nn.Module):
         """The same sum in one call of the CPU expert kernel (shared/model/kernels/cpu_moe.c): routing sort,
         both matmuls, SiLU * up and the weighted combine, over the panels use_cpu_kernel made. float32; products
         and sums in float32 (for A = 2 the sum rounds as the torch paths' does; the matmuls differ in the last bits)."""
-        assert self._panels is not None and self._cpu_lib is not None
-        out = cpu_moe.moe(self._cpu_lib, x, topk_ids, topk_weights, self._panels)
-        return out
+        assert self._panels is not None and self._cpu_kernel is not None
+        return self._cpu_kernel.moe(x, topk_ids, topk_weights, self._panels)
 
     def forward_grouped_mm(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts: torch.Tensor
@@ -191,17 +190,26 @@ class Experts(nn.Module):
 
 def use_cpu_expert_kernel(model: nn.Module) -> str:
     """Give every Experts module of `model` the CPU expert kernel where it can run (float32 SiLU experts on a CPU
-    with AVX2 + FMA and gcc at hand); → a line for the engine's log saying what was chosen."""
+    with AVX2 + FMA and gcc at hand), the widest build whose panel sizes divide the layer's; → a line for the
+    engine's log saying what was chosen."""
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     if not experts:
         return "no routed experts"
-    lib = cpu_moe.load()
-    if lib is None:
+    builds = cpu_moe.kernels()
+    if not builds:
         return "torch (the kernel could not be built or run here, see the warning above)"
-    refused = {why for m in experts if (why := m.use_cpu_kernel(lib)) is not None}
-    used = sum(m._panels is not None for m in experts)
+    refused, used = set(), {}
+    for m in experts:
+        why = None
+        for kernel in builds:  # the widest first: the first that accepts these experts keeps them
+            if (why := m.use_cpu_kernel(kernel)) is None:
+                used[kernel.isa] = used.get(kernel.isa, 0) + 1
+                break
+        if why is not None:
+            refused.add(why)  # the narrowest build's reason: no build computes these experts
+    which = ", ".join(f"{isa} in {n}/{len(experts)} layers" for isa, n in used.items()) or f"0/{len(experts)} layers"
     rest = f" (torch in the rest: {'; '.join(sorted(refused))})" if refused else ""
-    return f"cpu kernel in {used}/{len(experts)} layers{rest}"
+    return f"cpu kernel {which}{rest}"
 
 
 @dataclass(frozen=True)

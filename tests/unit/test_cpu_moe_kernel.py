@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import pytest
 import torch
 
 from shared.model.kernels import cpu_moe
-from shared.model.moe import CPU_KERNEL_MAX_TOKENS, Experts
+from shared.model.moe import CPU_KERNEL_MAX_TOKENS, Experts, use_cpu_expert_kernel
 
-LIB = cpu_moe.load()
+LIB = cpu_moe.load()  # the widest build this host runs
+BUILDS = cpu_moe.kernels()
 needs_kernel = pytest.mark.skipif(LIB is None, reason="the CPU expert kernel cannot be built or run on this host")
+# every build this host runs, one case each (none: the cases skip)
+each_build = pytest.mark.parametrize(
+    "build", BUILDS or [pytest.param(None, marks=needs_kernel)], ids=lambda b: b.isa if b else "none"
+)
 
 
 def _experts(num_experts: int, hidden: int, intermediate: int, seed: int = 0) -> Experts:
@@ -31,14 +37,14 @@ def _routing(tokens: int, num_experts: int, top_k: int, gen: torch.Generator, on
     return ids, weights
 
 
-@needs_kernel
+@each_build
 @pytest.mark.parametrize("top_k", [1, 2, 4])
-@pytest.mark.parametrize("hidden,intermediate", [(32, 24), (48, 8)])
-def test_kernel_matches_torch_for_every_row_count(top_k, hidden, intermediate):
-    """Rows 1..33 cover every register tile (1-6 rows) and the balanced splits; with 8 experts and few tokens
-    most experts get none."""
+@pytest.mark.parametrize("hidden,intermediate", [(64, 48), (32, 16)])
+def test_kernel_matches_torch_for_every_row_count(build, top_k, hidden, intermediate):
+    """Rows 1..33 cover every register tile (1-6 rows in the AVX2 build, 1-12 in the AVX-512 one) and the
+    balanced splits; with 8 experts and few tokens most experts get none."""
     experts = _experts(8, hidden, intermediate)
-    assert experts.use_cpu_kernel(LIB) is None
+    assert experts.use_cpu_kernel(build) is None
     gen = torch.Generator().manual_seed(top_k)
     for tokens in range(1, 34):
         x = torch.randn(tokens, hidden, generator=gen)
@@ -54,10 +60,10 @@ def test_kernel_matches_torch_for_every_row_count(top_k, hidden, intermediate):
             torch.testing.assert_close(kernel, reference, rtol=1e-5, atol=1e-5)
 
 
-@needs_kernel
-def test_kernel_with_empty_experts_and_one_expert_taking_every_token():
+@each_build
+def test_kernel_with_empty_experts_and_one_expert_taking_every_token(build):
     experts = _experts(8, 32, 16)
-    experts.use_cpu_kernel(LIB)
+    assert experts.use_cpu_kernel(build) is None
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(33, 32, generator=gen)
     for only in (1, 2, 3):  # experts 0..only-1 get every pair; the rest none
@@ -70,16 +76,16 @@ def test_kernel_with_empty_experts_and_one_expert_taking_every_token():
 
 @needs_kernel
 def test_forward_takes_the_kernel_for_decode_batches_only(monkeypatch):
-    experts = _experts(4, 16, 8)
+    experts = _experts(4, 32, 16)
     experts.prepack()
-    assert experts.use_cpu_kernel(LIB) is None
+    assert LIB is not None and experts.use_cpu_kernel(LIB) is None
     assert experts._packed is None  # the panels replace the oneDNN packs
     called = []
     kernel = experts.forward_cpu_kernel
     monkeypatch.setattr(experts, "forward_cpu_kernel", lambda *a: called.append(a[0].shape[0]) or kernel(*a))
     gen = torch.Generator().manual_seed(2)
     for tokens in (1, CPU_KERNEL_MAX_TOKENS, CPU_KERNEL_MAX_TOKENS + 1):
-        x = torch.randn(tokens, 16, generator=gen)
+        x = torch.randn(tokens, 32, generator=gen)
         ids, weights = _routing(tokens, 4, 2, gen)
         with torch.inference_mode():
             out = experts(x, ids, weights, torch.bincount(ids.flatten(), minlength=4))
@@ -87,22 +93,39 @@ def test_forward_takes_the_kernel_for_decode_batches_only(monkeypatch):
     assert called == [1, CPU_KERNEL_MAX_TOKENS]
 
 
+def _unloaded(isa: str) -> cpu_moe.Kernel:
+    """A build whose library is never called: every case given it is refused before the library is used."""
+    return cpu_moe.Kernel(cast(cpu_moe.ctypes.CDLL, None), isa, {"avx2": 8, "avx512": 16}[isa])
+
+
 def test_kernel_refuses_what_it_cannot_compute():
-    lib = object()  # never called: every case is refused before the library is used
-    assert "float32" in (_experts(2, 16, 8).to(torch.bfloat16).use_cpu_kernel(lib) or "")
-    assert "multiple" in (_experts(2, 24, 8).use_cpu_kernel(lib) or "")  # hidden not a multiple of 16
-    assert "multiple" in (_experts(2, 16, 12).use_cpu_kernel(lib) or "")  # intermediate not a multiple of 8
+    avx2, avx512 = _unloaded("avx2"), _unloaded("avx512")
+    assert "float32" in (_experts(2, 16, 8).to(torch.bfloat16).use_cpu_kernel(avx2) or "")
+    assert "multiple" in (_experts(2, 24, 8).use_cpu_kernel(avx2) or "")  # hidden not a multiple of 16
+    assert "multiple" in (_experts(2, 16, 12).use_cpu_kernel(avx2) or "")  # intermediate not a multiple of 8
+    assert "avx512" in (_experts(2, 48, 16).use_cpu_kernel(avx512) or "")  # hidden not a multiple of 32
+    assert "avx512" in (_experts(2, 32, 8).use_cpu_kernel(avx512) or "")  # intermediate not a multiple of 16
     from shared.model.clamped_experts import ClampedSwiGLUExperts
 
     clamped = ClampedSwiGLUExperts(2, 16, 8, alpha=1.702, limit=7.0)
-    assert clamped.use_cpu_kernel(lib) is not None and clamped._panels is None
+    assert clamped.use_cpu_kernel(avx2) is not None and clamped._panels is None
+
+
+@pytest.mark.skipif(len(BUILDS) < 2, reason="this host runs one build of the kernel")
+def test_a_layer_the_wide_build_refuses_takes_the_narrow_one():
+    """hidden 48 divides AVX2's 16-column down panels but not AVX-512's 32: that layer runs the AVX2 build."""
+    model = torch.nn.ModuleList([_experts(4, 64, 16), _experts(4, 48, 16)])
+    line = use_cpu_expert_kernel(model)
+    assert "avx512 in 1/2 layers" in line and "avx2 in 1/2 layers" in line and "torch" not in line, line
+    wide, narrow = cast(Experts, model[0]), cast(Experts, model[1])
+    assert wide._cpu_kernel is BUILDS[0] and narrow._cpu_kernel is not None and narrow._cpu_kernel.isa == "avx2"
 
 
 def test_missing_compiler_falls_back_with_one_log_line(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler-pdserve")
     with caplog.at_level(logging.WARNING, logger=cpu_moe.__name__):
-        assert cpu_moe.load.__wrapped__() is None
+        assert cpu_moe.kernels.__wrapped__() == ()
     assert [r.message for r in caplog.records if "torch path" in r.message] != []
     assert list(tmp_path.iterdir()) == []  # nothing half-built left in the cache
 
@@ -115,25 +138,54 @@ def test_build_is_cached_by_source_hash(tmp_path):
     edited = tmp_path / "cpu_moe.c"
     edited.write_text(cpu_moe.SOURCE.read_text() + "\n/* edited */\n")
     assert cpu_moe._build(edited, tmp_path) != first
+    assert cpu_moe._build(cpu_moe.SOURCE, tmp_path, "avx512") != first  # one library per build
 
 
 @needs_kernel
+def test_the_isa_setting_picks_one_build(monkeypatch):
+    monkeypatch.setenv("PDSERVE_CPU_KERNEL_ISA", "avx2")
+    assert [k.isa for k in cpu_moe.kernels.__wrapped__()] == ["avx2"]
+    monkeypatch.setenv("PDSERVE_CPU_KERNEL_ISA", "sse2")
+    with pytest.raises(ValueError, match="avx512, avx2"):
+        cpu_moe.kernels.__wrapped__()
+
+
+@pytest.mark.skipif(len(BUILDS) < 2, reason="this host runs one build of the kernel")
 @pytest.mark.parametrize("top_k", [1, 2, 4])
-def test_one_two_and_three_threads_give_the_same_bits(top_k):
+def test_the_avx512_and_avx2_builds_give_the_same_bits(top_k):
+    """Both builds add the same products in the same order with the same operations: bitwise equal for every
+    row count 1..40 (12- and 6-row tiles split rows differently; each row's sums do not depend on its tile)."""
+    experts = _experts(8, 64, 48, seed=top_k)
+    wide, narrow = BUILDS
+    wide_panels, narrow_panels = (
+        wide.pack(experts.gate_up.data, experts.down.data),
+        narrow.pack(experts.gate_up.data, experts.down.data),
+    )
+    gen = torch.Generator().manual_seed(20 + top_k)
+    for tokens in range(1, 41):
+        x = torch.randn(tokens, 64, generator=gen)
+        ids, weights = _routing(tokens, 8, top_k, gen)
+        with torch.inference_mode():
+            assert torch.equal(wide.moe(x, ids, weights, wide_panels), narrow.moe(x, ids, weights, narrow_panels))
+
+
+@each_build
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+def test_one_two_and_three_threads_give_the_same_bits(build, top_k):
     """Threads split (expert, panel) tiles and each token's row is combined by one thread in expert order, so
     the result may not depend on the thread count: bitwise equal at 1, 2 and 3 threads, and within tolerance
     of the torch reference, for every row count 1..40, including one expert taking every pair."""
-    experts = _experts(8, 48, 40, seed=top_k)
-    assert experts.use_cpu_kernel(LIB) is None
-    lib, panels = LIB, experts._panels
-    assert lib is not None and panels is not None
+    experts = _experts(8, 64, 48, seed=top_k)
+    assert experts.use_cpu_kernel(build) is None
+    panels = experts._panels
+    assert panels is not None
     gen = torch.Generator().manual_seed(10 + top_k)
     for tokens in range(1, 41):
-        x = torch.randn(tokens, 48, generator=gen)
+        x = torch.randn(tokens, 64, generator=gen)
         only = 1 if top_k == 1 and tokens % 5 == 0 else None  # every fifth: all pairs on expert 0
         ids, weights = _routing(tokens, 8, top_k, gen, only=only)
         with torch.inference_mode():
-            one, two, three = (cpu_moe.moe(lib, x, ids, weights, panels, threads=n) for n in (1, 2, 3))
+            one, two, three = (build.moe(x, ids, weights, panels, threads=n) for n in (1, 2, 3))
             torch_path = experts.forward_grouped_mm(x, ids, weights, torch.bincount(ids.flatten(), minlength=8))
         assert torch.equal(one, two) and torch.equal(one, three), tokens
         torch.testing.assert_close(two, torch_path, rtol=1e-5, atol=1e-5)
@@ -143,7 +195,7 @@ def test_one_two_and_three_threads_give_the_same_bits(top_k):
 def test_the_kernel_takes_torchs_thread_count():
     """threads=None means torch.get_num_threads(): the engine's intra-op count reaches the kernel."""
     experts = _experts(4, 32, 16)
-    experts.use_cpu_kernel(LIB)
+    assert LIB is not None and experts.use_cpu_kernel(LIB) is None
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(16, 32, generator=gen)
     ids, weights = _routing(16, 4, 2, gen)
