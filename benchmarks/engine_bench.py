@@ -47,6 +47,8 @@ from shared.engine.config import SchedulerConfig  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.sampling import SamplingParams  # noqa: E402
 from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
+from shared.model.kernels import cpu_moe  # noqa: E402
+from shared.model.moe import use_cpu_expert_kernel  # noqa: E402
 
 PREFILL_LEN = 512
 DECODE_PROMPT = 128
@@ -69,8 +71,15 @@ def _blocks(tokens: int) -> int:
 
 class PdserveRunner:
     def __init__(
-        self, model_dir: Path, prefill_batch: int, decode_batch: int, prepack: bool = True, cpu_kernel: bool = True
+        self,
+        model_dir: Path,
+        prefill_batch: int,
+        decode_batch: int,
+        prepack: bool = True,
+        cpu_kernel: bool = True,
+        kernel_isa: str | None = None,
     ) -> None:
+        """kernel_isa: the expert kernel's build (cpu_moe.ISAS) instead of the widest this CPU runs."""
         blocks = max(
             _blocks(PREFILL_LEN + 1) * prefill_batch,
             _blocks(DECODE_PROMPT + DECODE_TOKENS + 1) * decode_batch,
@@ -89,6 +98,11 @@ class PdserveRunner:
             prepack_weights=prepack,
             cpu_expert_kernel=cpu_kernel,
         )
+        if cpu_kernel and kernel_isa is not None:
+            build = cpu_moe.load_build(kernel_isa)
+            if build is None:
+                sys.exit(f"this CPU cannot run the {kernel_isa} build of the expert kernel")
+            print(f"{kernel_isa} expert kernel: {use_cpu_expert_kernel(self.engine.model, (build,))}")
         self._ids = itertools.count()
 
     def _add(self, prompts: list[list[int]], max_tokens: int) -> list[str]:
@@ -287,7 +301,8 @@ def print_report(cfg: dict, names: list[str], prefill: list[dict], decode: list[
     print(
         f"\npdserve vs transformers {cfg['transformers']} | torch {cfg['torch']} | {cfg['dtype']} | "
         f"{cfg['model_type']} {cfg['params'] / 1e6:.1f}M params, {cfg['num_experts']} experts "
-        f"top-{cfg['num_experts_per_tok']}\n{describe(cfg)}\n"
+        f"top-{cfg['num_experts_per_tok']}\n{describe(cfg)}; expert kernel builds here: "
+        f"{', '.join(cfg['cpu_kernel_builds']) or 'none'}\n"
         f"read bandwidth {cfg['read_gbps']:.1f} GB/s, matmul {cfg['matmul_gflops']:.0f} GFLOP/s, load average "
         f"{cfg['load_before'][0]:.1f} before, {cfg['load_after'][0]:.1f} after\n"
     )
@@ -340,14 +355,24 @@ def run_config(model_dir: Path, model, hf_model, quick: bool, prefill_repeats: i
 
 
 PREPACK_SYSTEMS = {"on": ("pdserve",), "off": ("pdserve_noprepack",), "both": ("pdserve", "pdserve_noprepack")}
-CPU_KERNEL_SUFFIX = "_cpukernel"  # a system name ending so runs its experts on the CPU expert kernel
+CPU_KERNEL_SUFFIX = "_cpukernel"  # a system name with this runs its experts on the CPU expert kernel
 
 
-def system_names(prepack: str, cpu_kernel: str) -> list[str]:
-    """pdserve systems for --prepack and --cpu-kernel; with `both`, the kernel's systems come first (the headline)."""
-    with_kernel = [n + CPU_KERNEL_SUFFIX for n in PREPACK_SYSTEMS[prepack]]
+def system_names(prepack: str, cpu_kernel: str, isas: list[str]) -> list[str]:
+    """pdserve systems for --prepack, --cpu-kernel and --kernel-isa (the first ISA unnamed, each further one a
+    suffix); with `both`, the kernel's systems come first (the headline)."""
+    with_kernel = [n + CPU_KERNEL_SUFFIX for isa in isas[:1] or [""] for n in PREPACK_SYSTEMS[prepack]]
+    with_kernel += [n + CPU_KERNEL_SUFFIX + "_" + isa for isa in isas[1:] for n in PREPACK_SYSTEMS[prepack]]
     torch_experts = list(PREPACK_SYSTEMS[prepack])
     return {"on": with_kernel, "off": torch_experts, "both": with_kernel + torch_experts}[cpu_kernel]
+
+
+def _kernel_isa(name: str, isas: list[str]) -> str | None:
+    """The expert kernel build a system name asks for: its suffix, else the first --kernel-isa (None: default)."""
+    if CPU_KERNEL_SUFFIX not in name:
+        return None
+    suffix = name.split(CPU_KERNEL_SUFFIX, 1)[1].lstrip("_")
+    return suffix or (isas[0] if isas else None)
 
 
 def main() -> None:
@@ -361,6 +386,8 @@ def main() -> None:
     ap.add_argument("--no-prepack", dest="prepack", action="store_const", const="off", help="= --prepack off")
     ap.add_argument("--cpu-kernel", choices=("on", "off", "both"), default="on",
                     help="experts on the CPU expert kernel (on), the torch path (off), or both")  # fmt: skip
+    ap.add_argument("--kernel-isa", default="",
+                    help="comma-separated expert kernel builds side by side (default: the widest here)")  # fmt: skip
     ap.add_argument("--skip-prefill", action="store_true", help="leave out the prefill measurement")
     ap.add_argument("--decode-batches", help="comma-separated decode batch sizes (default 1,8,32; --quick 1,32)")
     ap.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS, help="timed decode steps per run")
@@ -376,6 +403,7 @@ def main() -> None:
     if args.repeats:
         prefill_repeats = decode_repeats = args.repeats
 
+    isas = [isa for isa in args.kernel_isa.split(",") if isa]
     model_dir = prepare_model(args.model)
     if args.skip_prefill:
         prefill_batches = ()
@@ -385,9 +413,10 @@ def main() -> None:
             max(prefill_batches, default=1),
             max(decode_batches),
             prepack=not name.startswith("pdserve_noprepack"),
-            cpu_kernel=name.endswith(CPU_KERNEL_SUFFIX),
+            cpu_kernel=CPU_KERNEL_SUFFIX in name,
+            kernel_isa=_kernel_isa(name, isas),
         )
-        for name in system_names(args.prepack, args.cpu_kernel)
+        for name in system_names(args.prepack, args.cpu_kernel, isas)
     }
     pd = next(iter(systems.values()))
     model = pd.engine.model
@@ -401,6 +430,7 @@ def main() -> None:
     add_floor(decode, model, gbps, gflops, list(systems))
 
     cfg = run_config(model_dir, model, hf.model, args.quick, prefill_repeats, decode_repeats)
+    cfg |= dict(cpu_kernel_builds=[k.isa for k in cpu_moe.kernels()], kernel_isas=isas)
     cfg |= dict(read_gbps=gbps, matmul_gflops=gflops, bench_seconds=time.perf_counter() - t0, systems=list(systems),
                 decode_tokens=args.decode_tokens, load_before=load_before, load_after=load_average())  # fmt: skip
     print_report(cfg, list(systems), prefill, decode, mixed)

@@ -10,6 +10,7 @@ the block's output (routed experts + shared expert, both partial sums) is all-re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -188,14 +189,14 @@ class Experts(nn.Module):
         return out.to(x.dtype)
 
 
-def use_cpu_expert_kernel(model: nn.Module) -> str:
+def use_cpu_expert_kernel(model: nn.Module, builds: Sequence[cpu_moe.Kernel] | None = None) -> str:
     """Give every Experts module of `model` the CPU expert kernel where it can run (float32 SiLU experts on a CPU
-    with AVX2 + FMA and gcc at hand), the widest build whose panel sizes divide the layer's; → a line for the
-    engine's log saying what was chosen."""
+    with AVX2 + FMA and gcc at hand): the first of `builds` (default cpu_moe.kernels(): the widest first) whose
+    panel sizes divide the layer's; → a line for the engine's log saying what was chosen."""
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     if not experts:
         return "no routed experts"
-    builds = cpu_moe.kernels()
+    builds = cpu_moe.kernels() if builds is None else builds
     if not builds:
         return "torch (the kernel could not be built or run here, see the warning above)"
     refused, used = set(), {}
