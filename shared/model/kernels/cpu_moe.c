@@ -92,14 +92,19 @@ typedef __m256 vec;
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
 #endif
 
-/* one prefetch per cache line of a panel row (2L floats: 1 line at L = 8, 2 at L = 16) */
-#if PDSERVE_PREFETCH > 0
-#define PREFETCH_ROW(row)                                                                   \
-    for (int line = 0; line < 2 * L * 4; line += 64)                                        \
-        _mm_prefetch((const char *)(row) + PDSERVE_PREFETCH + line, _MM_HINT_T0)
-#else
-#define PREFETCH_ROW(row) ((void)(row))
+/* bytes ahead for a second prefetch into L2 only (0 = none): L1 holds few misses in flight (~16 lines), so a
+ * far stream may need L2's queue */
+#ifndef PDSERVE_PREFETCH_L2
+#define PDSERVE_PREFETCH_L2 0
 #endif
+/* one prefetch per cache line of a panel row (2L floats: 1 line at L = 8, 2 at L = 16) */
+#define PREFETCH_LINE(row, ahead, hint) \
+    if ((ahead) > 0) _mm_prefetch((const char *)(row) + (ahead) + line, hint)
+#define PREFETCH_ROW(row)                                    \
+    for (int line = 0; line < 2 * L * 4; line += 64) {       \
+        PREFETCH_LINE(row, PDSERVE_PREFETCH, _MM_HINT_T0);    \
+        PREFETCH_LINE(row, PDSERVE_PREFETCH_L2, _MM_HINT_T1); \
+    }
 
 /* exp(x), Cephes' single-precision polynomial (about 1 ulp over the clamped range). */
 static inline vec v_exp(vec x) {
