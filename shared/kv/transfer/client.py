@@ -11,7 +11,8 @@ cluster secret (pair_proof.py). On one host (same host identity, shm.py) the ser
 shared-memory segment with the pair: each pull then reserves a region of it, and a KV that fits arrives
 there (the result is a view of it, no copy here), else over the pair as usual. Blocking joins and recv waits
 run in this client's thread pool, so the decode loop keeps stepping while KV arrives; gloo recvs are posted
-from the loop as soon as the reply is in (pair.py), so only their wait takes a thread. Every failure
+from the loop as soon as the reply is in (pair.py), so only their wait takes a thread; given the token count,
+they are posted before the Pull itself (posted.py), and given up at once if the server does not use them. Every failure
 surfaces as KvTransferError; one that may have left the pair mid-transfer closes and forgets it, so the
 next pull negotiates a fresh pair.
 """

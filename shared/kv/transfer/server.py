@@ -4,6 +4,7 @@ One TCPStore per server is the rendezvous of all its pairs (one per decode worke
 prefix). Threading: gRPC handlers run on the event loop; pair construction and send waits, which block,
 run in this server's thread pool, so the loop (and the engine steps it drives) keeps going. Sends that cost
 nothing to produce are posted from the loop before the reply (loop_send.py); only their wait takes a thread.
+A Pull whose receives the puller posted already (posted.py) is sent into them, under the puller's tags.
 
 Every call is checked before it touches anything: readable message, ids present and of sane length,
 then a ticket signed with the cluster secret for this caller (and, on Pull, this request), used for the
