@@ -12,9 +12,16 @@ class Backend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BACKEND_UNSPECIFIED: _ClassVar[Backend]
     BACKEND_GLOO: _ClassVar[Backend]
     BACKEND_NCCL: _ClassVar[Backend]
+
+class PostedCut(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POSTED_CUT_ONE_RUN: _ClassVar[PostedCut]
+    POSTED_CUT_FLAT: _ClassVar[PostedCut]
 BACKEND_UNSPECIFIED: Backend
 BACKEND_GLOO: Backend
 BACKEND_NCCL: Backend
+POSTED_CUT_ONE_RUN: PostedCut
+POSTED_CUT_FLAT: PostedCut
 
 class ConnectRequest(_message.Message):
     __slots__ = ("decode_worker_id", "backend", "layout_fingerprint", "ticket", "host_id")
@@ -77,14 +84,16 @@ class PullRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., ticket: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., pair_id: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., kv_head_start: _Optional[int] = ..., kv_head_count: _Optional[int] = ..., group_pulls: _Optional[int] = ..., shm_offset: _Optional[int] = ..., shm_capacity: _Optional[int] = ..., posted: _Optional[_Union[PostedRecv, _Mapping]] = ...) -> None: ...
 
 class PostedRecv(_message.Message):
-    __slots__ = ("tag", "num_tokens", "num_blocks")
+    __slots__ = ("tag", "num_tokens", "num_blocks", "cut")
     TAG_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
     tag: int
     num_tokens: int
     num_blocks: int
-    def __init__(self, tag: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    cut: PostedCut
+    def __init__(self, tag: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., cut: _Optional[_Union[PostedCut, str]] = ...) -> None: ...
 
 class PullReply(_message.Message):
     __slots__ = ("num_tokens", "shape", "dtype", "block_size", "tag", "chunk_bytes", "first_block", "runs", "shm_bytes", "layer_streamed", "posted", "groups")

@@ -2,7 +2,7 @@
 before the Pull RPC and the prefill process, a spawned one as in test_kv_transfer.py, sends into them.
 
 - every way the server can send (direct one run, direct scattered, layered, flat, in chunks) fills the
-  posted receives with the pool's exact bytes, and decode continues token-exact;
+  posted receives of either cut (one run, flat) with the pool's exact bytes, and decode continues token-exact;
 - a refused Pull (another request's ticket, a replayed ticket, another worker's, an unknown request)
   fails well before the pull timeout, abandons the posted receives at once (the client's pair is gone, no
   transfer in flight, nothing waiting) and leaves the KV held on the prefill side, pullable afterwards;
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from shared.engine.sampling import SamplingParams
-from shared.kv.transfer import FailureReason, KvTransferClient, KvTransferError
+from shared.kv.transfer import FailureReason, KvTransferClient, KvTransferError, posted
 from shared.kv.transfer.posted import POSTED_TAG_BASE
 from tests.integration.test_kv_transfer import (
     PATHS,
@@ -49,8 +49,13 @@ def _assert_pair_released(client: KvTransferClient, address: str, pair) -> None:
     assert pair._in_flight == 0 and pair._group is None
 
 
+@pytest.mark.parametrize("cut", ["one-run", "flat"])
 @pytest.mark.parametrize("path", ["direct", "direct-scattered", "layered", "flat", "chunked"])
-def test_posted_pulls_hand_off_identical_bytes_and_decode_exactly(prefill, checkpoint, model, path):  # noqa: F811
+def test_posted_pulls_hand_off_identical_bytes_and_decode_exactly(prefill, checkpoint, model, path, cut, monkeypatch):  # noqa: F811
+    """Every way the server sends, into receives of either cut the decode side may post (the demo's KV is
+    small: the flat cut unless the threshold is lowered)."""
+    if cut == "one-run":
+        monkeypatch.setattr(posted, "SMALL_KV_BYTES", 0)
     settings, scatter, _ = PATHS["direct" if path == "chunked" else path]
     if path == "chunked":
         settings = dict(settings, chunk_bytes=4096)

@@ -47,7 +47,14 @@ from shared.kv.transfer.pair import (
     store_client,
 )
 from shared.kv.transfer.pair_proof import PairProofs
-from shared.kv.transfer.posted import POSTED_TAG_BASE, PostedPull, can_post, posted_shape
+from shared.kv.transfer.posted import (
+    POSTED_TAG_BASE,
+    PostedPull,
+    can_post,
+    posted_cut,
+    posted_pieces,
+    posted_shape,
+)
 from shared.kv.transfer.shm import Regions, Segment, host_identity
 from shared.kv.transfer.wire import MAX_PIECES, MAX_TAG, announced_layout, receive_pieces, received
 from shared.rpc import kv_transfer_pb2 as pb
@@ -296,12 +303,14 @@ class KvTransferClient:
         if posting is None or not num_tokens or num_tokens < 1 or not can_post(layout):
             return None
         shape = posted_shape(layout, posting.block_size, num_tokens)
-        count = PostedPull.num_pieces(shape, layout.torch_dtype.itemsize, posting.chunk_bytes)
+        cut = posted_cut(shape, layout.torch_dtype.itemsize)
+        count = posted_pieces(shape, cut, layout.torch_dtype.itemsize, posting.chunk_bytes)
         if count > MAX_PIECES:
             return None
         buffer = self._buffers.take(shape, layout.torch_dtype)
+        tag = conn.reserve_posted_tags(count)
         try:
-            return PostedPull.post(conn.pair, buffer, conn.reserve_posted_tags(count), num_tokens, posting.chunk_bytes)
+            return PostedPull.post(conn.pair, buffer, tag, num_tokens, cut, posting.chunk_bytes)
         except RuntimeError:  # the pair closed under us (a failed transfer): the Pull will say ABORTED
             return None
 

@@ -7,11 +7,13 @@ and that notice's trip back before the first byte moves. A decode worker already
 posts the receives first; the server, once the ticket and the layout check out, posts its sends at once and
 the bytes move while the reply is still on its way.
 
-The cut both sides agree on without a reply: the block-run cut of **one run** (wire.segment_pieces with
-runs = [n]): each (layer, plane) slice of the (L, P, n, B_src, KVH, hd) tensor is one segment, cut by the
-server's chunk_bytes. A pool-direct send of one run is exactly that (views of the pool, posted from the
-loop); a small KV is gathered whole and sent as those slices (also from the loop); scattered blocks are
-gathered layer by layer on the send thread (the layered way announces one run anyway).
+The cut both sides agree on without a reply, chosen by the decode side (`PostedRecv.cut`):
+- **one run** (wire.segment_pieces with runs = [n]): each (layer, plane) slice of the (L, P, n, B_src, KVH,
+  hd) tensor is one segment, cut by the server's chunk_bytes. A pool-direct send of one run is exactly that
+  (views of the pool, posted from the loop); scattered blocks are gathered layer by layer on the send
+  thread (the layered way announces one run anyway), a small KV gathered whole and sent as those slices;
+- **flat** (wire.pieces of the whole tensor), for a KV under pool_kv.SMALL_KV_BYTES: one gathered message,
+  as the flat way sends it (a message costs more than such a copy).
 
 Failure paths (docs/kv_transfer.md, "Pre-posted pulls"): the reply says whether the server used the posted
 receives (`PullReply.posted`). Whenever they are not used — the Pull was refused (ticket, pair, request,
@@ -34,9 +36,9 @@ from shared.engine.kv_pool import KVLayout
 from shared.kv.transfer.errors import FailureReason, KvTransferError
 from shared.kv.transfer.layer_stream import StreamedPoolKv
 from shared.kv.transfer.pair import Pair, Posted
-from shared.kv.transfer.pool_kv import PoolKv
+from shared.kv.transfer.pool_kv import SMALL_KV_BYTES, PoolKv
 from shared.kv.transfer.source import Outgoing
-from shared.kv.transfer.wire import MAX_TAG, num_segment_pieces, segment_pieces
+from shared.kv.transfer.wire import MAX_TAG, num_pieces, num_segment_pieces, pieces, segment_pieces
 from shared.rpc import kv_transfer_pb2 as pb
 
 # Tags [POSTED_TAG_BASE, MAX_TAG) are the decode side's, for its posted receives; the server hands out tags
@@ -70,15 +72,31 @@ def posted_kv(kv: Outgoing, posted: pb.PostedRecv, chunk_bytes: int) -> PoolKv |
     blocks = len(kv.block_ids)
     if kv.num_tokens != posted.num_tokens or blocks != posted.num_blocks or blocks < 1:
         return None
-    count = num_segment_pieces(kv.shape, [blocks], kv.pool.tensor.element_size(), chunk_bytes)
+    count = posted_pieces(kv.shape, posted.cut, kv.pool.tensor.element_size(), chunk_bytes)
     if posted.tag < POSTED_TAG_BASE or posted.tag + count > MAX_TAG:
         return None
+    if posted.cut == pb.POSTED_CUT_FLAT:  # one gather (small), one message
+        staging = kv.staging if kv.staging is not None else torch.empty(kv.shape, dtype=kv.pool.tensor.dtype)
+        return kv if kv.mode == "flat" else dataclasses.replace(kv, mode="flat", staging=staging)
     if kv.mode == "direct" and len(kv.runs) == 1:
         return kv
     if kv.mode == "flat":  # small: one gather, then its (layer, plane) slices, from the loop
         return dataclasses.replace(kv, mode="gathered")
     staging = kv.staging if kv.staging is not None else torch.empty(kv.shape, dtype=kv.pool.tensor.dtype)
     return dataclasses.replace(kv, mode="layered", staging=staging)  # scattered runs: gathered per layer
+
+
+def posted_cut(shape: tuple[int, ...], element_size: int) -> pb.PostedCut:
+    """The cut a receiver posts for a tensor of `shape`: flat under SMALL_KV_BYTES, else one run."""
+    small = math.prod(shape) * element_size < SMALL_KV_BYTES
+    return pb.POSTED_CUT_FLAT if small else pb.POSTED_CUT_ONE_RUN
+
+
+def posted_pieces(shape: tuple[int, ...], cut: pb.PostedCut, element_size: int, chunk_bytes: int) -> int:
+    """How many pieces (consecutive tags) receives of `cut` take."""
+    if cut == pb.POSTED_CUT_FLAT:
+        return num_pieces(math.prod(shape), element_size, chunk_bytes)
+    return num_segment_pieces(shape, [shape[2]], element_size, chunk_bytes)
 
 
 # ---- decode side ------------------------------------------------------------------------------------------
@@ -96,22 +114,22 @@ class PostedPull:
     chunk_bytes: int
 
     @classmethod
-    def post(cls, pair: Pair, buffer: torch.Tensor, tag: int, num_tokens: int, chunk_bytes: int) -> PostedPull:
-        """Post the receives of `buffer` (posted_shape's) under tag, tag + 1, …; returns at once."""
+    def post(
+        cls, pair: Pair, buffer: torch.Tensor, tag: int, num_tokens: int, cut: pb.PostedCut, chunk_bytes: int
+    ) -> PostedPull:
+        """Post the receives of `buffer` (posted_shape's), cut by `cut`, under tag, tag + 1, …; returns at once."""
         shape = tuple(buffer.shape)
-        transfer = pair.post_recv(segment_pieces(buffer, [shape[2]], chunk_bytes), tag)
-        message = pb.PostedRecv(tag=tag, num_tokens=num_tokens, num_blocks=shape[2])
+        flat = cut == pb.POSTED_CUT_FLAT
+        parts = pieces(buffer, chunk_bytes) if flat else segment_pieces(buffer, [shape[2]], chunk_bytes)
+        transfer = pair.post_recv(parts, tag)
+        message = pb.PostedRecv(tag=tag, num_tokens=num_tokens, num_blocks=shape[2], cut=cut)
         return cls(message, shape, buffer, transfer, chunk_bytes)
-
-    @staticmethod
-    def num_pieces(shape: tuple[int, ...], element_size: int, chunk_bytes: int) -> int:
-        return num_segment_pieces(shape, [shape[2]], element_size, chunk_bytes)
 
     def check(self, reply: pb.PullReply) -> None:
         """The reply of a pull the server sent into these receives must announce exactly them; PROTOCOL else."""
         fits = (
             tuple(reply.shape) == self.shape
-            and list(reply.runs) == [self.shape[2]]
+            and list(reply.runs) == ([] if self.message.cut == pb.POSTED_CUT_FLAT else [self.shape[2]])
             and reply.tag == self.message.tag
             and reply.chunk_bytes == self.chunk_bytes
             and reply.num_tokens == self.message.num_tokens
