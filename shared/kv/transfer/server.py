@@ -309,6 +309,7 @@ class KvTransferServer:
             reply = announce(kv.layout, kv.num_tokens, kv.shape, tag, self.chunk_bytes, kv.runs)
             reply.posted = True
             self.stats.posted_pulls += 1
+            metrics.KV_POSTED_PULLS.labels(self.model_name, "prefill").inc()
         elif isinstance(kv, PoolKv):
             tag = slot.reserve_tags(kv.num_pieces(self.chunk_bytes))
             reply = announce(kv.layout, kv.num_tokens, kv.shape, tag, self.chunk_bytes, kv.runs, kv.first_block)
