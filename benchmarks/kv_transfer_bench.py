@@ -7,6 +7,8 @@ median of a few runs), holds the KV and serves KvTransfer on 127.0.0.1. This pro
 - pull: `KvTransferClient.pull` end to end over the socket: Pull RPC (the server lends the request's pool
   blocks, `PoolKv`: sent straight from the pool, no export pass) + recv, over a pair negotiated once before
   timing; each pulled tensor is handed back with `recycle`, as a decode worker does after importing it;
+- posted pull: the same pull given the token count (`num_tokens`), as a decode worker pulls: its receives
+  are posted before the Pull RPC and the server sends into them at once (shared/kv/transfer/posted.py);
 - pull, export copy: the same, but the server first copies the blocks out (`Engine.export_kv`, the path
   before the pool-direct send, and still CUDA's);
 - pull, pre-exported: the source answers with a copy exported beforehand: the transfer plane's own cost;
@@ -189,7 +191,7 @@ def raw_pull(pair: Pair, index: int, out: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
-KINDS = ("pull", "pull_export", "pull_staged", "shm")  # pulls timed per size; plus "raw" and "clone"
+KINDS = ("pull", "posted", "pull_export", "pull_staged", "shm")  # pulls timed per size; plus "raw" and "clone"
 
 
 async def measure(info: dict, sizes: list[int], repeats: int) -> tuple[list[dict], dict]:
@@ -197,19 +199,24 @@ async def measure(info: dict, sizes: list[int], repeats: int) -> tuple[list[dict
     address = info["address"]
     client = KvTransferClient("bench-decode", secret=SECRET, timeout_s=TIMEOUT_S, shared_memory=False)
     shm = KvTransferClient("bench-decode-shm", secret=SECRET, timeout_s=TIMEOUT_S, shared_memory=True)
-    by_kind = {"pull": client, "pull_export": client, "pull_staged": client, "shm": shm}
+    by_kind = {"pull": client, "posted": client, "pull_export": client, "pull_staged": client, "shm": shm}
     store = dist.TCPStore(HOST, info["raw_port"], is_master=False)
     raw = await asyncio.to_thread(Pair.join, TransferBackend.GLOO, store, "raw", DECODE_RANK, TIMEOUT_S, HOST)
     rows = []
     try:
         for index, n in enumerate(sizes):
-            pulls = {"pull": f"kv-{n}", "pull_export": f"export-{n}", "pull_staged": f"staged-{n}", "shm": f"kv-{n}"}
+            pulls = {"pull": f"kv-{n}", "posted": f"kv-{n}", "pull_export": f"export-{n}", "pull_staged": f"staged-{n}"}
+            pulls["shm"] = f"kv-{n}"
+            expect = {"posted": n}  # the token count a decode worker knows: its receives are posted first
             shm_before = shm.stats.shm_pulls
-            warm = {k: await by_kind[k].pull(address, rid, layout) for k, rid in pulls.items()}
+            warm = {
+                k: await by_kind[k].pull(address, rid, layout, num_tokens=expect.get(k)) for k, rid in pulls.items()
+            }
             raw_buffer = torch.empty_like(warm["pull"].blocks)
             raw_pull(raw, index, raw_buffer)
             assert all(torch.equal(kv.blocks, raw_buffer) for kv in warm.values()), "different bytes arrived"
             assert shm.stats.shm_pulls == shm_before + 1, "the same-host pull did not go through shared memory"
+            assert client.stats.abandoned_posts == 0, "a posted pull's receives went unused"
             nbytes = raw_buffer.numel() * raw_buffer.element_size()
             for kv in warm.values():
                 client.recycle(kv)  # a shared-memory one frees its region when dropped; recycle ignores it
@@ -228,7 +235,7 @@ async def measure(info: dict, sizes: list[int], repeats: int) -> tuple[list[dict
                         times["raw"].append(await asyncio.to_thread(raw_pull, raw, index, raw_buffer))
                         continue
                     t0 = time.perf_counter()
-                    kv = await by_kind[key].pull(address, pulls[key], layout)
+                    kv = await by_kind[key].pull(address, pulls[key], layout, num_tokens=expect.get(key))
                     times[key].append(time.perf_counter() - t0)
                     client.recycle(kv)  # as a decode worker does once the KV is imported
                     del kv
@@ -274,6 +281,7 @@ def row(tokens: int, nbytes: int, seconds: dict[str, float], info: dict, n: int)
         **{f"{k}_ms": s * 1e3 for k, s in seconds.items()},
         **gbps,
         pull_vs_raw=seconds["raw"] / seconds["pull"],
+        posted_vs_raw=seconds["raw"] / seconds["posted"],
         pull_export_vs_raw=seconds["raw"] / seconds["pull_export"],
         pull_staged_vs_raw=seconds["raw"] / seconds["pull_staged"],
         shm_vs_pull=seconds["pull"] / seconds["shm"],
@@ -288,14 +296,16 @@ def row(tokens: int, nbytes: int, seconds: dict[str, float], info: dict, n: int)
 
 def print_table(rows: list[dict], fixed: dict) -> None:
     print(
-        "| prompt tokens | KV (runs, way) | raw gloo | pull | pull / raw | pull, export copy | export / raw "
+        "| prompt tokens | KV (runs, way) | raw gloo | pull | pull / raw | posted pull | posted / raw "
+        "| pull, export copy | export / raw "
         "| pre-exported / raw | shm pull | shm / pull | copy | shm / copy | clone | TTFT | pull / TTFT |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: " * 17 + "|")
     for r in rows:
         cells = [f"{r['tokens']}", f"{r['bytes'] / 1e6:.2f} MB ({r['runs']}, {r['mode']})"]
         cells += [f"{r[k + '_ms']:.2f} ms, {r[k + '_gbps']:.2f} GB/s" for k in ("raw", "pull")]
-        cells += [f"{r['pull_vs_raw']:.0%}", f"{r['pull_export_ms']:.2f} ms", f"{r['pull_export_vs_raw']:.0%}"]
+        cells += [f"{r['pull_vs_raw']:.0%}", f"{r['posted_ms']:.2f} ms", f"{r['posted_vs_raw']:.0%}"]
+        cells += [f"{r['pull_export_ms']:.2f} ms", f"{r['pull_export_vs_raw']:.0%}"]
         cells += [f"{r['pull_staged_vs_raw']:.0%}", f"{r['shm_ms']:.2f} ms, {r['shm_gbps']:.2f} GB/s"]
         cells += [f"{r['shm_vs_pull']:.1f}x", f"{r['copy_ms']:.2f} ms, {r['copy_gbps']:.2f} GB/s"]
         cells += [f"{r['shm_vs_copy']:.0%}"]

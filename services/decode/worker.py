@@ -198,7 +198,10 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
             if loc.group is not None:  # a prefill group: its ranks' heads, rank by rank, assembled here
                 kv = await pull_rank_kv(self.client, loc.group, key, self.engine.engine.layout, 1, 0)
             else:
-                kv = await self.client.pull(loc.rpc_address, key, self.engine.engine.layout)
+                # The location's token count lets the receives be posted before the Pull (kv/transfer/posted.py);
+                # a streamed KV is not sent into them (its trailer follows the layers).
+                expected = None if job.kv_streamed else loc.num_tokens
+                kv = await self.client.pull(loc.rpc_address, key, self.engine.engine.layout, num_tokens=expected)
             return kv, None
         except KvTransferError as exc:
             log.warning("KV pull of %s from %s failed (%s)", key, loc.worker_id, exc)

@@ -12,9 +12,16 @@ class Backend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BACKEND_UNSPECIFIED: _ClassVar[Backend]
     BACKEND_GLOO: _ClassVar[Backend]
     BACKEND_NCCL: _ClassVar[Backend]
+
+class PostedCut(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POSTED_CUT_ONE_RUN: _ClassVar[PostedCut]
+    POSTED_CUT_FLAT: _ClassVar[PostedCut]
 BACKEND_UNSPECIFIED: Backend
 BACKEND_GLOO: Backend
 BACKEND_NCCL: Backend
+POSTED_CUT_ONE_RUN: PostedCut
+POSTED_CUT_FLAT: PostedCut
 
 class ConnectRequest(_message.Message):
     __slots__ = ("decode_worker_id", "backend", "layout_fingerprint", "ticket", "host_id")
@@ -31,21 +38,27 @@ class ConnectRequest(_message.Message):
     def __init__(self, decode_worker_id: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., layout_fingerprint: _Optional[str] = ..., ticket: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class ConnectReply(_message.Message):
-    __slots__ = ("store_host", "store_port", "pair_id", "shm_name", "shm_bytes")
+    __slots__ = ("store_host", "store_port", "pair_id", "shm_name", "shm_bytes", "posted_pulls", "block_size", "chunk_bytes")
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     PAIR_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POSTED_PULLS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     store_host: str
     store_port: int
     pair_id: str
     shm_name: str
     shm_bytes: int
-    def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., pair_id: _Optional[str] = ..., shm_name: _Optional[str] = ..., shm_bytes: _Optional[int] = ...) -> None: ...
+    posted_pulls: bool
+    block_size: int
+    chunk_bytes: int
+    def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., pair_id: _Optional[str] = ..., shm_name: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., posted_pulls: _Optional[bool] = ..., block_size: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("request_id", "ticket", "decode_worker_id", "pair_id", "layout_fingerprint", "kv_head_start", "kv_head_count", "group_pulls", "shm_offset", "shm_capacity")
+    __slots__ = ("request_id", "ticket", "decode_worker_id", "pair_id", "layout_fingerprint", "kv_head_start", "kv_head_count", "group_pulls", "shm_offset", "shm_capacity", "posted")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +69,7 @@ class PullRequest(_message.Message):
     GROUP_PULLS_FIELD_NUMBER: _ClassVar[int]
     SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     SHM_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    POSTED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ticket: str
     decode_worker_id: str
@@ -66,10 +80,23 @@ class PullRequest(_message.Message):
     group_pulls: int
     shm_offset: int
     shm_capacity: int
-    def __init__(self, request_id: _Optional[str] = ..., ticket: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., pair_id: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., kv_head_start: _Optional[int] = ..., kv_head_count: _Optional[int] = ..., group_pulls: _Optional[int] = ..., shm_offset: _Optional[int] = ..., shm_capacity: _Optional[int] = ...) -> None: ...
+    posted: PostedRecv
+    def __init__(self, request_id: _Optional[str] = ..., ticket: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., pair_id: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., kv_head_start: _Optional[int] = ..., kv_head_count: _Optional[int] = ..., group_pulls: _Optional[int] = ..., shm_offset: _Optional[int] = ..., shm_capacity: _Optional[int] = ..., posted: _Optional[_Union[PostedRecv, _Mapping]] = ...) -> None: ...
+
+class PostedRecv(_message.Message):
+    __slots__ = ("tag", "num_tokens", "num_blocks", "cut")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    num_tokens: int
+    num_blocks: int
+    cut: PostedCut
+    def __init__(self, tag: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., cut: _Optional[_Union[PostedCut, str]] = ...) -> None: ...
 
 class PullReply(_message.Message):
-    __slots__ = ("num_tokens", "shape", "dtype", "block_size", "tag", "chunk_bytes", "first_block", "runs", "shm_bytes", "layer_streamed", "groups")
+    __slots__ = ("num_tokens", "shape", "dtype", "block_size", "tag", "chunk_bytes", "first_block", "runs", "shm_bytes", "layer_streamed", "posted", "groups")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +107,7 @@ class PullReply(_message.Message):
     RUNS_FIELD_NUMBER: _ClassVar[int]
     SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYER_STREAMED_FIELD_NUMBER: _ClassVar[int]
+    POSTED_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -91,8 +119,9 @@ class PullReply(_message.Message):
     runs: _containers.RepeatedScalarFieldContainer[int]
     shm_bytes: int
     layer_streamed: bool
+    posted: bool
     groups: _containers.RepeatedCompositeFieldContainer[KvGroupSpan]
-    def __init__(self, num_tokens: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tag: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., first_block: _Optional[int] = ..., runs: _Optional[_Iterable[int]] = ..., shm_bytes: _Optional[int] = ..., layer_streamed: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[KvGroupSpan, _Mapping]]] = ...) -> None: ...
+    def __init__(self, num_tokens: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tag: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., first_block: _Optional[int] = ..., runs: _Optional[_Iterable[int]] = ..., shm_bytes: _Optional[int] = ..., layer_streamed: _Optional[bool] = ..., posted: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[KvGroupSpan, _Mapping]]] = ...) -> None: ...
 
 class KvGroupSpan(_message.Message):
     __slots__ = ("num_layers", "first_block", "num_blocks")

@@ -94,6 +94,11 @@ KV_TRANSFER_BYTES = Counter(f"{PREFIX}kv_transfer_bytes", "KV bytes moved.", LAB
 KV_LAYER_STREAMED = Counter(
     f"{PREFIX}kv_layer_streamed_pulls", "KV pulls sent layer by layer as the prefill ran (docs/kv_transfer.md).", LABELS
 )
+KV_POSTED_PULLS = Counter(
+    f"{PREFIX}kv_posted_pulls",
+    'KV pulls sent into receives the puller posted before its Pull (docs/kv_transfer.md, "Pre-posted pulls").',
+    LABELS,
+)
 KV_TRANSFER_FAILURES = Counter(f"{PREFIX}kv_transfer_failures", "Failed KV transfers.", (*LABELS, "reason"))
 REQUEST_MIGRATIONS = Counter(
     f"{PREFIX}request_migrations",

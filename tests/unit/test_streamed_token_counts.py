@@ -77,7 +77,8 @@ class Puller:
     def __init__(self, kv=None) -> None:
         self.kv, self.pulled = kv, []
 
-    async def pull(self, address: str, key: str, layout) -> StreamedKv:
+    async def pull(self, address: str, key: str, layout, num_tokens: int | None = None) -> StreamedKv:
+        assert num_tokens is None, "a streamed job's receives are never posted before the Pull"
         self.pulled.append(key)
         if self.kv is None:
             raise KvTransferError(FailureReason.UNAVAILABLE, "the send broke midway")

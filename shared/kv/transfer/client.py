@@ -11,7 +11,8 @@ cluster secret (pair_proof.py). On one host (same host identity, shm.py) the ser
 shared-memory segment with the pair: each pull then reserves a region of it, and a KV that fits arrives
 there (the result is a view of it, no copy here), else over the pair as usual. Blocking joins and recv waits
 run in this client's thread pool, so the decode loop keeps stepping while KV arrives; gloo recvs are posted
-from the loop as soon as the reply is in (pair.py), so only their wait takes a thread. Every failure
+from the loop as soon as the reply is in (pair.py), so only their wait takes a thread; given the token count,
+they are posted before the Pull itself (posted.py), and given up at once if the server does not use them. Every failure
 surfaces as KvTransferError; one that may have left the pair mid-transfer closes and forgets it, so the
 next pull negotiates a fresh pair.
 """
@@ -46,8 +47,16 @@ from shared.kv.transfer.pair import (
     store_client,
 )
 from shared.kv.transfer.pair_proof import PairProofs
+from shared.kv.transfer.posted import (
+    POSTED_TAG_BASE,
+    PostedPull,
+    can_post,
+    posted_cut,
+    posted_pieces,
+    posted_shape,
+)
 from shared.kv.transfer.shm import Regions, Segment, host_identity
-from shared.kv.transfer.wire import announced_layout, receive_pieces, received
+from shared.kv.transfer.wire import MAX_PIECES, MAX_TAG, announced_layout, receive_pieces, received
 from shared.rpc import kv_transfer_pb2 as pb
 from shared.rpc import kv_transfer_pb2_grpc as pb_grpc
 from shared.telemetry import metrics, tracing
@@ -74,6 +83,8 @@ class ClientStats:
     pulls: int = 0  # pulls completed
     shm_pulls: int = 0  # of which arrived through a shared segment
     streamed_pulls: int = 0  # of which were sent layer by layer, the first token after them (layer_stream.py)
+    posted_pulls: int = 0  # of which arrived in receives posted before the Pull (posted.py)
+    abandoned_posts: int = 0  # pulls whose posted receives went unused (refused, failed, ignored): pair dropped
     bytes_received: int = 0
 
 
@@ -85,6 +96,16 @@ class _Connection:
     order: asyncio.Lock | contextlib.nullcontext
     segment: Segment | None = None  # same host: the pair's shared memory, and who uses which part of it
     regions: Regions | None = None
+    # Pre-posted pulls (posted.py): the server takes them, with the source's block size and chunk size.
+    posting: pb.ConnectReply | None = None
+    next_posted_tag: int = POSTED_TAG_BASE
+
+    def reserve_posted_tags(self, count: int) -> int:
+        """The first of `count` consecutive tags of the decode side's range for a pull's posted receives."""
+        if self.next_posted_tag + count > MAX_TAG:  # tags only need to differ among transfers in flight
+            self.next_posted_tag = POSTED_TAG_BASE
+        first, self.next_posted_tag = self.next_posted_tag, self.next_posted_tag + count
+        return first
 
 
 class _StalePair(KvTransferError):
@@ -134,11 +155,16 @@ class KvTransferClient:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._connections: dict[str, asyncio.Task[_Connection]] = {}
 
-    async def pull(self, address: str, request_id: str, layout: KVLayout, group_pulls: int = 0) -> KVExport:
+    async def pull(
+        self, address: str, request_id: str, layout: KVLayout, group_pulls: int = 0, num_tokens: int | None = None
+    ) -> KVExport:
         """Fetch the KV of `request_id` from the prefill worker at `address`; `layout` is the receiving
         engine's (block size may differ: the result carries the source's, `reblock` re-cuts); a layout naming
         `kv_heads` pulls only those (contiguous) heads from a group rank, one of `group_pulls`. The prefill
-        side frees its blocks once the bytes are out. Raises KvTransferError (see its `reason`).
+        side frees its blocks once the bytes are out. num_tokens: how many tokens the KV covers, when known (the
+        KV location's count): the receives are then posted before the Pull (posted.py); a wrong count only
+        costs the pair (the server ignores such receives, the KV arrives as without). Raises KvTransferError
+        (see its `reason`).
         Traced as a `pull_kv` span (child of the current one) whose context travels in the gRPC metadata."""
         labels = (self.model_name, "decode")
         started = time.perf_counter()
@@ -148,9 +174,9 @@ class KvTransferClient:
         ) as span:
             try:
                 try:
-                    kv = await self._pull_once(address, request_id, layout, group_pulls)
+                    kv = await self._pull_once(address, request_id, layout, group_pulls, num_tokens)
                 except _StalePair:  # a new pair, once; a second stale answer propagates as UNAVAILABLE
-                    kv = await self._pull_once(address, request_id, layout, group_pulls)
+                    kv = await self._pull_once(address, request_id, layout, group_pulls, num_tokens)
             except KvTransferError as e:
                 metrics.KV_TRANSFER_FAILURES.labels(*labels, e.reason.value).inc()
                 span.set_attribute(tracing.KV_OUTCOME, f"failed: {e.reason.value}")
@@ -198,7 +224,9 @@ class KvTransferClient:
         self._channels.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _pull_once(self, address: str, request_id: str, layout: KVLayout, group_pulls: int) -> KVExport:
+    async def _pull_once(
+        self, address: str, request_id: str, layout: KVLayout, group_pulls: int, num_tokens: int | None
+    ) -> KVExport:
         conn = await self._connection(address, layout)
         request = pb.PullRequest(
             request_id=request_id,
@@ -211,36 +239,51 @@ class KvTransferClient:
         offset, capacity = conn.regions.reserve() if conn.regions is not None else (0, 0)
         request.shm_offset, request.shm_capacity = offset, capacity
         async with conn.order:
+            # No receives posted when a shared region is offered: the KV is meant to arrive there.
+            posted = self._post(conn, layout, num_tokens) if not capacity else None
+            if posted is not None:
+                request.posted.CopyFrom(posted.message)
             call = conn.stub.Pull(request, timeout=self.timeout_s, metadata=tracing.grpc_metadata())
             try:
                 reply = await self._call(address, conn, call, "Pull")
             except BaseException:
                 if conn.regions is not None:
                     conn.regions.free(offset, capacity)
+                if posted is not None:  # refused or failed: nothing will fill them (posted.py)
+                    self._forget_posted(address, conn, posted)
                 raise
             if conn.regions is not None:  # what the server wrote stays reserved until its tensor is gone
                 conn.regions.keep(offset, capacity, reply.shm_bytes)
             try:
-                source = announced_layout(reply, layout)
-                if reply.shm_bytes:
-                    return self._from_segment(conn, reply, source, offset, request_id)
-                buffer = self._buffers.take(tuple(reply.shape), layout.torch_dtype)
-                # The server is sending already: the same pieces, from the announced tag on (a layer-streamed
-                # send: as the prefill writes each layer, then the first token; layer_stream.py).
-                parts, trailer = receive_parts(receive_pieces(buffer, reply), reply)
-                if self.backend is TransferBackend.GLOO:  # posted here, waited for in a thread (pair.py)
-                    finish = conn.pair.post_recv(parts, reply.tag).wait
+                if posted is not None and reply.posted:  # the bytes are on their way into our buffer already
+                    source = await self._check_posted(posted, reply, layout)
+                    buffer, trailer, finish = posted.buffer, None, posted.transfer.wait
                 else:
-                    finish = functools.partial(conn.pair.recv, parts, reply.tag)
+                    source = announced_layout(reply, layout)
+                    if reply.shm_bytes:
+                        return self._from_segment(conn, reply, source, offset, request_id)
+                    buffer = self._buffers.take(tuple(reply.shape), layout.torch_dtype)
+                    # The server is sending already: the same pieces, from the announced tag on (a layer-streamed
+                    # send: as the prefill writes each layer, then the first token; layer_stream.py).
+                    parts, trailer = receive_parts(receive_pieces(buffer, reply), reply)
+                    if self.backend is TransferBackend.GLOO:  # posted here, waited for in a thread (pair.py)
+                        finish = conn.pair.post_recv(parts, reply.tag).wait
+                    else:
+                        finish = functools.partial(conn.pair.recv, parts, reply.tag)
+                    if posted is not None:  # the server ignored them (another layout): this pull's pair goes
+                        self._forget_posted(address, conn, posted)
+                posted = None
                 await asyncio.get_running_loop().run_in_executor(self._executor, finish)
             except KvTransferError:
-                self._forget(address, conn)  # closing the pair fails the server's send: it frees the blocks
+                self._forget_posted(address, conn, posted)  # closing the pair fails the server's send
                 raise
             except Exception as e:  # gloo: timeout, peer gone (or its pair closed midway); the pair is dead
-                self._forget(address, conn)
+                self._forget_posted(address, conn, posted)
                 raise _transfer_error(e, f"receiving {request_id!r} from {address}") from e
         self.stats.pulls += 1
         self.stats.bytes_received += buffer.numel() * buffer.element_size()
+        if reply.posted:
+            self.stats.posted_pulls += 1
         kv = received(reply, source, buffer)
         if trailer is not None:  # every layer and the first token arrived: decode may begin
             self.stats.streamed_pulls += 1
@@ -253,6 +296,44 @@ class KvTransferClient:
                 first_token=int(trailer[0]),
             )
         return kv
+
+    def _post(self, conn: _Connection, layout: KVLayout, num_tokens: int | None) -> PostedPull | None:
+        """Post the receives of a pull of `num_tokens` tokens before its RPC, where the pair and layout allow."""
+        posting = conn.posting
+        if posting is None or not num_tokens or num_tokens < 1 or not can_post(layout):
+            return None
+        shape = posted_shape(layout, posting.block_size, num_tokens)
+        cut = posted_cut(shape, layout.torch_dtype.itemsize)
+        count = posted_pieces(shape, cut, layout.torch_dtype.itemsize, posting.chunk_bytes)
+        if count > MAX_PIECES:
+            return None
+        buffer = self._buffers.take(shape, layout.torch_dtype)
+        tag = conn.reserve_posted_tags(count)
+        try:
+            return PostedPull.post(conn.pair, buffer, tag, num_tokens, cut, posting.chunk_bytes)
+        except RuntimeError:  # the pair closed under us (a failed transfer): the Pull will say ABORTED
+            return None
+
+    async def _check_posted(self, posted: PostedPull, reply: pb.PullReply, layout: KVLayout) -> KVLayout:
+        """announced_layout of a reply that sends into our posted receives, which must announce exactly them.
+        A reply that does not: PROTOCOL, once the send it started is over (the server checked the sizes, so
+        it fills the receives; they are not dropped under bytes in flight)."""
+        try:
+            source = announced_layout(reply, layout)
+            posted.check(reply)
+            return source
+        except KvTransferError:
+            with contextlib.suppress(Exception):
+                await asyncio.get_running_loop().run_in_executor(self._executor, posted.transfer.wait)
+            raise
+
+    def _forget_posted(self, address: str, conn: _Connection, posted: PostedPull | None) -> None:
+        """Forget the pair; receives still posted on it (`posted`, None: none) are given up at once (no wait,
+        their buffer dropped, not reused: gloo still lists them, until the pair is gone: posted.py)."""
+        if posted is not None:
+            posted.abandon()
+            self.stats.abandoned_posts += 1
+        self._forget(address, conn)
 
     def _from_segment(
         self, conn: _Connection, reply: pb.PullReply, source: KVLayout, offset: int, request_id: str
@@ -322,7 +403,8 @@ class KvTransferClient:
         self.stats.connects += 1
         order = contextlib.nullcontext() if self.backend.tagged else asyncio.Lock()
         regions = None if segment is None else Regions(segment.nbytes)
-        return _Connection(stub, pair, order, segment, regions)
+        posting = reply if reply.posted_pulls and self.backend is TransferBackend.GLOO and reply.block_size else None
+        return _Connection(stub, pair, order, segment, regions, posting)
 
     def _attach(self, reply: pb.ConnectReply) -> Segment | None:
         """Map (and unlink) the segment the server offered; None, the socket path, if that fails."""

@@ -7,7 +7,7 @@ decode group makes (`group_pulls`); the server hands both to a source that serve
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypedDict, runtime_checkable
 
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVLayout
@@ -24,16 +24,24 @@ class SlicedKvSource(Protocol):
     async def begin_send_heads(self, request_id: str, heads: range, group_pulls: int, /) -> KVExport: ...
 
 
-def head_fields(layout: KVLayout, group_pulls: int) -> dict[str, int]:
+class HeadFields(TypedDict, total=False):
+    """PullRequest's head fields (proto fields 6-8)."""
+
+    kv_head_start: int
+    kv_head_count: int
+    group_pulls: int
+
+
+def head_fields(layout: KVLayout, group_pulls: int) -> HeadFields:
     """The Pull's head fields for a receiver of `layout`: its `kv_heads` (contiguous), or none (whole KV)."""
     if not layout.kv_heads:
-        return {}
+        return HeadFields()
     start, count = layout.kv_heads[0], len(layout.kv_heads)
     if layout.kv_heads != tuple(range(start, start + count)):
         raise ValueError(f"a pull takes contiguous KV heads, not {layout.kv_heads}")
     if group_pulls < 1:
         raise ValueError("a head-slice pull needs the decode group's number of transfers (group_pulls >= 1)")
-    return {"kv_head_start": start, "kv_head_count": count, "group_pulls": group_pulls}
+    return HeadFields(kv_head_start=start, kv_head_count=count, group_pulls=group_pulls)
 
 
 async def begin_send(source: KvSource, request_id: str, request: pb.PullRequest) -> Outgoing:

@@ -5,8 +5,9 @@ to a send thread first waits for that thread to be scheduled, which on loaded co
 pull (measured: docs/benchmarks.md, "Where a pull's milliseconds go"). Only sends whose pieces cost next to
 nothing to produce are posted there, since the loop also drives the engine's steps:
 
-- a `PoolKv` sent the direct way (views of the pool, no copy) or the flat way (one gather under
-  `SMALL_KV_BYTES`, ~0.1 ms);
+- a `PoolKv` sent the direct way (views of the pool, no copy), the flat way (one gather under
+  `SMALL_KV_BYTES`, ~0.1 ms) or the gathered way (the same gather, into receives posted before the Pull:
+  posted.py);
 - an export copy already in host memory, over gloo.
 
 Everything else keeps the send thread: the layered way (its gather of every layer overlaps the wire there),

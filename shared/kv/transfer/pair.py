@@ -230,6 +230,16 @@ class Posted:
         finally:
             self.abandon()
 
+    def forsake(self) -> None:
+        """End the transfer without waiting for its operations (receives posted before a Pull whose sender
+        will never fill them: posted.py). Their Work objects are dropped at once, pending; the caller must
+        close the pair afterwards: gloo's connection still lists those receives."""
+        if self._ended:
+            return
+        self._ended = True
+        self.pending.clear()
+        self._pair._end_transfer()
+
     def abandon(self) -> None:
         """Settle what is still pending (after a failure: gloo fails the rest at once) and end the transfer."""
         if self._ended:

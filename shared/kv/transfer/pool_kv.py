@@ -11,6 +11,8 @@
   gather overlaps the wire instead of running as a whole pass before it.
 - **flat**: a small KV (under `SMALL_KV_BYTES`): gathered whole and sent as one message, exactly the
   export path; a message costs more than such a copy.
+- **gathered**: a small KV sent into receives posted before the Pull (posted.py): gathered whole, then sent
+  as its (layer, plane) slices, the one-run cut the receiver cut without a reply.
 
 Only for pools in host memory (gloo sends host memory). A CUDA pool's KV is exported on the send stream as
 before (send_stream.py): its gather must be ordered against the compute stream. The blocks must stay
@@ -44,7 +46,7 @@ class PoolKv:
     num_tokens: int
     pool: KVPool
     block_ids: list[int]
-    mode: str  # "direct", "layered" or "flat"
+    mode: str  # "direct", "layered", "flat" or "gathered" (posted.py)
     staging: torch.Tensor | None = None
     # the request's block `block_ids` start at: those before are behind every layer's sliding window (freed)
     first_block: int = 0
@@ -93,7 +95,7 @@ class PoolKv:
         """What the reply announces (wire.py): block counts of the runs; [] for the flat cut."""
         if self.mode == "flat":
             return []
-        if self.mode == "layered":
+        if self.mode in ("layered", "gathered"):
             return [len(self.block_ids)]
         return [count for _, count in block_runs(self.block_ids)]
 
@@ -109,6 +111,12 @@ class PoolKv:
         if self.mode == "flat":
             assert self.staging is not None
             yield from pieces(self.pool.read(self.block_ids, out=self.staging), chunk_bytes)
+        elif self.mode == "gathered":
+            assert self.staging is not None
+            gathered = self.pool.read(self.block_ids, out=self.staging)
+            for layer in range(self.shape[0]):
+                for plane in range(self.shape[1]):
+                    yield from pieces(gathered[layer, plane], chunk_bytes)
         elif self.mode == "layered":
             assert self.staging is not None
             for layer in range(self.shape[0]):

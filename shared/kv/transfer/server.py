@@ -4,6 +4,7 @@ One TCPStore per server is the rendezvous of all its pairs (one per decode worke
 prefix). Threading: gRPC handlers run on the event loop; pair construction and send waits, which block,
 run in this server's thread pool, so the loop (and the engine steps it drives) keeps going. Sends that cost
 nothing to produce are posted from the loop before the reply (loop_send.py); only their wait takes a thread.
+A Pull whose receives the puller posted already (posted.py) is sent into them, under the puller's tags.
 
 Every call is checked before it touches anything: readable message, ids present and of sane length,
 then a ticket signed with the cluster secret for this caller (and, on Pull, this request), used for the
@@ -31,11 +32,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NoReturn, Protocol, TypeVar
+from typing import NoReturn
 
 import grpc
 import torch.distributed as dist
-from google.protobuf.message import DecodeError
 
 from shared.kv.replay import DEFAULT_CAPACITY, ReplayCache
 from shared.kv.tickets import TicketError, TicketReason, Tickets
@@ -46,9 +46,12 @@ from shared.kv.transfer.loop_send import loop_pieces
 from shared.kv.transfer.pair import PREFILL_RANK, Pair, TransferBackend, check_backend, store_client
 from shared.kv.transfer.pair_proof import PairProofs, PairRefused
 from shared.kv.transfer.pool_kv import PoolKv
+from shared.kv.transfer.posted import posted_kv
+from shared.kv.transfer.rpc_calls import Call, Unreadable, handler, short
 from shared.kv.transfer.segment_send import InjectedFault, copy_into_region, fits, shape_of
 from shared.kv.transfer.send_stream import SendStream
 from shared.kv.transfer.shm import Segment, host_identity, sweep_stale
+from shared.kv.transfer.slots import Slot
 from shared.kv.transfer.source import AlreadySending, KvSource, Outgoing
 from shared.kv.transfer.wire import announce, describe, num_pieces, pieces
 from shared.rpc import kv_transfer_pb2 as pb
@@ -64,7 +67,6 @@ DEFAULT_CHUNK_BYTES = 64 << 20  # KV of up to this size moves in one piece
 MIN_CHUNK_BYTES = 1024
 MAX_ID_CHARS = 512  # request, worker and pair ids; longer is refused as INVALID_ARGUMENT
 MAX_MESSAGE_BYTES = 64 << 10  # our requests are a few hundred bytes; gRPC refuses bigger ones itself
-MAX_TAG = (1 << 31) - 1
 SERVICE = pb.DESCRIPTOR.services_by_name["KvTransfer"].full_name
 # A refused ticket: no usable credential at all → UNAUTHENTICATED; a real one that does not grant this call
 # (or a signature that does not check out) → PERMISSION_DENIED.
@@ -83,42 +85,11 @@ class ServerStats:
     pulls: int = 0  # pulls accepted (export done, send started)
     shm_pulls: int = 0  # of which written into a pair's shared segment
     streamed_pulls: int = 0  # of which sent layer by layer as the prefill wrote them (layer_stream.py)
+    posted_pulls: int = 0  # of which sent into receives the puller posted before its Pull (posted.py)
     segments: int = 0  # shared segments created (one per same-host pair)
     bytes_sent: int = 0
     failed_sends: int = 0  # injected faults included
     refused: int = 0  # calls refused for their ticket or as malformed
-
-
-@dataclass
-class _Slot:
-    """A decode worker's pair as the server knows it: being joined, or ready."""
-
-    worker_id: str
-    pair_id: str
-    joining: asyncio.Future[Pair]
-    segment: Segment | None = None  # same host: the pair's shared memory (unlinked once the pair formed)
-    next_tag: int = 1
-
-    def reserve_tags(self, count: int) -> int:
-        """The first of `count` consecutive tags no transfer in flight on this pair uses."""
-        if self.next_tag + count > MAX_TAG:  # wrapping is safe: tags only need to differ in flight
-            self.next_tag = 1
-        first, self.next_tag = self.next_tag, self.next_tag + count
-        return first
-
-    def retire(self) -> None:
-        """Close the pair once it has formed (now if it has): transfers in flight on it end first."""
-        if self.segment is not None:
-            self.segment.unlink()
-        if self.joining.done():
-            _close_joined(self.joining)
-        else:
-            self.joining.add_done_callback(_close_joined)
-
-
-def _close_joined(joining: asyncio.Future[Pair]) -> None:
-    if not joining.cancelled() and joining.exception() is None:
-        joining.result().close()
 
 
 class KvTransferServer:
@@ -182,7 +153,7 @@ class KvTransferServer:
         # Where decode workers reach this machine, for the store and for gloo's listening socket.
         self.public_host = advertise_host or (socket.getfqdn() if host in WILDCARD_HOSTS else host)
         self._executor = ThreadPoolExecutor(MAX_BLOCKING_THREADS, thread_name_prefix="kv-send")
-        self._pairs: dict[str, _Slot] = {}  # by decode worker id
+        self._pairs: dict[str, Slot] = {}  # by decode worker id
         self._issued: set[str] = set()  # every pair id handed out: one Connect's worth of bytes each
         self._sends: set[asyncio.Task[None]] = set()
         self._store: dist.TCPStore | None = None
@@ -198,8 +169,8 @@ class KvTransferServer:
         )
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         handlers = {
-            "Connect": _handler(self.connect, pb.ConnectRequest, pb.ConnectReply),
-            "Pull": _handler(self.pull, pb.PullRequest, pb.PullReply),
+            "Connect": handler(self.connect, pb.ConnectRequest, pb.ConnectReply),
+            "Pull": handler(self.pull, pb.PullRequest, pb.PullReply),
         }
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         # typeshed's grpcio stubs lack this (grpcio >= 1.62 has it on grpc.aio.Server)
@@ -231,7 +202,7 @@ class KvTransferServer:
         return len(self._pairs)
 
     async def connect(
-        self, request: pb.ConnectRequest | _Unreadable, context: grpc.aio.ServicerContext
+        self, request: pb.ConnectRequest | Unreadable, context: grpc.aio.ServicerContext
     ) -> pb.ConnectReply:
         request = await self._check_shape(context, "Connect", request, "decode_worker_id")
         worker = request.decode_worker_id
@@ -253,12 +224,15 @@ class KvTransferServer:
         joining = asyncio.get_running_loop().run_in_executor(self._executor, self._join, pair_id, store.port)
         # A reconnecting worker replaces its old pair: transfers still on it finish or fail on their own.
         old = self._pairs.get(worker)
-        self._pairs[worker] = slot = _Slot(worker, pair_id, joining)
+        self._pairs[worker] = slot = Slot(worker, pair_id, joining)
         if old is not None:
             old.retire()
         joining.add_done_callback(lambda f: self._on_joined(slot, f))
         self.stats.pairs_created += 1
         reply = pb.ConnectReply(store_host=self.public_host, store_port=store.port, pair_id=pair_id)
+        if self.backend is TransferBackend.GLOO:  # NCCL matches in issue order: its client posts after the reply
+            reply.posted_pulls, reply.chunk_bytes = True, self.chunk_bytes
+            reply.block_size = self.source.layout.block_size
         if self.host_id and request.host_id == self.host_id:
             slot.segment = await self._create_segment(worker)
             if slot.segment is not None:
@@ -272,12 +246,12 @@ class KvTransferServer:
         try:
             segment = await asyncio.get_running_loop().run_in_executor(self._executor, Segment.create, self.shm_bytes)
         except OSError as e:
-            log.warning("no shared KV segment for %s (%s): its pulls go over the socket", _short(worker), e)
+            log.warning("no shared KV segment for %s (%s): its pulls go over the socket", short(worker), e)
             return None
         self.stats.segments += 1
         return segment
 
-    async def pull(self, request: pb.PullRequest | _Unreadable, context: grpc.aio.ServicerContext) -> pb.PullReply:
+    async def pull(self, request: pb.PullRequest | Unreadable, context: grpc.aio.ServicerContext) -> pb.PullReply:
         """Accept a pull: check, export, announce, start the send. The `send_kv` span (child of the puller's
         span, from the gRPC metadata) covers export and send; the send task ends it."""
         request = await self._check_shape(context, "Pull", request, "request_id", "decode_worker_id", "pair_id")
@@ -329,7 +303,14 @@ class KvTransferServer:
         streamed = isinstance(kv, StreamedPoolKv)  # layer by layer, then the first token (layer_stream.py)
         if not streamed and fits(slot.segment, request.shm_offset, request.shm_capacity, kv):
             return await self._write_segment(slot, kv, request, span, started, context)
-        if isinstance(kv, PoolKv):
+        into = posted_kv(kv, request.posted, self.chunk_bytes) if request.HasField("posted") else None
+        if into is not None:  # the puller's receives are posted already: send into them now (posted.py)
+            kv, tag = into, request.posted.tag
+            reply = announce(kv.layout, kv.num_tokens, kv.shape, tag, self.chunk_bytes, kv.runs)
+            reply.posted = True
+            self.stats.posted_pulls += 1
+            metrics.KV_POSTED_PULLS.labels(self.model_name, "prefill").inc()
+        elif isinstance(kv, PoolKv):
             tag = slot.reserve_tags(kv.num_pieces(self.chunk_bytes))
             reply = announce(kv.layout, kv.num_tokens, kv.shape, tag, self.chunk_bytes, kv.runs, kv.first_block)
             if isinstance(kv, StreamedPoolKv):
@@ -345,7 +326,7 @@ class KvTransferServer:
         return reply
 
     async def _write_segment(
-        self, slot: _Slot, kv: Outgoing, request: pb.PullRequest, span, started: float, context
+        self, slot: Slot, kv: Outgoing, request: pb.PullRequest, span, started: float, context
     ) -> pb.PullReply:
         """The shared-memory send: one gather of the blocks into the region the puller offered, then the reply
         says it is there. The KV is freed either way, as after a send over the pair."""
@@ -375,11 +356,11 @@ class KvTransferServer:
         return reply
 
     async def _check_shape(
-        self, context: grpc.aio.ServicerContext, rpc: str, request: _Call | _Unreadable, *ids: str
-    ) -> _Call:
+        self, context: grpc.aio.ServicerContext, rpc: str, request: Call | Unreadable, *ids: str
+    ) -> Call:
         """`request`, known readable; else INVALID_ARGUMENT for an unreadable message, or one whose id fields
         are empty or too long."""
-        if isinstance(request, _Unreadable):
+        if isinstance(request, Unreadable):
             await self._refuse(context, rpc, "?", f"the message is not a {request.kind}")
         for name in ids:
             value = getattr(request, name)
@@ -392,7 +373,7 @@ class KvTransferServer:
         """Count and log the refusal, then abort the call with INVALID_ARGUMENT (raises)."""
         self.stats.refused += 1
         metrics.KV_TRANSFER_FAILURES.labels(self.model_name, "prefill", "invalid_request").inc()
-        log.warning("refused %s from %s (worker %s): %s", rpc, context.peer(), _short(worker), why)
+        log.warning("refused %s from %s (worker %s): %s", rpc, context.peer(), short(worker), why)
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{rpc} refused: {why}")
 
     async def _authorize(
@@ -404,20 +385,20 @@ class KvTransferServer:
         except TicketError as e:
             self.stats.refused += 1
             metrics.KV_TRANSFER_FAILURES.labels(self.model_name, "prefill", f"ticket_{e.reason}").inc()
-            target = "" if request_id is None else f" of {_short(request_id)}"
+            target = "" if request_id is None else f" of {short(request_id)}"
             log.warning(
                 "refused %s%s from %s (worker %s): ticket %s: %s",
                 rpc,
                 target,
                 context.peer(),
-                _short(worker),
+                short(worker),
                 e.reason,
                 e,
             )
             code = _TICKET_CODES.get(e.reason, grpc.StatusCode.PERMISSION_DENIED)
             await context.abort(code, f"{rpc} refused, ticket {e.reason}: {e}")
 
-    async def _joined(self, slot: _Slot) -> Pair:
+    async def _joined(self, slot: Slot) -> Pair:
         """The slot's pair; the decode side joins before it pulls, so the wait is normally over already."""
         if slot.joining.done():
             return slot.joining.result()
@@ -442,9 +423,7 @@ class KvTransferServer:
         except Exception as e:  # the pair closed under us: the send task fails it as any failed send
             return functools.partial(_reraise, e)
 
-    async def _send(
-        self, slot: _Slot, kv: Outgoing, finish: Callable[[], None], rid: str, span, started: float
-    ) -> None:
+    async def _send(self, slot: Slot, kv: Outgoing, finish: Callable[[], None], rid: str, span, started: float) -> None:
         """Finish the send (`finish` blocks: on a send thread), then end it whatever happened (the source
         frees the blocks).
 
@@ -512,7 +491,7 @@ class KvTransferServer:
         self._proofs.confirm(pair)  # PairRefused: a stranger joined first, or the peer never proved itself
         return pair
 
-    def _on_joined(self, slot: _Slot, joining: asyncio.Future[Pair]) -> None:
+    def _on_joined(self, slot: Slot, joining: asyncio.Future[Pair]) -> None:
         if slot.segment is not None:  # the peer mapped it before joining (or never will): no name is needed
             slot.segment.unlink()
         if not joining.cancelled() and isinstance(joining.exception(), PairRefused):
@@ -521,40 +500,11 @@ class KvTransferServer:
             log.warning("pair %s did not form: %r", slot.pair_id, None if joining.cancelled() else joining.exception())
             self._drop(slot)
 
-    def _drop(self, slot: _Slot) -> None:
+    def _drop(self, slot: Slot) -> None:
         """Forget the pair (a later Pull naming it gets ABORTED) and close it."""
         if self._pairs.get(slot.worker_id) is slot:
             del self._pairs[slot.worker_id]
         slot.retire()
-
-
-class _FromWorker(Protocol):
-    """What every KvTransfer request carries: the calling decode worker's id."""
-
-    decode_worker_id: str
-
-
-_Call = TypeVar("_Call", bound=_FromWorker)  # a KvTransfer request message (ConnectRequest, PullRequest)
-
-
-class _Unreadable:
-    """What a request that does not parse becomes: the handler refuses it with INVALID_ARGUMENT (gRPC itself
-    would answer INTERNAL and log a traceback)."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-
-
-def _handler(method, request_type, reply_type) -> grpc.RpcMethodHandler:
-    def parse(raw: bytes):
-        try:
-            return request_type.FromString(raw)
-        except DecodeError:
-            return _Unreadable(request_type.__name__)
-
-    return grpc.unary_unary_rpc_method_handler(
-        method, request_deserializer=parse, response_serializer=reply_type.SerializeToString
-    )
 
 
 def _reraise(error: Exception) -> NoReturn:
@@ -563,8 +513,3 @@ def _reraise(error: Exception) -> NoReturn:
 
 def _failure_reason(error: Exception) -> str:
     return "fault_injected" if isinstance(error, InjectedFault) else "send_failed"
-
-
-def _short(text: str, limit: int = 80) -> str:
-    """repr of an untrusted id, cut short: log lines stay one readable line."""
-    return repr(text if len(text) <= limit else text[:limit] + "…")

@@ -29,6 +29,7 @@ from shared.engine.kv_pool import KVLayout
 from shared.kv.transfer.errors import FailureReason, KvTransferError
 from shared.rpc import kv_transfer_pb2 as pb
 
+MAX_TAG = (1 << 31) - 1  # gloo tags are ints; a transfer's pieces take consecutive ones below this
 MAX_PIECES = 1 << 20  # an announcement that cuts a tensor finer than this is refused (tags, posted recvs)
 
 

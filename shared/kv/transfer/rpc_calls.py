@@ -1,0 +1,45 @@
+"""How the server reads a KvTransfer call before its handler sees it: a message that does not parse becomes
+`Unreadable` (the handler refuses it with INVALID_ARGUMENT; gRPC itself would answer INTERNAL and log a
+traceback), and untrusted ids are shortened for the log."""
+
+from __future__ import annotations
+
+from typing import Protocol, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError
+
+
+class FromWorker(Protocol):
+    """What every KvTransfer request carries: the calling decode worker's id."""
+
+    decode_worker_id: str
+
+
+Call = TypeVar("Call", bound=FromWorker)  # a KvTransfer request message (ConnectRequest, PullRequest)
+
+
+class Unreadable:
+    """What a request that does not parse becomes."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+
+def handler(method, request_type, reply_type) -> grpc.RpcMethodHandler:
+    """A unary handler whose request parses into `request_type`, or `Unreadable`."""
+
+    def parse(raw: bytes):
+        try:
+            return request_type.FromString(raw)
+        except DecodeError:
+            return Unreadable(request_type.__name__)
+
+    return grpc.unary_unary_rpc_method_handler(
+        method, request_deserializer=parse, response_serializer=reply_type.SerializeToString
+    )
+
+
+def short(text: str, limit: int = 80) -> str:
+    """repr of an untrusted id, cut short: log lines stay one readable line."""
+    return repr(text if len(text) <= limit else text[:limit] + "…")
