@@ -19,6 +19,7 @@
  * same at any thread count. Sums run in another order than SDPA's: results differ in the last bits.
  */
 #ifndef PDSERVE_ATTN_ISA
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
@@ -48,17 +49,21 @@ struct args {
 #define W 8
 #define SUF avx2
 #define TARGET "avx2,fma"
+#define FMA(a, b, c) ((VF)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(c)))
 #include "cpu_attention.c" /* this file again (found next to itself) */
 #undef W
 #undef SUF
 #undef TARGET
+#undef FMA
 #define W 16
 #define SUF avx512
 #define TARGET "avx512f"
+#define FMA(a, b, c) ((VF)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
 #include "cpu_attention.c" /* this file again (found next to itself) */
 #undef W
 #undef SUF
 #undef TARGET
+#undef FMA
 
 /* out = attention of every decode token; `threads` OpenMP threads (torch's intra-op count: the library links
  * libgomp.so.1, torch's own in a torch process). Returns 0, or -1 when no ISA this CPU has fits hd. */
@@ -109,14 +114,34 @@ __attribute__((target(TARGET))) static inline VF CAT(exp_, SUF)(VF x) {
     return y * (VF)pow2n;
 }
 
-/* the lanes' sum, pairwise halving (a fixed order) */
-__attribute__((target(TARGET))) static inline float CAT(hsum_, SUF)(VF v) {
-    float a[W];
-    *(VFU *)a = v;
-    for (int w = W / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; l++) a[l] += a[l + w];
-    return a[0];
+/* fold(x, y): lanes LO... of x|y (indices W.. are y's) plus the lanes h further on: each block of 2h lanes of x
+ * and of y halved into h lanes of partial sums, x's block before y's */
+#define FOLD(x, y, h, ...) (__builtin_shuffle(x, y, (VI){__VA_ARGS__}) + __builtin_shuffle(x, y, (VI){__VA_ARGS__} + h))
+
+/* W vectors → one: lane t is the sum of the lanes of the vector for key t, where v holds key t's vector at
+ * v[REV[t]] (bit-reversed: the folds deliver the keys in natural order). A fixed order of additions. */
+#if W == 16
+static const int CAT(rev_, SUF)[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+__attribute__((target(TARGET))) static inline VF CAT(reduce_, SUF)(const VF *v) {
+    VF e[8], f[4], h[2];
+    for (int p = 0; p < 8; p++)
+        e[p] = FOLD(v[2 * p], v[2 * p + 1], 8, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    for (int p = 0; p < 4; p++)
+        f[p] = FOLD(e[2 * p], e[2 * p + 1], 4, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    for (int p = 0; p < 2; p++)
+        h[p] = FOLD(f[2 * p], f[2 * p + 1], 2, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+    return FOLD(h[0], h[1], 1, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
 }
+#else
+static const int CAT(rev_, SUF)[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+__attribute__((target(TARGET))) static inline VF CAT(reduce_, SUF)(const VF *v) {
+    VF e[4], f[2];
+    for (int p = 0; p < 4; p++) e[p] = FOLD(v[2 * p], v[2 * p + 1], 4, 0, 1, 2, 3, 8, 9, 10, 11);
+    for (int p = 0; p < 2; p++) f[p] = FOLD(e[2 * p], e[2 * p + 1], 2, 0, 1, 8, 9, 4, 5, 12, 13);
+    return FOLD(f[0], f[1], 1, 0, 8, 2, 10, 4, 12, 6, 14);
+}
+#endif
+#undef FOLD
 
 /* Sequence b, KV head j: its g query heads over keys start..len-1, read through the block table. */
 __attribute__((target(TARGET))) static void CAT(attend_, SUF)(const struct args *a, int64_t b, int64_t j) {
@@ -126,11 +151,10 @@ __attribute__((target(TARGET))) static void CAT(attend_, SUF)(const struct args 
     const float *q = a->q + (b * a->H + j * g) * hd; /* g rows of hd */
     float *out = a->out + (b * a->H + j * g) * hd;
     float m[g], l[g], s[g][TILE];
-    VF acc[g][C];
+    VF acc[g][C], dots[g][TILE];
     for (int64_t i = 0; i < g; i++) {
         m[i] = -INFINITY;
         l[i] = 0.0f;
-        for (int t = 0; t < TILE; t++) s[i][t] = 0.0f; /* lanes past a short tile's end: exp'd, never read */
         for (int64_t c = 0; c < C; c++) acc[i][c] = (VF){};
     }
     for (int64_t t0 = start; t0 < len; t0 += TILE) {
@@ -141,12 +165,15 @@ __attribute__((target(TARGET))) static void CAT(attend_, SUF)(const struct args 
             kr[t] = a->k + (slot * a->KVH + j) * hd;
             vr[t] = a->v + (slot * a->KVH + j) * hd;
         }
-        for (int t = 0; t < n; t++) /* scores: each K row once for the g queries */
+        for (int t = 0; t < TILE; t++) /* per key and query the dot product's W partial sums */
             for (int64_t i = 0; i < g; i++) {
+                const float *k = kr[t < n ? t : n - 1]; /* past a short tile's end: a repeat, never read */
                 VF d = (VF){};
-                for (int64_t c = 0; c < C; c++) d += *(const VFU *)(q + i * hd + c * W) * *(const VFU *)(kr[t] + c * W);
-                s[i][t] = CAT(hsum_, SUF)(d) * a->scale;
+                for (int64_t c = 0; c < C; c++) d = FMA(*(const VFU *)(q + i * hd + c * W), *(const VFU *)(k + c * W), d);
+                dots[i][t / W * W + CAT(rev_, SUF)[t % W]] = d;
             }
+        for (int64_t i = 0; i < g; i++) /* the scores, W keys a vector */
+            for (int t = 0; t < TILE; t += W) *(VFU *)(s[i] + t) = CAT(reduce_, SUF)(dots[i] + t) * a->scale;
         for (int64_t i = 0; i < g; i++) { /* the running max, the tile's weights, the rescale */
             float mx = m[i];
             for (int t = 0; t < n; t++) mx = s[i][t] > mx ? s[i][t] : mx;
@@ -164,7 +191,7 @@ __attribute__((target(TARGET))) static void CAT(attend_, SUF)(const struct args 
         for (int t = 0; t < n; t++) /* values: each V row once for the g queries */
             for (int64_t c = 0; c < C; c++) {
                 const VF vv = *(const VFU *)(vr[t] + c * W);
-                for (int64_t i = 0; i < g; i++) acc[i][c] += s[i][t] * vv;
+                for (int64_t i = 0; i < g; i++) acc[i][c] = FMA((VF){} + s[i][t], vv, acc[i][c]);
             }
     }
     for (int64_t i = 0; i < g; i++) {
