@@ -14,9 +14,11 @@
  *
  * Per (sequence, KV head) one online softmax (running max and sum) over tiles of TILE keys, the g query heads of
  * that KV head together, so each K and V row is loaded once for all g. Vectors run along hd: W = 16 floats
- * (AVX-512) when hd % 16 == 0, else 8 (AVX2), chosen at run time. The (sequence, KV head) pairs are handed to
- * OpenMP threads dynamically; each pair is computed by one thread in a fixed order, so the result is bitwise the
- * same at any thread count. Sums run in another order than SDPA's: results differ in the last bits.
+ * (AVX-512) when hd % 16 == 0, else 8 (AVX2), chosen at run time; a tile's scores are W-lane FMA partial sums
+ * per (query, key), folded W keys at a time into one vector of scores (no horizontal sum per key), and the values
+ * accumulate by FMA. The (sequence, KV head) pairs are handed to OpenMP threads dynamically; each pair is
+ * computed by one thread in a fixed order, so the result is bitwise the same at any thread count. Sums run in
+ * another order than SDPA's: results differ in the last bits.
  */
 #ifndef PDSERVE_ATTN_ISA
 #include <immintrin.h>
