@@ -13,7 +13,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
 RUN python -m venv /opt/venv
-# gcc builds the CPU expert kernel (shared/model/kernels/cpu_moe.c) below; the runtime image has no compiler.
+# gcc builds the CPU kernels (shared/model/kernels/cpu_moe.c, cpu_attention.c) below; the runtime has no compiler.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 
 # Dependencies in two cached layers, pins read from pyproject.toml: torch (the big one), then the rest.
@@ -35,10 +35,10 @@ RUN pip install --no-deps /tmp/src \
     && install -m 0755 /tmp/src/docker/healthcheck.py /opt/venv/bin/pdserve-healthcheck \
     && install -m 0755 /tmp/src/docker/model-init.sh /opt/venv/bin/pdserve-model-init \
     && install -m 0755 /tmp/src/docker/secrets_init.py /opt/venv/bin/pdserve-secrets-init
-# The CPU expert kernel's AVX-512 and AVX2 builds, compiled once here into the environment (portable: no
-# -march; at run time the widest build the CPU runs is used, and without AVX2/FMA the torch path).
+# The CPU kernels, compiled once here into the environment (portable: no -march): the expert kernel's AVX-512
+# and AVX2 builds (the widest the CPU runs is used) and the attention kernel; without AVX2/FMA the torch path.
 RUN PDSERVE_KERNEL_CACHE=/opt/venv/share/pdserve/kernels python -c \
-        "from shared.model.kernels import cpu_moe; print('built', cpu_moe.build())"
+        "from shared.model.kernels import cpu_attention, cpu_moe; print('built', cpu_moe.build(), cpu_attention.build())"
 
 # ---- runtime: the environment alone (no wheels, no build files), run by an unprivileged user --------
 FROM python:3.11-slim

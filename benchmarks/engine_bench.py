@@ -1,7 +1,8 @@
 """Prefill and decode throughput of pdserve's engine against Hugging Face transformers, on CPU.
 
     .venv/bin/python benchmarks/engine_bench.py [--model DIR] [--out JSON] [--threads N] [--quick]
-        [--prepack on|off|both | --no-prepack] [--decode-tokens N] [--repeats N] [--skip-mixed]
+        [--prepack on|off|both | --no-prepack] [--cpu-kernel on|off|both] [--cpu-attention on|off|both]
+        [--decode-tokens N] [--repeats N] [--skip-mixed]
 
 Both systems run in one process on the same checkpoint, dtype and thread count. Repeats of the two are
 interleaved (and their order alternated) so that drift in a shared machine's speed hits both alike; each
@@ -16,7 +17,9 @@ number is the median over repeats, after one warm-up run each.
   stamps each step, from the first token's stamp to the last one's (so no prefill is subtracted).
 - mixed decode (pdserve only): 31 prompts of MIXED_SHORT tokens + 1 of MIXED_LONG, against 32 of MIXED_SHORT,
   MIXED_TOKENS decode steps each, the two runs alternated: the median step of each and their ratio. It shows
-  what one long sequence costs a batch of short ones (decode attention pads only within length buckets).
+  what one long sequence costs a batch of short ones (decode attention pads only within length buckets, and
+  the CPU attention kernel reads each sequence's own blocks). With --cpu-attention both it runs for the
+  first system with the kernel and its twin without, all four runs alternated.
 - floor: the bytes a decode step must read (weights of the experts it touches, KV), over this machine's
   read bandwidth; also its FLOPs over the machine's matmul rate, since CPUs are often compute bound here.
 """
@@ -78,6 +81,7 @@ class PdserveRunner:
         prepack: bool = True,
         cpu_kernel: bool = True,
         kernel_isa: str | None = None,
+        cpu_attention: bool = True,
     ) -> None:
         """kernel_isa: the expert kernel's build (cpu_moe.ISAS) instead of the widest this CPU runs."""
         blocks = max(
@@ -97,6 +101,7 @@ class PdserveRunner:
             block_size=BLOCK_SIZE,
             prepack_weights=prepack,
             cpu_expert_kernel=cpu_kernel,
+            cpu_attention_kernel=cpu_attention,
         )
         if cpu_kernel and kernel_isa is not None:
             build = cpu_moe.load_build(kernel_isa)
@@ -239,24 +244,30 @@ def vocab_of(systems: dict) -> int:
     return systems[pd_names(systems)[0]].engine.model.config.vocab_size
 
 
-def bench_mixed_decode(pd: PdserveRunner, repeats: int, gen: torch.Generator) -> dict:
-    """Decode steps of 31 short + 1 long sequence against 32 short ones, alternated (pdserve only)."""
-    vocab = pd.engine.model.config.vocab_size
+def bench_mixed_decode(pds: dict[str, PdserveRunner], repeats: int, gen: torch.Generator) -> list[dict]:
+    """Decode steps of 31 short + 1 long sequence against 32 short ones, per pdserve system; every (system,
+    case) run alternated within a repeat, the order reversed every other repeat. → one row per system."""
+    vocab = next(iter(pds.values())).engine.model.config.vocab_size
     uniform = random_prompts(gen, MIXED_BATCH, MIXED_SHORT, vocab)
     mixed = uniform[:-1] + random_prompts(gen, 1, MIXED_LONG, vocab)
-    pd.decode(uniform, 4)  # warm-up
-    pd.decode(mixed, 4)
-    runs: dict[str, list[float]] = {"uniform": [], "mixed": []}
+    for pd in pds.values():  # warm-up
+        pd.decode(uniform, 4)
+        pd.decode(mixed, 4)
+    runs = {(s, case): [] for s in pds for case in ("uniform", "mixed")}
     for r in range(repeats):
-        for name in ("uniform", "mixed")[:: 1 if r % 2 == 0 else -1]:
-            steps, _ = pd.decode(uniform if name == "uniform" else mixed, MIXED_TOKENS)
+        for system, case in list(runs)[:: 1 if r % 2 == 0 else -1]:
+            steps, _ = pds[system].decode(uniform if case == "uniform" else mixed, MIXED_TOKENS)
             if len(steps) != MIXED_TOKENS:
-                raise RuntimeError(f"{name}: expected {MIXED_TOKENS} decode steps")
-            runs[name] += steps
-    uniform_ms, mixed_ms = (1000 * statistics.median(runs[name]) for name in ("uniform", "mixed"))
-    return dict(batch=MIXED_BATCH, short_context=MIXED_SHORT, long_context=MIXED_LONG, steps=MIXED_TOKENS,
-                uniform_step_ms=uniform_ms, mixed_step_ms=mixed_ms, ratio=mixed_ms / uniform_ms,
-                uniform_steps_s=runs["uniform"], mixed_steps_s=runs["mixed"])  # fmt: skip
+                raise RuntimeError(f"{system} {case}: expected {MIXED_TOKENS} decode steps")
+            runs[system, case] += steps
+    rows = []
+    for s in pds:
+        uniform_ms, mixed_ms = (1000 * statistics.median(runs[s, case]) for case in ("uniform", "mixed"))
+        rows.append(dict(system=s, batch=MIXED_BATCH, short_context=MIXED_SHORT, long_context=MIXED_LONG,
+                         steps=MIXED_TOKENS, uniform_step_ms=uniform_ms, mixed_step_ms=mixed_ms,
+                         ratio=mixed_ms / uniform_ms, uniform_steps_s=runs[s, "uniform"],
+                         mixed_steps_s=runs[s, "mixed"]))  # fmt: skip
+    return rows
 
 
 def random_prompts(gen: torch.Generator, batch: int, length: int, vocab: int) -> list[list[int]]:
@@ -295,7 +306,9 @@ def add_floor(rows: list[dict], model: torch.nn.Module, gbps: float, gflops: flo
             row[f"{name}_x_mem_floor"] = row[f"{name}_step_ms"] / row["mem_floor_ms"]
 
 
-def print_report(cfg: dict, names: list[str], prefill: list[dict], decode: list[dict], mixed: dict | None) -> None:
+def print_report(
+    cfg: dict, names: list[str], prefill: list[dict], decode: list[dict], mixed: list[dict] | None
+) -> None:
     """names: the systems, pdserve ones first, transformers last."""
     pds = names[:-1]
     print(
@@ -321,14 +334,16 @@ def print_report(cfg: dict, names: list[str], prefill: list[dict], decode: list[
             f"{r['batch']:>5}{r['step_mb']:>9.1f}{r['mem_floor_ms']:>14.2f}{r['compute_floor_ms']:>15.2f}"
             f"{cells}{r['same_tokens']:>13.0%}"
         )
-    if mixed is None:
+    if not mixed:
         return
+    m = mixed[0]
     print(
-        f"\nmixed decode, {pds[0]}: {mixed['batch'] - 1} x {mixed['short_context']} + 1 x {mixed['long_context']} "
-        f"context vs {mixed['batch']} x {mixed['short_context']}, median of {mixed['steps']} steps x repeats"
+        f"\nmixed decode: {m['batch'] - 1} x {m['short_context']} + 1 x {m['long_context']} "
+        f"context vs {m['batch']} x {m['short_context']}, median of {m['steps']} steps x repeats"
     )
-    print(f"{'uniform step ms':>16}{'mixed step ms':>15}{'mixed / uniform':>17}")
-    print(f"{mixed['uniform_step_ms']:>16.2f}{mixed['mixed_step_ms']:>15.2f}{mixed['ratio']:>17.2f}")
+    print(f"{'system':<30}{'uniform step ms':>16}{'mixed step ms':>15}{'mixed / uniform':>17}")
+    for m in mixed:
+        print(f"{m['system']:<30}{m['uniform_step_ms']:>16.2f}{m['mixed_step_ms']:>15.2f}{m['ratio']:>17.2f}")
 
 
 def run_config(model_dir: Path, model, hf_model, quick: bool, prefill_repeats: int, decode_repeats: int) -> dict:
@@ -356,22 +371,26 @@ def run_config(model_dir: Path, model, hf_model, quick: bool, prefill_repeats: i
 
 PREPACK_SYSTEMS = {"on": ("pdserve",), "off": ("pdserve_noprepack",), "both": ("pdserve", "pdserve_noprepack")}
 CPU_KERNEL_SUFFIX = "_cpukernel"  # a system name with this runs its experts on the CPU expert kernel
+TORCH_ATTENTION_SUFFIX = "_torchattn"  # a system name ending so runs decode attention on the torch buckets
 
 
-def system_names(prepack: str, cpu_kernel: str, isas: list[str]) -> list[str]:
-    """pdserve systems for --prepack, --cpu-kernel and --kernel-isa (the first ISA unnamed, each further one a
-    suffix); with `both`, the kernel's systems come first (the headline)."""
+def system_names(prepack: str, cpu_kernel: str, isas: list[str], cpu_attention: str = "on") -> list[str]:
+    """pdserve systems for --prepack, --cpu-kernel, --kernel-isa (the first ISA unnamed, each further one a
+    suffix) and --cpu-attention; with `both`, the kernels' systems come first (the headline). Attention on the
+    CPU kernel is the default, so its systems carry no suffix."""
     with_kernel = [n + CPU_KERNEL_SUFFIX for isa in isas[:1] or [""] for n in PREPACK_SYSTEMS[prepack]]
     with_kernel += [n + CPU_KERNEL_SUFFIX + "_" + isa for isa in isas[1:] for n in PREPACK_SYSTEMS[prepack]]
     torch_experts = list(PREPACK_SYSTEMS[prepack])
-    return {"on": with_kernel, "off": torch_experts, "both": with_kernel + torch_experts}[cpu_kernel]
+    names = {"on": with_kernel, "off": torch_experts, "both": with_kernel + torch_experts}[cpu_kernel]
+    torch_attention = [n + TORCH_ATTENTION_SUFFIX for n in names]
+    return {"on": names, "off": torch_attention, "both": names + torch_attention}[cpu_attention]
 
 
 def _kernel_isa(name: str, isas: list[str]) -> str | None:
     """The expert kernel build a system name asks for: its suffix, else the first --kernel-isa (None: default)."""
     if CPU_KERNEL_SUFFIX not in name:
         return None
-    suffix = name.split(CPU_KERNEL_SUFFIX, 1)[1].lstrip("_")
+    suffix = name.removesuffix(TORCH_ATTENTION_SUFFIX).split(CPU_KERNEL_SUFFIX, 1)[1].lstrip("_")
     return suffix or (isas[0] if isas else None)
 
 
@@ -388,6 +407,8 @@ def main() -> None:
                     help="experts on the CPU expert kernel (on), the torch path (off), or both")  # fmt: skip
     ap.add_argument("--kernel-isa", default="",
                     help="comma-separated expert kernel builds side by side (default: the widest here)")  # fmt: skip
+    ap.add_argument("--cpu-attention", choices=("on", "off", "both"), default="on",
+                    help="decode attention on the CPU kernel (on), the torch buckets (off), or both")  # fmt: skip
     ap.add_argument("--skip-prefill", action="store_true", help="leave out the prefill measurement")
     ap.add_argument("--decode-batches", help="comma-separated decode batch sizes (default 1,8,32; --quick 1,32)")
     ap.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS, help="timed decode steps per run")
@@ -415,8 +436,9 @@ def main() -> None:
             prepack=not name.startswith("pdserve_noprepack"),
             cpu_kernel=CPU_KERNEL_SUFFIX in name,
             kernel_isa=_kernel_isa(name, isas),
+            cpu_attention=not name.endswith(TORCH_ATTENTION_SUFFIX),
         )
-        for name in system_names(args.prepack, args.cpu_kernel, isas)
+        for name in system_names(args.prepack, args.cpu_kernel, isas, args.cpu_attention)
     }
     pd = next(iter(systems.values()))
     model = pd.engine.model
@@ -426,7 +448,9 @@ def main() -> None:
     prefill = [bench_prefill(systems, b, prefill_repeats, gen) for b in prefill_batches]
     decode = [bench_decode(systems, b, decode_repeats, gen, args.decode_tokens) for b in decode_batches]
     gbps, gflops = read_bandwidth(), matmul_gflops()
-    mixed = None if args.skip_mixed else bench_mixed_decode(pd, decode_repeats, gen)
+    # the first system, and with --cpu-attention both its twin on the other attention path
+    twins = {n: r for n, r in systems.items() if n.removesuffix(TORCH_ATTENTION_SUFFIX) == next(iter(systems))}
+    mixed = None if args.skip_mixed else bench_mixed_decode(twins, decode_repeats, gen)
     add_floor(decode, model, gbps, gflops, list(systems))
 
     cfg = run_config(model_dir, model, hf.model, args.quick, prefill_repeats, decode_repeats)

@@ -76,6 +76,12 @@ class EngineConfig:
     instead of the BLAS path; where it cannot be built or run, the torch path, with a log line. False = the torch
     path (the kernel's reference). On by default at any thread count: it was faster at 1 and 2 threads
     (docs/benchmarks.md, "the expert kernel threaded")."""
+    cpu_attention_kernel: bool = True
+    """On CPU with the torch kernels, a float32 model's decode attention runs the C kernel
+    (shared/model/kernels/cpu_attention.c, built with gcc at first use; AVX-512 or AVX2 + FMA; on `threads`
+    intra-op threads), which reads each sequence's KV blocks in place, instead of the buckets' gather + SDPA;
+    models with attention sinks or latent attention, other dtypes, or a host where it cannot be built or run
+    keep the torch path (logged). False = the torch path (the kernel's reference)."""
     kernels: KernelChoice = KernelChoice.AUTO
     """Decode attention and MoE experts: auto = triton on CUDA when triton is installed, else torch; torch =
     the plain-torch path (the CPU path and the kernels' reference); triton = the Triton kernels (on CPU only

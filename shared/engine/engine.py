@@ -43,6 +43,7 @@ from shared.engine.runner import ModelRunner
 from shared.engine.sampling import Sampler, SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.structured import StructuredDecoding
+from shared.model.attention import use_cpu_attention_kernel
 from shared.model.device import resolve_device
 from shared.model.kernels.choice import KernelChoice, resolve_kernels
 from shared.model.linear import can_prepack, prepack
@@ -158,6 +159,10 @@ class Engine:
         log.info("kernels: %s (setting %s, device %s)", self.kernels, config.kernels, self.device)
         if config.cpu_expert_kernel and self.device.type == "cpu" and self.kernels is KernelChoice.TORCH:
             log.info("CPU experts: %s", use_cpu_expert_kernel(self.model))
+        if config.cpu_attention_kernel and self.device.type == "cpu" and self.kernels is KernelChoice.TORCH:
+            log.info("CPU decode attention: %s", use_cpu_attention_kernel(self.model))
+        else:
+            self.model.cpu_attention = False
         if self.model.layout != self.parallel:
             raise ValueError(
                 f"the model was built for {self.model.layout}, the engine is configured for {self.parallel}"

@@ -110,6 +110,7 @@ def dummy_step(
         device,
         model.kernels,
         windows=model.config.windows,
+        cpu_decode_kernel=model.cpu_attention,
     )
     ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     positions = torch.arange(context_len - num_tokens, context_len, device=device)

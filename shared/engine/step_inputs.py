@@ -104,6 +104,7 @@ def forward_step(
         windows=model.config.windows,
         full=model.config.has_full_layers,
         window_tables=dict(inputs.group_tables),
+        cpu_decode_kernel=model.cpu_attention,
     )
     t = len(inputs.input_ids)
     staged = torch.tensor(inputs.input_ids + inputs.positions + inputs.sample_rows, dtype=torch.int64)

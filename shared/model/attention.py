@@ -8,15 +8,22 @@ projection width: the per-token sums of squares are all-reduced (one (T, 2) all-
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from shared.model.config import ModelConfig, QKNorm
+from shared.model.kernels import cpu_attention
 from shared.model.layers import RMSNorm, apply_rotary
 from shared.model.linear import PackedWeights, linear
+from shared.model.mla_attention import MLAAttention
 from shared.model.paged_attention import AttentionMetadata, paged_attention
 from shared.model.tensor_parallel import TensorShard
 from shared.parallel.layout import head_range, kv_head_holders, kv_head_range
+
+if TYPE_CHECKING:
+    from shared.model.transformer import CausalLM
 
 
 class Attention(nn.Module, PackedWeights):
@@ -118,3 +125,25 @@ class Attention(nn.Module, PackedWeights):
         q32 = q32 * torch.rsqrt(squares[:, :1] / self.full_q_size + eps)
         k32 = k32 * torch.rsqrt(squares[:, 1:] / self.full_kv_size + eps)
         return self.q_norm.weight * q32.to(q.dtype), self.k_norm.weight * k32.to(k.dtype)
+
+
+def use_cpu_attention_kernel(model: CausalLM) -> str:
+    """Set `model.cpu_attention` (CausalLM) when every attention layer can run its decode tokens through the CPU
+    attention kernel (float32, no sinks, a head dim of a multiple of 8, gcc at hand, AVX-512 or AVX2 + FMA);
+    → a line for the engine's log saying what was chosen. All layers or none: the step's metadata is one
+    layout for every layer."""
+    model.cpu_attention = False
+    layers = list(model.modules())
+    if any(isinstance(m, MLAAttention) for m in layers):
+        return "torch (latent attention: no kernel)"
+    attention = [m for m in layers if isinstance(m, Attention)]
+    if not attention:
+        return "torch (no attention layers)"
+    dtype = next(model.parameters()).dtype
+    refused = {why for m in attention if (why := cpu_attention.supports(m.head_dim, dtype, m.sinks is not None))}
+    if refused:
+        return f"torch ({'; '.join(sorted(refused))})"
+    if cpu_attention.load() is None:
+        return "torch (the kernel could not be built or run here, see the warning above)"
+    model.cpu_attention = True
+    return f"cpu kernel in {len(attention)} layers"

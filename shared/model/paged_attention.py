@@ -8,8 +8,10 @@ prefill chunks of any length that may continue an earlier chunk already in the c
 Decode sequences are attended in buckets of similar context length, each padded only to its own longest
 (`group_decodes`), so one long sequence does not make every short one attend over its length. With the
 Triton kernels (KernelChoice.TRITON) every decode sequence goes to one kernel launch instead (`KernelDecodes`):
-the kernel walks only each sequence's own blocks, so padding the table costs it nothing. Prefill chunks take
-the torch path either way.
+the kernel walks only each sequence's own blocks, so padding the table costs it nothing. On CPU the C kernel
+(shared/model/kernels/cpu_attention.c; build(cpu_decode_kernel=True), chosen by the engine for float32 models
+without sinks) takes the same KernelDecodes and likewise reads each sequence's blocks in place, instead of the
+buckets' gather + SDPA. Prefill chunks take the torch path either way.
 
 Sliding windows (ModelConfig.layer_windows): a layer with window W attends, for a query at position p, to keys
 p-W+1..p. The step's metadata carries one view per distinct window (`for_window`), built on the host once per
@@ -24,11 +26,13 @@ Attention sinks (gpt-oss): a learned logit per query head joins every softmax's 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 import torch.nn.functional as F
 
 from shared.model.device import to_device
+from shared.model.kernels import cpu_attention
 from shared.model.kernels.choice import KernelChoice
 
 
@@ -75,14 +79,24 @@ class DecodeBucket:
         return self._biases[dtype]
 
 
+class _DecodeLayout(Enum):
+    """How a step's decodes are laid out: torch buckets, or one KernelDecodes for a kernel."""
+
+    BUCKETS = "buckets"
+    TRITON = "triton"
+    CPU_KERNEL = "cpu_kernel"
+
+
 @dataclass(frozen=True)
 class KernelDecodes:
-    """Every decode sequence (decode tokens 0..Bd-1), for paged_decode_attention."""
+    """Every decode sequence (decode tokens 0..Bd-1), for paged_decode_attention (Triton) or, on CPU, the C
+    kernel (cpu_attention.paged_decode)."""
 
     blocks: torch.Tensor  # (Bd, NBmax) int64 block ids, padded with block 0 past each sequence's own blocks
     context_lens: torch.Tensor  # (Bd,) int64, on the device
     max_context_len: int  # the longest context, on the host: picks the kernel's split count without a sync
     window: int | None = None  # a windowed view: the kernel masks keys more than window - 1 behind the query
+    cpu_kernel: bool = False  # for the CPU attention kernel, not Triton's
 
 
 @dataclass(frozen=True)
@@ -94,7 +108,7 @@ class AttentionMetadata:
     num_decodes: int
     decodes: list[DecodeBucket]  # torch path: together they cover decode tokens 0..num_decodes-1 once each
     prefills: list[PrefillChunk]
-    kernel_decodes: KernelDecodes | None = None  # triton path (decodes is then empty); None without decodes
+    kernel_decodes: KernelDecodes | None = None  # a kernel's layout (decodes is then empty); None without decodes
     windowed: dict[int, AttentionMetadata] = field(default_factory=dict)  # window → its view (see module doc)
     has_full: bool = True  # False: built without the full view (build(full=False))
 
@@ -116,13 +130,21 @@ class AttentionMetadata:
         windows: frozenset[int] | set[int] = frozenset(),
         full: bool = True,
         window_tables: dict[int, list[list[int]]] | None = None,
+        cpu_decode_kernel: bool = False,
     ) -> AttentionMetadata:
         """One entry per sequence, decodes first. context_lens include this step's tokens. `kernels` (resolved:
         TORCH or TRITON) decides how the decodes are laid out: torch buckets, or one KernelDecodes. `windows`:
         the model's sliding windows, one view each (`for_window`). full=False: no layer attends to the whole
         context (every layer slides), so the full view is left empty (its tables may hold blocks freed behind
         the window, block_manager.FREED). `window_tables`: window → per sequence its own group's block table
-        (KV cache groups); a window without an entry uses `block_tables`."""
+        (KV cache groups); a window without an entry uses `block_tables`. cpu_decode_kernel: with the torch
+        kernels on CPU, the decodes as one KernelDecodes for the CPU attention kernel instead of buckets (the
+        model's `cpu_attention`, set by use_cpu_attention_kernel)."""
+        if kernels is KernelChoice.TRITON and cpu_decode_kernel:
+            raise ValueError("cpu_decode_kernel is for the torch kernels on CPU, not with kernels=triton")
+        layout = _DecodeLayout.TRITON if kernels is KernelChoice.TRITON else _DecodeLayout.BUCKETS
+        if cpu_decode_kernel:
+            layout = _DecodeLayout.CPU_KERNEL
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
@@ -130,7 +152,7 @@ class AttentionMetadata:
         slot_mapping = _slot_mapping(tables, context_lens, query_lens, block_size, device)
 
         def view(window: int | None, tables: list[list[int]] = tables) -> tuple:
-            return _views(tables, context_lens, query_lens, num_decodes, block_size, device, kernels, window)
+            return _views(tables, context_lens, query_lens, num_decodes, block_size, device, layout, window)
 
         windowed: dict[int, AttentionMetadata] = {}
         for w in sorted(windows):
@@ -172,12 +194,13 @@ def _views(
     num_decodes: int,
     block_size: int,
     device: torch.device | str,
-    kernels: KernelChoice,
+    layout: _DecodeLayout,
     window: int | None,
 ) -> tuple[list[DecodeBucket], list[PrefillChunk], KernelDecodes | None]:
     """The decode buckets (or kernel decodes) and prefill chunks of one view: the full context (window None),
     or each sequence's window: its table from the first block the window of its first query reaches, its
-    context counted from there (`first` tokens dropped), its masks keeping keys p-W+1..p of a query at p."""
+    context counted from there (`first` tokens dropped), its masks keeping keys p-W+1..p of a query at p.
+    layout: torch buckets, or one KernelDecodes for the Triton or the CPU kernel."""
     first = [0] * len(tables)
     if window is not None:
         first = [
@@ -187,9 +210,10 @@ def _views(
     lens = [n - f for n, f in zip(context_lens, first, strict=True)]
     decodes: list[DecodeBucket] = []
     kernel_decodes = None
-    if kernels is KernelChoice.TRITON:
+    if layout is not _DecodeLayout.BUCKETS:
         if num_decodes:
-            kernel_decodes = _kernel_decodes(tables[:num_decodes], lens[:num_decodes], device, window)
+            cpu = layout is _DecodeLayout.CPU_KERNEL
+            kernel_decodes = _kernel_decodes(tables[:num_decodes], lens[:num_decodes], device, window, cpu)
     else:
         decodes = [
             _decode_bucket(rows, tables, lens, block_size, device, window)
@@ -255,12 +279,16 @@ def _decode_bucket(
 
 
 def _kernel_decodes(
-    tables: list[list[int]], context_lens: list[int], device: torch.device | str, window: int | None = None
+    tables: list[list[int]],
+    context_lens: list[int],
+    device: torch.device | str,
+    window: int | None = None,
+    cpu_kernel: bool = False,
 ) -> KernelDecodes:
     nb_max = max(len(t) for t in tables)
     padded = torch.tensor([t + [0] * (nb_max - len(t)) for t in tables], dtype=torch.int64)
     lens = torch.tensor(context_lens, dtype=torch.int64)
-    return KernelDecodes(to_device(padded, device), to_device(lens, device), max(context_lens), window)
+    return KernelDecodes(to_device(padded, device), to_device(lens, device), max(context_lens), window, cpu_kernel)
 
 
 def _slots(block_table: list[int], start: int, stop: int, block_size: int) -> torch.Tensor:
@@ -287,7 +315,9 @@ def paged_attention(
     flat[1].index_copy_(0, meta.slot_mapping, v)
 
     out = torch.empty_like(q)
-    if meta.kernel_decodes is not None:
+    if meta.kernel_decodes is not None and meta.kernel_decodes.cpu_kernel:
+        _cpu_kernel_decodes(q, kv_cache, meta, scale, sinks, out)
+    elif meta.kernel_decodes is not None:
         # imported here: triton loads only when the kernels were chosen (it may be absent on a CPU host)
         from shared.model.kernels.paged_decode_attention import paged_decode_attention
 
@@ -336,6 +366,20 @@ def paged_attention(
             o = attention_with_sinks(qg, ctx[0:1], ctx[1:2], mask, scale, grouped_sinks).flatten(1, 2)
         out[c.start : c.start + c.count] = o[0].transpose(0, 1)
     return out
+
+
+def _cpu_kernel_decodes(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sinks: torch.Tensor | None, out
+) -> None:
+    """The decode tokens through the CPU attention kernel, written into out[:num_decodes]. The engine picks
+    this layout only where the kernel runs (use_cpu_attention_kernel); sinks and other dtypes keep the torch
+    buckets, so reaching here with them is a wiring error."""
+    lib = cpu_attention.load()
+    kd, nd = meta.kernel_decodes, meta.num_decodes
+    assert kd is not None
+    if lib is None or sinks is not None:
+        raise ValueError("CPU kernel decode layout without a usable CPU attention kernel (or with sinks)")
+    cpu_attention.paged_decode(lib, q[:nd], kv_cache, kd.blocks, kd.context_lens, scale, kd.window, out=out[:nd])
 
 
 def attention_with_sinks(

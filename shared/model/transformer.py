@@ -104,6 +104,9 @@ class CausalLM(nn.Module, PackedWeights):
         self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.runtime_ready = False
         self.kernels = KernelChoice.TORCH  # see use_kernels
+        # decode attention through the CPU kernel (shared/model/attention.py, use_cpu_attention_kernel): the
+        # runner then lays each step's decodes out for it (AttentionMetadata.build(cpu_decode_kernel=True))
+        self.cpu_attention = False
         # called with each layer's index once its forward returned (its KV written): a layer-streamed KV send
         # waits on it (shared/engine/layer_streams.py); None: no step of a streamed request is running
         self.on_layer: Callable[[int], object] | None = None
