@@ -29,6 +29,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu":
+            # one fused op instead of eight: on CPU in float32 bitwise the lines below (no casts to round at;
+            # checked over widths 64..7168, 1..512 rows, 1 and 2 threads). Other devices keep the ops transformers
+            # runs (a CUDA fused kernel need not sum in their order).
+            return F.rms_norm(x, [x.shape[-1]], self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight_in_float32:
