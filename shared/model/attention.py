@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from shared.model.config import ModelConfig, QKNorm
-from shared.model.layers import RMSNorm, apply_rotary
+from shared.model.layers import RMSNorm, RopeTables, apply_rotary
 from shared.model.linear import PackedWeights, linear
 from shared.model.paged_attention import AttentionMetadata, paged_attention
 from shared.model.tensor_parallel import TensorShard
@@ -84,7 +84,7 @@ class Attention(nn.Module, PackedWeights):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],  # Rotary.tables() of this step's positions
+        rope: RopeTables,  # Rotary.tables() of this step's positions
         kv_cache: torch.Tensor,  # (2, N, B, KVH, hd)
         meta: AttentionMetadata,
     ) -> torch.Tensor:
