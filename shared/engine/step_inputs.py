@@ -116,4 +116,6 @@ def forward_step(
             on_scored(i, logits)
     if not inputs.sample_rows:
         return None
+    if inputs.sample_rows == list(range(t)):  # every row samples (a decode-only step): no gather to make
+        return model.logits(hidden)
     return model.logits(hidden[rows])  # (S, V) float32, on the device

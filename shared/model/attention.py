@@ -15,7 +15,7 @@ from torch import nn
 
 from shared.model.config import ModelConfig, QKNorm
 from shared.model.kernels import cpu_attention
-from shared.model.layers import RMSNorm, apply_rotary
+from shared.model.layers import RMSNorm, RopeTables, apply_rotary
 from shared.model.linear import PackedWeights, linear
 from shared.model.mla_attention import MLAAttention
 from shared.model.paged_attention import AttentionMetadata, paged_attention
@@ -91,7 +91,7 @@ class Attention(nn.Module, PackedWeights):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],  # Rotary.tables() of this step's positions
+        rope: RopeTables,  # Rotary.tables() of this step's positions
         kv_cache: torch.Tensor,  # (2, N, B, KVH, hd)
         meta: AttentionMetadata,
     ) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.config import ModelConfig
-from shared.model.layers import RMSNorm, apply_rotary, apply_rotary_interleaved
+from shared.model.layers import RMSNorm, RopeTables, apply_rotary, apply_rotary_interleaved
 from shared.model.linear import PackedWeights, linear
 from shared.model.paged_attention import AttentionMetadata, PrefillChunk
 from shared.model.tensor_parallel import TensorShard
@@ -96,7 +96,7 @@ class MLAAttention(nn.Module, PackedWeights):
     def forward(
         self,
         x: torch.Tensor,  # (T, D)
-        rope: tuple[torch.Tensor, torch.Tensor],  # Rotary.tables() of this step's positions, (T, 1, P) each
+        rope: RopeTables,  # Rotary.tables() of this step's positions, (T, 1, P) each
         kv_cache: torch.Tensor,  # (1, NB, B, 1, W)
         meta: AttentionMetadata,
     ) -> torch.Tensor:

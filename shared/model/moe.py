@@ -299,8 +299,10 @@ class MoE(nn.Module, PackedWeights):
     def forward(self, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
         ids, weights = self.route(x)
         flat = ids.flatten()
-        # (E,) per-expert counts on the device (bincount would read the max id on the host under CUDA)
-        counts = torch.zeros_like(self.expert_load).index_add_(0, flat, torch.ones_like(flat))
+        if x.device.type == "cpu":  # (E,) per-expert counts: one op (its read of the max id costs nothing here)
+            counts = torch.bincount(flat, minlength=self.expert_load.shape[0])
+        else:  # on the device without a host read (bincount would read the max id on the host under CUDA)
+            counts = torch.zeros_like(self.expert_load).index_add_(0, flat, torch.ones_like(flat))
         self.expert_load += counts
         if self.dispatch is not None:
             out = self.dispatch.forward(self.experts, x, ids, weights)

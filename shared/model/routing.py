@@ -226,8 +226,11 @@ class Router(nn.Module, PackedWeights):
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if cfg.grouped:
             choice = self._limit_groups(choice)
-        ids = choice.topk(cfg.top_k, dim=-1).indices  # (T, A)
-        weights = scores.gather(1, ids)  # the unbiased scores of the chosen experts
+        if choice is scores:  # selected on the scores themselves: topk's values are the chosen scores
+            weights, ids = scores.topk(cfg.top_k, dim=-1)  # (T, A) each
+        else:  # biased or group-masked selection: the weights are the unbiased scores of the chosen experts
+            ids = choice.topk(cfg.top_k, dim=-1).indices
+            weights = scores.gather(1, ids)
         if cfg.norm_topk_prob:
             # +1e-20 as DeepSeek-V3/GLM write it; for softmax scores (a sum >= A/E) it does not change a bit
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
