@@ -92,10 +92,11 @@ typedef __m256 vec;
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
 #endif
 
-/* bytes ahead for a second prefetch into L2 only (0 = none): L1 holds few misses in flight (~16 lines), so a
- * far stream may need L2's queue */
+/* bytes ahead for a second prefetch into L2 only (0 = none): L1 holds few misses in flight (~16 lines), so the
+ * far stream goes through L2's queue. AVX-512 build: 16 KiB, measured on Intel Xeon (Sapphire Rapids, 2 cores)
+ * 1.15x over none at 32 rows, 1 and 2 threads (docs/benchmarks.md); not yet measured on AMD */
 #ifndef PDSERVE_PREFETCH_L2
-#define PDSERVE_PREFETCH_L2 0
+#define PDSERVE_PREFETCH_L2 (PDSERVE_ISA == 512 ? 16384 : 0)
 #endif
 /* one prefetch per cache line of a panel row (2L floats: 1 line at L = 8, 2 at L = 16) */
 #define PREFETCH_LINE(row, ahead, hint) \
