@@ -3,8 +3,6 @@
 The cache is PDSERVE_KERNEL_CACHE (default ~/.cache/pdserve/kernels); a library's file name carries a hash of
 its source and flags, so an edited source is rebuilt. A Docker image builds its kernels at image build time
 (`build` of each kernel module), since its runtime has no compiler.
-
-The same steps as cpu_moe.py's own `_build` (which predates this module and may switch to it).
 """
 
 from __future__ import annotations
@@ -27,12 +25,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pdserve" / "kernels")
 
 
-def build_library(source: Path, out_dir: Path | None = None) -> Path:
-    """→ the shared library for `source`, compiled unless the cache holds it (raises RuntimeError when it cannot
-    be; atomic rename: concurrent builders of the same source race harmlessly)."""
+def build_library(source: Path, out_dir: Path | None = None, flags: tuple[str, ...] = (), tag: str = "") -> Path:
+    """→ the shared library for `source` built with CFLAGS + `flags` (`tag` names the build in the file name,
+    e.g. its ISA), compiled unless the cache holds it (raises RuntimeError when it cannot be; atomic rename:
+    concurrent builders of the same source race harmlessly)."""
     out_dir = cache_dir() if out_dir is None else out_dir
-    digest = hashlib.sha256(source.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    target = out_dir / f"{source.stem}-{digest}.so"
+    flags = (*CFLAGS, *flags)
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    target = out_dir / f"{source.stem}{'-' + tag if tag else ''}-{digest}.so"
     if target.exists():
         return target
     gcc = shutil.which(os.environ.get("CC", "gcc"))
@@ -42,7 +42,7 @@ def build_library(source: Path, out_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([gcc, *CFLAGS, "-o", tmp, str(source)], capture_output=True, text=True)
+        proc = subprocess.run([gcc, *flags, "-o", tmp, str(source)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{gcc} failed: {proc.stderr.strip()[:2000]}")
         os.replace(tmp, target)

@@ -15,54 +15,27 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from shared.model.kernels.cbuild import build_library, cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
-# -fopenmp links libgomp.so.1: torch's CPU build loads its own libgomp under that soname first, so the kernel's
-# parallel regions run on torch's OpenMP pool (one pool, no second set of spinning threads). No -m flags: the
-# source picks its vector ISA per function (#pragma GCC target), so its CPU check runs anywhere.
-CFLAGS = ("-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off")
+# compiled with cbuild.CFLAGS (no -m flags: the source picks its vector ISA with #pragma GCC target, so its CPU
+# check runs anywhere) and -DPDSERVE_ISA per build
 ISAS = {"avx512": 512, "avx2": 256}  # build name → PDSERVE_ISA, the widest first
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pdserve" / "kernels")
 
 
 def _build(source: Path, out_dir: Path, isa: str = "avx2", extra: tuple[str, ...] = ()) -> Path:
     """→ the shared library for `source` built for `isa` (plus `extra` compiler flags: a benchmark's variant),
-    compiled unless the cache holds it (atomic rename: concurrent builders of the same source race harmlessly)."""
-    flags = (*CFLAGS, f"-DPDSERVE_ISA={ISAS[isa]}", *extra)
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-    target = out_dir / f"{source.stem}-{isa}-{digest}.so"
-    if target.exists():
-        return target
-    gcc = shutil.which(os.environ.get("CC", "gcc"))
-    if gcc is None:
-        raise RuntimeError("no C compiler (gcc, or $CC) on PATH")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        proc = subprocess.run([gcc, *flags, "-o", tmp, str(source)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{gcc} failed: {proc.stderr.strip()[:2000]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    compiled unless the cache holds it (cbuild.build_library)."""
+    return build_library(source, out_dir, (f"-DPDSERVE_ISA={ISAS[isa]}", *extra), tag=isa)
 
 
 def build() -> list[Path]:
