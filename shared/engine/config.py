@@ -82,6 +82,10 @@ class EngineConfig:
     intra-op threads), which reads each sequence's KV blocks in place, instead of the buckets' gather + SDPA;
     models with attention sinks or latent attention, other dtypes, or a host where it cannot be built or run
     keep the torch path (logged). False = the torch path (the kernel's reference)."""
+    cpu_norm_kernel: bool = True
+    """On CPU, a float32 model's RMSNorms and each attention layer's q/k norm + RoPE run the C kernel
+    (shared/model/kernels/cpu_norm_rope.c, built with gcc at first use, any x86-64), one call each instead of
+    torch's five ops; where it cannot be built, the torch ops (logged). False = the torch ops (its reference)."""
     kernels: KernelChoice = KernelChoice.AUTO
     """Decode attention and MoE experts: auto = triton on CUDA when triton is installed, else torch; torch =
     the plain-torch path (the CPU path and the kernels' reference); triton = the Triton kernels (on CPU only

@@ -43,7 +43,7 @@ from shared.engine.runner import ModelRunner
 from shared.engine.sampling import Sampler, SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.structured import StructuredDecoding
-from shared.model.attention import use_cpu_attention_kernel
+from shared.model.attention import use_cpu_attention_kernel, use_cpu_norm_rope_kernel
 from shared.model.device import resolve_device
 from shared.model.kernels.choice import KernelChoice, resolve_kernels
 from shared.model.linear import can_prepack, prepack
@@ -163,6 +163,8 @@ class Engine:
             log.info("CPU decode attention: %s", use_cpu_attention_kernel(self.model))
         else:
             self.model.cpu_attention = False
+        if config.cpu_norm_kernel and self.device.type == "cpu":
+            log.info("CPU norms and RoPE: %s", use_cpu_norm_rope_kernel(self.model))
         if self.model.layout != self.parallel:
             raise ValueError(
                 f"the model was built for {self.model.layout}, the engine is configured for {self.parallel}"

@@ -8,13 +8,14 @@ projection width: the per-token sums of squares are all-reduced (one (T, 2) all-
 
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from shared.model.config import ModelConfig, QKNorm
-from shared.model.kernels import cpu_attention
+from shared.model.kernels import cpu_attention, cpu_norm_rope
 from shared.model.layers import RMSNorm, RopeTables, apply_rotary
 from shared.model.linear import PackedWeights, linear
 from shared.model.mla_attention import MLAAttention
@@ -53,6 +54,8 @@ class Attention(nn.Module, PackedWeights):
         self.head_rows = heads  # this rank's query heads: its slice of the per-head sinks
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.arch.attention_sinks else None
         self.qk_norm = cfg.arch.qk_norm
+        # the CPU q/k norm + RoPE kernel (kernels/cpu_norm_rope.py), set by use_cpu_norm_rope_kernel
+        self.rope_kernel: ctypes.CDLL | None = None
         if self.qk_norm is QKNorm.PER_HEAD:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
@@ -105,9 +108,14 @@ class Attention(nn.Module, PackedWeights):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm is QKNorm.PER_HEAD:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, rope)
+        if self.rope_kernel is not None:  # the per-head norm and the rotation in one call
+            weights = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm is QKNorm.PER_HEAD else (None, None)
+            eps = self.q_norm.eps if self.qk_norm is QKNorm.PER_HEAD else 0.0
+            q, k = cpu_norm_rope.qk_norm_rope(self.rope_kernel, q, k, rope.cos, rope.signed_sin, *weights, eps)
+        else:
+            if self.qk_norm is QKNorm.PER_HEAD:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, k, rope)
         out = paged_attention(q, k, v, kv_cache, meta.for_window(self.window), self.scale, self.sinks)
         out = out.reshape(t, self.q_size)
         if not self.shard.split:  # the bias inside the matmul: one rounding, as nn.Linear's (transformers')
@@ -147,3 +155,27 @@ def use_cpu_attention_kernel(model: CausalLM) -> str:
         return "torch (the kernel could not be built or run here, see the warning above)"
     model.cpu_attention = True
     return f"cpu kernel in {len(attention)} layers"
+
+
+def use_cpu_norm_rope_kernel(model: CausalLM) -> str:
+    """Give every RMSNorm of a float32 model the CPU norm kernel and every (non-latent) attention layer the
+    fused q/k norm + RoPE (kernels/cpu_norm_rope.py); → a line for the engine's log. Other dtypes, or a host
+    where the kernel cannot be built, keep the torch ops."""
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.kernel = None
+        elif isinstance(m, Attention):
+            m.rope_kernel = None
+    dtype = next(model.parameters()).dtype
+    if dtype != torch.float32:
+        return f"torch ops (dtype {dtype}: the kernel is float32 only)"
+    lib = cpu_norm_rope.load()
+    if lib is None:
+        return "torch ops (the kernel could not be built here, see the warning above)"
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    for m in norms:
+        m.kernel = lib
+    fused = [m for m in model.modules() if isinstance(m, Attention)]
+    for m in fused:
+        m.rope_kernel = lib
+    return f"cpu kernel for {len(norms)} norms and the q/k norm + RoPE of {len(fused)} attention layers"

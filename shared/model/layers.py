@@ -5,6 +5,7 @@ Tensors are flat over tokens: `T` tokens of the whole batch, `D` hidden size, no
 
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import NamedTuple
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.config import RopeConfig
+from shared.model.kernels import cpu_norm_rope
 from shared.model.linear import PackedWeights, linear
 from shared.model.tensor_parallel import TensorShard
 
@@ -27,10 +29,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
         self.weight_in_float32 = weight_in_float32
+        # the CPU norm kernel (kernels/cpu_norm_rope.py), set by use_cpu_norm_rope_kernel on a float32 CPU model
+        self.kernel: ctypes.CDLL | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu":
+            if self.kernel is not None:
+                out = cpu_norm_rope.rms_norm(self.kernel, x, self.weight, self.eps)
+                if out is not None:  # None: a layout the kernel does not read
+                    return out
             # one fused op instead of eight: on CPU in float32 bitwise the lines below (no casts to round at;
             # checked over widths 64..7168, 1..512 rows, 1 and 2 threads). Other devices keep the ops transformers
             # runs (a CUDA fused kernel need not sum in their order).
