@@ -32,7 +32,19 @@ class RMSNorm(nn.Module):
         # the CPU norm kernel (kernels/cpu_norm_rope.py), set by use_cpu_norm_rope_kernel on a float32 CPU model
         self.kernel: ctypes.CDLL | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual_delta: torch.Tensor | None = None):
+        """→ the norm of x; with `residual_delta`, (h, the norm of h) for h = x + residual_delta: the residual add
+        before a norm, in one pass where the CPU kernel runs (the same h, bitwise, as x + residual_delta)."""
+        if residual_delta is None:
+            return self._norm(x)
+        if self.kernel is not None and x.device.type == "cpu" and self.weight.dtype == torch.float32:
+            fused = cpu_norm_rope.add_rms_norm(self.kernel, x, residual_delta, self.weight, self.eps)
+            if fused is not None:  # None: a layout or dtype the kernel does not take
+                return fused
+        h = x + residual_delta
+        return h, self._norm(h)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu":
             if self.kernel is not None:

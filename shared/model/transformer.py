@@ -45,9 +45,16 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, shard)
 
-    def forward(self, x, rope, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, rope, kv_cache, meta, pending=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, D): the residual stream; pending: the previous layer's MLP output, not yet added to it (None at
+        the first layer). → (the residual stream after attention, this layer's MLP output): each residual add
+        runs inside the norm that follows it (RMSNorm's residual_delta), one pass instead of two."""
+        if pending is None:
+            normed = self.input_layernorm(x)
+        else:
+            x, normed = self.input_layernorm(x, pending)
+        x, normed = self.post_attention_layernorm(x, self.self_attn(normed, rope, kv_cache, meta))
+        return x, self.mlp(normed)
 
 
 class Backbone(nn.Module):
@@ -155,11 +162,12 @@ class CausalLM(nn.Module, PackedWeights):
             raise RuntimeError("call init_runtime() (load_model does) before running the model")
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, torch.float32 if self.config.arch.rope_in_float32 else x.dtype)
+        pending = None  # the last layer's MLP output, added to x by the next norm (DecoderLayer.forward)
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            x = layer(x, rope, kv_cache, meta)
+            x, pending = layer(x, rope, kv_cache, meta, pending)
             if self.on_layer is not None:
                 self.on_layer(i)
-        return self.model.norm(x)
+        return self.model.norm(x) if pending is None else self.model.norm(x, pending)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, D) → full logits (N, V) float32, on every rank."""

@@ -59,6 +59,24 @@ def test_rms_norm_reads_strided_rows_and_refuses_other_layouts():
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows, dim", [(1, 64), (32, 512), (9, 200)])
+def test_add_then_norm_in_one_pass(rows, dim):
+    """The residual stream is bitwise x + delta (the add rounds once either way); its norm as F.rms_norm's."""
+    gen = torch.Generator().manual_seed(rows)
+    x, delta, w = torch.randn(rows, dim, generator=gen), torch.randn(rows, dim, generator=gen), torch.randn(dim)
+    fused = cpu_norm_rope.add_rms_norm(LIB, x, delta, w, 1e-6)
+    assert fused is not None
+    assert torch.equal(fused[0], x + delta)
+    torch.testing.assert_close(fused[1], F.rms_norm(x + delta, [dim], w, 1e-6), rtol=1e-6, atol=1e-5)
+    assert cpu_norm_rope.add_rms_norm(LIB, x, torch.randn(rows, 2 * dim)[:, ::2], w, 1e-6) is None  # strided
+    norm = RMSNorm(dim, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    torch_h, torch_normed = norm(x, delta)  # no kernel set: the torch ops
+    assert torch.equal(torch_h, x + delta) and torch.equal(torch_normed, norm(x + delta))
+
+
+@needs_kernel
 @pytest.mark.parametrize("heads, kv_heads, head_dim, rotary_dim", [(8, 2, 64, 64), (4, 4, 128, 128), (6, 2, 64, 32)])
 def test_rope_alone_is_bitwise_apply_rotary(heads, kv_heads, head_dim, rotary_dim):
     """The rotation does what apply_rotary does, in its order of roundings: the same bits (partial rotary: the

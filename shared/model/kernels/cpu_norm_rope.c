@@ -1,4 +1,5 @@
-/* RMSNorm and the attention layer's q/k norm + RoPE on CPU, float32, one call each (shared/model/kernels/
+/* RMSNorm (optionally after the residual add before it) and the attention layer's q/k norm + RoPE on CPU, float32,
+ * one call each (shared/model/kernels/
  * cpu_norm_rope.py builds this file with gcc at first use and calls it through ctypes; RMSNorm and apply_rotary
  * of shared/model/layers.py are the reference it is tested against).
  *
@@ -64,6 +65,21 @@ CLONES void pdserve_rms_norm_f32(const float *x, int64_t x_stride, const float *
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * x_stride;
         scale_row(row, w, inv_rms(row, n, eps), out + r * n, n);
+    }
+}
+
+/* h = x + d (rows, n), all contiguous, and out = RMSNorm of h's rows with weight w: the residual add and the
+ * next norm in one pass (h is the rounded float sum, bitwise torch's x + d). */
+CLONES void pdserve_add_rms_norm_f32(const float *x, const float *d, const float *w, float *h, float *out,
+                                     int64_t rows, int64_t n, float eps, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows * n >= PARALLEL_FLOATS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n, *dr = d + r * n;
+        float *hr = h + r * n;
+        int64_t i = 0;
+        for (; i + L <= n; i += L) *(vfu *)(hr + i) = *(const vfu *)(xr + i) + *(const vfu *)(dr + i);
+        for (; i < n; i++) hr[i] = xr[i] + dr[i];
+        scale_row(hr, w, inv_rms(hr, n, eps), out + r * n, n);
     }
 }
 

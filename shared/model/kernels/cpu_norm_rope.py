@@ -1,5 +1,5 @@
-"""The CPU RMSNorm and q/k norm + RoPE kernel (cpu_norm_rope.c): one call per norm and one per attention layer's
-q/k instead of torch's five ops each, float32.
+"""The CPU RMSNorm and q/k norm + RoPE kernel (cpu_norm_rope.c): one call per norm (with the residual add before
+it, where the layer has one) and one per attention layer's q/k instead of torch's five ops each, float32.
 
 Built with gcc at first use into the kernel cache (cbuild.py), loaded with ctypes; any x86-64 CPU runs it (the
 library carries AVX-512F, AVX2 and plain builds and picks one at load). Where gcc is missing or the build fails,
@@ -39,6 +39,8 @@ def load() -> ctypes.CDLL | None:
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     lib.pdserve_rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32, i32]
     lib.pdserve_rms_norm_f32.restype = None
+    lib.pdserve_add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, f32, i32]
+    lib.pdserve_add_rms_norm_f32.restype = None
     lib.pdserve_qk_norm_rope_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, f32, ptr, ptr, ptr, ptr, *[i64] * 5, i32]
     lib.pdserve_qk_norm_rope_f32.restype = None
     return lib
@@ -73,6 +75,24 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
         x.data_ptr(), stride, weight.data_ptr(), out.data_ptr(), rows, x.shape[-1], eps, torch.get_num_threads()
     )
     return out
+
+
+def add_rms_norm(
+    lib: ctypes.CDLL, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x + delta, RMSNorm of it) in one pass, float32 on the CPU, both new contiguous tensors; None when the
+    inputs are not contiguous float32 of one shape (the caller runs the torch ops)."""
+    if not (x.dtype == delta.dtype == weight.dtype == torch.float32 and x.shape == delta.shape):
+        return None
+    if not (x.is_contiguous() and delta.is_contiguous() and weight.is_contiguous()):
+        return None
+    n = x.shape[-1]
+    h, out = torch.empty_like(x), torch.empty_like(x)
+    lib.pdserve_add_rms_norm_f32(
+        x.data_ptr(), delta.data_ptr(), weight.data_ptr(), h.data_ptr(), out.data_ptr(), x.numel() // n, n, eps,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return h, out
 
 
 def qk_norm_rope(
