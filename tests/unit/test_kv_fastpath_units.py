@@ -31,6 +31,16 @@ def test_block_runs():
     assert block_runs([3, 4, 5, 9, 10, 2, 0, 1]) == [(3, 3), (9, 2), (2, 1), (0, 2)]
 
 
+@pytest.mark.parametrize("block_ids", [list(range(2, 14)), [9, 10, 11, 12, 0, 1, 2, 3], [7, 8, 2, 3, 4, 12, 0], [5]])
+def test_read_copies_runs_or_gathers_the_same_bytes(pool, block_ids):
+    """Long runs of consecutive blocks are copied as slices, scattered ids gathered: the same tensor either way,
+    with or without `out`."""
+    expected = pool.tensor.index_select(2, torch.tensor(block_ids))
+    assert torch.equal(pool.read(block_ids), expected)
+    out = torch.full_like(expected, float("nan"))
+    assert pool.read(block_ids, out=out) is out and torch.equal(out, expected)
+
+
 # Thresholds that force each way: flat (everything is small), direct (every run is worth a message),
 # layered (no run is).
 MODES = {"flat": (1 << 30, 0), "direct": (0, 0), "layered": (0, 1 << 30)}
