@@ -22,6 +22,8 @@ number is the median over repeats, after one warm-up run each.
   first system with the kernel and its twin without, all four runs alternated.
 - floor: the bytes a decode step must read (weights of the experts it touches, KV), over this machine's
   read bandwidth; also its FLOPs over the machine's matmul rate, since CPUs are often compute bound here.
+  Both rates are sampled once per round of each decode batch, between the systems' runs, and the floor uses
+  their medians: a shared host's bandwidth moves by half from one minute to the next.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from shared.model.moe import use_cpu_expert_kernel  # noqa: E402
 PREFILL_LEN = 512
 DECODE_PROMPT = 128
 DECODE_TOKENS = 128  # timed tokens per sequence, after the first
+RATES = "_host_rates"  # bench_decode's pseudo-system: the read bandwidth and matmul rate, sampled each round
 BLOCK_SIZE = 16
 MIXED_SHORT, MIXED_LONG, MIXED_BATCH, MIXED_TOKENS = 128, 4096, 32, 16
 MODEL_FIELDS = ("model_type", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
@@ -217,8 +220,16 @@ def bench_decode(systems: dict, batch: int, repeats: int, gen: torch.Generator, 
     # A short warm-up suffices: kernels and allocations are per shape, not per step count.
     for runner in systems.values():
         runner.decode(prompts, 4)
-    runs = interleaved({n: (lambda r=r: r.decode(prompts, tokens)) for n, r in systems.items()}, repeats)
+    fns: dict[str, Callable[[], Any]] = {n: (lambda r=r: r.decode(prompts, tokens)) for n, r in systems.items()}
+    # The host's rates, sampled in the same rounds as the runs: on a shared host the read bandwidth moved from
+    # 30 to 47 GB/s between runs minutes apart, so a floor from one reading at another moment says little.
+    fns[RATES] = lambda: (read_bandwidth(repeats=5), matmul_gflops(repeats=3))
+    runs = interleaved(fns, repeats)
+    rates = runs.pop(RATES)
     row: dict = dict(batch=batch, avg_context=DECODE_PROMPT + (tokens + 1) / 2)
+    row |= dict(read_gbps_samples=[g for g, _ in rates], matmul_gflops_samples=[f for _, f in rates])
+    row |= dict(read_gbps=statistics.median(row["read_gbps_samples"]))
+    row |= dict(matmul_gflops=statistics.median(row["matmul_gflops_samples"]))
     for name, system_runs in runs.items():
         totals = [sum(steps) for steps, _ in system_runs]
         if any(len(steps) != tokens for steps, _ in system_runs):
@@ -298,9 +309,11 @@ def decode_step_cost(model: torch.nn.Module, batch: int, context: float) -> tupl
     return read * itemsize, batch * (2 * (dense_params + per_expert * k) + attention_flops)
 
 
-def add_floor(rows: list[dict], model: torch.nn.Module, gbps: float, gflops: float, names: list[str]) -> None:
+def add_floor(rows: list[dict], model: torch.nn.Module, names: list[str]) -> None:
+    """Each decode row's floors from the rates sampled in its own rounds (bench_decode)."""
     for row in rows:
         read, flops = decode_step_cost(model, row["batch"], row["avg_context"])
+        gbps, gflops = row["read_gbps"], row["matmul_gflops"]
         row |= dict(step_mb=read / 1e6, mem_floor_ms=read / gbps / 1e6, compute_floor_ms=flops / gflops / 1e6)
         for name in names:
             row[f"{name}_x_mem_floor"] = row[f"{name}_step_ms"] / row["mem_floor_ms"]
@@ -316,7 +329,8 @@ def print_report(
         f"{cfg['model_type']} {cfg['params'] / 1e6:.1f}M params, {cfg['num_experts']} experts "
         f"top-{cfg['num_experts_per_tok']}\n{describe(cfg)}; expert kernel builds here: "
         f"{', '.join(cfg['cpu_kernel_builds']) or 'none'}\n"
-        f"read bandwidth {cfg['read_gbps']:.1f} GB/s, matmul {cfg['matmul_gflops']:.0f} GFLOP/s, load average "
+        f"read bandwidth {cfg['read_gbps']:.1f} GB/s, matmul {cfg['matmul_gflops']:.0f} GFLOP/s (after the decode runs; "
+        f"each decode row's floors use the rates sampled in its own rounds), load average "
         f"{cfg['load_before'][0]:.1f} before, {cfg['load_after'][0]:.1f} after\n"
     )
     head = "".join(f"{n + ' tok/s':>26}" for n in names) + "".join(f"{n + ' / hf':>24}" for n in pds)
@@ -327,12 +341,15 @@ def print_report(
             print(f"{phase:<8}{r['batch']:>6}{cells}" + "".join(f"{r[f'{n}_ratio']:>24.2f}" for n in pds))
     print(f"\ndecode step vs floor (avg context {decode[0]['avg_context']:.1f} tokens): step ms (x mem floor)")
     head = "".join(f"{n:>26}" for n in names)
-    print(f"{'batch':>5}{'MB/step':>9}{'mem floor ms':>14}{'FLOP floor ms':>15}{head}{'same tokens':>13}")
+    print(f"{'batch':>5}{'MB/step':>9}{'mem floor ms':>14}{'FLOP floor ms':>15}{head}{'same tokens':>13}"
+          f"{'GB/s in its rounds':>22}")  # fmt: skip
     for r in decode:
         cells = "".join(f"{r[f'{n}_step_ms']:>18.2f} ({r[f'{n}_x_mem_floor']:>4.1f})" for n in names)
+        samples = r["read_gbps_samples"]
+        rates = f"{r['read_gbps']:.1f} ({min(samples):.0f}-{max(samples):.0f})"
         print(
             f"{r['batch']:>5}{r['step_mb']:>9.1f}{r['mem_floor_ms']:>14.2f}{r['compute_floor_ms']:>15.2f}"
-            f"{cells}{r['same_tokens']:>13.0%}"
+            f"{cells}{r['same_tokens']:>13.0%}{rates:>22}"
         )
     if not mixed:
         return
@@ -451,7 +468,7 @@ def main() -> None:
     # the first system, and with --cpu-attention both its twin on the other attention path
     twins = {n: r for n, r in systems.items() if n.removesuffix(TORCH_ATTENTION_SUFFIX) == next(iter(systems))}
     mixed = None if args.skip_mixed else bench_mixed_decode(twins, decode_repeats, gen)
-    add_floor(decode, model, gbps, gflops, list(systems))
+    add_floor(decode, model, list(systems))
 
     cfg = run_config(model_dir, model, hf.model, args.quick, prefill_repeats, decode_repeats)
     cfg |= dict(cpu_kernel_builds=[k.isa for k in cpu_moe.kernels()], kernel_isas=isas)
