@@ -329,8 +329,8 @@ def print_report(
         f"{cfg['model_type']} {cfg['params'] / 1e6:.1f}M params, {cfg['num_experts']} experts "
         f"top-{cfg['num_experts_per_tok']}\n{describe(cfg)}; expert kernel builds here: "
         f"{', '.join(cfg['cpu_kernel_builds']) or 'none'}\n"
-        f"read bandwidth {cfg['read_gbps']:.1f} GB/s, matmul {cfg['matmul_gflops']:.0f} GFLOP/s (after the decode runs; "
-        f"each decode row's floors use the rates sampled in its own rounds), load average "
+        f"read bandwidth {cfg['read_gbps']:.1f} GB/s, matmul {cfg['matmul_gflops']:.0f} GFLOP/s (after the decode "
+        f"runs; each decode row's floors use the rates sampled in its own rounds), load average "
         f"{cfg['load_before'][0]:.1f} before, {cfg['load_after'][0]:.1f} after\n"
     )
     head = "".join(f"{n + ' tok/s':>26}" for n in names) + "".join(f"{n + ' / hf':>24}" for n in pds)
