@@ -1,0 +1,24 @@
+"""The C kernels' build cache (shared/model/kernels/cbuild.py): one library per source and flags, compiled once,
+rebuilt when the source changes. Each kernel's own tests hold it to its torch reference."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from shared.model.kernels import cbuild, cpu_attention, cpu_moe, cpu_norm_rope
+
+needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc on this host")
+
+
+@needs_gcc
+@pytest.mark.parametrize("source", [cpu_attention.SOURCE, cpu_moe.SOURCE, cpu_norm_rope.SOURCE], ids=lambda p: p.stem)
+def test_build_is_cached_by_source_hash(tmp_path, source):
+    first = cbuild.build_library(source, tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert cbuild.build_library(source, tmp_path) == first and first.stat().st_mtime_ns == mtime
+    edited = tmp_path / source.name  # a source that includes itself finds itself by this name, next to it
+    edited.write_text(source.read_text() + "\n/* edited */\n")
+    assert cbuild.build_library(edited, tmp_path) != first
+    assert cbuild.build_library(source, tmp_path, flags=("-DPDSERVE_UNUSED=1",)) != first  # flags are in the key
