@@ -48,7 +48,6 @@ from shared.model.device import resolve_device
 from shared.model.kernels.choice import KernelChoice, resolve_kernels
 from shared.model.linear import can_prepack, prepack
 from shared.model.moe import use_cpu_expert_kernel
-from shared.model.routing import use_cpu_router_kernel
 from shared.model.transformer import CausalLM
 from shared.parallel.group import RankGroup
 from shared.parallel.layout import kv_head_range
@@ -160,7 +159,6 @@ class Engine:
         log.info("kernels: %s (setting %s, device %s)", self.kernels, config.kernels, self.device)
         if config.cpu_expert_kernel and self.device.type == "cpu" and self.kernels is KernelChoice.TORCH:
             log.info("CPU experts: %s", use_cpu_expert_kernel(self.model))
-            log.info("CPU MoE routers: %s", use_cpu_router_kernel(self.model))
         if config.cpu_attention_kernel and self.device.type == "cpu" and self.kernels is KernelChoice.TORCH:
             log.info("CPU decode attention: %s", use_cpu_attention_kernel(self.model))
         else:

@@ -21,7 +21,6 @@ replicated under tensor and expert parallelism (every rank routes alike, shared/
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -29,7 +28,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from shared.model.kernels import cpu_router
 from shared.model.linear import PackedWeights, linear, pack
 
 
@@ -190,8 +188,6 @@ class Router(nn.Module, PackedWeights):
         # whatever the model's dtype (see _apply), as transformers keeps it
         bias = torch.empty(cfg.num_experts, dtype=torch.float32) if cfg.correction_bias else None
         self.register_buffer("e_score_correction_bias", bias)
-        # the CPU selection kernel (kernels/cpu_router.py), set by use_cpu_router_kernel where it fits
-        self.kernel: ctypes.CDLL | None = None
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         """Moves and dtype casts of the module (`.to`, `to_empty`, `.cuda()`...) move the correction bias too,
@@ -212,18 +208,6 @@ class Router(nn.Module, PackedWeights):
         weight = self.weight.float() if self.cfg.float32_logits else self.weight
         self.__dict__["_packed"] = {"weight": pack(weight)}
 
-    @property
-    def kernel_fits(self) -> bool:
-        """Whether the CPU router kernel computes this router's selection: softmax or gpt-oss's top-A-first
-        scoring, greedy (no groups), no correction bias (kernels/cpu_router.c)."""
-        cfg = self.cfg
-        return (
-            cfg.scoring in (Scoring.SOFTMAX, Scoring.TOPK_SOFTMAX)
-            and cfg.topk_method is TopkMethod.GREEDY
-            and self.e_score_correction_bias is None
-            and cfg.top_k <= cpu_router.MAX_TOP_K
-        )
-
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """(T, D) → (T, E) float32."""
         if self.cfg.float32_logits:
@@ -235,11 +219,6 @@ class Router(nn.Module, PackedWeights):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         logits = self.logits(x)
-        if self.kernel is not None and logits.device.type == "cpu":  # set only where kernel_fits
-            topk_first = cfg.scoring is Scoring.TOPK_SOFTMAX
-            return cpu_router.route(
-                self.kernel, logits, cfg.top_k, topk_first, cfg.norm_topk_prob, cfg.routed_scaling_factor
-            )
         if cfg.scoring is Scoring.TOPK_SOFTMAX:
             top, ids = logits.topk(cfg.top_k, dim=-1)
             return ids, torch.softmax(top, dim=-1)
@@ -270,22 +249,3 @@ class Router(nn.Module, PackedWeights):
         best = group_scores.topk(cfg.topk_group, dim=-1).indices  # (T, topk_group)
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # (T, G)
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
-
-
-def use_cpu_router_kernel(model: nn.Module) -> str:
-    """Give every router of `model` whose selection the CPU router kernel computes (Router.kernel_fits) the
-    kernel; → a line for the engine's log. Where it cannot be built, the torch ops."""
-    routers = [m for m in model.modules() if isinstance(m, Router)]
-    for m in routers:
-        m.kernel = None
-    if not routers:
-        return "no MoE routers"
-    fitting = [m for m in routers if m.kernel_fits]
-    if not fitting:
-        return "torch ops (grouped, biased or sigmoid routing: not in the kernel)"
-    lib = cpu_router.load()
-    if lib is None:
-        return "torch ops (the kernel could not be built here, see the warning above)"
-    for m in fitting:
-        m.kernel = lib
-    return f"cpu kernel in {len(fitting)} of {len(routers)} routers"
