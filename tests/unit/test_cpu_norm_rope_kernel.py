@@ -120,6 +120,15 @@ def test_thread_count_does_not_change_the_bits():
     assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r, strict=True))
 
 
+@needs_kernel
+def test_an_empty_batch_gives_empty_results():
+    q, k = _qkv(0, 4, 2, 32)
+    tables = _tables(torch.arange(0), 32)
+    got = cpu_norm_rope.qk_norm_rope(LIB, q, k, tables.cos, tables.signed_sin, torch.ones(32), torch.ones(32), 1e-6)
+    assert [tuple(g.shape) for g in got] == [(0, 4, 32), (0, 2, 32)]
+    assert cpu_norm_rope.rms_norm(LIB, torch.empty(0, 64), torch.ones(64), 1e-6).shape == (0, 64)
+
+
 def test_bad_inputs_are_refused():
     if LIB is None:
         pytest.skip("no kernel")

@@ -116,7 +116,8 @@ def qk_norm_rope(
             raise ValueError(f"{name} must be float32 with contiguous heads, got {x.dtype}, strides {x.stride()}")
     if (q_weight is None) != (k_weight is None):
         raise ValueError("q and k are normed together or not at all")
-    cos, signed_sin = cos.reshape(t, -1).contiguous(), signed_sin.reshape(t, -1).contiguous()
+    width = cos.shape[-1]  # not reshape(t, -1): ambiguous for an empty batch
+    cos, signed_sin = cos.reshape(t, width).contiguous(), signed_sin.reshape(t, width).contiguous()
     dim = cos.shape[1]
     if dim > hd or dim % 2:
         raise ValueError(f"rotary tables of width {dim} for a head dim of {hd}")
