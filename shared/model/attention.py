@@ -161,21 +161,16 @@ def use_cpu_norm_rope_kernel(model: CausalLM) -> str:
     """Give every RMSNorm of a float32 model the CPU norm kernel and every (non-latent) attention layer the
     fused q/k norm + RoPE (kernels/cpu_norm_rope.py); → a line for the engine's log. Other dtypes, or a host
     where the kernel cannot be built, keep the torch ops."""
-    for m in model.modules():
-        if isinstance(m, RMSNorm):
-            m.kernel = None
-        elif isinstance(m, Attention):
-            m.rope_kernel = None
     dtype = next(model.parameters()).dtype
-    if dtype != torch.float32:
-        return f"torch ops (dtype {dtype}: the kernel is float32 only)"
-    lib = cpu_norm_rope.load()
-    if lib is None:
-        return "torch ops (the kernel could not be built here, see the warning above)"
+    lib = cpu_norm_rope.load() if dtype == torch.float32 else None
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    fused = [m for m in model.modules() if isinstance(m, Attention)]
     for m in norms:
         m.kernel = lib
-    fused = [m for m in model.modules() if isinstance(m, Attention)]
     for m in fused:
         m.rope_kernel = lib
+    if dtype != torch.float32:
+        return f"torch ops (dtype {dtype}: the kernel is float32 only)"
+    if lib is None:
+        return "torch ops (the kernel could not be built here, see the warning above)"
     return f"cpu kernel for {len(norms)} norms and the q/k norm + RoPE of {len(fused)} attention layers"

@@ -7,7 +7,9 @@ its source and flags, so an edited source is rebuilt. A Docker image builds its 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -50,3 +52,13 @@ def build_library(source: Path, out_dir: Path | None = None, flags: tuple[str, .
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def load_library(source: Path, log: logging.Logger, what: str, fallback: str) -> ctypes.CDLL | None:
+    """The library of `source` (built into the cache if needed), or None after one warning naming `what` and
+    the `fallback` that runs instead, where it cannot be built or loaded."""
+    try:
+        return ctypes.CDLL(str(build_library(source, cache_dir())))
+    except (OSError, RuntimeError) as exc:
+        log.warning("%s unavailable, using %s: %s", what, fallback, exc)
+        return None

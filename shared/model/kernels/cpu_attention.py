@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from shared.model.kernels.cbuild import build_library, cache_dir
+from shared.model.kernels.cbuild import build_library, cache_dir, load_library
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +33,8 @@ def build() -> Path:
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernel library, or None (logged once) where it cannot be built or this CPU cannot run it."""
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except (OSError, RuntimeError) as exc:
-        log.warning("CPU attention kernel unavailable, using the torch path: %s", exc)
+    lib = load_library(SOURCE, log, "CPU attention kernel", "the torch path")
+    if lib is None:
         return None
     if not lib.pdserve_attention_width():
         log.warning("CPU attention kernel needs AVX-512F or AVX2 + FMA, which this CPU lacks: using the torch path")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from shared.model.kernels.cbuild import build_library, cache_dir
+from shared.model.kernels.cbuild import build_library, cache_dir, load_library
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +31,8 @@ def build() -> Path:
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernel library, or None (logged once) where it cannot be built."""
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except (OSError, RuntimeError) as exc:
-        log.warning("CPU norm kernel unavailable, using the torch ops: %s", exc)
+    lib = load_library(SOURCE, log, "CPU norm kernel", "the torch ops")
+    if lib is None:
         return None
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     lib.pdserve_rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32, i32]
