@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from shared.model.config import ModelConfig
 
 # A read whose runs of consecutive blocks average at least this many blocks copies each run as one strided
-# slice: 2.5x faster than index_select over the block ids for one run of 256 blocks (33 MB, AMD EPYC, 2 threads).
+# slice, instead of index_select over the block ids, which copies block by block (the shared-memory send's
+# gather: `kv_pull_profile.py --shm`, phase "gather into the segment").
 RUN_COPY_MIN_BLOCKS = 4
 
 

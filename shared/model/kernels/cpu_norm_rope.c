@@ -4,9 +4,9 @@
  * of shared/model/layers.py are the reference it is tested against).
  *
  * Why: at decode the tensors are tiny (32 tokens x 512), so torch's cost is dispatch, not arithmetic: its CPU
- * rms_norm is five ops and RoPE five more, each a few microseconds of dispatch and an allocation, 60-140 us
- * per norm measured inside a decode step, four norms and one RoPE per layer. Here each is one pass over rows in
- * L1.
+ * rms_norm is five ops and RoPE five more, each a few microseconds of dispatch and an allocation, four norms
+ * and one RoPE per layer. Here each is one pass over rows in L1 (what that buys a step: benchmarks/kernel_ab.py
+ * --kernel norm).
  *
  * Arithmetic, per row of n: the sum of squares in 16 lane-wise partial sums folded in a fixed order (not
  * torch's order: results differ from F.rms_norm in the last bits), r = 1 / sqrtf(sum / n + eps), then
