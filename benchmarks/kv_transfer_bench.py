@@ -20,8 +20,9 @@ median of a few runs), holds the KV and serves KvTransfer on 127.0.0.1. This pro
 - clone: `tensor.clone()` of a tensor of the same size in this process (fresh memory: page faults above
   glibc's mmap threshold); copy: `out.copy_(tensor)` into memory reused across repeats, the plain memory
   copy the shared-memory path is compared with.
-A first row of FIXED_TOKENS (one block) shows the per-pull fixed cost, with `rpc`: a Pull of an unknown
-request (the round trip with its ticket checks, NOT_FOUND) and its parts measured in this process.
+A first row of FIXED_TOKENS (one block) shows the per-pull fixed cost, with `rpc`: a pull of an unknown
+request (the round trip with its ticket checks, NOT_FOUND) on the pair's PullStream, the same as a unary Pull
+call (how every pull went before the stream), and its parts measured in this process.
 The bench source never frees the KV (its end_send only takes back its staging), so each repeat pulls the
 same blocks again. Repeats alternate the transfers, in an order rotated each repeat; the local copies are
 timed after them, apart. Each figure is the median, after one warm-up of each.
@@ -42,6 +43,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import grpc
 import torch
 import torch.distributed as dist
 
@@ -59,6 +61,7 @@ from shared.kv.transfer.buffers import BufferPool  # noqa: E402
 from shared.kv.transfer.pair import DECODE_RANK, PREFILL_RANK, Pair  # noqa: E402
 from shared.kv.transfer.pool_kv import PoolKv  # noqa: E402
 from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
+from shared.rpc import kv_transfer_pb2 as pb  # noqa: E402
 
 HOST = "127.0.0.1"
 TIMEOUT_S = 120.0
@@ -253,8 +256,9 @@ async def measure(info: dict, sizes: list[int], repeats: int) -> tuple[list[dict
 
 
 async def fixed_cost(client: KvTransferClient, address: str, layout: KVLayout, repeats: int) -> dict:
-    """What a pull costs besides its bytes: the Pull round trip (an unknown request: the RPC, its ticket
-    minted and verified, the checks, NOT_FOUND) and, in this process, minting and verifying one ticket."""
+    """What a pull costs besides its bytes: the pull's round trip (an unknown request: one message on the pair's
+    PullStream, its ticket minted and verified, the checks, NOT_FOUND), the same as one unary Pull call, and, in
+    this process, minting and verifying one ticket."""
     rpc = []
     for _ in range(repeats * 3):
         t0 = time.perf_counter()
@@ -263,11 +267,33 @@ async def fixed_cost(client: KvTransferClient, address: str, layout: KVLayout, r
         except KvTransferError:
             pass
         rpc.append(time.perf_counter() - t0)
+    # The same refused pull as one unary Pull call on the same pair, the way every pull went before PullStream.
+    conn = await client._connection(address, layout)
+    unary = []
+    for _ in range(repeats * 3):
+        request = pb.PullRequest(
+            request_id="no-such-request",
+            ticket=client._tickets.mint(client.worker_id, "no-such-request"),
+            decode_worker_id=client.worker_id,
+            pair_id=conn.pair.pair_id,
+            layout_fingerprint=layout.fingerprint,
+        )
+        t0 = time.perf_counter()
+        try:
+            await conn.stub.Pull(request, timeout=TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            assert e.code() is grpc.StatusCode.NOT_FOUND, e
+        unary.append(time.perf_counter() - t0)
     tickets = Tickets(SECRET)
     mint = median_s(lambda: tickets.mint("d", "r"), 200)
     ticket = tickets.mint("d", "r")
     verify = median_s(lambda: tickets.verify(ticket, "d", "r"), 200)
-    return dict(rpc_ms=statistics.median(rpc) * 1e3, ticket_mint_us=mint * 1e6, ticket_verify_us=verify * 1e6)
+    return dict(
+        rpc_ms=statistics.median(rpc) * 1e3,
+        unary_rpc_ms=statistics.median(unary) * 1e3,
+        ticket_mint_us=mint * 1e6,
+        ticket_verify_us=verify * 1e6,
+    )
 
 
 def row(tokens: int, nbytes: int, seconds: dict[str, float], info: dict, n: int) -> dict:
@@ -313,7 +339,8 @@ def print_table(rows: list[dict], fixed: dict) -> None:
         cells += [f"{r['pull_share_of_ttft']:.1%}"]
         print("| " + " | ".join(cells) + " |")
     print(
-        f"fixed cost: Pull round trip (NOT_FOUND) {fixed['rpc_ms']:.2f} ms; "
+        f"fixed cost: pull round trip (NOT_FOUND) {fixed['rpc_ms']:.2f} ms on the pair's PullStream, "
+        f"{fixed['unary_rpc_ms']:.2f} ms as a unary Pull; "
         f"ticket mint {fixed['ticket_mint_us']:.1f} us, verify {fixed['ticket_verify_us']:.1f} us"
     )
 

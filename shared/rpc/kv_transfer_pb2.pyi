@@ -123,6 +123,35 @@ class PullReply(_message.Message):
     groups: _containers.RepeatedCompositeFieldContainer[KvGroupSpan]
     def __init__(self, num_tokens: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., tag: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., first_block: _Optional[int] = ..., runs: _Optional[_Iterable[int]] = ..., shm_bytes: _Optional[int] = ..., layer_streamed: _Optional[bool] = ..., posted: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[KvGroupSpan, _Mapping]]] = ...) -> None: ...
 
+class PullStreamRequest(_message.Message):
+    __slots__ = ("seq", "pull", "trace")
+    class TraceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    pull: PullRequest
+    trace: _containers.ScalarMap[str, str]
+    def __init__(self, seq: _Optional[int] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., trace: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class PullStreamReply(_message.Message):
+    __slots__ = ("seq", "reply", "code", "details")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    reply: PullReply
+    code: int
+    details: str
+    def __init__(self, seq: _Optional[int] = ..., reply: _Optional[_Union[PullReply, _Mapping]] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
 class KvGroupSpan(_message.Message):
     __slots__ = ("num_layers", "first_block", "num_blocks")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]

@@ -48,6 +48,11 @@ class KvTransferStub:
                 request_serializer=shared_dot_rpc_dot_kv__transfer__pb2.PullRequest.SerializeToString,
                 response_deserializer=shared_dot_rpc_dot_kv__transfer__pb2.PullReply.FromString,
                 _registered_method=True)
+        self.PullStream = channel.stream_stream(
+                '/pdserve.kv.v1.KvTransfer/PullStream',
+                request_serializer=shared_dot_rpc_dot_kv__transfer__pb2.PullStreamRequest.SerializeToString,
+                response_deserializer=shared_dot_rpc_dot_kv__transfer__pb2.PullStreamReply.FromString,
+                _registered_method=True)
 
 
 class KvTransferServicer:
@@ -75,6 +80,16 @@ class KvTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullStream(self, request_iterator, context):
+        """Pull, many times over one long-lived stream per pair (shared/kv/transfer/pull_stream.py): a decode worker
+        opens it once the pair formed and sends each pull as one message, saving a call's setup per pull. Every
+        message is checked as a Pull is, ticket included; a refusal or failure answers that message alone (its
+        `code`), the stream goes on. An unreadable message ends the stream with INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -87,6 +102,11 @@ def add_KvTransferServicer_to_server(servicer, server):
                     servicer.Pull,
                     request_deserializer=shared_dot_rpc_dot_kv__transfer__pb2.PullRequest.FromString,
                     response_serializer=shared_dot_rpc_dot_kv__transfer__pb2.PullReply.SerializeToString,
+            ),
+            'PullStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PullStream,
+                    request_deserializer=shared_dot_rpc_dot_kv__transfer__pb2.PullStreamRequest.FromString,
+                    response_serializer=shared_dot_rpc_dot_kv__transfer__pb2.PullStreamReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -147,6 +167,33 @@ class KvTransfer:
             '/pdserve.kv.v1.KvTransfer/Pull',
             shared_dot_rpc_dot_kv__transfer__pb2.PullRequest.SerializeToString,
             shared_dot_rpc_dot_kv__transfer__pb2.PullReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.kv.v1.KvTransfer/PullStream',
+            shared_dot_rpc_dot_kv__transfer__pb2.PullStreamRequest.SerializeToString,
+            shared_dot_rpc_dot_kv__transfer__pb2.PullStreamReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -33,6 +33,7 @@ from shared.kv.transfer import EngineKvBlocks, FailureReason, KvTransferClient, 
 from shared.kv.transfer import server as server_module
 from shared.kv.transfer.pair import DECODE_RANK, Pair, TransferBackend, store_client
 from shared.kv.transfer.pair_proof import PairProofs, PairRefused
+from shared.kv.transfer.pull_stream import PullStream
 from shared.kv.transfer.server import MAX_ID_CHARS, SERVICE
 from shared.kv.transfer.wire import pieces
 from shared.model.demo import write_demo_checkpoint
@@ -291,6 +292,53 @@ def test_pulls_without_a_valid_ticket_are_refused_and_leave_the_kv_held(checkpoi
             fields["ticket"] = TICKETS.mint("decode-a", "r")
             got, _ = await p.call("Pull", **fields)
             assert got is Code.NOT_FOUND  # a fresh ticket finds nothing: the pull freed the KV
+            pair.close()
+            p.assert_holds()
+
+    asyncio.run(run())
+
+
+def test_streamed_pulls_are_checked_as_unary_ones_and_a_refusal_ends_only_its_message(checkpoint, model):
+    """The PullStream a client pulls over (pull_stream.py): every message passes the Pull's checks."""
+
+    async def run():
+        async with serving(checkpoint, model) as p:
+            await p.hold("r")
+            pair = await p.open_pair("decode-a")
+            stream = PullStream(pb_grpc.KvTransferStub(p.channel).PullStream)
+
+            async def pull(**changes) -> pb.PullReply:
+                return await stream.pull(pb.PullRequest(**p.pull_fields("r", "decode-a", pair, **changes)), (), TIMEOUT_S)
+
+            refusals = {  # changed fields → status, each on the same stream
+                "forged": ({"ticket": FORGER.mint("decode-a", "r")}, Code.PERMISSION_DENIED),
+                "no ticket": ({"ticket": ""}, Code.UNAUTHENTICATED),
+                "another worker": ({"decode_worker_id": "decode-b", "ticket": TICKETS.mint("decode-b", "r")}, Code.ABORTED),
+                "layout": ({"layout_fingerprint": "wrong"}, Code.FAILED_PRECONDITION),
+                "unknown request": ({"request_id": "ghost", "ticket": TICKETS.mint("decode-a", "ghost")}, Code.NOT_FOUND),
+            }
+            for what, (changes, code) in refusals.items():
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await pull(**changes)
+                assert refused.value.code() is code, (what, refused.value.details())
+            p.assert_holds("r")
+
+            ticket = TICKETS.mint("decode-a", "r")
+            reply = await pull(ticket=ticket)  # the stream outlived every refusal
+            received = torch.empty(tuple(reply.shape), dtype=p.engine.layout.torch_dtype)
+            await asyncio.to_thread(pair.recv, pieces(received, reply.chunk_bytes), reply.tag)
+            assert reply.num_tokens == 40
+            await p.settle()
+            with pytest.raises(grpc.aio.AioRpcError) as replayed:
+                await pull(ticket=ticket)
+            assert replayed.value.code() is Code.PERMISSION_DENIED and "replayed" in (replayed.value.details() or "")
+            stream.close()
+
+            # A message that is not a pull ends that stream with INVALID_ARGUMENT; the server serves on.
+            raw = p.channel.stream_stream(f"/{SERVICE}/PullStream")()
+            await raw.write(b"\xff\xff\xff")
+            assert await raw.code() is Code.INVALID_ARGUMENT
+            assert p.server.stats.pulls == 1
             pair.close()
             p.assert_holds()
 

@@ -23,7 +23,7 @@ def test_checked_in_stubs_are_fresh(tmp_path):
 def test_stubs_describe_the_kv_transfer_service():
     service = kv_transfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"]
     assert service.full_name == "pdserve.kv.v1.KvTransfer"
-    assert {m.name for m in service.methods} == {"Connect", "Pull"}
+    assert {m.name for m in service.methods} == {"Connect", "Pull", "PullStream"}
     assert kv_transfer_pb2_grpc.KvTransferStub.__module__ == "shared.rpc.kv_transfer_pb2_grpc"
     reply = kv_transfer_pb2.PullReply(num_tokens=3, shape=[2, 2, 1, 16, 2, 16], dtype="float32", tag=7)
     assert kv_transfer_pb2.PullReply.FromString(reply.SerializeToString()) == reply

@@ -1,7 +1,7 @@
 """Decode side of the KV transfer plane: pull a request's KV from the prefill worker that holds it.
 
 The first pull from an address negotiates a pair (Connect RPC, then both sides join a two-rank group);
-later pulls reuse it. A pull is one Pull RPC (the server exports, announces shape/dtype/tag/chunk size and
+later pulls reuse it. A pull is one Pull (a message on the pair's PullStream, pull_stream.py: the server exports, announces shape/dtype/tag/chunk size and
 starts sending) and the recv of its pieces into a buffer of the announced shape: new memory, or memory a
 caller handed back with `recycle` after importing an earlier pull. Each call carries a ticket this client
 mints with the cluster secret for its own worker id (shared/kv/tickets.py), a fresh one per call (the
@@ -47,6 +47,7 @@ from shared.kv.transfer.pair import (
     store_client,
 )
 from shared.kv.transfer.pair_proof import PairProofs
+from shared.kv.transfer.pull_stream import PullStream
 from shared.kv.transfer.posted import (
     POSTED_TAG_BASE,
     PostedPull,
@@ -92,6 +93,7 @@ class ClientStats:
 class _Connection:
     stub: pb_grpc.KvTransferStub
     pair: Pair
+    pulls: PullStream  # this pair's pulls, as messages of one stream (pull_stream.py)
     # NCCL matches send/recv by issue order, not tag: one transfer at a time on such a pair.
     order: asyncio.Lock | contextlib.nullcontext
     segment: Segment | None = None  # same host: the pair's shared memory, and who uses which part of it
@@ -215,6 +217,7 @@ class KvTransferClient:
             task.cancel()
             if task.done() and not task.cancelled() and task.exception() is None:
                 conn = task.result()
+                conn.pulls.close()
                 conn.pair.close()
                 if conn.segment is not None:
                     conn.segment.close()
@@ -243,7 +246,7 @@ class KvTransferClient:
             posted = self._post(conn, layout, num_tokens) if not capacity else None
             if posted is not None:
                 request.posted.CopyFrom(posted.message)
-            call = conn.stub.Pull(request, timeout=self.timeout_s, metadata=tracing.grpc_metadata())
+            call = conn.pulls.pull(request, tracing.grpc_metadata(), self.timeout_s)
             try:
                 reply = await self._call(address, conn, call, "Pull")
             except BaseException:
@@ -404,7 +407,8 @@ class KvTransferClient:
         order = contextlib.nullcontext() if self.backend.tagged else asyncio.Lock()
         regions = None if segment is None else Regions(segment.nbytes)
         posting = reply if reply.posted_pulls and self.backend is TransferBackend.GLOO and reply.block_size else None
-        return _Connection(stub, pair, order, segment, regions, posting)
+        pulls = PullStream(stub.PullStream)
+        return _Connection(stub, pair, pulls, order, segment, regions, posting)
 
     def _attach(self, reply: pb.ConnectReply) -> Segment | None:
         """Map (and unlink) the segment the server offered; None, the socket path, if that fails."""
@@ -430,6 +434,7 @@ class KvTransferClient:
     def _forget(self, address: str, conn: _Connection) -> None:
         """Stop using `conn`'s pair: the next pull from `address` negotiates a new one. Closing our side
         (once no recv is in flight on it) closes the connection, which fails the server's pending sends."""
+        conn.pulls.close()
         conn.pair.close()
         if conn.segment is not None:  # unmapped now unless a pulled tensor still lives on it
             conn.segment.close()

@@ -26,8 +26,9 @@ class Unreadable:
         self.kind = kind
 
 
-def handler(method, request_type, reply_type) -> grpc.RpcMethodHandler:
-    """A unary handler whose request parses into `request_type`, or `Unreadable`."""
+def handler(method, request_type, reply_type, *, streaming: bool = False) -> grpc.RpcMethodHandler:
+    """A unary handler (streaming: a stream-stream one) whose requests parse into `request_type`, or
+    `Unreadable`."""
 
     def parse(raw: bytes):
         try:
@@ -35,9 +36,8 @@ def handler(method, request_type, reply_type) -> grpc.RpcMethodHandler:
         except DecodeError:
             return Unreadable(request_type.__name__)
 
-    return grpc.unary_unary_rpc_method_handler(
-        method, request_deserializer=parse, response_serializer=reply_type.SerializeToString
-    )
+    make = grpc.stream_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
+    return make(method, request_deserializer=parse, response_serializer=reply_type.SerializeToString)
 
 
 def short(text: str, limit: int = 80) -> str:

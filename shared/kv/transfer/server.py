@@ -46,6 +46,7 @@ from shared.kv.transfer.loop_send import loop_pieces
 from shared.kv.transfer.pair import PREFILL_RANK, Pair, TransferBackend, check_backend, store_client
 from shared.kv.transfer.pair_proof import PairProofs, PairRefused
 from shared.kv.transfer.pool_kv import PoolKv
+from shared.kv.transfer import pull_stream
 from shared.kv.transfer.posted import posted_kv
 from shared.kv.transfer.rpc_calls import Call, Unreadable, handler, short
 from shared.kv.transfer.segment_send import InjectedFault, copy_into_region, fits, shape_of
@@ -174,6 +175,7 @@ class KvTransferServer:
         handlers = {
             "Connect": handler(self.connect, pb.ConnectRequest, pb.ConnectReply),
             "Pull": handler(self.pull, pb.PullRequest, pb.PullReply),
+            "PullStream": handler(self.pull_stream, pb.PullStreamRequest, pb.PullStreamReply, streaming=True),
         }
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         # typeshed's grpcio stubs lack this (grpcio >= 1.62 has it on grpc.aio.Server)
@@ -271,6 +273,10 @@ class KvTransferServer:
         except BaseException as e:  # refused (context.abort raises) or failed before any send
             tracing.end_span(span, error=f"{type(e).__name__}: {e}")
             raise
+
+    async def pull_stream(self, requests, context: grpc.aio.ServicerContext) -> None:
+        """Pulls as messages of one long-lived stream per pair (pull_stream.py), each handled as `pull`."""
+        await pull_stream.serve(self.pull, requests, context)
 
     async def _accept(self, request: pb.PullRequest, context: grpc.aio.ServicerContext, span) -> pb.PullReply:
         started = time.perf_counter()

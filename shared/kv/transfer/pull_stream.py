@@ -1,0 +1,160 @@
+"""Pulls over one long-lived gRPC stream per pair (the PullStream RPC), instead of one unary Pull call each.
+
+Why: a unary call's setup (HTTP/2 stream, headers, deadline, completion queue hops on both sides) is most of a
+small pull's fixed cost; a message on an open stream costs about half a unary round trip.
+`benchmarks/kv_transfer_bench.py` prints both (its `fixed cost` line).
+
+Each message is one Pull, handled by the server's own Pull handler through `MessageContext`, so every check
+(shape, ticket and its replay cache, pair, fingerprint) is the unary call's; a refusal answers that message
+with its status code and the stream goes on. The client side (`PullStream`) turns an answer's code back into
+the `grpc.aio.AioRpcError` a unary Pull raises, so a caller handles both alike. Answers may come in any order
+(pulls on one gloo pair run concurrently): `seq` pairs each with its request. When the stream breaks, every
+pull waiting on it fails UNAVAILABLE, and the caller drops the pair, as after a unary call that failed midway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from shared.kv.transfer.rpc_calls import Unreadable
+from shared.rpc import kv_transfer_pb2 as pb
+
+log = logging.getLogger(__name__)
+PullHandler = Callable[[pb.PullRequest, "MessageContext"], Awaitable[pb.PullReply]]
+
+
+class MessageAborted(Exception):
+    """What `MessageContext.abort` raises: the status this one message is answered with."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+
+class MessageContext:
+    """The part of `grpc.aio.ServicerContext` the Pull handler uses, for one message of a stream."""
+
+    def __init__(self, stream: grpc.aio.ServicerContext, trace: dict[str, str]) -> None:
+        self._stream, self._trace = stream, trace
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise MessageAborted(code, details)
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return tuple(self._trace.items())
+
+    def peer(self) -> str:
+        return self._stream.peer()
+
+
+async def serve(
+    pull: PullHandler, requests: AsyncIterator[pb.PullStreamRequest | Unreadable], context: grpc.aio.ServicerContext
+) -> None:
+    """Server side: handle each message as a Pull, concurrently, writing each answer as it is ready. Returns when
+    the client closes the stream; pulls still being handled then finish (their sends are the server's)."""
+    writing = asyncio.Lock()  # one write at a time on a gRPC stream
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def answer(message: pb.PullStreamRequest) -> None:
+        out = pb.PullStreamReply(seq=message.seq)
+        try:
+            out.reply.CopyFrom(await pull(message.pull, MessageContext(context, dict(message.trace))))
+        except MessageAborted as e:
+            out.code, out.details = e.code.value[0], e.details
+        except Exception as e:  # a bug in a handler: that pull fails, the stream lives on
+            log.exception("a streamed pull failed")
+            out.code, out.details = grpc.StatusCode.INTERNAL.value[0], f"{type(e).__name__}: {e}"
+        async with writing:
+            with contextlib.suppress(Exception):  # the client went away: nobody to tell
+                await context.write(out)
+
+    async for message in requests:
+        if isinstance(message, Unreadable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PullStream refused: a message is not a pull")
+        task = asyncio.create_task(answer(message))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a unary Pull would have raised with this status."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class PullStream:
+    """Client side: one open PullStream of a pair. `pull` sends one request and waits for its answer."""
+
+    def __init__(self, open_call: Callable[[], grpc.aio.StreamStreamCall]) -> None:
+        self._open = open_call
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._waiting: dict[int, asyncio.Future[pb.PullStreamReply]] = {}
+        self._seq = itertools.count(1)
+        self._broken: grpc.aio.AioRpcError | None = None
+
+    async def pull(self, request: pb.PullRequest, trace: tuple[tuple[str, str], ...], timeout_s: float) -> pb.PullReply:
+        """The server's PullReply; raises grpc.aio.AioRpcError with the status a unary Pull would end with
+        (DEADLINE_EXCEEDED past timeout_s, UNAVAILABLE when the stream broke)."""
+        if self._broken is not None:
+            raise self._error()
+        if self._call is None:
+            self._call = self._open()
+            self._reader = asyncio.create_task(self._read(self._call))
+        seq = next(self._seq)
+        answer = self._waiting[seq] = asyncio.get_running_loop().create_future()
+        try:
+            await self._call.write(pb.PullStreamRequest(seq=seq, pull=request, trace=dict(trace)))
+            out = await asyncio.wait_for(answer, timeout_s)
+        except TimeoutError:
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer on the pull stream in {timeout_s} s")
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:  # the write failed: the stream is over
+            self._break(rpc_error(grpc.StatusCode.UNAVAILABLE, f"the pull stream broke: {e}"))
+            raise self._error() from e
+        finally:
+            self._waiting.pop(seq, None)
+        if out.code:
+            raise rpc_error(_CODES.get(out.code, grpc.StatusCode.UNKNOWN), out.details)
+        return out.reply
+
+    def close(self) -> None:
+        """End the stream (pulls waiting on it fail UNAVAILABLE)."""
+        if self._call is not None:
+            self._call.cancel()
+        self._break(rpc_error(grpc.StatusCode.UNAVAILABLE, "the pull stream was closed"))
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        try:
+            async for out in call:
+                answer = self._waiting.get(out.seq)
+                if answer is not None and not answer.done():
+                    answer.set_result(out)
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the server ended the pull stream")
+        except grpc.aio.AioRpcError as e:
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"the pull stream broke: {e.code().name} {e.details()}")
+        except asyncio.CancelledError:
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the pull stream was closed")
+        self._break(error)
+
+    def _break(self, error: grpc.aio.AioRpcError) -> None:
+        """Fail every pull waiting on the stream, and those after, as the first break says."""
+        if self._broken is None:
+            self._broken = error
+        for answer in self._waiting.values():
+            if not answer.done():
+                answer.set_exception(self._error())
+
+    def _error(self) -> grpc.aio.AioRpcError:
+        """A fresh copy of the break's error, for one pull to raise."""
+        assert self._broken is not None
+        return rpc_error(self._broken.code(), self._broken.details() or "")
