@@ -308,14 +308,22 @@ def test_streamed_pulls_are_checked_as_unary_ones_and_a_refusal_ends_only_its_me
             stream = PullStream(pb_grpc.KvTransferStub(p.channel).PullStream)
 
             async def pull(**changes) -> pb.PullReply:
-                return await stream.pull(pb.PullRequest(**p.pull_fields("r", "decode-a", pair, **changes)), (), TIMEOUT_S)
+                return await stream.pull(
+                    pb.PullRequest(**p.pull_fields("r", "decode-a", pair, **changes)), (), TIMEOUT_S
+                )
 
             refusals = {  # changed fields → status, each on the same stream
                 "forged": ({"ticket": FORGER.mint("decode-a", "r")}, Code.PERMISSION_DENIED),
                 "no ticket": ({"ticket": ""}, Code.UNAUTHENTICATED),
-                "another worker": ({"decode_worker_id": "decode-b", "ticket": TICKETS.mint("decode-b", "r")}, Code.ABORTED),
+                "another worker": (
+                    {"decode_worker_id": "decode-b", "ticket": TICKETS.mint("decode-b", "r")},
+                    Code.ABORTED,
+                ),
                 "layout": ({"layout_fingerprint": "wrong"}, Code.FAILED_PRECONDITION),
-                "unknown request": ({"request_id": "ghost", "ticket": TICKETS.mint("decode-a", "ghost")}, Code.NOT_FOUND),
+                "unknown request": (
+                    {"request_id": "ghost", "ticket": TICKETS.mint("decode-a", "ghost")},
+                    Code.NOT_FOUND,
+                ),
             }
             for what, (changes, code) in refusals.items():
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -341,6 +349,43 @@ def test_streamed_pulls_are_checked_as_unary_ones_and_a_refusal_ends_only_its_me
             assert p.server.stats.pulls == 1
             pair.close()
             p.assert_holds()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["socket", "shm"])
+def test_a_pull_cancelled_before_its_answer_leaves_nothing_stuck(checkpoint, model, monkeypatch, shared_memory):
+    """The server handles a streamed pull whose caller gave up: the client closes that pair, so a send the
+    message started fails at once instead of waiting out its timeout, and the KV is pulled on a new pair."""
+
+    async def run():
+        async with serving(checkpoint, model) as p:
+            await p.hold("r")
+            await p.hold("s")
+            accept = p.server._accept
+
+            async def slow_accept(*args):
+                await asyncio.sleep(0.5)  # the caller is gone before the answer
+                return await accept(*args)
+
+            client = KvTransferClient("decode-a", secret=SECRET, timeout_s=TIMEOUT_S, shared_memory=shared_memory)
+            try:
+                assert await p.pull_with(client, "s") == 40  # the pair and its stream are up
+                monkeypatch.setattr(p.server, "_accept", slow_accept)
+                pulling = asyncio.create_task(client.pull(p.address, "r", p.engine.layout))
+                await asyncio.sleep(0.2)
+                pulling.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await pulling
+                monkeypatch.setattr(p.server, "_accept", accept)
+                await asyncio.sleep(1.0)  # the message handled; had it started a send, the closed pair failed it
+                assert not p.source.is_sending("r")
+                if "r" in p.source.keys():  # not sent (the handler gave up on the closed stream): pull it again
+                    assert await p.pull_with(client, "r") == 40
+                    assert client.stats.connects == 2  # on a new pair
+                await p.settle()
+            finally:
+                await client.close()
 
     asyncio.run(run())
 

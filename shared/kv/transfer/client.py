@@ -1,20 +1,19 @@
 """Decode side of the KV transfer plane: pull a request's KV from the prefill worker that holds it.
 
-The first pull from an address negotiates a pair (Connect RPC, then both sides join a two-rank group);
-later pulls reuse it. A pull is one Pull (a message on the pair's PullStream, pull_stream.py: the server exports, announces shape/dtype/tag/chunk size and
-starts sending) and the recv of its pieces into a buffer of the announced shape: new memory, or memory a
-caller handed back with `recycle` after importing an earlier pull. Each call carries a ticket this client
-mints with the cluster secret for its own worker id (shared/kv/tickets.py), a fresh one per call (the
-server accepts each ticket once: a retry mints anew). With `tls` the channel is TLS, presenting this
-worker's certificate (channel_tls.py). A joined pair is used only once the prefill side proved it holds the
-cluster secret (pair_proof.py). On one host (same host identity, shm.py) the server also offers a
-shared-memory segment with the pair: each pull then reserves a region of it, and a KV that fits arrives
-there (the result is a view of it, no copy here), else over the pair as usual. Blocking joins and recv waits
-run in this client's thread pool, so the decode loop keeps stepping while KV arrives; gloo recvs are posted
-from the loop as soon as the reply is in (pair.py), so only their wait takes a thread; given the token count,
-they are posted before the Pull itself (posted.py), and given up at once if the server does not use them. Every failure
-surfaces as KvTransferError; one that may have left the pair mid-transfer closes and forgets it, so the
-next pull negotiates a fresh pair.
+The first pull from an address negotiates a pair (Connect RPC, then both sides join a two-rank group); later pulls
+reuse it. A pull is one Pull (a message on the pair's PullStream, pull_stream.py: the server exports, announces
+shape/dtype/tag/chunk size and starts sending) and the recv of its pieces into a buffer of the announced shape: new
+memory, or memory a caller handed back with `recycle` after importing an earlier pull. Each call carries a ticket
+this client mints with the cluster secret for its own worker id (shared/kv/tickets.py), a fresh one per call (the
+server accepts each ticket once: a retry mints anew). With `tls` the channel is TLS, presenting this worker's
+certificate (channel_tls.py). A joined pair is used only once the prefill side proved it holds the cluster secret
+(pair_proof.py). On one host (same host identity, shm.py) the server also offers a shared-memory segment with the
+pair: each pull then reserves a region of it, and a KV that fits arrives there (the result is a view of it, no copy
+here), else over the pair as usual. Blocking joins and recv waits run in this client's thread pool, so the decode
+loop keeps stepping while KV arrives; gloo recvs are posted from the loop as soon as the reply is in (pair.py), so
+only their wait takes a thread; given the token count, they are posted before the Pull itself (posted.py), and
+given up at once if the server does not use them. Every failure surfaces as KvTransferError; one that may have left
+the pair mid-transfer closes and forgets it, so the next pull negotiates a fresh pair.
 """
 
 from __future__ import annotations
@@ -47,7 +46,6 @@ from shared.kv.transfer.pair import (
     store_client,
 )
 from shared.kv.transfer.pair_proof import PairProofs
-from shared.kv.transfer.pull_stream import PullStream
 from shared.kv.transfer.posted import (
     POSTED_TAG_BASE,
     PostedPull,
@@ -56,6 +54,7 @@ from shared.kv.transfer.posted import (
     posted_pieces,
     posted_shape,
 )
+from shared.kv.transfer.pull_stream import PullStream
 from shared.kv.transfer.shm import Regions, Segment, host_identity
 from shared.kv.transfer.wire import MAX_PIECES, MAX_TAG, announced_layout, receive_pieces, received
 from shared.rpc import kv_transfer_pb2 as pb
@@ -249,11 +248,15 @@ class KvTransferClient:
             call = conn.pulls.pull(request, tracing.grpc_metadata(), self.timeout_s)
             try:
                 reply = await self._call(address, conn, call, "Pull")
-            except BaseException:
+            except BaseException as e:
                 if conn.regions is not None:
                     conn.regions.free(offset, capacity)
                 if posted is not None:  # refused or failed: nothing will fill them (posted.py)
                     self._forget_posted(address, conn, posted)
+                elif isinstance(e, asyncio.CancelledError):
+                    # The server handles the message all the same and may start a send nobody receives:
+                    # closing the pair fails that send at once (and frees its KV) instead of at its timeout.
+                    self._forget(address, conn)
                 raise
             if conn.regions is not None:  # what the server wrote stays reserved until its tensor is gone
                 conn.regions.keep(offset, capacity, reply.shm_bytes)

@@ -19,6 +19,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 
@@ -26,7 +27,8 @@ from shared.kv.transfer.rpc_calls import Unreadable
 from shared.rpc import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
-PullHandler = Callable[[pb.PullRequest, "MessageContext"], Awaitable[pb.PullReply]]
+# The server's unary Pull handler; its context is a grpc.aio.ServicerContext there, a MessageContext here.
+PullHandler = Callable[[pb.PullRequest, Any], Awaitable[pb.PullReply]]
 
 
 class MessageAborted(Exception):
@@ -117,7 +119,9 @@ class PullStream:
             await self._call.write(pb.PullStreamRequest(seq=seq, pull=request, trace=dict(trace)))
             out = await asyncio.wait_for(answer, timeout_s)
         except TimeoutError:
-            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer on the pull stream in {timeout_s} s")
+            raise rpc_error(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer on the pull stream in {timeout_s} s"
+            ) from None
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:  # the write failed: the stream is over
             self._break(rpc_error(grpc.StatusCode.UNAVAILABLE, f"the pull stream broke: {e}"))
             raise self._error() from e

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from shared.kv.replay import DEFAULT_CAPACITY, ReplayCache
 from shared.kv.tickets import TicketError, TicketReason, Tickets
+from shared.kv.transfer import pull_stream
 from shared.kv.transfer.channel_tls import KvTls
 from shared.kv.transfer.heads import HeadsRefused, begin_send
 from shared.kv.transfer.layer_stream import StreamedPoolKv
@@ -46,7 +47,6 @@ from shared.kv.transfer.loop_send import loop_pieces
 from shared.kv.transfer.pair import PREFILL_RANK, Pair, TransferBackend, check_backend, store_client
 from shared.kv.transfer.pair_proof import PairProofs, PairRefused
 from shared.kv.transfer.pool_kv import PoolKv
-from shared.kv.transfer import pull_stream
 from shared.kv.transfer.posted import posted_kv
 from shared.kv.transfer.rpc_calls import Call, Unreadable, handler, short
 from shared.kv.transfer.segment_send import InjectedFault, copy_into_region, fits, shape_of
