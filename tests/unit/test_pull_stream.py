@@ -70,6 +70,18 @@ def test_answers_in_any_order_find_their_pulls_and_carry_the_trace():
     asyncio.run(run())
 
 
+def test_many_pulls_at_once_each_get_their_answer():
+    """Writes queue for the stream (gRPC takes one at a time), answers come back as they are ready."""
+
+    async def run():
+        async with served() as (_, stream):
+            pulls = [pull(stream, f"sleep:{(i % 3) / 100}:{i}") for i in range(40)]
+            assert [r.num_tokens for r in await asyncio.gather(*pulls)] == list(range(40))
+            stream.close()
+
+    asyncio.run(run())
+
+
 def test_a_refusal_or_a_handler_bug_fails_its_pull_only():
     async def run():
         async with served() as (_, stream):

@@ -104,6 +104,7 @@ class PullStream:
         self._waiting: dict[int, asyncio.Future[pb.PullStreamReply]] = {}
         self._seq = itertools.count(1)
         self._broken: grpc.aio.AioRpcError | None = None
+        self._writing = asyncio.Lock()  # gRPC takes one write at a time on a stream (TOO_MANY_OPERATIONS)
 
     async def pull(self, request: pb.PullRequest, trace: tuple[tuple[str, str], ...], timeout_s: float) -> pb.PullReply:
         """The server's PullReply; raises grpc.aio.AioRpcError with the status a unary Pull would end with
@@ -116,7 +117,8 @@ class PullStream:
         seq = next(self._seq)
         answer = self._waiting[seq] = asyncio.get_running_loop().create_future()
         try:
-            await self._call.write(pb.PullStreamRequest(seq=seq, pull=request, trace=dict(trace)))
+            async with self._writing:
+                await self._call.write(pb.PullStreamRequest(seq=seq, pull=request, trace=dict(trace)))
             out = await asyncio.wait_for(answer, timeout_s)
         except TimeoutError:
             raise rpc_error(
