@@ -219,6 +219,7 @@ def main() -> None:
     out = Path("/tmp") / f"kv_pull_profile_{time.time_ns()}.json"
     proc = ctx.Process(target=prefill_entry, args=(theirs, str(model_dir), args.tokens, 1, str(out)), daemon=True)
     proc.start()
+    theirs.close()  # ours only: a prefill process that dies ends our recv (EOFError) instead of hanging it
     try:
         info = ours.recv()
         patch_client()

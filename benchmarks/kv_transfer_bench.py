@@ -358,6 +358,7 @@ def main() -> None:
     sizes = [FIXED_TOKENS, *args.tokens]  # the first row: the per-pull fixed cost
     proc = ctx.Process(target=prefill_main, args=(theirs, str(model_dir), sizes, args.repeats), daemon=True)
     proc.start()
+    theirs.close()  # ours only: a prefill process that dies ends our recv (EOFError) instead of hanging it
     try:
         info = ours.recv()
         rows, fixed = asyncio.run(measure(info, sizes, args.repeats))
