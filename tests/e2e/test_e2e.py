@@ -133,6 +133,26 @@ def test_concurrent_requests_all_complete_and_kv_moved(stack_1p1d, model_dir, re
     assert kv_keys(stack_1p1d.redis_url) == []
 
 
+def test_without_shared_memory_every_pull_arrives_in_posted_receives(model_dir, reference):
+    """As between two hosts (no shared segment): the decode worker posts its receives before each pull, over
+    the pair's PullStream (shared/kv/transfer/posted.py, pull_stream.py), and the text is the engine's."""
+    tok = Tokenizer(model_dir)
+    stack = _stack(model_dir, prefill=1, decode=1, env={"PDSERVE_KV_SHM_BYTES": "0"})
+    try:
+        for prompt in PROMPTS:
+            assert _complete(stack.url, prompt)["choices"][0]["text"] == tok.decode(reference[prompt])
+        urls = stack.metrics_urls()
+        pulls = sum(scraped_total(u, "pdserve:kv_transfer_seconds_count", role="decode") for u in urls)
+        posted = sum(scraped_total(u, "pdserve:kv_posted_pulls_total", role="prefill") for u in urls)
+        failed = sum(scraped_total(u, "pdserve:kv_transfer_failures_total") for u in urls)
+        assert (pulls, posted, failed) == (len(PROMPTS), len(PROMPTS), 0)
+        assert heartbeats(stack.nats_url) and all(
+            b.prefill_tokens == 0 for b in heartbeats(stack.nats_url).values() if b.role == "decode"
+        )
+    finally:
+        stack.stop()
+
+
 def test_openai_client(stack_1p1d, model_dir, reference):
     client = openai.OpenAI(base_url=f"{stack_1p1d.url}/v1", api_key="unused", max_retries=0)
     tok = Tokenizer(model_dir)
