@@ -6,7 +6,8 @@ run in this server's thread pool, so the loop (and the engine steps it drives) k
 nothing to produce are posted from the loop before the reply (loop_send.py); only their wait takes a thread.
 A Pull whose receives the puller posted already (posted.py) is sent into them, under the puller's tags.
 Clients send their pulls as messages of one PullStream per pair (pull_stream.py); each goes through `pull`, as a
-unary Pull does, and gets its own answer. An open stream holds `stop` for up to its grace period.
+unary Pull does, and gets its own answer. A client's open stream holds `stop` for its grace period (1 s by
+default): cancelling the handler does not end the call.
 
 Every call is checked before it touches anything: readable message, ids present and of sane length,
 then a ticket signed with the cluster secret for this caller (and, on Pull, this request), used for the
