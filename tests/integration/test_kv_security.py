@@ -390,6 +390,25 @@ def test_a_pull_cancelled_before_its_answer_leaves_nothing_stuck(checkpoint, mod
     asyncio.run(run())
 
 
+def test_stop_ends_open_pull_streams_instead_of_waiting_out_its_grace(checkpoint, model):
+    """A decode worker keeps its PullStream open for good: the server's stop ends it (UNAVAILABLE)."""
+
+    async def run():
+        async with serving(checkpoint, model) as p:
+            await p.hold("r")
+            client = _client("decode-a")
+            try:
+                assert await p.pull_with(client, "r") == 40  # the client's PullStream stays open
+                # A grace the stop must not wait out (an open stream would hold it that long).
+                await asyncio.wait_for(p.server.stop(grace_s=600), 60)
+                with pytest.raises(KvTransferError):  # the stream ended with the server
+                    await client.pull(p.address, "r", p.engine.layout)
+            finally:
+                await client.close()
+
+    asyncio.run(run())
+
+
 def test_connects_without_a_valid_ticket_open_no_pair(checkpoint, model):
     async def run():
         async with serving(checkpoint, model) as p:

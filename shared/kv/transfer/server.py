@@ -6,8 +6,7 @@ run in this server's thread pool, so the loop (and the engine steps it drives) k
 nothing to produce are posted from the loop before the reply (loop_send.py); only their wait takes a thread.
 A Pull whose receives the puller posted already (posted.py) is sent into them, under the puller's tags.
 Clients send their pulls as messages of one PullStream per pair (pull_stream.py); each goes through `pull`, as a
-unary Pull does, and gets its own answer. A client's open stream holds `stop` for its grace period (1 s by
-default): cancelling the handler does not end the call.
+unary Pull does, and gets its own answer. `stop` ends the open streams (UNAVAILABLE) before it waits for calls.
 
 Every call is checked before it touches anything: readable message, ids present and of sane length,
 then a ticket signed with the cluster secret for this caller (and, on Pull, this request), used for the
@@ -25,6 +24,7 @@ bytes, in shared memory) and drops the pair; `fault_send_stall_s` (tests only) s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -163,6 +163,7 @@ class KvTransferServer:
         self._pairs: dict[str, Slot] = {}  # by decode worker id
         self._issued: set[str] = set()  # every pair id handed out: one Connect's worth of bytes each
         self._sends: set[asyncio.Task[None]] = set()
+        self._streams: set[grpc.aio.ServicerContext] = set()  # of the PullStream calls open (one per pair)
         self._store: dist.TCPStore | None = None
         self._server: grpc.aio.Server | None = None
 
@@ -195,6 +196,9 @@ class KvTransferServer:
 
     async def stop(self, grace_s: float = 1.0) -> None:
         """Stop serving; wait for the sends in flight (each ends within timeout_s) and their releases."""
+        for stream in list(self._streams):  # a client keeps its stream open: it would last the whole grace
+            with contextlib.suppress(Exception):
+                await stream.abort(grpc.StatusCode.UNAVAILABLE, "the KV transfer server is stopping")
         if self._server is not None:
             await self._server.stop(grace_s)
         if self._sends:
@@ -279,7 +283,11 @@ class KvTransferServer:
 
     async def pull_stream(self, requests, context: grpc.aio.ServicerContext) -> None:
         """Pulls as messages of one long-lived stream per pair (pull_stream.py), each handled as `pull`."""
-        await pull_stream.serve(self.pull, requests, context)
+        self._streams.add(context)
+        try:
+            await pull_stream.serve(self.pull, requests, context)
+        finally:
+            self._streams.discard(context)
 
     async def _accept(self, request: pb.PullRequest, context: grpc.aio.ServicerContext, span) -> pb.PullReply:
         started = time.perf_counter()
