@@ -26,10 +26,11 @@ from shared.model.linear import PackedWeights, linear, pack
 from shared.model.routing import Router
 from shared.model.tensor_parallel import TensorShard
 
-# Batches up to this many tokens take the CPU expert kernel when it is on; larger ones (prefill) keep the BLAS
-# path, which runs on every intra-op thread (the kernel runs on one). Measured at one thread, loaded host: the
-# kernel 1.9x the plain path at 128 tokens and 1.5x at 512 (docs/benchmarks.md, 2026-12-02 expert kernel).
-CPU_KERNEL_MAX_TOKENS = 256
+# With the CPU expert kernel on, every batch takes it, prefill included (it runs on every intra-op thread, and
+# beats both torch paths at prefill sizes: docs/benchmarks.md, "the expert kernel for prefill too"), in slices of
+# at most this many tokens: its scratch (per calling thread, kept for the next call) is tokens x top-k x
+# (intermediate + hidden) floats, so a slice bounds it. Tokens are independent: slicing changes no bits.
+CPU_KERNEL_SLICE_TOKENS = 1024
 
 
 class Experts(nn.Module):
@@ -118,7 +119,7 @@ class Experts(nn.Module):
 
             return fused_moe(x, self.gate_up, self.down, topk_ids, topk_weights)
         if x.device.type == "cpu":
-            if self._panels is not None and x.shape[0] <= CPU_KERNEL_MAX_TOKENS:
+            if self._panels is not None:
                 return self.forward_cpu_kernel(x, topk_ids, topk_weights)
             if self._packed is not None:
                 return self.forward_grouped(x, topk_ids, topk_weights, counts.tolist())
@@ -143,7 +144,15 @@ class Experts(nn.Module):
         both matmuls, SiLU * up and the weighted combine, over the panels use_cpu_kernel made. float32; products
         and sums in float32 (for A = 2 the sum rounds as the torch paths' does; the matmuls differ in the last bits)."""
         assert self._panels is not None and self._cpu_kernel is not None
-        return self._cpu_kernel.moe(x, topk_ids, topk_weights, self._panels)
+        kernel, panels, n = self._cpu_kernel, self._panels, CPU_KERNEL_SLICE_TOKENS
+        if x.shape[0] <= n:
+            return kernel.moe(x, topk_ids, topk_weights, panels)
+        return torch.cat(
+            [
+                kernel.moe(x[t : t + n], topk_ids[t : t + n], topk_weights[t : t + n], panels)
+                for t in range(0, len(x), n)
+            ]
+        )
 
     def forward_grouped_mm(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts: torch.Tensor

@@ -8,8 +8,9 @@ from typing import cast
 import pytest
 import torch
 
+from shared.model import moe
 from shared.model.kernels import cpu_moe
-from shared.model.moe import CPU_KERNEL_MAX_TOKENS, Experts, use_cpu_expert_kernel
+from shared.model.moe import Experts, use_cpu_expert_kernel
 
 LIB = cpu_moe.load()  # the widest build this host runs
 BUILDS = cpu_moe.kernels()
@@ -75,22 +76,25 @@ def test_kernel_with_empty_experts_and_one_expert_taking_every_token(build):
 
 
 @needs_kernel
-def test_forward_takes_the_kernel_for_decode_batches_only(monkeypatch):
+def test_forward_takes_the_kernel_for_every_batch_in_slices_that_change_no_bits(monkeypatch):
     experts = _experts(4, 32, 16)
     experts.prepack()
     assert LIB is not None and experts.use_cpu_kernel(LIB) is None
     assert experts._packed is None  # the panels replace the oneDNN packs
+    monkeypatch.setattr(moe, "CPU_KERNEL_SLICE_TOKENS", 8)
     called = []
-    kernel = experts.forward_cpu_kernel
-    monkeypatch.setattr(experts, "forward_cpu_kernel", lambda *a: called.append(a[0].shape[0]) or kernel(*a))
+    moe_call = cpu_moe.Kernel.moe
+    monkeypatch.setattr(cpu_moe.Kernel, "moe", lambda k, x, *a, **kw: called.append(len(x)) or moe_call(k, x, *a, **kw))
     gen = torch.Generator().manual_seed(2)
-    for tokens in (1, CPU_KERNEL_MAX_TOKENS, CPU_KERNEL_MAX_TOKENS + 1):
+    for tokens in (1, 8, 21):  # a decode batch, one slice, a prefill of three slices (8 + 8 + 5)
         x = torch.randn(tokens, 32, generator=gen)
         ids, weights = _routing(tokens, 4, 2, gen)
         with torch.inference_mode():
             out = experts(x, ids, weights, torch.bincount(ids.flatten(), minlength=4))
+            whole = moe_call(LIB, x, ids, weights, experts._panels)  # one call over every token
         torch.testing.assert_close(out, experts.forward_reference(x, ids, weights), rtol=1e-5, atol=1e-5)
-    assert called == [1, CPU_KERNEL_MAX_TOKENS]
+        assert torch.equal(out, whole)
+    assert called == [1, 8, 8, 8, 5]
 
 
 def _unloaded(isa: str) -> cpu_moe.Kernel:
