@@ -70,7 +70,7 @@ class EngineConfig:
     prepack_weights: bool = True
     """oneDNN-packed matmul weights on CPU (faster; a second copy of them)."""
     cpu_expert_kernel: bool = True
-    """On CPU with the torch kernels, float32 SiLU experts of decode-sized batches run the C expert kernel
+    """On CPU with the torch kernels, float32 SiLU experts run the C expert kernel, decode and prefill batches alike
     (shared/model/kernels/cpu_moe.c, built with gcc at first use; AVX-512F where the CPU has it, else AVX2 + FMA,
     the same bits either way; on `threads` intra-op threads)
     instead of the BLAS path; where it cannot be built or run, the torch path, with a log line. False = the torch

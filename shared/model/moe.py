@@ -89,7 +89,7 @@ class Experts(nn.Module):
 
     def use_cpu_kernel(self, kernel: cpu_moe.Kernel) -> str | None:
         """Re-lay the weights out for the CPU expert kernel build `kernel` (cpu_moe.kernels()), which then computes
-        decode-sized batches; the oneDNN packs of the experts are dropped (the panels replace them). → None, or
+        every batch; the oneDNN packs of the experts are dropped (the panels replace them). → None, or
         why these experts cannot use it (they keep the torch path)."""
         why = "not SiLU-gated plain experts" if not self.cpu_kernel else None
         why = why or ("not on the CPU" if self.down.device.type != "cpu" else None)
@@ -105,7 +105,8 @@ class Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts: torch.Tensor
     ) -> torch.Tensor:
-        """counts: (E,) tokens routed to each expert, on x's device. CPU: with oneDNN-packed weights, a loop
+        """counts: (E,) tokens routed to each expert, on x's device. CPU: with the C expert kernel's panels, that
+        kernel (use_cpu_kernel); else with oneDNN-packed weights, a loop
         over the active experts (packed weights do not stack, and on a host where packing pays it is ~3x
         faster per matmul than any stacked kernel there); with plain weights, `forward_grouped_mm`: two
         grouped matmuls, no Python loop over experts. On an accelerator the padded path, which never reads
