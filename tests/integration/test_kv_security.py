@@ -409,6 +409,30 @@ def test_stop_ends_open_pull_streams_instead_of_waiting_out_its_grace(checkpoint
     asyncio.run(run())
 
 
+def test_a_pull_stream_that_broke_between_pulls_is_replaced_transparently(checkpoint, model):
+    """The stream ends under an idle pair (here the server aborts it; a network blip alike): the next pull,
+    never sent on it, connects again and goes through."""
+
+    async def run():
+        async with serving(checkpoint, model) as p:
+            await p.hold("r")
+            await p.hold("s")
+            client = _client("decode-a")
+            try:
+                assert await p.pull_with(client, "r") == 40
+                (stream,) = p.server._streams
+                with contextlib.suppress(Exception):
+                    await stream.abort(Code.UNAVAILABLE, "gone")
+                await asyncio.sleep(0.2)  # the client's reader sees the end
+                assert await p.pull_with(client, "s") == 40
+                assert client.stats.connects == 2 and p.server.stats.pulls == 2
+                await p.settle()
+            finally:
+                await client.close()
+
+    asyncio.run(run())
+
+
 def test_connects_without_a_valid_ticket_open_no_pair(checkpoint, model):
     async def run():
         async with serving(checkpoint, model) as p:

@@ -9,7 +9,8 @@ Each message is one Pull, handled by the server's own Pull handler through `Mess
 with its status code and the stream goes on. The client side (`PullStream`) turns an answer's code back into
 the `grpc.aio.AioRpcError` a unary Pull raises, so a caller handles both alike. Answers may come in any order
 (pulls on one gloo pair run concurrently): `seq` pairs each with its request. When the stream breaks, every
-pull waiting on it fails UNAVAILABLE, and the caller drops the pair, as after a unary call that failed midway.
+pull waiting on it fails UNAVAILABLE, and the caller drops the pair, as after a unary call that failed midway;
+a pull that finds it broken, never sent, fails ABORTED, so the caller connects again and retries it.
 """
 
 from __future__ import annotations
@@ -107,26 +108,30 @@ class PullStream:
         self._writing = asyncio.Lock()  # gRPC takes one write at a time on a stream (TOO_MANY_OPERATIONS)
 
     async def pull(self, request: pb.PullRequest, trace: tuple[tuple[str, str], ...], timeout_s: float) -> pb.PullReply:
-        """The server's PullReply; raises grpc.aio.AioRpcError with the status a unary Pull would end with
-        (DEADLINE_EXCEEDED past timeout_s, UNAVAILABLE when the stream broke)."""
-        if self._broken is not None:
-            raise self._error()
+        """The server's PullReply; raises grpc.aio.AioRpcError with the status a unary Pull would end with:
+        DEADLINE_EXCEEDED past timeout_s; UNAVAILABLE when the stream broke while the pull was out (the server
+        may have started its send); ABORTED when it had broken before the pull was sent (as for a pair the server
+        does not know: the client connects again and retries once)."""
+        if self._broken is not None:  # this pull is not sent: the caller may connect again and retry it
+            raise rpc_error(grpc.StatusCode.ABORTED, f"{self._broken.details()}; connect again")
         if self._call is None:
             self._call = self._open()
             self._reader = asyncio.create_task(self._read(self._call))
         seq = next(self._seq)
         answer = self._waiting[seq] = asyncio.get_running_loop().create_future()
         try:
-            async with self._writing:
-                await self._call.write(pb.PullStreamRequest(seq=seq, pull=request, trace=dict(trace)))
-            out = await asyncio.wait_for(answer, timeout_s)
-        except TimeoutError:
-            raise rpc_error(
-                grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer on the pull stream in {timeout_s} s"
-            ) from None
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:  # the write failed: the stream is over
-            self._break(rpc_error(grpc.StatusCode.UNAVAILABLE, f"the pull stream broke: {e}"))
-            raise self._error() from e
+            try:
+                async with self._writing:
+                    await self._call.write(pb.PullStreamRequest(seq=seq, pull=request, trace=dict(trace)))
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:  # the stream is over
+                self._waiting.pop(seq, None)  # not sent, so not started: as above, the caller may retry it
+                self._break(rpc_error(grpc.StatusCode.UNAVAILABLE, f"the pull stream broke: {e}"))
+                raise rpc_error(grpc.StatusCode.ABORTED, f"the pull stream broke: {e}; connect again") from e
+            try:
+                out = await asyncio.wait_for(answer, timeout_s)
+            except TimeoutError:
+                late = f"no answer on the pull stream in {timeout_s} s"
+                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, late) from None
         finally:
             self._waiting.pop(seq, None)
         if out.code:
