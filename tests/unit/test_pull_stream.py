@@ -140,3 +140,20 @@ def test_closing_fails_the_pulls_waiting():
             assert closed.value.code() is Code.UNAVAILABLE and "closed" in (closed.value.details() or "")
 
     asyncio.run(run())
+
+
+def test_closing_when_idle_lets_the_pulls_waiting_finish_and_takes_no_more():
+    async def run():
+        async with served() as (_, stream):
+            waiting = pull(stream, "sleep:0.3:7")
+            await asyncio.sleep(0.1)
+            stream.close_when_idle()
+            with pytest.raises(grpc.aio.AioRpcError) as later:
+                await pull(stream, "sleep:0:1")
+            assert later.value.code() is Code.ABORTED  # not sent: the caller connects again
+            assert (await waiting).num_tokens == 7  # its answer came, then the stream ended
+            with pytest.raises(grpc.aio.AioRpcError) as after:
+                await pull(stream, "sleep:0:1")
+            assert after.value.code() is Code.ABORTED and "closed" in (after.value.details() or "")
+
+    asyncio.run(run())

@@ -436,8 +436,9 @@ class KvTransferClient:
 
     def _forget(self, address: str, conn: _Connection) -> None:
         """Stop using `conn`'s pair: the next pull from `address` negotiates a new one. Closing our side
-        (once no recv is in flight on it) closes the connection, which fails the server's pending sends."""
-        conn.pulls.close()
+        (once no recv is in flight on it) closes the connection, which fails the server's pending sends. Pulls
+        still waiting on its stream get their answers (and then find the pair closed, or finish)."""
+        conn.pulls.close_when_idle()
         conn.pair.close()
         if conn.segment is not None:  # unmapped now unless a pulled tensor still lives on it
             conn.segment.close()

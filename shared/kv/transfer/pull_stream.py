@@ -106,6 +106,7 @@ class PullStream:
         self._seq = itertools.count(1)
         self._broken: grpc.aio.AioRpcError | None = None
         self._writing = asyncio.Lock()  # gRPC takes one write at a time on a stream (TOO_MANY_OPERATIONS)
+        self._closing = False  # close_when_idle was called: the stream ends with its last waiting pull
 
     async def pull(self, request: pb.PullRequest, trace: tuple[tuple[str, str], ...], timeout_s: float) -> pb.PullReply:
         """The server's PullReply; raises grpc.aio.AioRpcError with the status a unary Pull would end with:
@@ -114,6 +115,8 @@ class PullStream:
         does not know: the client connects again and retries once)."""
         if self._broken is not None:  # this pull is not sent: the caller may connect again and retry it
             raise rpc_error(grpc.StatusCode.ABORTED, f"{self._broken.details()}; connect again")
+        if self._closing:
+            raise rpc_error(grpc.StatusCode.ABORTED, "the pull stream is closing; connect again")
         if self._call is None:
             self._call = self._open()
             self._reader = asyncio.create_task(self._read(self._call))
@@ -134,12 +137,22 @@ class PullStream:
                 raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, late) from None
         finally:
             self._waiting.pop(seq, None)
+            if self._closing and not self._waiting:
+                self.close()
         if out.code:
             raise rpc_error(_CODES.get(out.code, grpc.StatusCode.UNKNOWN), out.details)
         return out.reply
 
+    def close_when_idle(self) -> None:
+        """End the stream once no pull waits on it; take no more pulls. The pulls waiting get their answers: the
+        server handles their messages whatever we do, and a send it starts must meet its receive (or the pair's
+        close), not wait out its timeout."""
+        self._closing = True
+        if not self._waiting:
+            self.close()
+
     def close(self) -> None:
-        """End the stream (pulls waiting on it fail UNAVAILABLE)."""
+        """End the stream now (pulls waiting on it fail UNAVAILABLE)."""
         if self._call is not None:
             self._call.cancel()
         self._break(rpc_error(grpc.StatusCode.UNAVAILABLE, "the pull stream was closed"))
