@@ -13,7 +13,9 @@ median of a few runs), holds the KV and serves KvTransfer on 127.0.0.1. This pro
   before the pool-direct send, and still CUDA's);
 - pull, pre-exported: the source answers with a copy exported beforehand: the transfer plane's own cost;
 - shm pull: a client on the same host takes the pair's shared segment: the server gathers the blocks
-  into it, the reply says so, the result is a view of the segment (dropped after each repeat);
+  into it, the reply says so, the result is a view of the segment (dropped after each repeat); its Pull goes
+  over the server's Unix socket (shared/kv/transfer/local_stream.py);
+- shm pull, gRPC: the same with `local_stream=False`, its Pull a message of the pair's PullStream RPC;
 - export: `Engine.export_kv` alone, in the prefill process;
 - raw gloo: the same bytes between the same two processes on a second two-rank gloo group: we send a
   16-byte "go", the prefill side answers with a preallocated tensor; timed from the go to the recv's end;
@@ -22,7 +24,8 @@ median of a few runs), holds the KV and serves KvTransfer on 127.0.0.1. This pro
   copy the shared-memory path is compared with.
 A first row of FIXED_TOKENS (one block) shows the per-pull fixed cost, with `rpc`: a pull of an unknown
 request (the round trip with its ticket checks, NOT_FOUND) on the pair's PullStream, the same as a unary Pull
-call (how every pull went before the stream), and its parts measured in this process.
+call (how every pull went before the stream), the same over a same-host pair's Unix socket, and its parts
+measured in this process.
 The bench source never frees the KV (its end_send only takes back its staging), so each repeat pulls the
 same blocks again. Repeats alternate the transfers, in an order rotated each repeat; the local copies are
 timed after them, apart. Each figure is the median, after one warm-up of each.
@@ -194,7 +197,8 @@ def raw_pull(pair: Pair, index: int, out: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
-KINDS = ("pull", "posted", "pull_export", "pull_staged", "shm")  # pulls timed per size; plus "raw" and "clone"
+# pulls timed per size; plus "raw", "clone" and "copy"
+KINDS = ("pull", "posted", "pull_export", "pull_staged", "shm", "shm_grpc")
 
 
 async def measure(info: dict, sizes: list[int], repeats: int) -> tuple[list[dict], dict]:
@@ -202,16 +206,19 @@ async def measure(info: dict, sizes: list[int], repeats: int) -> tuple[list[dict
     address = info["address"]
     client = KvTransferClient("bench-decode", secret=SECRET, timeout_s=TIMEOUT_S, shared_memory=False)
     shm = KvTransferClient("bench-decode-shm", secret=SECRET, timeout_s=TIMEOUT_S, shared_memory=True)
-    by_kind = {"pull": client, "posted": client, "pull_export": client, "pull_staged": client, "shm": shm}
+    shm_grpc = KvTransferClient("bench-decode-shm-grpc", secret=SECRET, timeout_s=TIMEOUT_S, local_stream=False)
+    by_kind = {"pull": client, "posted": client, "pull_export": client, "pull_staged": client}
+    by_kind |= {"shm": shm, "shm_grpc": shm_grpc}
     store = dist.TCPStore(HOST, info["raw_port"], is_master=False)
     raw = await asyncio.to_thread(Pair.join, TransferBackend.GLOO, store, "raw", DECODE_RANK, TIMEOUT_S, HOST)
     rows = []
     try:
         for index, n in enumerate(sizes):
             pulls = {"pull": f"kv-{n}", "posted": f"kv-{n}", "pull_export": f"export-{n}", "pull_staged": f"staged-{n}"}
-            pulls["shm"] = f"kv-{n}"
+            pulls["shm"] = pulls["shm_grpc"] = f"kv-{n}"
             expect = {"posted": n}  # the token count a decode worker knows: its receives are posted first
-            shm_before = shm.stats.shm_pulls
+            shm_before, local_before = shm.stats.shm_pulls, shm.stats.local_pulls
+            grpc_before = shm_grpc.stats.shm_pulls
             warm = {
                 k: await by_kind[k].pull(address, rid, layout, num_tokens=expect.get(k)) for k, rid in pulls.items()
             }
@@ -219,6 +226,9 @@ async def measure(info: dict, sizes: list[int], repeats: int) -> tuple[list[dict
             raw_pull(raw, index, raw_buffer)
             assert all(torch.equal(kv.blocks, raw_buffer) for kv in warm.values()), "different bytes arrived"
             assert shm.stats.shm_pulls == shm_before + 1, "the same-host pull did not go through shared memory"
+            assert shm_grpc.stats.shm_pulls == grpc_before + 1, "the same-host pull did not go through shared memory"
+            assert shm.stats.local_pulls == local_before + 1, "the same-host Pull did not go over the Unix socket"
+            assert shm_grpc.stats.local_pulls == 0, "local_stream=False took the Unix socket"
             assert client.stats.abandoned_posts == 0, "a posted pull's receives went unused"
             nbytes = raw_buffer.numel() * raw_buffer.element_size()
             for kv in warm.values():
@@ -247,26 +257,34 @@ async def measure(info: dict, sizes: list[int], repeats: int) -> tuple[list[dict
                 times["copy"].append(median_s(functools.partial(copy_buffer.copy_, raw_buffer), 1))
             seconds = {k: statistics.median(v) for k, v in times.items()}
             rows.append(row(n, nbytes, seconds, info, n))
-        fixed = await fixed_cost(client, address, layout, repeats)
+        fixed = await fixed_cost(client, shm, address, layout, repeats)
         await asyncio.to_thread(raw.send, [torch.tensor([-1, 0])], GO_TAG)
     finally:
-        await client.close()
-        await shm.close()
+        for each in (client, shm, shm_grpc):
+            await each.close()
     return rows, fixed
 
 
-async def fixed_cost(client: KvTransferClient, address: str, layout: KVLayout, repeats: int) -> dict:
+async def fixed_cost(
+    client: KvTransferClient, local: KvTransferClient, address: str, layout: KVLayout, repeats: int
+) -> dict:
     """What a pull costs besides its bytes: the pull's round trip (an unknown request: one message on the pair's
-    PullStream, its ticket minted and verified, the checks, NOT_FOUND), the same as one unary Pull call, and, in
-    this process, minting and verifying one ticket."""
-    rpc = []
-    for _ in range(repeats * 3):
-        t0 = time.perf_counter()
-        try:
-            await client.pull(address, "no-such-request", layout)
-        except KvTransferError:
-            pass
-        rpc.append(time.perf_counter() - t0)
+    PullStream, its ticket minted and verified, the checks, NOT_FOUND), the same over a same-host pair's Unix
+    socket (`local`), the same as one unary Pull call, and, in this process, minting and verifying one ticket."""
+
+    async def refused(puller: KvTransferClient) -> list[float]:
+        seconds = []
+        for _ in range(repeats * 3):
+            t0 = time.perf_counter()
+            try:
+                await puller.pull(address, "no-such-request", layout)
+            except KvTransferError:
+                pass
+            seconds.append(time.perf_counter() - t0)
+        return seconds
+
+    rpc, over_socket = await refused(client), await refused(local)
+    assert (await local._connection(address, layout)).local, "the same-host pair does not pull over its socket"
     # The same refused pull as one unary Pull call on the same pair, the way every pull went before PullStream.
     conn = await client._connection(address, layout)
     unary = []
@@ -290,6 +308,7 @@ async def fixed_cost(client: KvTransferClient, address: str, layout: KVLayout, r
     verify = median_s(lambda: tickets.verify(ticket, "d", "r"), 200)
     return dict(
         rpc_ms=statistics.median(rpc) * 1e3,
+        local_rpc_ms=statistics.median(over_socket) * 1e3,
         unary_rpc_ms=statistics.median(unary) * 1e3,
         ticket_mint_us=mint * 1e6,
         ticket_verify_us=verify * 1e6,
@@ -313,6 +332,7 @@ def row(tokens: int, nbytes: int, seconds: dict[str, float], info: dict, n: int)
         shm_vs_pull=seconds["pull"] / seconds["shm"],
         shm_vs_clone=seconds["clone"] / seconds["shm"],
         shm_vs_copy=seconds["copy"] / seconds["shm"],
+        shm_grpc_vs_copy=seconds["copy"] / seconds["shm_grpc"],
         export_ms=info["export"][n] * 1e3,
         ttft_ms=ttft * 1e3,
         pull_share_of_ttft=seconds["pull"] / ttft,
@@ -324,9 +344,10 @@ def print_table(rows: list[dict], fixed: dict) -> None:
     print(
         "| prompt tokens | KV (runs, way) | raw gloo | pull | pull / raw | posted pull | posted / raw "
         "| pull, export copy | export / raw "
-        "| pre-exported / raw | shm pull | shm / pull | copy | shm / copy | clone | TTFT | pull / TTFT |"
+        "| pre-exported / raw | shm pull | shm / pull | copy | shm / copy | shm pull, gRPC | shm, gRPC / copy "
+        "| clone | TTFT | pull / TTFT |"
     )
-    print("| ---: " * 17 + "|")
+    print("| ---: " * 19 + "|")
     for r in rows:
         cells = [f"{r['tokens']}", f"{r['bytes'] / 1e6:.2f} MB ({r['runs']}, {r['mode']})"]
         cells += [f"{r[k + '_ms']:.2f} ms, {r[k + '_gbps']:.2f} GB/s" for k in ("raw", "pull")]
@@ -334,12 +355,13 @@ def print_table(rows: list[dict], fixed: dict) -> None:
         cells += [f"{r['pull_export_ms']:.2f} ms", f"{r['pull_export_vs_raw']:.0%}"]
         cells += [f"{r['pull_staged_vs_raw']:.0%}", f"{r['shm_ms']:.2f} ms, {r['shm_gbps']:.2f} GB/s"]
         cells += [f"{r['shm_vs_pull']:.1f}x", f"{r['copy_ms']:.2f} ms, {r['copy_gbps']:.2f} GB/s"]
-        cells += [f"{r['shm_vs_copy']:.0%}"]
+        cells += [f"{r['shm_vs_copy']:.0%}", f"{r['shm_grpc_ms']:.2f} ms", f"{r['shm_grpc_vs_copy']:.0%}"]
         cells += [f"{r['clone_ms']:.2f} ms, {r['clone_gbps']:.2f} GB/s", f"{r['ttft_ms']:.0f} ms"]
         cells += [f"{r['pull_share_of_ttft']:.1%}"]
         print("| " + " | ".join(cells) + " |")
     print(
         f"fixed cost: pull round trip (NOT_FOUND) {fixed['rpc_ms']:.2f} ms on the pair's PullStream, "
+        f"{fixed['local_rpc_ms']:.2f} ms on a same-host pair's Unix socket, "
         f"{fixed['unary_rpc_ms']:.2f} ms as a unary Pull; "
         f"ticket mint {fixed['ticket_mint_us']:.1f} us, verify {fixed['ticket_verify_us']:.1f} us"
     )

@@ -38,7 +38,7 @@ class ConnectRequest(_message.Message):
     def __init__(self, decode_worker_id: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., layout_fingerprint: _Optional[str] = ..., ticket: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class ConnectReply(_message.Message):
-    __slots__ = ("store_host", "store_port", "pair_id", "shm_name", "shm_bytes", "posted_pulls", "block_size", "chunk_bytes")
+    __slots__ = ("store_host", "store_port", "pair_id", "shm_name", "shm_bytes", "posted_pulls", "block_size", "chunk_bytes", "local_stream")
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     PAIR_ID_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class ConnectReply(_message.Message):
     POSTED_PULLS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STREAM_FIELD_NUMBER: _ClassVar[int]
     store_host: str
     store_port: int
     pair_id: str
@@ -55,7 +56,8 @@ class ConnectReply(_message.Message):
     posted_pulls: bool
     block_size: int
     chunk_bytes: int
-    def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., pair_id: _Optional[str] = ..., shm_name: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., posted_pulls: _Optional[bool] = ..., block_size: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    local_stream: str
+    def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., pair_id: _Optional[str] = ..., shm_name: _Optional[str] = ..., shm_bytes: _Optional[int] = ..., posted_pulls: _Optional[bool] = ..., block_size: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., local_stream: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("request_id", "ticket", "decode_worker_id", "pair_id", "layout_fingerprint", "kv_head_start", "kv_head_count", "group_pulls", "shm_offset", "shm_capacity", "posted")

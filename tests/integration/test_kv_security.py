@@ -31,9 +31,11 @@ from shared.kv.replay import ReplayCache
 from shared.kv.tickets import MAX_TICKET_CHARS, TicketError, TicketReason, Tickets
 from shared.kv.transfer import EngineKvBlocks, FailureReason, KvTransferClient, KvTransferError, KvTransferServer
 from shared.kv.transfer import server as server_module
+from shared.kv.transfer.local_stream import LocalCall
 from shared.kv.transfer.pair import DECODE_RANK, Pair, TransferBackend, store_client
 from shared.kv.transfer.pair_proof import PairProofs, PairRefused
 from shared.kv.transfer.pull_stream import PullStream
+from shared.kv.transfer.rpc_calls import MAX_MESSAGE_BYTES
 from shared.kv.transfer.server import MAX_ID_CHARS, SERVICE
 from shared.kv.transfer.wire import pieces
 from shared.model.demo import write_demo_checkpoint
@@ -227,8 +229,12 @@ async def serving(checkpoint, model, **server_options):
         await server.stop()
 
 
-def _client(worker: str, secret: bytes = SECRET) -> KvTransferClient:
-    return KvTransferClient(worker, secret=secret, timeout_s=TIMEOUT_S)
+def _client(worker: str, secret: bytes = SECRET, local_stream: bool = True) -> KvTransferClient:
+    return KvTransferClient(worker, secret=secret, timeout_s=TIMEOUT_S, local_stream=local_stream)
+
+
+# The two carriers of a pair's pulls: the PullStream RPC, and (same host, here) the server's Unix socket.
+CARRIERS = pytest.mark.parametrize("local_stream", [False, True], ids=["grpc-stream", "local-stream"])
 
 
 def _refusals(reason: str) -> float:
@@ -298,14 +304,22 @@ def test_pulls_without_a_valid_ticket_are_refused_and_leave_the_kv_held(checkpoi
     asyncio.run(run())
 
 
-def test_streamed_pulls_are_checked_as_unary_ones_and_a_refusal_ends_only_its_message(checkpoint, model):
-    """The PullStream a client pulls over (pull_stream.py): every message passes the Pull's checks."""
+@CARRIERS
+def test_streamed_pulls_are_checked_as_unary_ones_and_a_refusal_ends_only_its_message(checkpoint, model, local_stream):
+    """The PullStream a client pulls over (pull_stream.py), on either carrier: every message passes the Pull's
+    checks. Knowing the local socket's name gets a process nothing without valid tickets."""
 
     async def run():
         async with serving(checkpoint, model) as p:
             await p.hold("r")
             pair = await p.open_pair("decode-a")
-            stream = PullStream(pb_grpc.KvTransferStub(p.channel).PullStream)
+            local = p.server._local
+            assert local is not None
+            if local_stream:
+                call = await LocalCall.connect(local.name, MAX_MESSAGE_BYTES, TIMEOUT_S)
+                stream = PullStream(lambda: call)  # pyright: ignore[reportArgumentType]
+            else:
+                stream = PullStream(pb_grpc.KvTransferStub(p.channel).PullStream)
 
             async def pull(**changes) -> pb.PullReply:
                 return await stream.pull(
@@ -342,10 +356,16 @@ def test_streamed_pulls_are_checked_as_unary_ones_and_a_refusal_ends_only_its_me
             assert replayed.value.code() is Code.PERMISSION_DENIED and "replayed" in (replayed.value.details() or "")
             stream.close()
 
-            # A message that is not a pull ends that stream with INVALID_ARGUMENT; the server serves on.
-            raw = p.channel.stream_stream(f"/{SERVICE}/PullStream")()
-            await raw.write(b"\xff\xff\xff")
-            assert await raw.code() is Code.INVALID_ARGUMENT
+            # A message that is not a pull ends that stream (gRPC: INVALID_ARGUMENT); the server serves on.
+            if local_stream:
+                reader, writer = await asyncio.open_unix_connection("\0" + local.name)
+                writer.write(b"\x03\x00\x00\x00\xff\xff\xff")
+                assert await asyncio.wait_for(reader.read(), TIMEOUT_S) == b""
+                writer.close()
+            else:
+                raw = p.channel.stream_stream(f"/{SERVICE}/PullStream")()
+                await raw.write(b"\xff\xff\xff")
+                assert await raw.code() is Code.INVALID_ARGUMENT
             assert p.server.stats.pulls == 1
             pair.close()
             p.assert_holds()
@@ -390,15 +410,17 @@ def test_a_pull_cancelled_before_its_answer_leaves_nothing_stuck(checkpoint, mod
     asyncio.run(run())
 
 
-def test_stop_ends_open_pull_streams_instead_of_waiting_out_its_grace(checkpoint, model):
+@CARRIERS
+def test_stop_ends_open_pull_streams_instead_of_waiting_out_its_grace(checkpoint, model, local_stream):
     """A decode worker keeps its PullStream open for good: the server's stop ends it (UNAVAILABLE)."""
 
     async def run():
         async with serving(checkpoint, model) as p:
             await p.hold("r")
-            client = _client("decode-a")
+            client = _client("decode-a", local_stream=local_stream)
             try:
                 assert await p.pull_with(client, "r") == 40  # the client's PullStream stays open
+                assert client.stats.local_pulls == local_stream
                 # A grace the stop must not wait out (an open stream would hold it that long).
                 await asyncio.wait_for(p.server.stop(grace_s=600), 60)
                 with pytest.raises(KvTransferError):  # the stream ended with the server
@@ -409,7 +431,8 @@ def test_stop_ends_open_pull_streams_instead_of_waiting_out_its_grace(checkpoint
     asyncio.run(run())
 
 
-def test_a_pull_stream_that_broke_between_pulls_is_replaced_transparently(checkpoint, model):
+@CARRIERS
+def test_a_pull_stream_that_broke_between_pulls_is_replaced_transparently(checkpoint, model, local_stream):
     """The stream ends under an idle pair (here the server aborts it; a network blip alike): the next pull,
     never sent on it, connects again and goes through."""
 
@@ -417,15 +440,22 @@ def test_a_pull_stream_that_broke_between_pulls_is_replaced_transparently(checkp
         async with serving(checkpoint, model) as p:
             await p.hold("r")
             await p.hold("s")
-            client = _client("decode-a")
+            client = _client("decode-a", local_stream=local_stream)
             try:
                 assert await p.pull_with(client, "r") == 40
-                (stream,) = p.server._streams
-                with contextlib.suppress(Exception):
-                    await stream.abort(Code.UNAVAILABLE, "gone")
+                if local_stream:
+                    local = p.server._local
+                    assert local is not None
+                    (connection,) = local._connections
+                    connection.close()
+                else:
+                    (stream,) = p.server._streams
+                    with contextlib.suppress(Exception):
+                        await stream.abort(Code.UNAVAILABLE, "gone")
                 await asyncio.sleep(0.2)  # the client's reader sees the end
                 assert await p.pull_with(client, "s") == 40
                 assert client.stats.connects == 2 and p.server.stats.pulls == 2
+                assert client.stats.local_pulls == 2 * local_stream
                 await p.settle()
             finally:
                 await client.close()

@@ -535,6 +535,7 @@ def test_every_path_hands_off_identical_bytes_and_decodes_exactly(prefill, check
     assert not isinstance(kv, Exception), kv
     assert torch.equal(kv.blocks, sent)  # every byte, padding slots included
     assert client.stats.shm_pulls == (1 if shared_memory else 0)
+    assert client.stats.local_pulls == client.stats.shm_pulls  # same host: the Pull went over the Unix socket
     decode.import_kv(rid, prompt, first, params, kv)
     assert first + _run(decode) == expected
     decode.check_integrity()
@@ -602,6 +603,7 @@ def test_shared_memory_falls_back_to_the_socket_for_kv_that_does_not_fit(prefill
 
     in_use, free, stats = asyncio.run(run())
     assert stats.pulls == 2 and stats.shm_pulls == 1
+    assert stats.local_pulls == 2  # the pull that did not fit went over the pair, asked over the Unix socket
     assert in_use == (64 << 10) - (40 << 10) and free == 64 << 10
     state = prefill.assert_all_free()
     assert state["segments"] - segments_before == 1

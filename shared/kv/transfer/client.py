@@ -37,6 +37,7 @@ from shared.kv.transfer.channel_tls import KvTls
 from shared.kv.transfer.errors import FailureReason, KvTransferError
 from shared.kv.transfer.heads import head_fields
 from shared.kv.transfer.layer_stream import StreamedKv, receive_parts
+from shared.kv.transfer.local_stream import LocalCall
 from shared.kv.transfer.pair import (
     DECODE_RANK,
     Pair,
@@ -55,6 +56,7 @@ from shared.kv.transfer.posted import (
     posted_shape,
 )
 from shared.kv.transfer.pull_stream import PullStream
+from shared.kv.transfer.rpc_calls import MAX_MESSAGE_BYTES
 from shared.kv.transfer.shm import Regions, Segment, host_identity
 from shared.kv.transfer.wire import MAX_PIECES, MAX_TAG, announced_layout, receive_pieces, received
 from shared.rpc import kv_transfer_pb2 as pb
@@ -85,6 +87,7 @@ class ClientStats:
     streamed_pulls: int = 0  # of which were sent layer by layer, the first token after them (layer_stream.py)
     posted_pulls: int = 0  # of which arrived in receives posted before the Pull (posted.py)
     abandoned_posts: int = 0  # pulls whose posted receives went unused (refused, failed, ignored): pair dropped
+    local_pulls: int = 0  # Pulls answered over a same-host pair's Unix socket, not gRPC (local_stream.py)
     bytes_received: int = 0
 
 
@@ -100,6 +103,7 @@ class _Connection:
     # Pre-posted pulls (posted.py): the server takes them, with the source's block size and chunk size.
     posting: pb.ConnectReply | None = None
     next_posted_tag: int = POSTED_TAG_BASE
+    local: bool = False  # `pulls` runs over the server's Unix socket (local_stream.py), not a gRPC call
 
     def reserve_posted_tags(self, count: int) -> int:
         """The first of `count` consecutive tags of the decode side's range for a pull's posted receives."""
@@ -129,12 +133,14 @@ class KvTransferClient:
         tls: KvTls | None = None,
         group_id: str | None = None,
         shared_memory: bool = True,
+        local_stream: bool = True,
     ) -> None:
         """secret: the cluster secret (at least 16 bytes) this client signs its tickets with. timeout_s
         bounds each RPC, forming a pair, and each transfer's receive. tls: TLS with this worker's certificate
         (None: plaintext gRPC). group_id: the decode group whose pull tickets this rank's pulls carry
         (shared/kv/rank_transfer.py); None: worker_id's own. shared_memory: take a shared segment from a
-        prefill worker on this host (False: every pull over the pair)."""
+        prefill worker on this host (False: every pull over the pair). local_stream: send a same-host pair's
+        pulls over the server's Unix socket when it offers one (False: the PullStream RPC; for comparison)."""
         if not worker_id:
             raise ValueError("worker_id must not be empty")
         if timeout_s <= 0:
@@ -151,6 +157,7 @@ class KvTransferClient:
         self.stats = ClientStats()
         # gloo pairs only: NCCL moves GPU memory, which a host segment would only add a copy to
         self.host_id = host_identity() if shared_memory and self.backend is TransferBackend.GLOO else ""
+        self.local_stream = local_stream
         self._buffers = BufferPool(recv_cache_bytes, self.device)  # what `recycle` hands back, for reuse
         self._executor = ThreadPoolExecutor(MAX_BLOCKING_THREADS, thread_name_prefix="kv-recv")
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -258,6 +265,8 @@ class KvTransferClient:
                     # closing the pair fails that send at once (and frees its KV) instead of at its timeout.
                     self._forget(address, conn)
                 raise
+            if conn.local:
+                self.stats.local_pulls += 1
             if conn.regions is not None:  # what the server wrote stays reserved until its tensor is gone
                 conn.regions.keep(offset, capacity, reply.shm_bytes)
             try:
@@ -410,8 +419,19 @@ class KvTransferClient:
         order = contextlib.nullcontext() if self.backend.tagged else asyncio.Lock()
         regions = None if segment is None else Regions(segment.nbytes)
         posting = reply if reply.posted_pulls and self.backend is TransferBackend.GLOO and reply.block_size else None
-        pulls = PullStream(stub.PullStream)
-        return _Connection(stub, pair, pulls, order, segment, regions, posting)
+        local = await self._local_call(reply) if segment is not None else None
+        pulls = PullStream(stub.PullStream if local is None else lambda: local)  # pyright: ignore[reportArgumentType]
+        return _Connection(stub, pair, pulls, order, segment, regions, posting, local=local is not None)
+
+    async def _local_call(self, reply: pb.ConnectReply) -> LocalCall | None:
+        """The server's Unix socket for this pair's pulls, if it offered one and we reach it; None: gRPC."""
+        if not (reply.local_stream and self.local_stream):
+            return None
+        try:
+            return await LocalCall.connect(reply.local_stream, MAX_MESSAGE_BYTES, self.timeout_s)
+        except (OSError, TimeoutError) as e:  # e.g. another network namespace: the abstract name is not here
+            log.info("the prefill worker's local pull stream is not reachable (%s): pulls go over gRPC", e)
+            return None
 
     def _attach(self, reply: pb.ConnectReply) -> Segment | None:
         """Map (and unlink) the segment the server offered; None, the socket path, if that fails."""

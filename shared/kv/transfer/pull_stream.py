@@ -43,8 +43,8 @@ class MessageAborted(Exception):
 class MessageContext:
     """The part of `grpc.aio.ServicerContext` the Pull handler uses, for one message of a stream."""
 
-    def __init__(self, stream: grpc.aio.ServicerContext, trace: dict[str, str]) -> None:
-        self._stream, self._trace = stream, trace
+    def __init__(self, peer: str, trace: dict[str, str]) -> None:
+        self._peer, self._trace = peer, trace
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise MessageAborted(code, details)
@@ -53,21 +53,26 @@ class MessageContext:
         return tuple(self._trace.items())
 
     def peer(self) -> str:
-        return self._stream.peer()
+        return self._peer
 
 
 async def serve(
-    pull: PullHandler, requests: AsyncIterator[pb.PullStreamRequest | Unreadable], context: grpc.aio.ServicerContext
+    pull: PullHandler,
+    requests: AsyncIterator[pb.PullStreamRequest | Unreadable],
+    write: Callable[[pb.PullStreamReply], Awaitable[None]],
+    peer: str,
 ) -> None:
     """Server side: handle each message as a Pull, concurrently, writing each answer as it is ready. Returns when
-    the client closes the stream; pulls still being handled then finish (their sends are the server's)."""
+    the client closes the stream; pulls still being handled then finish (their sends are the server's). Raises
+    MessageAborted (INVALID_ARGUMENT) at a message that is not a pull: the caller ends the stream with it. The
+    stream is a gRPC call's (server.py) or a Unix socket's (local_stream.py)."""
     writing = asyncio.Lock()  # one write at a time on a gRPC stream
     tasks: set[asyncio.Task[None]] = set()
 
     async def answer(message: pb.PullStreamRequest) -> None:
         out = pb.PullStreamReply(seq=message.seq)
         try:
-            out.reply.CopyFrom(await pull(message.pull, MessageContext(context, dict(message.trace))))
+            out.reply.CopyFrom(await pull(message.pull, MessageContext(peer, dict(message.trace))))
         except MessageAborted as e:
             out.code, out.details = e.code.value[0], e.details
         except Exception as e:  # a bug in a handler: that pull fails, the stream lives on
@@ -75,11 +80,11 @@ async def serve(
             out.code, out.details = grpc.StatusCode.INTERNAL.value[0], f"{type(e).__name__}: {e}"
         async with writing:
             with contextlib.suppress(Exception):  # the client went away: nobody to tell
-                await context.write(out)
+                await write(out)
 
     async for message in requests:
         if isinstance(message, Unreadable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PullStream refused: a message is not a pull")
+            raise MessageAborted(grpc.StatusCode.INVALID_ARGUMENT, "PullStream refused: a message is not a pull")
         task = asyncio.create_task(answer(message))
         tasks.add(task)
         task.add_done_callback(tasks.discard)

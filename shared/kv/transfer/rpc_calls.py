@@ -9,6 +9,8 @@ from typing import Protocol, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
+MAX_MESSAGE_BYTES = 64 << 10  # our requests are a few hundred bytes; a bigger one is refused unread
+
 
 class FromWorker(Protocol):
     """What every KvTransfer request carries: the calling decode worker's id."""

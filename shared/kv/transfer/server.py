@@ -46,12 +46,13 @@ from shared.kv.transfer import pull_stream
 from shared.kv.transfer.channel_tls import KvTls
 from shared.kv.transfer.heads import HeadsRefused, begin_send
 from shared.kv.transfer.layer_stream import StreamedPoolKv
+from shared.kv.transfer.local_stream import LocalListener
 from shared.kv.transfer.loop_send import loop_pieces
 from shared.kv.transfer.pair import PREFILL_RANK, Pair, TransferBackend, check_backend, store_client
 from shared.kv.transfer.pair_proof import PairProofs, PairRefused
 from shared.kv.transfer.pool_kv import PoolKv
 from shared.kv.transfer.posted import posted_kv
-from shared.kv.transfer.rpc_calls import Call, Unreadable, handler, short
+from shared.kv.transfer.rpc_calls import MAX_MESSAGE_BYTES, Call, Unreadable, handler, short
 from shared.kv.transfer.segment_send import InjectedFault, copy_into_region, fits, shape_of
 from shared.kv.transfer.send_stream import SendStream
 from shared.kv.transfer.shm import Segment, host_identity, sweep_stale
@@ -70,7 +71,6 @@ WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 DEFAULT_CHUNK_BYTES = 64 << 20  # KV of up to this size moves in one piece
 MIN_CHUNK_BYTES = 1024
 MAX_ID_CHARS = 512  # request, worker and pair ids; longer is refused as INVALID_ARGUMENT
-MAX_MESSAGE_BYTES = 64 << 10  # our requests are a few hundred bytes; gRPC refuses bigger ones itself
 SERVICE = pb.DESCRIPTOR.services_by_name["KvTransfer"].full_name
 # A refused ticket: no usable credential at all → UNAUTHENTICATED; a real one that does not grant this call
 # (or a signature that does not check out) → PERMISSION_DENIED.
@@ -164,6 +164,8 @@ class KvTransferServer:
         self._issued: set[str] = set()  # every pair id handed out: one Connect's worth of bytes each
         self._sends: set[asyncio.Task[None]] = set()
         self._streams: set[grpc.aio.ServicerContext] = set()  # of the PullStream calls open (one per pair)
+        # Same host: the Unix socket pairs with a segment send their pulls to (local_stream.py)
+        self._local = LocalListener(self.pull, MAX_MESSAGE_BYTES) if self.host_id else None
         self._store: dist.TCPStore | None = None
         self._server: grpc.aio.Server | None = None
 
@@ -172,6 +174,8 @@ class KvTransferServer:
         if self.host_id:
             for name in sweep_stale():
                 log.info("removed the shared KV segment %s of a process that is gone", name)
+        if self._local is not None:
+            await self._local.start()
         self._store = dist.TCPStore(
             self.public_host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.timeout_s)
         )
@@ -199,6 +203,8 @@ class KvTransferServer:
         for stream in list(self._streams):  # a client keeps its stream open: it would last the whole grace
             with contextlib.suppress(Exception):
                 await stream.abort(grpc.StatusCode.UNAVAILABLE, "the KV transfer server is stopping")
+        if self._local is not None:
+            await self._local.stop()
         if self._server is not None:
             await self._server.stop(grace_s)
         if self._sends:
@@ -249,6 +255,8 @@ class KvTransferServer:
             slot.segment = await self._create_segment(worker)
             if slot.segment is not None:
                 reply.shm_name, reply.shm_bytes = slot.segment.name, slot.segment.nbytes
+                if self._local is not None:
+                    reply.local_stream = self._local.name
                 if joining.done():  # the pair failed already: its callback found no segment to unlink
                     slot.segment.unlink()
         return reply
@@ -285,7 +293,9 @@ class KvTransferServer:
         """Pulls as messages of one long-lived stream per pair (pull_stream.py), each handled as `pull`."""
         self._streams.add(context)
         try:
-            await pull_stream.serve(self.pull, requests, context)
+            await pull_stream.serve(self.pull, requests, context.write, context.peer())
+        except pull_stream.MessageAborted as e:
+            await context.abort(e.code, e.details)
         finally:
             self._streams.discard(context)
 
