@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/kv_pull_profile.py [--tokens 16 1024 4096] [--repeats 15] [--shm]
 
 The same two processes as kv_transfer_bench.py (a spawned prefill process holding the `small` demo model's KV
-and serving KvTransfer on 127.0.0.1; this process pulls with `KvTransferClient`, shared memory off). Both sides
+and serving KvTransfer on 127.0.0.1; this process pulls with `KvTransferClient`, shared memory off; with
+`--shm` on, so that its Pulls go over the server's Unix socket, local_stream.py). Both sides
 stamp `time.perf_counter()` (CLOCK_MONOTONIC: one clock for every process of the host) at the phase boundaries
 by wrapping the plane's own methods in this script (the library is not instrumented), so the differences across
 the two processes are meaningful. Phases, in order along one pull:
@@ -172,14 +173,14 @@ PHASES = [
 
 
 # the same-host path (--shm): the KV is copied into the pair's segment, then the reply says it is there
-SHM_PHASES = [
-    ("c_start", "s_enter", "Pull sent -> server handler (mint, gRPC, loop)"),
+SHM_PHASES = [  # its Pull on the server's Unix socket (local_stream.py), not gRPC
+    ("c_start", "s_enter", "Pull sent -> server handler (mint, Unix socket, loop)"),
     ("s_enter", "s_lent", "ticket, checks, blocks lent"),
-    ("s_lent", "s_copy_start", "-> send thread (hop)"),
+    ("s_lent", "s_copy_start", "-> region view (a send thread above 64 MiB)"),
     ("s_copy_start", "s_copy_done", "gather into the segment"),
-    ("s_copy_done", "s_freed", "-> loop (hop) + blocks freed"),
+    ("s_copy_done", "s_freed", "-> loop + blocks freed"),
     ("s_freed", "s_reply", "reply built"),
-    ("s_reply", "c_reply", "reply -> client loop (gRPC back)"),
+    ("s_reply", "c_reply", "reply -> client loop (Unix socket back)"),
     ("c_reply", "c_end", "client: view of the segment, pull returns"),
     ("c_start", "c_end", "whole pull"),
 ]
