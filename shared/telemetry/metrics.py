@@ -99,6 +99,11 @@ KV_POSTED_PULLS = Counter(
     'KV pulls sent into receives the puller posted before its Pull (docs/kv_transfer.md, "Pre-posted pulls").',
     LABELS,
 )
+KV_LOCAL_PULLS = Counter(
+    f"{PREFIX}kv_local_pulls",
+    "KV pulls asked over a same-host prefill worker's Unix socket, not gRPC (docs/kv_transfer.md).",
+    LABELS,
+)
 KV_TRANSFER_FAILURES = Counter(f"{PREFIX}kv_transfer_failures", "Failed KV transfers.", (*LABELS, "reason"))
 REQUEST_MIGRATIONS = Counter(
     f"{PREFIX}request_migrations",

@@ -267,6 +267,7 @@ class KvTransferClient:
                 raise
             if conn.local:
                 self.stats.local_pulls += 1
+                metrics.KV_LOCAL_PULLS.labels(self.model_name, "decode").inc()
             if conn.regions is not None:  # what the server wrote stays reserved until its tensor is gone
                 conn.regions.keep(offset, capacity, reply.shm_bytes)
             try:
