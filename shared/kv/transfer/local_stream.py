@@ -66,10 +66,11 @@ def _frame(message: pb.PullStreamRequest | pb.PullStreamReply) -> bytes:
     return _LENGTH.pack(len(body)) + body
 
 
-def _peer_uid(writer: asyncio.StreamWriter) -> int:
+def _peer(writer: asyncio.StreamWriter) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end, as the kernel saw it connect."""
     sock: socket.socket = writer.get_extra_info("socket")
-    _pid, uid, _gid = _CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
-    return uid
+    pid, uid, _gid = _CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
+    return pid, uid
 
 
 class LocalListener:
@@ -97,9 +98,11 @@ class LocalListener:
         self._server = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        uid = _peer_uid(writer)
+        pid, uid = _peer(writer)
         if uid != os.geteuid():
-            log.warning("refused a local pull stream from uid %d (this server runs as %d)", uid, os.geteuid())
+            log.warning(
+                "refused a local pull stream from pid %d, uid %d (this server runs as %d)", pid, uid, os.geteuid()
+            )
             writer.close()
             return
         self.accepted += 1
@@ -110,7 +113,7 @@ class LocalListener:
             await writer.drain()
 
         try:
-            await serve(self._pull, self._requests(reader), write, f"unix:{self.name}")
+            await serve(self._pull, self._requests(reader), write, f"unix:pid={pid}")  # the peer refusals log
         except MessageAborted as e:  # a message that is not a pull: this connection ends, the server serves on
             log.warning("ended a local pull stream: %s", e.details)
         except (ConnectionError, asyncio.IncompleteReadError, ValueError) as e:
