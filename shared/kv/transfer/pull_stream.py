@@ -66,7 +66,7 @@ async def serve(
     the client closes the stream; pulls still being handled then finish (their sends are the server's). Raises
     MessageAborted (INVALID_ARGUMENT) at a message that is not a pull: the caller ends the stream with it. The
     stream is a gRPC call's (server.py) or a Unix socket's (local_stream.py)."""
-    writing = asyncio.Lock()  # one write at a time on a gRPC stream
+    writing = asyncio.Lock()  # one write at a time on a gRPC stream (it refuses a second)
     tasks: set[asyncio.Task[None]] = set()
 
     async def answer(message: pb.PullStreamRequest) -> None:
