@@ -36,11 +36,11 @@ RUN pip install --no-deps /tmp/src \
     && install -m 0755 /tmp/src/docker/model-init.sh /opt/venv/bin/pdserve-model-init \
     && install -m 0755 /tmp/src/docker/secrets_init.py /opt/venv/bin/pdserve-secrets-init
 # The CPU kernels, compiled once here into the environment (portable: no -march): the expert kernel's AVX-512
-# and AVX2 builds (the widest the CPU runs is used), the attention kernel (without AVX2/FMA: the torch path) and
-# the norm + RoPE kernel (any x86-64).
+# and AVX2 builds (the widest the CPU runs is used), the attention kernel (without AVX2/FMA: the torch path), the
+# norm + RoPE kernel and the same-host KV send's streaming copy (any x86-64).
 RUN PDSERVE_KERNEL_CACHE=/opt/venv/share/pdserve/kernels python -c \
-        "from shared.model.kernels import cpu_attention, cpu_moe, cpu_norm_rope; \
-print('built', cpu_moe.build(), cpu_attention.build(), cpu_norm_rope.build())"
+        "from shared.model.kernels import cpu_attention, cpu_moe, cpu_norm_rope, cpu_stream_copy; \
+print('built', cpu_moe.build(), cpu_attention.build(), cpu_norm_rope.build(), cpu_stream_copy.build())"
 
 # ---- runtime: the environment alone (no wheels, no build files), run by an unprivileged user --------
 FROM python:3.11-slim

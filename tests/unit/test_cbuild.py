@@ -9,13 +9,17 @@ import shutil
 
 import pytest
 
-from shared.model.kernels import cbuild, cpu_attention, cpu_moe, cpu_norm_rope
+from shared.model.kernels import cbuild, cpu_attention, cpu_moe, cpu_norm_rope, cpu_stream_copy
 
 needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc on this host")
 
 
 @needs_gcc
-@pytest.mark.parametrize("source", [cpu_attention.SOURCE, cpu_moe.SOURCE, cpu_norm_rope.SOURCE], ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "source",
+    [cpu_attention.SOURCE, cpu_moe.SOURCE, cpu_norm_rope.SOURCE, cpu_stream_copy.SOURCE],
+    ids=lambda p: p.stem,
+)
 def test_build_is_cached_by_source_hash(tmp_path, source):
     first = cbuild.build_library(source, tmp_path)
     mtime = first.stat().st_mtime_ns
@@ -26,7 +30,10 @@ def test_build_is_cached_by_source_hash(tmp_path, source):
     assert cbuild.build_library(source, tmp_path, flags=("-DPDSERVE_UNUSED=1",)) != first  # flags are in the key
 
 
-@pytest.mark.parametrize(("kernel", "fallback"), [(cpu_attention, "torch path"), (cpu_norm_rope, "torch ops")])
+@pytest.mark.parametrize(
+    ("kernel", "fallback"),
+    [(cpu_attention, "torch path"), (cpu_norm_rope, "torch ops"), (cpu_stream_copy, "torch's copy")],
+)
 def test_missing_compiler_falls_back_with_one_log_line(monkeypatch, tmp_path, caplog, kernel, fallback):
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler-pdserve")

@@ -78,7 +78,7 @@ class StreamedPoolKv(PoolKv):
                 yield from pieces(self.pool.segment(layer, plane, first, count), chunk_bytes)
         yield torch.tensor([self.progress.wait_token(self.wait_s)], dtype=TRAILER_DTYPE)
 
-    def copy_into(self, out: torch.Tensor) -> None:
+    def copy_into(self, out: torch.Tensor, streaming: bool = False) -> None:
         raise NotImplementedError("a layer-streamed KV goes over the pair, not through shared memory")
 
 

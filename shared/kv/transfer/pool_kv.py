@@ -29,6 +29,7 @@ import torch
 from shared.engine.kv_export import KVPart
 from shared.engine.kv_pool import KVLayout, KVPool, block_runs
 from shared.kv.transfer.wire import num_pieces, num_segment_pieces, pieces, segments
+from shared.model.kernels import cpu_stream_copy
 
 Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 # A (layer, plane, run) segment shorter than this is not worth a message of its own: gather by layer instead.
@@ -129,6 +130,18 @@ class PoolKv:
                 first, count = runs[i]
                 yield from pieces(self.pool.segment(layer, plane, first, count), chunk_bytes)
 
-    def copy_into(self, out: torch.Tensor) -> None:
-        """One gather of the blocks into `out` (L, planes, n, B, KVH, hd), contiguous: the shared-memory path."""
-        self.pool.read(self.block_ids, out=out)
+    def copy_into(self, out: torch.Tensor, streaming: bool = False) -> None:
+        """One gather of the blocks into `out` (L, planes, n, B, KVH, hd), contiguous. `streaming`: memory
+        another process reads next (the shared segment), written with streaming stores where the kernel
+        builds (cpu_stream_copy.c), one piece per (layer, plane, run of blocks); else torch's copy."""
+        pool = self.pool.tensor
+        lib = cpu_stream_copy.load() if streaming and pool.is_contiguous() and out.is_contiguous() else None
+        if lib is None:
+            self.pool.read(self.block_ids, out=out)
+            return
+        block_bytes = self.pool.segment(0, 0, 0, 1).nbytes
+        firsts, counts = (torch.tensor(c, dtype=torch.int64) for c in zip(*block_runs(self.block_ids), strict=True))
+        planes = torch.arange(pool.shape[0] * pool.shape[1], dtype=torch.int64)  # (layer, plane), in order
+        offsets = (planes[:, None] * pool.shape[2] + firsts[None, :]) * block_bytes
+        lengths = (counts * block_bytes).repeat(len(planes))
+        cpu_stream_copy.gather(lib, out, pool, offsets.reshape(-1), lengths)

@@ -34,7 +34,7 @@ def copy_into_region(kv: Outgoing, region: torch.Tensor, fault_midway: bool = Fa
     bytes, then a sleep of stall_s, then InjectedFault (fault_midway) or the other half."""
     if not (fault_midway or stall_s):
         if isinstance(kv, PoolKv):
-            kv.copy_into(region)
+            kv.copy_into(region, streaming=True)  # the decode process reads it next, not this core
         else:
             region.copy_(kv.blocks)
         return
