@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from shared.engine.kv_pool import KVLayout, KVPool
+from shared.kv.transfer import segment_send
 from shared.kv.transfer.pool_kv import PoolKv
 from shared.model.kernels import cpu_stream_copy
 
@@ -103,3 +104,29 @@ def test_without_the_kernel_the_send_copies_with_torch(monkeypatch):
     out = torch.empty(kv.shape)
     kv.copy_into(out, streaming=True)
     assert torch.equal(out, pool.read([1, 2, 5]))
+
+
+def test_streaming_starts_at_three_quarters_of_the_largest_cache(tmp_path):
+    for index, size in (("index0", "48K"), ("index2", "1024K"), ("index3", "32768K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    (tmp_path / "index9").mkdir()  # a level sysfs lists without a readable size is skipped
+    assert cpu_stream_copy.min_bytes(tmp_path) == 24 << 20
+    assert cpu_stream_copy.min_bytes(tmp_path / "nothing-here") == cpu_stream_copy.DEFAULT_MIN_BYTES
+
+
+@needs_kernel
+@pytest.mark.parametrize("min_bytes, streamed", [(0, True), (1 << 40, False)])
+def test_the_same_host_send_streams_only_what_the_cache_would_not_keep(monkeypatch, min_bytes, streamed):
+    gathers = []
+    real_gather = cpu_stream_copy.gather
+    monkeypatch.setattr(cpu_stream_copy, "min_bytes", lambda: min_bytes)
+    monkeypatch.setattr(cpu_stream_copy, "gather", lambda *args: gathers.append(args) or real_gather(*args))
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
+    pool = KVPool(layout, num_blocks=16)
+    pool.tensor.copy_(torch.randn(pool.tensor.shape))
+    kv = PoolKv.plan(pool, 24, [2, 3, 4, 9, 10, 11], lambda shape, dt: torch.empty(shape, dtype=dt))
+    region = torch.zeros(kv.shape)
+    segment_send.copy_into_region(kv, region)
+    assert len(gathers) == (1 if streamed else 0)
+    assert torch.equal(region, pool.read([2, 3, 4, 9, 10, 11]))

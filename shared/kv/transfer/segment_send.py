@@ -11,6 +11,7 @@ from shared.engine.kv_export import KVExport
 from shared.kv.transfer.pool_kv import PoolKv
 from shared.kv.transfer.shm import ALIGN, Segment
 from shared.kv.transfer.source import Outgoing
+from shared.model.kernels import cpu_stream_copy
 
 
 class InjectedFault(RuntimeError):
@@ -34,7 +35,8 @@ def copy_into_region(kv: Outgoing, region: torch.Tensor, fault_midway: bool = Fa
     bytes, then a sleep of stall_s, then InjectedFault (fault_midway) or the other half."""
     if not (fault_midway or stall_s):
         if isinstance(kv, PoolKv):
-            kv.copy_into(region, streaming=True)  # the decode process reads it next, not this core
+            # The decode process reads it next, not this core: streaming stores, unless the cache can keep it.
+            kv.copy_into(region, streaming=kv.nbytes >= cpu_stream_copy.min_bytes())
         else:
             region.copy_(kv.blocks)
         return

@@ -4,10 +4,18 @@ same-host KV send's copy into the shared segment.
 Built with gcc at first use into the kernel cache (cbuild.py), loaded with ctypes. Where gcc is missing or the
 build fails, `load()` returns None after one log line and the caller copies with torch, which is also the
 reference the kernel is tested against.
+
+Only copies of `min_bytes()` or more stream: three quarters of the last-level cache, glibc's rule for its own
+memcpy's non-temporal stores. A smaller copy with plain stores leaves its bytes in the cache the reading
+process shares (the decode side imports them next), and its source is likely cached too; a larger one would
+evict the whole cache anyway, so it may as well not pass through it. benchmarks/stream_copy_bench.py on a
+2-core AMD EPYC (32 MiB L3; docs/benchmarks.md), the gather plus a read of what it wrote: 8.4 MB 0.59 ms
+streamed, 0.30 ms plain; 33.6 MB even; 67 MB 6.4 against 6.8 ms.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -20,6 +28,22 @@ from shared.model.kernels.cbuild import build_library, cache_dir, load_library
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+DEFAULT_MIN_BYTES = 8 << 20  # where sysfs does not say: three quarters of a modest 10-11 MiB L3
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+@functools.cache
+def min_bytes(caches: Path = CPU_CACHES) -> int:
+    """Bytes from which a copy streams: 3/4 of the largest cache level sysfs lists for cpu0 (`size` such as
+    "32768K"), DEFAULT_MIN_BYTES where it lists none."""
+    largest = 0
+    with contextlib.suppress(OSError):
+        for index in caches.glob("index*"):
+            with contextlib.suppress(OSError, ValueError):
+                size = (index / "size").read_text().strip()
+                largest = max(largest, int(size[:-1]) * _UNITS[size[-1]] if size[-1] in _UNITS else int(size))
+    return largest * 3 // 4 if largest else DEFAULT_MIN_BYTES
 
 
 def build() -> Path:
