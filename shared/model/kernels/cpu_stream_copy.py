@@ -5,8 +5,8 @@ Built with gcc at first use into the kernel cache (cbuild.py), loaded with ctype
 build fails, `load()` returns None after one log line and the caller copies with torch, which is also the
 reference the kernel is tested against.
 
-Only copies of `min_bytes()` or more stream: three quarters of the last-level cache, glibc's rule for its own
-memcpy's non-temporal stores. A smaller copy with plain stores leaves its bytes in the cache the reading
+The same-host send streams only copies of `min_bytes()` or more: 3/4 of the last-level cache, glibc's rule for its
+own memcpy's non-temporal stores. A smaller copy with plain stores leaves its bytes in the cache the reading
 process shares (the decode side imports them next), and its source is likely cached too; a larger one would
 evict the whole cache anyway, so it may as well not pass through it. benchmarks/stream_copy_bench.py on a
 2-core AMD EPYC (32 MiB L3; docs/benchmarks.md), the gather plus a read of what it wrote: 8.4 MB 0.59 ms
