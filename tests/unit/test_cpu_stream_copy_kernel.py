@@ -111,6 +111,8 @@ def test_streaming_starts_at_three_quarters_of_the_largest_cache(tmp_path):
         (tmp_path / index).mkdir()
         (tmp_path / index / "size").write_text(size + "\n")
     (tmp_path / "index9").mkdir()  # a level sysfs lists without a readable size is skipped
+    (tmp_path / "index8").mkdir()
+    (tmp_path / "index8" / "size").write_text("\n")  # so is an empty one
     assert cpu_stream_copy.min_bytes(tmp_path) == 24 << 20
     assert cpu_stream_copy.min_bytes(tmp_path / "nothing-here") == cpu_stream_copy.DEFAULT_MIN_BYTES
 

@@ -40,9 +40,10 @@ def min_bytes(caches: Path = CPU_CACHES) -> int:
     largest = 0
     with contextlib.suppress(OSError):
         for index in caches.glob("index*"):
-            with contextlib.suppress(OSError, ValueError):
+            with contextlib.suppress(OSError, ValueError):  # unreadable, empty or not a size: skipped
                 size = (index / "size").read_text().strip()
-                largest = max(largest, int(size[:-1]) * _UNITS[size[-1]] if size[-1] in _UNITS else int(size))
+                unit = _UNITS.get(size[-1:], 1)
+                largest = max(largest, int(size[:-1] if unit > 1 else size) * unit)
     return largest * 3 // 4 if largest else DEFAULT_MIN_BYTES
 
 
