@@ -176,15 +176,30 @@ class Worker(Generic[Job]):
             await self._shut_down()
 
     async def _shut_down(self) -> None:
+        began = time.monotonic()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        tasks_done = time.monotonic()
         try:  # bounded: a teardown must not keep a failed worker from exiting
             await asyncio.wait_for(self.teardown(), TEARDOWN_TIMEOUT_S)
         except Exception as exc:
             log.warning("teardown did not finish cleanly: %r", exc)
+        torn_down = time.monotonic()
         await self.engine.stop()
+        engine_stopped = time.monotonic()
         await self.conn.close()
+        # the last line of a worker's log: where its exit went, when a supervisor's bound is tight
+        log.info(
+            "%s worker %s stopped in %.2f s (tasks %.2f, teardown %.2f, engine %.2f, connections %.2f)",
+            self.role,
+            self.settings.worker_id,
+            time.monotonic() - began,
+            tasks_done - began,
+            torn_down - tasks_done,
+            engine_stopped - torn_down,
+            time.monotonic() - engine_stopped,
+        )
 
     def _engine_failed(self, exc: BaseException) -> None:
         """The engine thread died: stop at once (exit non-zero, heartbeats end), so that the gateway moves this
@@ -204,13 +219,17 @@ class Worker(Generic[Job]):
     async def _drain(self) -> None:
         timeout = self.settings.drain_timeout_s
         log.info("draining: taking no new jobs, finishing what is in flight (at most %g s)", timeout)
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         while not self.idle() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if not self.idle():
             log.warning("drain timed out after %g s with work in hand; stopping anyway", timeout)
+        flushing = time.monotonic()
         with contextlib.suppress(Exception):  # the last token events out before the connection closes
             await asyncio.wait_for(self.conn.nc.flush(), 2.0)
+        now = time.monotonic()
+        log.info("drained in %.2f s (the last flush %.2f s)", now - started, now - flushing)
         self.stopping.set()
 
     # ---- jobs -------------------------------------------------------------------------------------------
