@@ -189,16 +189,17 @@ class Worker(Generic[Job]):
         await self.engine.stop()
         engine_stopped = time.monotonic()
         await self.conn.close()
+        closed = time.monotonic()
         # the last line of a worker's log: where its exit went, when a supervisor's bound is tight
         log.info(
             "%s worker %s stopped in %.2f s (tasks %.2f, teardown %.2f, engine %.2f, connections %.2f)",
             self.role,
             self.settings.worker_id,
-            time.monotonic() - began,
+            closed - began,
             tasks_done - began,
             torn_down - tasks_done,
             engine_stopped - torn_down,
-            time.monotonic() - engine_stopped,
+            closed - engine_stopped,
         )
 
     def _engine_failed(self, exc: BaseException) -> None:
