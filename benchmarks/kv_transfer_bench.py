@@ -16,12 +16,17 @@ median of a few runs), holds the KV and serves KvTransfer on 127.0.0.1. This pro
   into it, the reply says so, the result is a view of the segment (dropped after each repeat); its Pull goes
   over the server's Unix socket (shared/kv/transfer/local_stream.py);
 - shm pull, gRPC: the same with `local_stream=False`, its Pull a message of the pair's PullStream RPC;
+- shm + import: the shm pull, then its import into a decode pool (`KVPool.write_export`, as `Engine.import_kv`
+  writes it): the segment's whole same-host hand-off, two copies (the gather into the segment, the import);
+- borrowed + import: the same-host hand-off with the prefill pool mapped (shared/kv/transfer/borrow.py): the
+  pull answers the block ids, the import copies them from the prefill pool straight into the decode pool (one
+  copy), then the release; the prefill pool lives in a memfd (`kv_shared_memory`), as a prefill worker's does;
 - export: `Engine.export_kv` alone, in the prefill process;
 - raw gloo: the same bytes between the same two processes on a second two-rank gloo group: we send a
   16-byte "go", the prefill side answers with a preallocated tensor; timed from the go to the recv's end;
 - clone: `tensor.clone()` of a tensor of the same size in this process (fresh memory: page faults above
   glibc's mmap threshold); copy: `out.copy_(tensor)` into memory reused across repeats, the plain memory
-  copy the shared-memory path is compared with.
+  copy the shared-memory path is compared with (and the least any hand-off into a decode pool costs).
 A first row of FIXED_TOKENS (one block) shows the per-pull fixed cost, with `rpc`: a pull of an unknown
 request (the round trip with its ticket checks, NOT_FOUND) on the pair's PullStream, the same as a unary Pull
 call (how every pull went before the stream), the same over a same-host pair's Unix socket, and its parts
@@ -53,10 +58,11 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere, installed or not
 
+from shared.engine.borrowed_kv import BorrowedKv  # noqa: E402
 from shared.engine.config import SchedulerConfig  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.kv_export import KVExport  # noqa: E402
-from shared.engine.kv_pool import KVLayout, block_runs  # noqa: E402
+from shared.engine.kv_pool import KVLayout, KVPool, block_runs  # noqa: E402
 from shared.engine.sampling import SamplingParams  # noqa: E402
 from shared.kv.tickets import Tickets  # noqa: E402
 from shared.kv.transfer import KvTransferClient, KvTransferError, KvTransferServer, TransferBackend  # noqa: E402
@@ -141,6 +147,7 @@ def prefill_main(conn, model_dir: str, sizes: list[int], repeats: int) -> None:
         scheduler=SchedulerConfig(max_num_batched_tokens=max(sizes)),
         num_kv_blocks=-(-2 * sum(sizes) // 16),
         max_model_len=max(sizes) + 16,
+        kv_shared_memory=True,  # as a prefill worker's pool: same-host pulls may borrow its blocks
     )
     timings: dict[str, dict] = {"ttft": {}, "export": {}, "runs": {}, "mode": {}}
     staged = {}
@@ -164,7 +171,8 @@ def prefill_main(conn, model_dir: str, sizes: list[int], repeats: int) -> None:
 
 
 async def serve(conn, source: BenchSource, raw_store: dist.TCPStore, timings: dict) -> None:
-    server = KvTransferServer(HOST, 0, source, secret=SECRET, timeout_s=TIMEOUT_S)
+    pool = source.engine.pool.handle()
+    server = KvTransferServer(HOST, 0, source, secret=SECRET, timeout_s=TIMEOUT_S, shared_pool=pool)
     address = await server.start()
     layout = dataclasses.asdict(source.layout)
     conn.send(dict(address=address, raw_port=raw_store.port, layout=layout, **timings))
@@ -198,24 +206,31 @@ def raw_pull(pair: Pair, index: int, out: torch.Tensor) -> float:
 
 
 # pulls timed per size; plus "raw", "clone" and "copy"
-KINDS = ("pull", "posted", "pull_export", "pull_staged", "shm", "shm_grpc")
+KINDS = ("pull", "posted", "pull_export", "pull_staged", "shm", "shm_grpc", "shm_import", "borrow")
+HAND_OFFS = ("shm_import", "borrow")  # timed to the KV written into a decode pool, not to the pull's reply
 
 
 async def measure(info: dict, sizes: list[int], repeats: int) -> tuple[list[dict], dict]:
     layout = KVLayout(**info["layout"])
     address = info["address"]
     client = KvTransferClient("bench-decode", secret=SECRET, timeout_s=TIMEOUT_S, shared_memory=False)
-    shm = KvTransferClient("bench-decode-shm", secret=SECRET, timeout_s=TIMEOUT_S, shared_memory=True)
-    shm_grpc = KvTransferClient("bench-decode-shm-grpc", secret=SECRET, timeout_s=TIMEOUT_S, local_stream=False)
+    shm = KvTransferClient("bench-decode-shm", secret=SECRET, timeout_s=TIMEOUT_S, borrow=False)
+    shm_grpc = KvTransferClient(
+        "bench-decode-shm-grpc", secret=SECRET, timeout_s=TIMEOUT_S, local_stream=False, borrow=False
+    )
+    borrow = KvTransferClient("bench-decode-borrow", secret=SECRET, timeout_s=TIMEOUT_S)
     by_kind = {"pull": client, "posted": client, "pull_export": client, "pull_staged": client}
-    by_kind |= {"shm": shm, "shm_grpc": shm_grpc}
+    by_kind |= {"shm": shm, "shm_grpc": shm_grpc, "shm_import": shm, "borrow": borrow}
+    # the decode pool hand-offs are imported into (its blocks touched by the warm-up imports)
+    decode_pool = KVPool(layout, -(-max(sizes) // layout.block_size))
     store = dist.TCPStore(HOST, info["raw_port"], is_master=False)
     raw = await asyncio.to_thread(Pair.join, TransferBackend.GLOO, store, "raw", DECODE_RANK, TIMEOUT_S, HOST)
     rows = []
     try:
         for index, n in enumerate(sizes):
             pulls = {"pull": f"kv-{n}", "posted": f"kv-{n}", "pull_export": f"export-{n}", "pull_staged": f"staged-{n}"}
-            pulls["shm"] = pulls["shm_grpc"] = f"kv-{n}"
+            pulls["shm"] = pulls["shm_grpc"] = pulls["shm_import"] = pulls["borrow"] = f"kv-{n}"
+            into = list(range(-(-n // layout.block_size)))  # the decode pool's blocks for this prompt: one run
             expect = {"posted": n}  # the token count a decode worker knows: its receives are posted first
             shm_before, local_before = shm.stats.shm_pulls, shm.stats.local_pulls
             grpc_before = shm_grpc.stats.shm_pulls
@@ -225,9 +240,14 @@ async def measure(info: dict, sizes: list[int], repeats: int) -> tuple[list[dict
             raw_buffer = torch.empty_like(warm["pull"].blocks)
             raw_pull(raw, index, raw_buffer)
             assert all(torch.equal(kv.blocks, raw_buffer) for kv in warm.values()), "different bytes arrived"
-            assert shm.stats.shm_pulls == shm_before + 1, "the same-host pull did not go through shared memory"
+            assert isinstance(warm["borrow"], BorrowedKv), "the same-host pull did not borrow the pool's blocks"
+            for key in HAND_OFFS:
+                decode_pool.tensor.zero_()
+                decode_pool.write_export(into, warm[key])
+                assert torch.equal(decode_pool.read(into), raw_buffer), f"{key} imported other bytes"
+            assert shm.stats.shm_pulls == shm_before + 2, "the same-host pull did not go through shared memory"
             assert shm_grpc.stats.shm_pulls == grpc_before + 1, "the same-host pull did not go through shared memory"
-            assert shm.stats.local_pulls == local_before + 1, "the same-host Pull did not go over the Unix socket"
+            assert shm.stats.local_pulls == local_before + 2, "the same-host Pull did not go over the Unix socket"
             assert shm_grpc.stats.local_pulls == 0, "local_stream=False took the Unix socket"
             assert client.stats.abandoned_posts == 0, "a posted pull's receives went unused"
             nbytes = raw_buffer.numel() * raw_buffer.element_size()
@@ -249,8 +269,10 @@ async def measure(info: dict, sizes: list[int], repeats: int) -> tuple[list[dict
                         continue
                     t0 = time.perf_counter()
                     kv = await by_kind[key].pull(address, pulls[key], layout, num_tokens=expect.get(key))
+                    if key in HAND_OFFS:  # as the decode worker's import writes it (here, not on an engine thread)
+                        decode_pool.write_export(into, kv)
                     times[key].append(time.perf_counter() - t0)
-                    client.recycle(kv)  # as a decode worker does once the KV is imported
+                    by_kind[key].recycle(kv)  # as a decode worker does once the KV is imported (a loan: released)
                     del kv
             for _ in range(repeats):
                 times["clone"].append(median_s(raw_buffer.clone, 1))
@@ -260,7 +282,7 @@ async def measure(info: dict, sizes: list[int], repeats: int) -> tuple[list[dict
         fixed = await fixed_cost(client, shm, address, layout, repeats)
         await asyncio.to_thread(raw.send, [torch.tensor([-1, 0])], GO_TAG)
     finally:
-        for each in (client, shm, shm_grpc):
+        for each in (client, shm, shm_grpc, borrow):
             await each.close()
     return rows, fixed
 
@@ -333,6 +355,9 @@ def row(tokens: int, nbytes: int, seconds: dict[str, float], info: dict, n: int)
         shm_vs_clone=seconds["clone"] / seconds["shm"],
         shm_vs_copy=seconds["copy"] / seconds["shm"],
         shm_grpc_vs_copy=seconds["copy"] / seconds["shm_grpc"],
+        shm_import_vs_copy=seconds["copy"] / seconds["shm_import"],
+        borrow_vs_copy=seconds["copy"] / seconds["borrow"],
+        borrow_vs_shm_import=seconds["shm_import"] / seconds["borrow"],
         export_ms=info["export"][n] * 1e3,
         ttft_ms=ttft * 1e3,
         pull_share_of_ttft=seconds["pull"] / ttft,
@@ -358,6 +383,18 @@ def print_table(rows: list[dict], fixed: dict) -> None:
         cells += [f"{r['shm_vs_copy']:.0%}", f"{r['shm_grpc_ms']:.2f} ms", f"{r['shm_grpc_vs_copy']:.0%}"]
         cells += [f"{r['clone_ms']:.2f} ms, {r['clone_gbps']:.2f} GB/s", f"{r['ttft_ms']:.0f} ms"]
         cells += [f"{r['pull_share_of_ttft']:.1%}"]
+        print("| " + " | ".join(cells) + " |")
+    print()
+    print(
+        "| prompt tokens | KV | copy | shm pull | shm pull + import | shm + import / copy | borrowed + import "
+        "| borrowed / copy | borrowed vs shm + import |"
+    )
+    print("| ---: " * 9 + "|")
+    for r in rows:
+        cells = [f"{r['tokens']}", f"{r['bytes'] / 1e6:.2f} MB"]
+        cells += [f"{r[k + '_ms']:.2f} ms, {r[k + '_gbps']:.2f} GB/s" for k in ("copy", "shm", "shm_import")]
+        cells += [f"{r['shm_import_vs_copy']:.0%}", f"{r['borrow_ms']:.2f} ms, {r['borrow_gbps']:.2f} GB/s"]
+        cells += [f"{r['borrow_vs_copy']:.0%}", f"{r['borrow_vs_shm_import']:.2f}x"]
         print("| " + " | ".join(cells) + " |")
     print(
         f"fixed cost: pull round trip (NOT_FOUND) {fixed['rpc_ms']:.2f} ms on the pair's PullStream, "

@@ -184,6 +184,10 @@ class KvTransferSettings:
     shm_bytes: int = 256 << 20
     """Same-host pairs (prefill and decode report one host identity): the shared-memory segment each pair
     gets, and the largest KV it carries (bigger KV goes over the socket); 0 = never shared memory."""
+    share_pool: bool = True
+    """Prefill workers on CPU: keep the KV pool in a memfd that same-host decode workers map read-only and copy a
+    request's blocks from straight into their own pool (one copy per hand-off; shared/kv/transfer/borrow.py). Needs
+    shm_bytes > 0 (the same-host path). False: same-host hand-offs go through the pair's segment (two copies)."""
     fallback: KvFallback = KvFallback.RECOMPUTE
     """Decode workers, when the KV cannot be pulled: recompute (the prompt again) | fail (a clear error)."""
     stream_layers: bool = False

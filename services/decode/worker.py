@@ -26,6 +26,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from shared.engine.block_manager import NoFreeBlocksError
+from shared.engine.borrowed_kv import BorrowedKv, BorrowRevoked
 from shared.engine.engine import Engine
 from shared.engine.kv_export import KVExport
 from shared.engine.request import FinishReason
@@ -121,11 +122,7 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
                     self.ledger.finish(e.key)
                 return
             if failure is not None and self.settings.kv.fallback == "fail":
-                message = f"the request's KV could not be had ({failure}) and kv_fallback is 'fail'"
-                for e in group:
-                    self.emit(e.reply_subject, error_event(e.job, message, self.settings.worker_id, status=502))
-                    self.ledger.finish(e.key)  # answered: the job is done
-                span.set_attribute(tracing.KV_OUTCOME, "failed")
+                self._fail_unpulled(group, failure, span)
                 return
             prompt, outputs, jobs = job.prompt_token_ids, job.output_token_ids, [e.job for e in group]
             if job.kv_streamed and isinstance(kv, StreamedKv):  # its first token came with the KV: emitted here
@@ -154,7 +151,14 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
                 if not isinstance(kv, StagedExport):
                     self.client.recycle(kv)  # its receive buffer serves the next pull (no fresh page faults)
                 span.set_attribute(tracing.KV_OUTCOME, "pulled")
-            except NoFreeBlocksError:
+            except (NoFreeBlocksError, BorrowRevoked) as exc:
+                if isinstance(kv, BorrowedKv):
+                    self.client.recycle(kv)  # given back (a revoked loan: to a connection that is over already)
+                if isinstance(exc, BorrowRevoked):  # the prefill worker took the blocks back: a failed pull
+                    log.warning("the KV of %s was taken back before it was copied (%s)", key, exc)
+                    if self.settings.kv.fallback == "fail":
+                        self._fail_unpulled(group, str(exc), span)
+                        return
                 await self.engine.call(lambda e: e.add_group(prompt, choices))
                 span.set_attribute(tracing.KV_OUTCOME, "recompute")
                 metrics.PROMPT_TOKENS.labels(*self.labels).inc(len(prompt) * len(choices))  # computed here, each
@@ -165,6 +169,14 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
         finally:
             if staged is not None and (kv_group := self._kv_group) is not None:  # pulled, not imported: dropped
                 await drop_group_kv(kv_group.agents, kv_group.layout.tp, staged.key)
+
+    def _fail_unpulled(self, group: list[Entry[DecodeJob]], failure: str, span) -> None:
+        """kv_fallback 'fail': answer the group's choices with an error, since their KV could not be had."""
+        message = f"the request's KV could not be had ({failure}) and kv_fallback is 'fail'"
+        for e in group:
+            self.emit(e.reply_subject, error_event(e.job, message, self.settings.worker_id, status=502))
+            self.ledger.finish(e.key)  # answered: the job is done
+        span.set_attribute(tracing.KV_OUTCOME, "failed")
 
     def _choices(self, entry: Entry[DecodeJob]) -> list[Entry[DecodeJob]]:
         """The entry and those of its group's other choices still in hand (a cancelled one is left out)."""

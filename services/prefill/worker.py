@@ -105,6 +105,7 @@ class PrefillWorker(Worker[PrefillJob]):
             replay_capacity=kv.replay_cache_entries,
             ticket_holder=group_of,  # a decode group's ranks pull their heads under their group's ticket
             shm_bytes=kv.shm_bytes,
+            shared_pool=self.engine.engine.pool.handle(),  # same-host pulls borrow its blocks
         )
         self.rpc_address = await self.server.start()
 

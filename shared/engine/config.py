@@ -82,6 +82,10 @@ class EngineConfig:
     intra-op threads), which reads each sequence's KV blocks in place, instead of the buckets' gather + SDPA;
     models with attention sinks or latent attention, other dtypes, or a host where it cannot be built or run
     keep the torch path (logged). False = the torch path (the kernel's reference)."""
+    kv_shared_memory: bool = False
+    """On CPU, a single-process engine of one KV cache group: the KV pool lives in a memfd (shared_pool.py) that
+    decode workers on the same host map read-only, to copy a request's blocks straight into their own pool (a
+    prefill worker's hand-off: one copy). Ignored elsewhere (logged)."""
     cpu_norm_kernel: bool = True
     """On CPU, a float32 model's RMSNorms and each attention layer's q/k norm + RoPE run the C kernel
     (shared/model/kernels/cpu_norm_rope.c, built with gcc at first use, any x86-64), one call each instead of

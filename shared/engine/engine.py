@@ -196,11 +196,27 @@ class Engine:
             backend, why_not = None, "off (sliding-window layers: not captured yet)"
         # With graphs the pool gets one block more than the plan, the scratch block padded rows write to: the
         # block manager hands out ids 0..plan-1 only, so the scratch block (id = plan) is nobody's.
+        shared = self._share_pool(config.kv_shared_memory)
         self.pools = [
-            KVPool(g.layout(self.layout), p.num_blocks + (backend is not None), self.device)
+            KVPool(g.layout(self.layout), p.num_blocks + (backend is not None), self.device, shared)
             for g, p in zip(self.kv_groups, self.kv_plans, strict=True)
         ]
         return backend, why_not
+
+    def _share_pool(self, wanted: bool) -> bool:
+        """Whether the pool goes in shared memory (EngineConfig.kv_shared_memory), where that is supported."""
+        why_not = None
+        if not wanted:
+            return False
+        if self.device.type != "cpu":
+            why_not = f"the pool is on {self.device}"
+        elif len(self.kv_groups) > 1:
+            why_not = f"{len(self.kv_groups)} KV cache groups (their hand-offs are exports)"
+        elif self.group.world > 1:
+            why_not = "a worker group's ranks hold head slices (pulled rank by rank)"
+        if why_not is not None:
+            log.info("KV pool in shared memory: off (%s)", why_not)
+        return why_not is None
 
     @property
     def pool(self) -> KVPool:
@@ -602,6 +618,21 @@ class Engine:
             for blocks, table in zip(self.group_blocks, tables, strict=True):
                 blocks.free(table.blocks)
             raise
+        try:
+            self._write_import(kv, tables)
+        except BaseException:  # e.g. a borrowed KV whose lender took it back mid-copy (BorrowRevoked): nothing kept
+            self.structured.remove(request_id)
+            for blocks, table in zip(self.group_blocks, tables, strict=True):
+                blocks.free(table.blocks)
+            raise
+        req = Request(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids))
+        req.group_tables = tables
+        req.num_computed_tokens = kv.num_tokens
+        self.requests[request_id] = req
+        self.scheduler.add_running(req)
+
+    def _write_import(self, kv: KVExport, tables: list[GroupTable]) -> None:
+        """Write an imported request's KV into the blocks `_allocate_import` gave it, in every KV cache group."""
         if len(self.pools) == 1:
             self.pool.write_export(tables[0].blocks[tables[0].freed :], kv)  # a worker group: on every rank
         elif not kv.parts:  # from one pool of every layer (a worker group's): each group takes its layers
@@ -611,11 +642,6 @@ class Engine:
         else:
             for i, (pool, table) in enumerate(zip(self.pools, tables, strict=True)):
                 pool.write(table.blocks[table.freed :], kv.reblock(self.layout.block_size, i))
-        req = Request(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids))
-        req.group_tables = tables
-        req.num_computed_tokens = kv.num_tokens
-        self.requests[request_id] = req
-        self.scheduler.add_running(req)
 
     def _allocate_import(self, kv: KVExport) -> list[GroupTable]:
         """Every group's table for an imported request: FREED up to the group's first carried block (behind its

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.engine.kv_pool import KVLayout
+from shared.engine.kv_pool import KVLayout, KVPool
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,10 @@ class KVExport:
         group `index` in a grouped export)."""
         first = self.first_block if index is None else self.parts[index].first_block
         return first * self.layout.block_size // block_size
+
+    def write_into(self, pool: KVPool, block_ids: list[int]) -> None:
+        """Fill `block_ids` of `pool` (one KV cache group's, or the only one) with this KV, re-cut to its block size."""
+        pool.write(block_ids, self.reblock(pool.layout.block_size))
 
     def reblock(self, block_size: int, index: int | None = None) -> torch.Tensor:
         """The same tokens cut into blocks of another size: (L, P, n', block_size, KVH, hd), the blocks from

@@ -9,10 +9,13 @@ Which blocks belong to whom is the block manager's business; this module only st
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from shared.engine.shared_pool import PoolHandle, SharedPoolMemory
 
 if TYPE_CHECKING:
     from shared.engine.kv_export import KVExport
@@ -108,12 +111,27 @@ class KVLayout:
 
 
 class KVPool:
-    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu", shared: bool = False
+    ) -> None:
+        """shared: a host pool in a memfd that a same-host peer can map (shared_pool.py); `memory` is then set."""
         if num_blocks < 1:
             raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
         self.layout = layout
         self.num_blocks = num_blocks
-        self.tensor = torch.zeros(layout.block_shape(num_blocks), dtype=layout.torch_dtype, device=device)
+        shape, dtype = layout.block_shape(num_blocks), layout.torch_dtype
+        self.memory: SharedPoolMemory | None = None
+        if shared:
+            if torch.device(device).type != "cpu":
+                raise ValueError(f"only a host pool can be shared, not one on {device}")
+            self.memory = SharedPoolMemory.create(math.prod(shape) * dtype.itemsize)
+            self.tensor = self.memory.tensor(shape, dtype)  # zero-filled, as a fresh memfd is
+        else:
+            self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+
+    def handle(self) -> PoolHandle | None:
+        """How a same-host peer maps this pool (shared_pool.attach_pool); None for a pool not in shared memory."""
+        return None if self.memory is None else self.memory.handle(self.num_blocks)
 
     def layer_caches(self) -> list[torch.Tensor]:
         """Per layer, a (P, N, B, KVH, hd) view (K and V, or the latent) that the model writes into."""
@@ -159,7 +177,7 @@ class KVPool:
 
     def write_export(self, block_ids: list[int], kv: KVExport) -> None:
         """Fill the given blocks with an imported request's KV (re-cut to this pool's block size)."""
-        self.write(block_ids, kv.reblock(self.layout.block_size))
+        kv.write_into(self, block_ids)  # a borrowed KV copies from the lender's pool straight in (borrowed_kv.py)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block (all layers and planes) onto another, on the device (a forked sequence's own copy of a

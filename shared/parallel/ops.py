@@ -147,6 +147,7 @@ class MirroredKVPool(KVPool):
 
     def __init__(self, pool: KVPool, ops: LeaderOps) -> None:  # adopts `pool`'s tensor, allocates nothing
         self.layout, self.num_blocks, self.tensor = pool.layout, pool.num_blocks, pool.tensor
+        self.memory = pool.memory  # None: a group's pools are never shared (Engine._share_pool)
         self.ops = ops
 
     def write(self, block_ids: list[int], data: torch.Tensor) -> None:

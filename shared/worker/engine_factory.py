@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.messages import Sampling
-from shared.settings import WorkerSettings
+from shared.settings import WorkerRole, WorkerSettings
 
 
 def sampling_params(s: Sampling, max_tokens: int | None = None) -> SamplingParams:
@@ -32,6 +34,8 @@ def build_engine(settings: WorkerSettings) -> Engine:
     """The worker's engine; with --tp/--ep > 1 the leader's engine of a worker group whose other ranks this
     process spawns (they die with it; one that dies takes this process down: shared/parallel/watch.py)."""
     config = settings.engine
+    if settings.role is WorkerRole.PREFILL and settings.kv.share_pool and settings.kv.shm_bytes:
+        config = dataclasses.replace(config, kv_shared_memory=True)  # same-host decode workers borrow its blocks
     if max(config.tp, config.ep) == 1:
         return Engine(config)
     from shared.parallel.group_engine import start_group

@@ -74,11 +74,15 @@ BLOCKS_SETTINGS = ("small_kv_bytes", "min_segment_bytes", "from_pool")
 async def _prefill_serve(conn: Connection, checkpoint: str, settings: dict) -> None:
     """Serve pulls; between them run the commands the test sends: ("prefill", id, prompt, scatter) → first
     tokens; ("export", id) → the request's KV as a copy; ("configure", settings or None) → None;
-    ("state",) → block and server counts; ("stop",)."""
-    engine = Engine(EngineConfig(model=checkpoint, **ENGINE_OPTS))
+    ("state",) → block and server counts; ("stop",). settings["shared_pool"]: the pool in a memfd, offered to
+    same-host pairs to borrow from (test_kv_borrow.py)."""
+    shared = settings.pop("shared_pool", False)
+    engine = Engine(EngineConfig(model=checkpoint, kv_shared_memory=shared, **ENGINE_OPTS))
     blocks = EngineKvBlocks(engine)
     source = HeldKv(blocks, lease_s=LEASE_S)
-    server = KvTransferServer("127.0.0.1", 0, source, secret=SECRET, timeout_s=TIMEOUT_S)
+    server = KvTransferServer(
+        "127.0.0.1", 0, source, secret=SECRET, timeout_s=TIMEOUT_S, shared_pool=engine.pool.handle()
+    )
     owners = {name: server for name in SERVER_SETTINGS} | {name: blocks for name in BLOCKS_SETTINGS}
     defaults = {name: getattr(owner, name) for name, owner in owners.items()}
 

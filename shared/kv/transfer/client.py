@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -28,10 +29,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
+import torch
 
+from shared.engine.borrowed_kv import BorrowedKv
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVLayout
+from shared.engine.shared_pool import attach_pool
 from shared.kv.tickets import Tickets
+from shared.kv.transfer.borrow import pool_handle
 from shared.kv.transfer.buffers import BufferPool
 from shared.kv.transfer.channel_tls import KvTls
 from shared.kv.transfer.errors import FailureReason, KvTransferError
@@ -88,6 +93,7 @@ class ClientStats:
     posted_pulls: int = 0  # of which arrived in receives posted before the Pull (posted.py)
     abandoned_posts: int = 0  # pulls whose posted receives went unused (refused, failed, ignored): pair dropped
     local_pulls: int = 0  # Pulls answered over a same-host pair's Unix socket, not gRPC (local_stream.py)
+    borrowed_pulls: int = 0  # of which lent in place: the blocks are copied from the prefill pool (borrow.py)
     bytes_received: int = 0
 
 
@@ -103,7 +109,8 @@ class _Connection:
     # Pre-posted pulls (posted.py): the server takes them, with the source's block size and chunk size.
     posting: pb.ConnectReply | None = None
     next_posted_tag: int = POSTED_TAG_BASE
-    local: bool = False  # `pulls` runs over the server's Unix socket (local_stream.py), not a gRPC call
+    local: LocalCall | None = None  # `pulls` runs over the server's Unix socket (local_stream.py), not gRPC
+    pool: torch.Tensor | None = None  # the prefill pool, mapped read-only: pulls borrow blocks of it (borrow.py)
 
     def reserve_posted_tags(self, count: int) -> int:
         """The first of `count` consecutive tags of the decode side's range for a pull's posted receives."""
@@ -134,13 +141,17 @@ class KvTransferClient:
         group_id: str | None = None,
         shared_memory: bool = True,
         local_stream: bool = True,
+        borrow: bool = True,
     ) -> None:
         """secret: the cluster secret (at least 16 bytes) this client signs its tickets with. timeout_s
         bounds each RPC, forming a pair, and each transfer's receive. tls: TLS with this worker's certificate
         (None: plaintext gRPC). group_id: the decode group whose pull tickets this rank's pulls carry
         (shared/kv/rank_transfer.py); None: worker_id's own. shared_memory: take a shared segment from a
         prefill worker on this host (False: every pull over the pair). local_stream: send a same-host pair's
-        pulls over the server's Unix socket when it offers one (False: the PullStream RPC; for comparison)."""
+        pulls over the server's Unix socket when it offers one (False: the PullStream RPC; for comparison). borrow:
+        map a same-host prefill worker's pool when it offers it, and borrow a request's blocks in place (the
+        result is a BorrowedKv: the import copies from that pool; release it once imported, `recycle` does);
+        False: through the segment."""
         if not worker_id:
             raise ValueError("worker_id must not be empty")
         if timeout_s <= 0:
@@ -158,10 +169,12 @@ class KvTransferClient:
         # gloo pairs only: NCCL moves GPU memory, which a host segment would only add a copy to
         self.host_id = host_identity() if shared_memory and self.backend is TransferBackend.GLOO else ""
         self.local_stream = local_stream
+        self.borrow = borrow
         self._buffers = BufferPool(recv_cache_bytes, self.device)  # what `recycle` hands back, for reuse
         self._executor = ThreadPoolExecutor(MAX_BLOCKING_THREADS, thread_name_prefix="kv-recv")
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._connections: dict[str, asyncio.Task[_Connection]] = {}
+        self._releasing: set[asyncio.Future[None]] = set()  # release messages of borrowed KV being written
 
     async def pull(
         self, address: str, request_id: str, layout: KVLayout, group_pulls: int = 0, num_tokens: int | None = None
@@ -205,7 +218,11 @@ class KvTransferClient:
     def recycle(self, kv: KVExport) -> None:
         """Optional: hand back a pulled KVExport once its KV is imported, so later pulls receive into the
         same memory instead of faulting in fresh pages. Neither `kv` nor its tensor may be used afterwards.
-        (A KV that came through shared memory frees its region when its tensor is gone, recycled or not.)"""
+        (A KV that came through shared memory frees its region when its tensor is gone, recycled or not.) A
+        borrowed KV is released: the prefill worker frees its blocks."""
+        if isinstance(kv, BorrowedKv):
+            kv.release()
+            return
         self._buffers.give_back(kv.blocks)
 
     def shm_free_bytes(self, address: str) -> int | None:
@@ -247,6 +264,8 @@ class KvTransferClient:
         )
         offset, capacity = conn.regions.reserve() if conn.regions is not None else (0, 0)
         request.shm_offset, request.shm_capacity = offset, capacity
+        # A whole KV may be lent in place; the region stays offered, for what the server cannot lend (a stream)
+        request.borrow = conn.pool is not None and not request.kv_head_count
         async with conn.order:
             # No receives posted when a shared region is offered: the KV is meant to arrive there.
             posted = self._post(conn, layout, num_tokens) if not capacity else None
@@ -276,6 +295,8 @@ class KvTransferClient:
                     buffer, trailer, finish = posted.buffer, None, posted.transfer.wait
                 else:
                     source = announced_layout(reply, layout)
+                    if reply.borrowed_blocks:
+                        return self._borrowed(conn, reply, source, request_id)
                     if reply.shm_bytes:
                         return self._from_segment(conn, reply, source, offset, request_id)
                     buffer = self._buffers.take(tuple(reply.shape), layout.torch_dtype)
@@ -351,6 +372,35 @@ class KvTransferClient:
             self.stats.abandoned_posts += 1
         self._forget(address, conn)
 
+    def _borrowed(self, conn: _Connection, reply: pb.PullReply, source: KVLayout, request_id: str) -> BorrowedKv:
+        """The KV the server lent in place: its blocks of the mapped pool, released once imported (borrow.py)."""
+        assert conn.local is not None
+        pool, local, blocks = conn.pool, conn.local, list(reply.borrowed_blocks)
+        loop = asyncio.get_running_loop()
+
+        def release() -> None:  # from any thread (the import's, or the garbage collector's)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the connection went with it
+                loop.call_soon_threadsafe(self._release, conn, request_id)
+
+        if pool is None or pool.shape[3] != source.block_size or len(blocks) != reply.shape[2]:
+            release()
+            raise KvTransferError(FailureReason.PROTOCOL, f"{request_id!r} lent as blocks that are not its shape")
+        if max(blocks) >= pool.shape[2]:
+            release()
+            raise KvTransferError(FailureReason.PROTOCOL, f"{request_id!r} lent as blocks outside the mapped pool")
+        self.stats.pulls += 1
+        self.stats.borrowed_pulls += 1
+        kv = BorrowedKv(source, reply.num_tokens, pool, blocks, first_block=reply.first_block,
+                        still_lent=local.alive, release=release)  # fmt: skip
+        self.stats.bytes_received += kv.nbytes
+        return kv
+
+    def _release(self, conn: _Connection, request_id: str) -> None:
+        """On the loop: send the release of a borrowed KV (kept until written: a task is only weakly held)."""
+        task = asyncio.ensure_future(conn.pulls.release(request_id))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
     def _from_segment(
         self, conn: _Connection, reply: pb.PullReply, source: KVLayout, offset: int, request_id: str
     ) -> KVExport:
@@ -422,7 +472,21 @@ class KvTransferClient:
         posting = reply if reply.posted_pulls and self.backend is TransferBackend.GLOO and reply.block_size else None
         local = await self._local_call(reply) if segment is not None else None
         pulls = PullStream(stub.PullStream if local is None else lambda: local)  # pyright: ignore[reportArgumentType]
-        return _Connection(stub, pair, pulls, order, segment, regions, posting, local=local is not None)
+        pool = self._map_pool(reply, layout) if local is not None else None
+        return _Connection(stub, pair, pulls, order, segment, regions, posting, local=local, pool=pool)
+
+    def _map_pool(self, reply: pb.ConnectReply, layout: KVLayout) -> torch.Tensor | None:
+        """The prefill pool the server offered, mapped read-only; None (pulls through the segment) when it offered
+        none, borrowing is off, or it cannot be mapped from here (logged)."""
+        if not (self.borrow and reply.HasField("pool") and reply.block_size):
+            return None
+        source = dataclasses.replace(layout, block_size=reply.block_size, kv_heads=())
+        try:
+            handle = pool_handle(reply.pool)
+            return attach_pool(handle, source.block_shape(handle.num_blocks), source.torch_dtype)
+        except (OSError, ValueError) as e:  # another pid namespace or user, the process gone, not that pool
+            log.warning("could not map the prefill worker's KV pool (%s): pulls go through the segment", e)
+            return None
 
     async def _local_call(self, reply: pb.ConnectReply) -> LocalCall | None:
         """The server's Unix socket for this pair's pulls, if it offered one and we reach it; None: gRPC."""

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import secrets
+import select
 import socket
 import struct
 from collections.abc import AsyncIterator
@@ -31,6 +32,7 @@ from collections.abc import AsyncIterator
 import grpc
 from google.protobuf.message import DecodeError
 
+from shared.kv.transfer.borrow import Lender
 from shared.kv.transfer.pull_stream import MessageAborted, PullHandler, rpc_error, serve
 from shared.kv.transfer.rpc_calls import Unreadable
 from shared.rpc import kv_transfer_pb2 as pb
@@ -77,12 +79,15 @@ class LocalListener:
     """Server side: the abstract Unix socket a server's same-host pairs send their pulls to (one connection per
     pair; each message names its pair, as on the gRPC stream)."""
 
-    def __init__(self, pull: PullHandler, max_message_bytes: int) -> None:
+    def __init__(self, pull: PullHandler, max_message_bytes: int, lend_timeout_s: float = 30.0) -> None:
+        """lend_timeout_s: how long blocks lent on a connection (borrow.py) may stay unreleased before the server
+        ends that connection and takes them back."""
         self._pull = pull
         self._max = max_message_bytes
+        self._lend_timeout_s = lend_timeout_s
         self.name = f"{PREFIX}{os.getpid()}-{secrets.token_urlsafe(12)}"
         self._server: asyncio.AbstractServer | None = None
-        self._connections: set[asyncio.StreamWriter] = set()
+        self._connections: dict[asyncio.StreamWriter, Lender] = {}
         self.accepted = 0  # connections served (one per pair that took this path)
 
     async def start(self) -> None:
@@ -93,7 +98,8 @@ class LocalListener:
         server ends its streams), and their clients drop the pairs."""
         if self._server is not None:
             self._server.close()
-        for writer in list(self._connections):
+        for writer, lender in list(self._connections.items()):
+            await lender.revoke()  # the socket shut down before any lent block is freed
             writer.close()
         self._server = None
 
@@ -106,20 +112,21 @@ class LocalListener:
             writer.close()
             return
         self.accepted += 1
-        self._connections.add(writer)
+        lender = self._connections[writer] = Lender(writer.get_extra_info("socket"), self._lend_timeout_s)
 
         async def write(reply: pb.PullStreamReply) -> None:
             writer.write(_frame(reply))
             await writer.drain()
 
         try:
-            await serve(self._pull, self._requests(reader), write, f"unix:pid={pid}")  # the peer refusals log
+            await serve(self._pull, self._requests(reader), write, f"unix:pid={pid}", lender)  # peer: for refusals
         except MessageAborted as e:  # a message that is not a pull: this connection ends, the server serves on
             log.warning("ended a local pull stream: %s", e.details)
         except (ConnectionError, asyncio.IncompleteReadError, ValueError) as e:
             log.warning("a local pull stream broke: %s", e)
         finally:
-            self._connections.discard(writer)
+            await lender.revoke()  # what is still lent: the borrower is gone, or will see the connection end
+            self._connections.pop(writer, None)
             writer.close()
 
     async def _requests(self, reader: asyncio.StreamReader) -> AsyncIterator[pb.PullStreamRequest | Unreadable]:
@@ -137,6 +144,7 @@ class LocalCall:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_message_bytes: int) -> None:
         self._reader, self._writer, self._max = reader, writer, max_message_bytes
+        self._ended = False  # set (on the loop) before we close the socket
 
     @classmethod
     async def connect(cls, name: str, max_message_bytes: int, timeout_s: float) -> LocalCall:
@@ -167,5 +175,20 @@ class LocalCall:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"the local pull stream sent garbage: {e}") from e
 
     def cancel(self) -> None:
+        self._ended = True  # before the close: `alive` must not poll a descriptor number reused since
         with contextlib.suppress(RuntimeError):  # the loop is closed already: the socket went with it
             self._writer.close()
+
+    def alive(self) -> bool:
+        """Whether the connection is still up, read now from any thread: False once we closed it or the server
+        shut it down (then the blocks it lent may be freed: borrow.py). A poll of the socket, no loop turn."""
+        if self._ended or self._writer.is_closing():
+            return False
+        sock = self._writer.get_extra_info("socket")
+        fd = -1 if sock is None else sock.fileno()
+        if fd < 0:
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        over = bool(poller.poll(0))
+        return not over and not self._ended

@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from shared.kv.transfer.borrow import Lender
 from shared.kv.transfer.rpc_calls import Unreadable
 from shared.rpc import kv_transfer_pb2 as pb
 
@@ -41,10 +42,11 @@ class MessageAborted(Exception):
 
 
 class MessageContext:
-    """The part of `grpc.aio.ServicerContext` the Pull handler uses, for one message of a stream."""
+    """The part of `grpc.aio.ServicerContext` the Pull handler uses, for one message of a stream; `lender`: the
+    loans of the Unix socket connection it came over (borrow.py), None on a gRPC stream (nothing is lent there)."""
 
-    def __init__(self, peer: str, trace: dict[str, str]) -> None:
-        self._peer, self._trace = peer, trace
+    def __init__(self, peer: str, trace: dict[str, str], lender: Lender | None = None) -> None:
+        self._peer, self._trace, self.lender = peer, trace, lender
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise MessageAborted(code, details)
@@ -61,18 +63,20 @@ async def serve(
     requests: AsyncIterator[pb.PullStreamRequest | Unreadable],
     write: Callable[[pb.PullStreamReply], Awaitable[None]],
     peer: str,
+    lender: Lender | None = None,
 ) -> None:
     """Server side: handle each message as a Pull, concurrently, writing each answer as it is ready. Returns when
     the client closes the stream; pulls still being handled then finish (their sends are the server's). Raises
     MessageAborted (INVALID_ARGUMENT) at a message that is not a pull: the caller ends the stream with it. The
-    stream is a gRPC call's (server.py) or a Unix socket's (local_stream.py)."""
+    stream is a gRPC call's (server.py) or a Unix socket's (local_stream.py), whose `lender` lends blocks in
+    place and takes the messages that release them (borrow.py)."""
     writing = asyncio.Lock()  # one write at a time on a gRPC stream (it refuses a second)
     tasks: set[asyncio.Task[None]] = set()
 
     async def answer(message: pb.PullStreamRequest) -> None:
         out = pb.PullStreamReply(seq=message.seq)
         try:
-            out.reply.CopyFrom(await pull(message.pull, MessageContext(peer, dict(message.trace))))
+            out.reply.CopyFrom(await pull(message.pull, MessageContext(peer, dict(message.trace), lender)))
         except MessageAborted as e:
             out.code, out.details = e.code.value[0], e.details
         except Exception as e:  # a bug in a handler: that pull fails, the stream lives on
@@ -85,7 +89,14 @@ async def serve(
     async for message in requests:
         if isinstance(message, Unreadable):
             raise MessageAborted(grpc.StatusCode.INVALID_ARGUMENT, "PullStream refused: a message is not a pull")
-        task = asyncio.create_task(answer(message))
+        if message.release:  # borrowed blocks copied: no answer; a stream that lends nothing ignores it
+            if lender is None:
+                log.warning("a release of %r on a stream that lends nothing: ignored", message.release)
+                continue
+            work = lender.release(message.release)  # ends a send, which may wait for the engine: not in our way
+        else:
+            work = answer(message)
+        task = asyncio.create_task(work)
         tasks.add(task)
         task.add_done_callback(tasks.discard)
     if tasks:
@@ -147,6 +158,15 @@ class PullStream:
         if out.code:
             raise rpc_error(_CODES.get(out.code, grpc.StatusCode.UNKNOWN), out.details)
         return out.reply
+
+    async def release(self, request_id: str) -> None:
+        """Tell the server that the blocks it lent for `request_id` are copied (borrow.py); no answer. A stream
+        that is over has nothing to tell: the server ended the loans with it."""
+        if self._call is None or self._broken is not None:
+            return
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            async with self._writing:
+                await self._call.write(pb.PullStreamRequest(release=request_id))
 
     def close_when_idle(self) -> None:
         """End the stream once no pull waits on it; take no more pulls. The pulls waiting get their answers: the

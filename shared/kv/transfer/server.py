@@ -40,9 +40,11 @@ from typing import NoReturn
 import grpc
 import torch.distributed as dist
 
+from shared.engine.shared_pool import PoolHandle
 from shared.kv.replay import DEFAULT_CAPACITY, ReplayCache
 from shared.kv.tickets import TicketError, TicketReason, Tickets
 from shared.kv.transfer import pull_stream
+from shared.kv.transfer.borrow import Lender, pool_memory
 from shared.kv.transfer.channel_tls import KvTls
 from shared.kv.transfer.heads import HeadsRefused, begin_send
 from shared.kv.transfer.layer_stream import StreamedPoolKv
@@ -91,6 +93,7 @@ class ServerStats:
     pairs_created: int = 0  # Connect calls accepted: one process group each
     pulls: int = 0  # pulls accepted (export done, send started)
     shm_pulls: int = 0  # of which written into a pair's shared segment
+    borrowed_pulls: int = 0  # of which lent in place: the puller copied the blocks from the shared pool
     streamed_pulls: int = 0  # of which sent layer by layer as the prefill wrote them (layer_stream.py)
     posted_pulls: int = 0  # of which sent into receives the puller posted before its Pull (posted.py)
     segments: int = 0  # shared segments created (one per same-host pair)
@@ -121,6 +124,7 @@ class KvTransferServer:
         ticket_holder: Callable[[str], str] | None = None,
         shm_bytes: int = DEFAULT_SHM_BYTES,
         fault_send_stall_s: float = 0.0,
+        shared_pool: PoolHandle | None = None,
     ) -> None:
         """host/port: where gRPC binds (port 0: any free one). secret: the cluster secret tickets are
         signed with (at least 16 bytes). advertise_host: the name decode workers dial for gRPC, the store
@@ -134,7 +138,9 @@ class KvTransferServer:
         group's, shared/kv/rank_transfer.py); None: the caller's own. shm_bytes: the size of the shared
         segment a same-host pair gets (0: no shared memory, every pull over the pair). fault_send_stall_s:
         testing only, every send sleeps this long midway (after its first piece, or half its bytes in shared
-        memory), so that a test can kill this process mid-transfer."""
+        memory), so that a test can kill this process mid-transfer. shared_pool: the source's pool in a memfd
+        (shared/engine/shared_pool.py): a same-host pair whose pulls go over the Unix socket maps it, and borrows
+        a request's blocks in place instead of a copy (borrow.py)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if chunk_bytes != 0 and chunk_bytes < MIN_CHUNK_BYTES:
@@ -149,6 +155,7 @@ class KvTransferServer:
         self.fault_send_stall_s = fault_send_stall_s
         self.shm_bytes = shm_bytes
         self.host_id = host_identity() if shm_bytes else ""
+        self.shared_pool = shared_pool if self.host_id else None
         self.model_name = model_name
         self.send_stream = send_stream or SendStream("cpu")
         self._tickets = Tickets(secret)
@@ -165,7 +172,7 @@ class KvTransferServer:
         self._sends: set[asyncio.Task[None]] = set()
         self._streams: set[grpc.aio.ServicerContext] = set()  # of the PullStream calls open (one per pair)
         # Same host: the Unix socket pairs with a segment send their pulls to (local_stream.py)
-        self._local = LocalListener(self.pull, MAX_MESSAGE_BYTES) if self.host_id else None
+        self._local = LocalListener(self.pull, MAX_MESSAGE_BYTES, timeout_s) if self.host_id else None
         self._store: dist.TCPStore | None = None
         self._server: grpc.aio.Server | None = None
 
@@ -257,6 +264,8 @@ class KvTransferServer:
                 reply.shm_name, reply.shm_bytes = slot.segment.name, slot.segment.nbytes
                 if self._local is not None:
                     reply.local_stream = self._local.name
+                    if self.shared_pool is not None:  # lent only over the socket (its release, its end)
+                        reply.pool.CopyFrom(pool_memory(self.shared_pool))
                 if joining.done():  # the pair failed already: its callback found no segment to unlink
                     slot.segment.unlink()
         return reply
@@ -331,6 +340,10 @@ class KvTransferServer:
         )
         self.stats.pulls += 1
         streamed = isinstance(kv, StreamedPoolKv)  # layer by layer, then the first token (layer_stream.py)
+        lender = getattr(context, "lender", None)  # a message of a same-host pair's Unix socket
+        if request.borrow and lender is not None and self._lendable(kv):
+            assert isinstance(kv, PoolKv)
+            return self._lend(lender, kv, request, span, started)
         if not streamed and fits(slot.segment, request.shm_offset, request.shm_capacity, kv):
             return await self._write_segment(slot, kv, request, span, started, context)
         into = posted_kv(kv, request.posted, self.chunk_bytes) if request.HasField("posted") else None
@@ -353,6 +366,37 @@ class KvTransferServer:
         task = asyncio.create_task(self._send(slot, kv, self._post_now(pair, kv, tag), rid, span, started))
         self._sends.add(task)
         task.add_done_callback(self._sends.discard)
+        return reply
+
+    def _lendable(self, kv: Outgoing) -> bool:
+        """The KV can be lent in place: a whole request's blocks in the shared pool, complete (not a layer stream),
+        and no test fault to inject (those act on copies)."""
+        faults = self.fault_send_midway or self.fault_send_stall_s
+        if not isinstance(kv, PoolKv) or isinstance(kv, StreamedPoolKv):
+            return False
+        return self.shared_pool is not None and kv.pool.memory is not None and not faults
+
+    def _lend(self, lender: Lender, kv: PoolKv, request: pb.PullRequest, span, started: float) -> pb.PullReply:
+        """Answer with the request's block ids: the puller copies them from the mapped pool (borrow.py). The send
+        stays open, the blocks held, until the release message, or until the connection ended (revoked)."""
+        rid, labels = request.request_id, (self.model_name, "prefill")
+
+        async def end(released: bool) -> None:
+            error = None
+            if released:
+                self.stats.bytes_sent += kv.nbytes
+                metrics.KV_TRANSFER_BYTES.labels(*labels).inc(kv.nbytes)
+                metrics.KV_TRANSFER_SECONDS.labels(*labels).observe(time.perf_counter() - started)
+            else:
+                self.stats.failed_sends += 1
+                metrics.KV_TRANSFER_FAILURES.labels(*labels, "loan_revoked").inc()
+                error = "the connection ended before the borrowed blocks were released"
+            await self._end_send(rid, error, span, started)
+
+        lender.lend(rid, end)
+        self.stats.borrowed_pulls += 1
+        reply = announce(kv.layout, kv.num_tokens, shape_of(kv), 0, 0, first_block=kv.first_block)
+        reply.borrowed_blocks.extend(kv.block_ids)
         return reply
 
     async def _write_segment(
