@@ -104,6 +104,11 @@ KV_LOCAL_PULLS = Counter(
     "KV pulls asked over a same-host prefill worker's Unix socket, not gRPC (docs/kv_transfer.md).",
     LABELS,
 )
+KV_BORROWED_PULLS = Counter(
+    f"{PREFIX}kv_borrowed_pulls",
+    "KV pulls lent in place by a same-host prefill worker, copied from its mapped pool (docs/kv_transfer.md).",
+    LABELS,
+)
 KV_TRANSFER_FAILURES = Counter(f"{PREFIX}kv_transfer_failures", "Failed KV transfers.", (*LABELS, "reason"))
 REQUEST_MIGRATIONS = Counter(
     f"{PREFIX}request_migrations",

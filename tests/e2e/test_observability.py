@@ -260,8 +260,10 @@ def test_metrics_count_what_was_served(stack, model_dir):
     sent = delta("prefill", "pdserve:kv_transfer_bytes_total")
     assert sent == delta("decode", "pdserve:kv_transfer_bytes_total") > 0
     assert delta("decode", "pdserve:kv_transfer_failures_total") == 0
-    # one host: each pull asked over the prefill worker's Unix socket (local_stream.py), its KV in the segment
+    # one host: each pull asked over the prefill worker's Unix socket (local_stream.py), its blocks borrowed from the
+    # prefill pool in place and copied into the decode pool (borrow.py); all released (the usage above is 0)
     assert delta("decode", "pdserve:kv_local_pulls_total", role="decode") == n
+    assert delta("decode", "pdserve:kv_borrowed_pulls_total", role="decode") == n
 
     # MoE expert load: every computed token is routed to top_k experts in each sparse layer
     for role, computed in (("prefill", prompt), ("decode", completion - n)):

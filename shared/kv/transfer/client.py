@@ -390,6 +390,7 @@ class KvTransferClient:
             raise KvTransferError(FailureReason.PROTOCOL, f"{request_id!r} lent as blocks outside the mapped pool")
         self.stats.pulls += 1
         self.stats.borrowed_pulls += 1
+        metrics.KV_BORROWED_PULLS.labels(self.model_name, "decode").inc()
         kv = BorrowedKv(source, reply.num_tokens, pool, blocks, first_block=reply.first_block,
                         still_lent=local.alive, release=release)  # fmt: skip
         self.stats.bytes_received += kv.nbytes
