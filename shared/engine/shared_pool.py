@@ -7,11 +7,14 @@ side copies the request's blocks straight from it into its own blocks: one copy 
 Layout of the memfd: a header of `HEADER_BYTES` whose first `NONCE_BYTES` are random, then the pool tensor. A
 peer opens `/proc/<pid>/fd/<fd>` read-only (the kernel lets a process of the same user do so, and nothing has a
 name: the memory goes with the last mapping, even if both processes are killed) and checks the nonce, so that a
-pid reused by another process (whose fd of that number is something else) is never read as our pool.
+pid reused by another process (whose fd of that number is something else) is never read as our pool. The memfd
+is sealed once mapped (`_seal`): whoever opens it can read it, and only the owner's mapping writes it.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import math
 import mmap
 import os
@@ -24,6 +27,8 @@ import torch
 
 HEADER_BYTES = 4096  # one page: the pool tensor starts page-aligned
 NONCE_BYTES = 16
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux >= 5.1; Python names it from 3.12 on
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,15 +52,16 @@ class SharedPoolMemory:
     @classmethod
     def create(cls, pool_bytes: int) -> SharedPoolMemory:
         """A memfd of the header plus `pool_bytes`. OSError where memfds cannot be made (then: a private pool)."""
-        fd = os.memfd_create("pdserve-kv-pool", os.MFD_CLOEXEC)
+        fd = os.memfd_create("pdserve-kv-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, HEADER_BYTES + pool_bytes)
             mapping = mmap.mmap(fd, HEADER_BYTES + pool_bytes)
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            mapping[:NONCE_BYTES] = nonce
+            _seal(fd)
         except BaseException:
             os.close(fd)
             raise
-        nonce = secrets.token_bytes(NONCE_BYTES)
-        mapping[:NONCE_BYTES] = nonce
         return cls(fd, mapping, nonce)
 
     @property
@@ -68,6 +74,18 @@ class SharedPoolMemory:
 
     def handle(self, num_blocks: int) -> PoolHandle:
         return PoolHandle(os.getpid(), self.fd, self.nbytes, self.nonce, num_blocks)
+
+
+def _seal(fd: int) -> None:
+    """From now on only the mapping we hold writes the pool: no write(), no writable mapping, no resize, for anyone
+    who opens it (a peer of the same user can open /proc/<pid>/fd/<fd>, read-write if it asks), and no more seals.
+    Linux < 5.1 has no F_SEAL_FUTURE_WRITE: the size is sealed all the same, writes are not (logged)."""
+    fixed = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fixed | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+    except OSError as e:
+        log.warning("the shared KV pool cannot be sealed against writes by its readers (%s): its size only", e)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fixed | fcntl.F_SEAL_SEAL)
 
 
 def attach_pool(handle: PoolHandle, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

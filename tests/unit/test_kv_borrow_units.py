@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import mmap
 import multiprocessing as mp
 import os
 import select
@@ -74,6 +75,24 @@ def test_attaching_refuses_what_is_not_the_pool_announced():
         os.close(other)
     with pytest.raises(OSError):  # a process that is gone
         attach_pool(PoolHandle(2**22 + 1, handle.fd, handle.nbytes, handle.nonce, 12), shape, torch.float32)
+
+
+def test_whoever_opens_the_pool_may_read_it_and_only_its_owner_writes_it():
+    pool = _shared_pool()
+    handle = pool.handle()
+    assert handle is not None
+    fd = os.open(f"/proc/self/fd/{handle.fd}", os.O_RDWR)  # a peer of the same user asking for write access
+    try:
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"x", HEADER_BYTES)
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, handle.nbytes)  # a writable shared mapping
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)  # would SIGBUS the owner
+    finally:
+        os.close(fd)
+    pool.tensor[0, 0, 0].fill_(7.0)  # the owner's mapping writes on
+    assert float(attach_pool(handle, tuple(pool.tensor.shape), torch.float32)[0, 0, 0, 0, 0, 0]) == 7.0
 
 
 def test_the_connect_reply_carries_the_handle_both_ways():
