@@ -21,6 +21,8 @@ median of a few runs), holds the KV and serves KvTransfer on 127.0.0.1. This pro
 - borrowed + import: the same-host hand-off with the prefill pool mapped (shared/kv/transfer/borrow.py): the
   pull answers the block ids, the import copies them from the prefill pool straight into the decode pool (one
   copy), then the release; the prefill pool lives in a memfd (`kv_shared_memory`), as a prefill worker's does;
+  both hand-offs are timed twice: in the rotation, and apart, each kind back to back after the local copies,
+  as the copy they are compared with is (on two cores, a transfer right before a hand-off slows it);
 - export: `Engine.export_kv` alone, in the prefill process;
 - raw gloo: the same bytes between the same two processes on a second two-rank gloo group: we send a
   16-byte "go", the prefill side answers with a preallocated tensor; timed from the go to the recv's end;
@@ -92,6 +94,7 @@ def prepare_model(model_dir: str | None) -> Path:
 class BenchSource:
     """KvSource over held requests that never frees them, so every repeat pulls the same KV again.
     "kv-<n>": the pool blocks (PoolKv, as EngineKvBlocks lends them); "export-<n>": an export copy of them;
+    "<id>#<anything>": <id> (a hand-off of its own: the borrowed pulls, each a loan until its release);
     ids in `staged` answer with that export (no copy)."""
 
     def __init__(self, engine: Engine, staged: dict[str, KVExport]) -> None:
@@ -106,16 +109,18 @@ class BenchSource:
         return False  # the bench pulls one request at a time
 
     async def begin_send(self, request_id: str) -> KVExport | PoolKv:
+        # "<id>#<i>": <id> under a name of its own, as every hand-off of a real source is (a loan is keyed by it)
+        sent_as, request_id = request_id, request_id.partition("#")[0]
         if request_id in self.staged:
             return self.staged[request_id]
         if request_id.startswith("export-"):  # a copy, as a pull made before the pool-direct send
             kv = self.engine.export_kv(request_id.replace("export-", "kv-"), alloc=self.buffers.take)
-            self.lent[request_id] = kv.blocks
+            self.lent[sent_as] = kv.blocks
             return kv
         num_tokens, block_ids, first_block = self.engine.kv_blocks(request_id)
         lent = PoolKv.plan(self.engine.pool, num_tokens, block_ids, self.buffers.take, first_block=first_block)
         if lent.staging is not None:
-            self.lent[request_id] = lent.staging
+            self.lent[sent_as] = lent.staging
         return lent
 
     async def end_send(self, request_id: str, ok: bool) -> None:
@@ -254,7 +259,8 @@ async def measure(info: dict, sizes: list[int], repeats: int) -> tuple[list[dict
             for kv in warm.values():
                 client.recycle(kv)  # a shared-memory one frees its region when dropped; recycle ignores it
             warm.clear()
-            times: dict[str, list[float]] = {k: [] for k in (*KINDS, "raw", "clone", "copy")}
+            kinds_timed = (*KINDS, "raw", "clone", "copy", *(f"{k}_apart" for k in HAND_OFFS))
+            times: dict[str, list[float]] = {k: [] for k in kinds_timed}
             copy_buffer = torch.empty_like(raw_buffer)
             copy_buffer.copy_(raw_buffer)  # touched once: no page faults while timing
             # The transfers rotate their order each repeat, so none always follows the same one; the local
@@ -268,7 +274,8 @@ async def measure(info: dict, sizes: list[int], repeats: int) -> tuple[list[dict
                         times["raw"].append(await asyncio.to_thread(raw_pull, raw, index, raw_buffer))
                         continue
                     t0 = time.perf_counter()
-                    kv = await by_kind[key].pull(address, pulls[key], layout, num_tokens=expect.get(key))
+                    rid = f"{pulls[key]}#{r}" if key == "borrow" else pulls[key]  # its own loan each time
+                    kv = await by_kind[key].pull(address, rid, layout, num_tokens=expect.get(key))
                     if key in HAND_OFFS:  # as the decode worker's import writes it (here, not on an engine thread)
                         decode_pool.write_export(into, kv)
                     times[key].append(time.perf_counter() - t0)
@@ -277,6 +284,14 @@ async def measure(info: dict, sizes: list[int], repeats: int) -> tuple[list[dict
             for _ in range(repeats):
                 times["clone"].append(median_s(raw_buffer.clone, 1))
                 times["copy"].append(median_s(functools.partial(copy_buffer.copy_, raw_buffer), 1))
+            for key in HAND_OFFS:  # each kind back to back, as the copy it is compared with: no other kind before
+                for r in range(repeats):
+                    t0 = time.perf_counter()
+                    kv = await by_kind[key].pull(address, f"{pulls[key]}#apart{r}", layout)
+                    decode_pool.write_export(into, kv)
+                    times[f"{key}_apart"].append(time.perf_counter() - t0)
+                    by_kind[key].recycle(kv)
+                    del kv
             seconds = {k: statistics.median(v) for k, v in times.items()}
             rows.append(row(n, nbytes, seconds, info, n))
         fixed = await fixed_cost(client, shm, address, layout, repeats)
@@ -358,6 +373,8 @@ def row(tokens: int, nbytes: int, seconds: dict[str, float], info: dict, n: int)
         shm_import_vs_copy=seconds["copy"] / seconds["shm_import"],
         borrow_vs_copy=seconds["copy"] / seconds["borrow"],
         borrow_vs_shm_import=seconds["shm_import"] / seconds["borrow"],
+        shm_import_apart_vs_copy=seconds["copy"] / seconds["shm_import_apart"],
+        borrow_apart_vs_copy=seconds["copy"] / seconds["borrow_apart"],
         export_ms=info["export"][n] * 1e3,
         ttft_ms=ttft * 1e3,
         pull_share_of_ttft=seconds["pull"] / ttft,
@@ -387,14 +404,17 @@ def print_table(rows: list[dict], fixed: dict) -> None:
     print()
     print(
         "| prompt tokens | KV | copy | shm pull | shm pull + import | shm + import / copy | borrowed + import "
-        "| borrowed / copy | borrowed vs shm + import |"
+        "| borrowed / copy | borrowed vs shm + import | shm + import, apart | borrowed + import, apart "
+        "| apart: shm / copy, borrowed / copy |"
     )
-    print("| ---: " * 9 + "|")
+    print("| ---: " * 12 + "|")
     for r in rows:
         cells = [f"{r['tokens']}", f"{r['bytes'] / 1e6:.2f} MB"]
         cells += [f"{r[k + '_ms']:.2f} ms, {r[k + '_gbps']:.2f} GB/s" for k in ("copy", "shm", "shm_import")]
         cells += [f"{r['shm_import_vs_copy']:.0%}", f"{r['borrow_ms']:.2f} ms, {r['borrow_gbps']:.2f} GB/s"]
         cells += [f"{r['borrow_vs_copy']:.0%}", f"{r['borrow_vs_shm_import']:.2f}x"]
+        cells += [f"{r['shm_import_apart_ms']:.2f} ms", f"{r['borrow_apart_ms']:.2f} ms"]
+        cells += [f"{r['shm_import_apart_vs_copy']:.0%}, {r['borrow_apart_vs_copy']:.0%}"]
         print("| " + " | ".join(cells) + " |")
     print(
         f"fixed cost: pull round trip (NOT_FOUND) {fixed['rpc_ms']:.2f} ms on the pair's PullStream, "

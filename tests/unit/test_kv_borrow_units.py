@@ -181,6 +181,8 @@ def test_a_lender_ends_a_loan_at_its_release_and_ends_the_connection_before_it_r
         await lender.release("a")
         await lender.release("unknown")  # logged, ignored
         assert "b" in lender and "a" not in lender
+        with pytest.raises(RuntimeError, match="already"):  # one loan per request at a time
+            lender.lend("b", ending("b again"))
         await lender.revoke()
         await lender.revoke()  # idempotent
         with pytest.raises(RuntimeError):

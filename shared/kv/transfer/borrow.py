@@ -47,6 +47,8 @@ class Lender:
         """Keep `request_id`'s send open until its release; revoke the whole connection past `timeout_s`."""
         if self.revoked:
             raise RuntimeError("this connection is over: nothing more is lent on it")
+        if request_id in self._loans:  # a source sends a request once at a time (ALREADY_EXISTS): never here
+            raise RuntimeError(f"{request_id!r} is lent on this connection already")
         timer = asyncio.get_running_loop().call_later(self._timeout_s, self._expired, request_id)
         self._loans[request_id] = (end, timer)
         self.lent += 1

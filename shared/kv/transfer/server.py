@@ -341,7 +341,7 @@ class KvTransferServer:
         self.stats.pulls += 1
         streamed = isinstance(kv, StreamedPoolKv)  # layer by layer, then the first token (layer_stream.py)
         lender = getattr(context, "lender", None)  # a message of a same-host pair's Unix socket
-        if request.borrow and lender is not None and self._lendable(kv):
+        if request.borrow and lender is not None and not lender.revoked and rid not in lender and self._lendable(kv):
             assert isinstance(kv, PoolKv)
             return self._lend(lender, kv, request, span, started)
         if not streamed and fits(slot.segment, request.shm_offset, request.shm_capacity, kv):
