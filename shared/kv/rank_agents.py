@@ -91,6 +91,9 @@ def register_rank_kv(agent: RankAgent, pool: KVPool, staged: StagedKv) -> None:
             tls=KvTls.load(*kv.tls_files),
             group_id=job.group_id,
             shared_memory=kv.shm_bytes > 0,  # PDSERVE_KV_SHM_BYTES=0 turns it off for group hand-offs too
+            # no loans: a rank's KV is staged, then written by an op every rank runs, which must not fail midway
+            # (a loan taken back under it would: borrow.py); a rank's pull goes through the segment
+            borrow=False,
         )
         clients.append(client)
         # the plan works in the model's heads (all of them); the pulled part is this pool's slice
