@@ -24,6 +24,7 @@ from tests.integration.test_kv_transfer import (
     TIMEOUT_S,
     PrefillProcess,
     _engine,
+    _generated,
     _prefill_main,
     _prompt,
     _run,
@@ -65,9 +66,7 @@ def _client(worker: str, borrow: bool = True) -> KvTransferClient:
 def test_a_borrowed_pull_is_imported_exactly_and_freed_at_its_release(lender, checkpoint, model, scatter, block_size):  # noqa: F811
     prompt = _prompt(150, seed=71)  # 10 blocks of 16
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    whole = _engine(checkpoint, model)
-    whole.add_request("w", prompt, params)
-    expected = _run(whole)
+    expected = _generated(checkpoint, model, prompt, params)
 
     rid = f"borrow-{scatter}-{block_size}"
     first = lender.prefill(rid, prompt, scatter=scatter)

@@ -28,6 +28,7 @@ from tests.integration.test_kv_transfer import (
     PrefillProcess,
     _client,
     _engine,
+    _generated,
     _prefill_main,
     _prompt,
     _run,
@@ -61,9 +62,7 @@ def test_posted_pulls_hand_off_identical_bytes_and_decode_exactly(prefill, check
         settings = dict(settings, chunk_bytes=4096)
     prompt = _prompt(150, seed=71)  # 10 blocks of 16
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    whole = _engine(checkpoint, model)
-    whole.add_request("w", prompt, params)
-    expected = _run(whole)
+    expected = _generated(checkpoint, model, prompt, params)
 
     rid = f"posted-{path}"
     first = prefill.prefill(rid, prompt, scatter=scatter)

@@ -198,6 +198,13 @@ def _engine(checkpoint, model, **overrides) -> Engine:
     return Engine(EngineConfig(model=str(checkpoint), **(ENGINE_OPTS | overrides)), model)
 
 
+def _generated(checkpoint, model, prompt: list[int], params: SamplingParams) -> list[int]:
+    """What one engine, prefill and decode in one, generates for `prompt`: the tokens every hand-off must match."""
+    whole = _engine(checkpoint, model)
+    whole.add_request("whole", prompt, params)
+    return _run(whole)
+
+
 def _client(worker: str, secret: bytes = SECRET, shared_memory: bool = False) -> KvTransferClient:
     """A puller; over the socket unless `shared_memory` (the tests before the per-path ones test the socket)."""
     return KvTransferClient(worker, secret=secret, timeout_s=TIMEOUT_S, shared_memory=shared_memory)
@@ -225,9 +232,7 @@ def _pull(
 def test_pull_then_decode_matches_one_engine(prefill, checkpoint, model):
     prompt = _prompt(70, seed=7)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    whole = _engine(checkpoint, model)
-    whole.add_request("a", prompt, params)
-    expected = _run(whole)
+    expected = _generated(checkpoint, model, prompt, params)
 
     first = prefill.prefill("a", prompt)
     assert prefill.call("state")["held"] == ["a"]
@@ -525,9 +530,7 @@ def test_every_path_hands_off_identical_bytes_and_decodes_exactly(prefill, check
     settings, scatter, shared_memory = PATHS[path]
     prompt = _prompt(150, seed=31)  # 10 blocks of 16
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    whole = _engine(checkpoint, model)
-    whole.add_request("w", prompt, params)
-    expected = _run(whole)
+    expected = _generated(checkpoint, model, prompt, params)
 
     rid = f"path-{path}"
     first = prefill.prefill(rid, prompt, scatter=scatter)
