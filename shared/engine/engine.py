@@ -216,6 +216,8 @@ class Engine:
             why_not = "a worker group's ranks hold head slices (pulled rank by rank)"
         if why_not is not None:
             log.info("KV pool in shared memory: off (%s)", why_not)
+        else:
+            log.info("KV pool in shared memory: a sealed memfd, which same-host decode workers map read-only")
         return why_not is None
 
     @property

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import multiprocessing as mp
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,6 +56,11 @@ def lender(checkpoint):  # noqa: F811
         if proc.is_alive():
             proc.kill()
             proc.join(5)
+
+
+def _pool_maps() -> list[str]:
+    """Prefill pools and segments this process still maps."""
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if "pdserve-kv" in line]
 
 
 def _client(worker: str, borrow: bool = True) -> KvTransferClient:
@@ -182,12 +188,19 @@ def test_a_prefill_process_killed_while_lending(checkpoint, model):  # noqa: F81
                 with pytest.raises(BorrowRevoked):
                     decode.import_kv("orphan", prompt, first, params, kv)
                 client.recycle(kv)  # a release to nobody: nothing happens
-                return client.stats
+                del kv
+                for _ in range(100):  # the stream's end is seen on the loop: the pair is forgotten, its maps go
+                    if client.shm_free_bytes(victim.address) is None:
+                        break
+                    await asyncio.sleep(0.02)
+                gc.collect()
+                return client.stats, client.shm_free_bytes(victim.address), _pool_maps()
             finally:
                 await client.close()
 
-        stats = asyncio.run(run())
+        stats, segment, maps = asyncio.run(run())
         assert stats.borrowed_pulls == 1 and not proc.is_alive()
+        assert segment is None and maps == []  # the dead worker's pool and segment unmapped, no pull needed
         decode.check_integrity()
         assert decode.blocks.num_free == decode.blocks.num_blocks
     finally:

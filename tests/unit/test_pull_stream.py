@@ -149,6 +149,31 @@ def test_a_broken_stream_fails_the_pulls_waiting_unavailable_and_later_ones_abor
     asyncio.run(run())
 
 
+def test_on_break_is_called_once_when_the_server_ends_the_stream_and_never_after_our_close(carrier):
+    """The client forgets a pair whose stream the server ended (it stopped or died), and with it what the pair
+    maps, without waiting for a pull to that address; its own close says nothing."""
+
+    async def run():
+        calls = {"theirs": 0, "ours": 0}
+        async with served(carrier) as (stop, stream):
+            stream.on_break = lambda: calls.__setitem__("theirs", calls["theirs"] + 1)
+            assert (await pull(stream, "sleep:0:1")).num_tokens == 1  # the stream is open (opened by a pull)
+            await stop()
+            for _ in range(100):
+                if calls["theirs"]:
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)
+        async with served(carrier) as (_, ours):
+            ours.on_break = lambda: calls.__setitem__("ours", calls["ours"] + 1)
+            assert (await pull(ours, "sleep:0:1")).num_tokens == 1
+            ours.close()
+            await asyncio.sleep(0.2)
+        return calls
+
+    assert asyncio.run(run()) == {"theirs": 1, "ours": 0}
+
+
 def test_closing_fails_the_pulls_waiting(carrier):
     async def run():
         async with served(carrier) as (_, stream):

@@ -474,7 +474,9 @@ class KvTransferClient:
         local = await self._local_call(reply) if segment is not None else None
         pulls = PullStream(stub.PullStream if local is None else lambda: local)  # pyright: ignore[reportArgumentType]
         pool = self._map_pool(reply, layout) if local is not None else None
-        return _Connection(stub, pair, pulls, order, segment, regions, posting, local=local, pool=pool)
+        conn = _Connection(stub, pair, pulls, order, segment, regions, posting, local=local, pool=pool)
+        pulls.on_break = functools.partial(self._forget, address, conn)  # the server stopped or died: unmap now
+        return conn
 
     def _map_pool(self, reply: pb.ConnectReply, layout: KVLayout) -> torch.Tensor | None:
         """The prefill pool the server offered, mapped read-only; None (pulls through the segment) when it offered
@@ -524,10 +526,12 @@ class KvTransferClient:
         """Stop using `conn`'s pair: the next pull from `address` negotiates a new one. Closing our side
         (once no recv is in flight on it) closes the connection, which fails the server's pending sends. Pulls
         still waiting on its stream get their answers (and then find the pair closed, or finish)."""
+        conn.pulls.on_break = None  # called once at most (and no cycle left through it)
         conn.pulls.close_when_idle()
         conn.pair.close()
         if conn.segment is not None:  # unmapped now unless a pulled tensor still lives on it
             conn.segment.close()
+        conn.pool = None  # the prefill pool, unmapped once no borrowed KV still reads it
         task = self._connections.get(address)
         if task is not None and task.done() and not task.cancelled() and task.exception() is None:
             if task.result() is conn:

@@ -123,6 +123,9 @@ class PullStream:
         self._broken: grpc.aio.AioRpcError | None = None
         self._writing = asyncio.Lock()  # gRPC takes one write at a time on a stream (TOO_MANY_OPERATIONS)
         self._closing = False  # close_when_idle was called: the stream ends with its last waiting pull
+        # Called once when the stream ends other than by our close (the server stopped or died): the pair is over,
+        # and what it holds (a mapped segment or pool) should go now, not at the next pull from that address.
+        self.on_break: Callable[[], None] | None = None
 
     async def pull(self, request: pb.PullRequest, trace: tuple[tuple[str, str], ...], timeout_s: float) -> pb.PullReply:
         """The server's PullReply; raises grpc.aio.AioRpcError with the status a unary Pull would end with:
@@ -193,7 +196,10 @@ class PullStream:
             error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"the pull stream broke: {e.code().name} {e.details()}")
         except asyncio.CancelledError:
             error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the pull stream was closed")
+        ended_there = self._broken is None  # not by our close, which breaks the stream before the reader ends
         self._break(error)
+        if ended_there and self.on_break is not None:
+            self.on_break()
 
     def _break(self, error: grpc.aio.AioRpcError) -> None:
         """Fail every pull waiting on the stream, and those after, as the first break says."""
