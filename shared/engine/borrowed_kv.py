@@ -62,6 +62,9 @@ class BorrowedKv(KVExport):
         self._loan = _Loan(release)
         weakref.finalize(self, self._loan.release)  # a loan dropped unreleased (a failed import) goes back too
 
+    def __repr__(self) -> str:  # the dataclass's would read `blocks`: a copy of the whole KV
+        return f"BorrowedKv({self.num_tokens} tokens in {len(self.block_ids)} blocks of a lent pool)"
+
     @property
     def blocks(self) -> torch.Tensor:  # pyright: ignore[reportIncompatibleVariableOverride]
         """A copy of the borrowed blocks, (L, P, n, B, KVH, hd). BorrowRevoked if the loan ended under it."""

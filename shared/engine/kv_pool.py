@@ -9,6 +9,7 @@ Which blocks belong to whom is the block manager's business; this module only st
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,6 +21,8 @@ from shared.engine.shared_pool import PoolHandle, SharedPoolMemory
 if TYPE_CHECKING:
     from shared.engine.kv_export import KVExport
     from shared.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 # A read whose runs of consecutive blocks average at least this many blocks copies each run as one strided
 # slice, instead of index_select over the block ids, which copies block by block (the shared-memory send's
@@ -121,10 +124,14 @@ class KVPool:
         self.num_blocks = num_blocks
         shape, dtype = layout.block_shape(num_blocks), layout.torch_dtype
         self.memory: SharedPoolMemory | None = None
+        if shared and torch.device(device).type != "cpu":
+            raise ValueError(f"only a host pool can be shared, not one on {device}")
         if shared:
-            if torch.device(device).type != "cpu":
-                raise ValueError(f"only a host pool can be shared, not one on {device}")
-            self.memory = SharedPoolMemory.create(math.prod(shape) * dtype.itemsize)
+            try:
+                self.memory = SharedPoolMemory.create(math.prod(shape) * dtype.itemsize)
+            except OSError as e:  # no memfds or seals here, or no memory for one: the pool works all the same
+                log.warning("the KV pool cannot live in shared memory (%s): a private pool, not lent in place", e)
+        if self.memory is not None:
             self.tensor = self.memory.tensor(shape, dtype)  # zero-filled, as a fresh memfd is
         else:
             self.tensor = torch.zeros(shape, dtype=dtype, device=device)

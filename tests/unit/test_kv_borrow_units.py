@@ -19,7 +19,7 @@ import torch
 
 from shared.engine.borrowed_kv import BorrowedKv, BorrowRevoked, copy_blocks
 from shared.engine.kv_pool import KVLayout, KVPool
-from shared.engine.shared_pool import HEADER_BYTES, PoolHandle, attach_pool
+from shared.engine.shared_pool import HEADER_BYTES, PoolHandle, SharedPoolMemory, attach_pool
 from shared.kv.transfer.borrow import Lender, pool_handle, pool_memory
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32")
@@ -95,6 +95,17 @@ def test_whoever_opens_the_pool_may_read_it_and_only_its_owner_writes_it():
     assert float(attach_pool(handle, tuple(pool.tensor.shape), torch.float32)[0, 0, 0, 0, 0, 0]) == 7.0
 
 
+def test_a_pool_that_cannot_be_shared_is_a_private_one(monkeypatch):
+    def refused(pool_bytes: int):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(SharedPoolMemory, "create", staticmethod(refused))
+    pool = KVPool(LAYOUT, 4, shared=True)
+    assert pool.memory is None and pool.handle() is None and torch.count_nonzero(pool.tensor) == 0
+    with pytest.raises(ValueError, match="host pool"):
+        KVPool(LAYOUT, 4, device="meta", shared=True)
+
+
 def test_the_connect_reply_carries_the_handle_both_ways():
     handle = _shared_pool().handle()
     assert handle is not None
@@ -148,6 +159,7 @@ def test_a_borrowed_kv_copies_straight_into_a_pool_and_refuses_a_copy_past_its_l
     kv.release()
     kv.release()
     assert released == [1]  # once
+    assert "3 blocks" in repr(kv)  # without reading them (a revoked loan would raise)
 
 
 def test_a_borrowed_kv_dropped_unreleased_is_released():
