@@ -1,10 +1,13 @@
 """Where the milliseconds of one KV pull go: timestamps on both sides of a pull, per phase, medians.
 
-    .venv/bin/python benchmarks/kv_pull_profile.py [--tokens 16 1024 4096] [--repeats 15] [--shm]
+    .venv/bin/python benchmarks/kv_pull_profile.py [--tokens 16 1024 4096] [--repeats 15] [--shm | --borrow]
 
 The same two processes as kv_transfer_bench.py (a spawned prefill process holding the `small` demo model's KV
 and serving KvTransfer on 127.0.0.1; this process pulls with `KvTransferClient`, shared memory off; with
-`--shm` on, so that its Pulls go over the server's Unix socket, local_stream.py). Both sides
+`--shm` on, through the pair's segment, so that its Pulls go over the server's Unix socket, local_stream.py;
+with `--borrow` the same-host hand-off in one copy: the pull borrows the blocks of the prefill pool and this
+process imports them into a decode pool, borrow.py, timed to the import's end, beside a plain copy of as many
+bytes). Both sides
 stamp `time.perf_counter()` (CLOCK_MONOTONIC: one clock for every process of the host) at the phase boundaries
 by wrapping the plane's own methods in this script (the library is not instrumented), so the differences across
 the two processes are meaningful. Phases, in order along one pull:
@@ -30,7 +33,7 @@ sys.path.insert(0, str(REPO))
 
 import kv_transfer_bench as bench  # noqa: E402
 
-from shared.engine.kv_pool import KVLayout  # noqa: E402
+from shared.engine.kv_pool import KVLayout, KVPool  # noqa: E402
 from shared.kv.transfer import KvTransferClient  # noqa: E402
 from shared.kv.transfer import client as client_mod  # noqa: E402
 from shared.kv.transfer import pair as pair_mod  # noqa: E402
@@ -137,23 +140,53 @@ def patch_client() -> None:
     patch_transfers(current, "c_recv")
 
 
-async def pull_all(info: dict, sizes: list[int], repeats: int, shm: bool) -> dict[str, float]:
+async def released(client: KvTransferClient) -> None:
+    """Until a loan's release (scheduled on the loop by `recycle`) is written: before the next pull of the same id
+    (a real decode worker never pulls one id twice; the server lends an id once at a time)."""
+    await asyncio.sleep(0)
+    while client._releasing:
+        await asyncio.sleep(0)
+
+
+async def pull_all(info: dict, sizes: list[int], repeats: int, mode: str) -> tuple[dict[str, dict[str, float]], dict]:
+    """Pull each size `repeats` times (after a warm-up); → per client-side phase stamped here, {"<rid>#<i>": t},
+    and per size the median of a plain copy of its bytes (the `--borrow` comparison)."""
     layout = KVLayout(**info["layout"])
-    client = KvTransferClient("profile-decode", secret=bench.SECRET, timeout_s=bench.TIMEOUT_S, shared_memory=shm)
-    ends: dict[str, float] = {}
+    client = KvTransferClient(
+        "profile-decode", secret=bench.SECRET, timeout_s=bench.TIMEOUT_S, shared_memory=mode != "socket",
+        borrow=mode == "borrow",
+    )  # fmt: skip
+    decode_pool = KVPool(layout, -(-max(sizes) // layout.block_size))  # what a borrowed KV is imported into
+    stamped: dict[str, dict[str, float]] = {"c_end": {}, "c_imported": {}}
+    copies = {}
     try:
         for n in sizes:
+            into = list(range(-(-n // layout.block_size)))
             # num_tokens: posted pulls, as a decode worker pulls (posted.py): its recvs go out before the Pull
-            await client.pull(info["address"], f"kv-{n}", layout, num_tokens=n)  # forms the pair; a warm-up
+            warm = await client.pull(info["address"], f"kv-{n}", layout, num_tokens=n)  # forms the pair
+            decode_pool.write_export(into, warm)  # the decode pool's blocks touched once
+            client.recycle(warm)
+            del warm
+            await released(client)
             for i in range(repeats):
                 rid = f"kv-{n}"
                 kv = await client.pull(info["address"], rid, layout, num_tokens=n)
-                ends[f"{rid}#{i}"] = time.perf_counter()
-                client.recycle(kv)  # a shared-memory one frees its region when dropped, next line
+                stamped["c_end"][f"{rid}#{i}"] = time.perf_counter()
+                if mode == "borrow":  # the hand-off's copy: from the prefill pool into this one
+                    decode_pool.write_export(into, kv)
+                    stamped["c_imported"][f"{rid}#{i}"] = time.perf_counter()
+                client.recycle(kv)  # a shared-memory one frees its region when dropped, next line; a loan: released
                 del kv
+                await released(client)
+            if mode == "borrow":  # every pull lent, none through the segment (its phases are another table)
+                lent = (repeats + 1) * (sizes.index(n) + 1)
+                assert client.stats.borrowed_pulls == lent, f"a pull was not lent: {client.stats}"
+            source = decode_pool.read(into)
+            out = source.clone()
+            copies[n] = bench.median_s(lambda out=out, source=source: out.copy_(source), repeats) * 1e3
     finally:
         await client.close()
-    return ends
+    return stamped, copies
 
 
 PHASES = [
@@ -172,6 +205,19 @@ PHASES = [
 ]
 
 
+# the same-host path in one copy (--borrow): the reply names the blocks, this process copies them into its pool
+BORROW_PHASES = [
+    ("c_start", "s_enter", "Pull sent -> server handler (mint, Unix socket, loop)"),
+    ("s_enter", "s_lent", "ticket, checks, blocks lent"),
+    ("s_lent", "s_reply", "loan registered, block ids in the reply"),
+    ("s_reply", "c_reply", "reply -> client loop (Unix socket back)"),
+    ("c_reply", "c_end", "client: the borrowed KV, pull returns"),
+    ("c_end", "c_imported", "import: the blocks copied from the prefill pool into the decode pool"),
+    ("c_start", "c_end", "whole pull"),
+    ("c_start", "c_imported", "whole hand-off (pull + import)"),
+]
+
+
 # the same-host path (--shm): the KV is copied into the pair's segment, then the reply says it is there
 SHM_PHASES = [  # its Pull on the server's Unix socket (local_stream.py), not gRPC
     ("c_start", "s_enter", "Pull sent -> server handler (mint, Unix socket, loop)"),
@@ -187,7 +233,7 @@ SHM_PHASES = [  # its Pull on the server's Unix socket (local_stream.py), not gR
 
 
 def summarize(
-    stamps: list[tuple[str, str, float]], ends: dict[str, float], sizes: list[int], repeats: int, phases: list
+    stamps: list[tuple[str, str, float]], stamped: dict[str, dict[str, float]], sizes: list[int], repeats: int, phases
 ) -> dict:
     """Group the stamps into pulls (the n-th occurrence of each phase of one request id is pull n), drop the
     warm-up, take medians of each phase's duration."""
@@ -198,7 +244,9 @@ def summarize(
     for n in sizes:
         rid = f"kv-{n}"
         seen = by_rid[rid]
-        seen["c_end"] = [0.0] + [ends[f"{rid}#{i}"] for i in range(repeats)]  # the warm-up has no end stamp
+        for phase, times in stamped.items():  # the warm-up is stamped by the wrappers only
+            if times:
+                seen[phase] = [0.0] + [times[f"{rid}#{i}"] for i in range(repeats)]
         rows = {}
         for a, b, what in phases:
             durations = [(seen[b][i] - seen[a][i]) * 1e3 for i in range(1, repeats + 1)]
@@ -211,9 +259,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 1024, 4096])
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--shm", action="store_true", help="profile the same-host path (shared memory)")
+    same_host = parser.add_mutually_exclusive_group()
+    same_host.add_argument("--shm", action="store_true", help="profile the same-host path through the segment")
+    same_host.add_argument("--borrow", action="store_true", help="profile the same-host hand-off in one copy")
     args = parser.parse_args()
-    phases = SHM_PHASES if args.shm else PHASES
+    mode = "borrow" if args.borrow else "shm" if args.shm else "socket"
+    phases = {"borrow": BORROW_PHASES, "shm": SHM_PHASES, "socket": PHASES}[mode]
     model_dir = bench.prepare_model(None)
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
@@ -224,7 +275,7 @@ def main() -> None:
     try:
         info = ours.recv()
         patch_client()
-        ends = asyncio.run(pull_all(info, args.tokens, args.repeats, args.shm))
+        stamped, copies = asyncio.run(pull_all(info, args.tokens, args.repeats, mode))
         ours.send("stop")
         proc.join(60)
     finally:
@@ -232,11 +283,17 @@ def main() -> None:
             proc.kill()
     stamps = [tuple(s) for s in json.loads(out.read_text())] + STAMPS
     out.unlink()
-    table = summarize(stamps, ends, args.tokens, args.repeats, phases)  # type: ignore[arg-type]
+    table = summarize(stamps, stamped, args.tokens, args.repeats, phases)  # type: ignore[arg-type]
     print("| phase | " + " | ".join(f"{n} tokens" for n in args.tokens) + " |")
     print("| --- | " + " | ".join("---:" for _ in args.tokens) + " |")
     for _, _, what in phases:
         print(f"| {what} | " + " | ".join(f"{table[n][what]:.2f} ms" for n in args.tokens) + " |")
+    if mode == "borrow":
+        print(
+            "| plain copy of as many bytes, this process | "
+            + " | ".join(f"{copies[n]:.2f} ms" for n in args.tokens)
+            + " |"
+        )
 
 
 if __name__ == "__main__":
