@@ -26,15 +26,12 @@ from nats.aio.msg import Msg
 from services.decode.first_token import first_token_end, owes_first_token, with_first_token
 from services.decode.into_engine import import_choices, recompute_choices
 from services.decode.kv_pull import KvPull
-from services.decode.locate import Missing, locate
+from services.decode.locate import Missing, kv_key, locate
 from shared.engine.block_manager import NoFreeBlocksError
 from shared.engine.borrowed_kv import BorrowRevoked
 from shared.engine.fork import Choice
 from shared.engine.kv_export import KVExport
-from shared.kv.rank_agents import RankPuller
 from shared.kv.registry import KvRegistry
-from shared.kv.transfer.channel_tls import KvTls
-from shared.kv.transfer.client import KvTransferClient
 from shared.kv.transfer.layer_stream import StreamedKv
 from shared.messages import DecodeJob, Role, decode_subject
 from shared.parallel.group_engine import WorkerGroup
@@ -54,8 +51,11 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.registry: KvRegistry | None = None  # both set up once Redis is connected (setup)
-        self.client: KvTransferClient | None = None
+        self.registry: KvRegistry | None = None  # set up once Redis is connected (setup)
+        # the pull stage: this worker's one way into the KV plane (a group's ranks each pull their own heads)
+        self.kv = KvPull(self.settings.kv, self.settings.worker_id, self.engine.engine.layout,
+                         secret=self.settings.ticket_secret, model_name=self.model_name,
+                         group=self._kv_group)  # fmt: skip
 
     def job_subject(self) -> str:
         return decode_subject(self.model_name)
@@ -69,32 +69,13 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
 
     async def setup(self) -> None:
         self.registry = KvRegistry(self.conn.redis, self.settings.kv.lease_s)
-        if (group := self._kv_group) is not None:  # every rank its own transfer client, pulling its own heads
-            puller = RankPuller(self.settings.worker_id, self.settings.kv, self.settings.ticket_secret, self.model_name)
-            await group.agents.call_all("kv.puller", dict.fromkeys(range(group.layout.tp), puller))
-        self.client = KvTransferClient(
-            self.settings.worker_id,
-            secret=self.settings.ticket_secret,
-            backend=self.settings.kv.backend,
-            timeout_s=self.settings.kv.timeout_s,
-            model_name=self.model_name,
-            tls=KvTls.load(*self.settings.kv.tls_files),
-            shared_memory=self.settings.kv.shm_bytes > 0,
-        )
+        await self.kv.start()
 
     async def teardown(self) -> None:
-        if self.client is not None:
-            await self.client.close()
-        if (group := self._kv_group) is not None:
-            await group.agents.call_all("kv.stop", dict.fromkeys(range(group.layout.tp)))
+        await self.kv.close()
 
     def has_room(self) -> bool:
         return super().has_room() and self.ledger.count(Phase.PULLING) < MAX_CONCURRENT_PULLS
-
-    def _kv_pull(self) -> KvPull:
-        """The pull stage, over this worker's transfer client (set up before any job is taken)."""
-        assert self.client is not None
-        return KvPull(self.client, self.engine.engine.layout, self._kv_group)
 
     async def handle_job(self, msg: Msg) -> None:
         # n > 1: every choice is announced now (this worker holds them all), and forked from one KV pull
@@ -111,10 +92,10 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
     async def _admit(self, entries: list[Entry[DecodeJob]]) -> None:
         """The pipeline for one job's choices (`entries`, the job's own first). Anything raised is a bug (or the
         engine refusing the job: ValueError) and fails every choice still in hand."""
-        pull, head = self._kv_pull(), entries[0]
+        head = entries[0]
         kv: KVExport | None = None  # pulled and not yet in the engine: given up on the way out
         try:
-            got = await self._fetch(head.job, pull)
+            got = await self._fetch(head.job)
             kv = None if isinstance(got, Missing) else got
             entries = self._in_hand(entries)
             if head.cancelled:  # during the pull (the gateway cancels a group's choices together)
@@ -136,7 +117,7 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
                 e.phase = Phase.RUNNING
                 self.start_decode_span(e, head.span)
             owned, kv = kv, None  # the next stage owns it
-            outcome = await self._into_engine(entries, head.job.prompt_token_ids, choices, owned, pull)
+            outcome = await self._into_engine(entries, head.job.prompt_token_ids, choices, owned)
             if outcome is not None:
                 head.span.set_attribute(tracing.KV_OUTCOME, outcome)
                 await self.ledger.ack(head.key)
@@ -145,19 +126,28 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
                 await self.fail(e, exc)
         finally:
             if kv is not None:  # pulled, not imported: its buffer, loan or staged copies given back
-                await pull.discard(kv)
+                await self._give_up(kv)
 
-    async def _fetch(self, job: DecodeJob, pull: KvPull) -> KVExport | Missing:
+    async def _fetch(self, job: DecodeJob) -> KVExport | Missing:
         """Locate, then pull: the job's KV here, or why not."""
         assert self.registry is not None  # set up (setup) before any job is taken
         loc = await locate(self.registry, job)
         if isinstance(loc, Missing):
             return loc
-        kv = await pull.pull(job, loc)
-        if owes_first_token(job) and not isinstance(kv, Missing | StreamedKv):  # no first token came with it
-            await pull.discard(kv)
+        kv, failure = await self.kv.pull(kv_key(job), loc, streamed=job.kv_streamed)
+        if kv is None:
+            return Missing(failure or "the pull brought no KV")
+        if owes_first_token(job) and not isinstance(kv, StreamedKv):  # no first token came with it
+            await self._give_up(kv)
             return Missing("the streamed KV came without its first token")
         return kv
+
+    async def _give_up(self, kv: KVExport) -> None:
+        """A pulled KV that will not be imported (cancelled, no room, or its first token ended the request): its
+        buffer or loan given back (a loan to a connection that is over already too), a group's staged copies
+        dropped."""
+        self.kv.recycle(kv)
+        await self.kv.drop(kv)
 
     def _emit_first_token(self, job: DecodeJob, going_on: DecodeJob) -> bool:
         """Emit (and count) a streamed job's token 0, the last of `going_on`'s outputs; whether it ended it."""
@@ -173,7 +163,6 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
         prompt: list[int],
         choices: list[Choice],
         kv: KVExport | None,
-        pull: KvPull,
     ) -> str | None:
         """The choices into the engine: `kv` imported and the other choices forked from it, or, without it or
         without room for it, the prompt recomputed. Owns `kv` (imported or given back). → the KV outcome
@@ -184,17 +173,17 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
             try:
                 done = await import_choices(self.engine, prompt, kv, choices)
             except (NoFreeBlocksError, BorrowRevoked) as exc:
-                await pull.discard(kv)  # given back (a revoked loan: to a connection that is over already)
+                await self._give_up(kv)  # given back (a revoked loan: to a connection that is over already)
                 if isinstance(exc, BorrowRevoked):  # the prefill worker took the blocks back: a failed pull
                     log.warning("the KV of %s was taken back before it was copied (%s)", head.key, exc)
                     if self.settings.kv.fallback == "fail":
                         self._fail_unpulled(entries, str(exc), head)
                         return None
             except BaseException:
-                await pull.discard(kv)
+                await self._give_up(kv)
                 raise
             else:
-                pull.imported(kv)
+                self.kv.recycle(kv)  # imported: its receive buffer serves the next pull
                 self.handle_outputs(done)
                 return "pulled"
         await recompute_choices(self.engine, prompt, choices)

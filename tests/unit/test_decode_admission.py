@@ -98,21 +98,27 @@ class Client:
         self.recycled.append(kv)
 
 
-def test_pull_posts_its_receives_unless_streamed_and_hands_the_kv_back_once():
+def _kv_pull(client: Client) -> KvPull:
+    pull = KvPull(KvTransferSettings(), "d", None, secret=SECRET, model_name="demo")  # pyright: ignore[reportArgumentType]
+    pull.client = client  # pyright: ignore[reportAttributeAccessIssue]
+    return pull
+
+
+def test_pull_posts_its_receives_unless_streamed_and_hands_the_kv_back():
     kv = object()
     client = Client(kv)
-    pull = KvPull(client, layout=None, group=None)  # pyright: ignore[reportArgumentType]
-    assert asyncio.run(pull.pull(_job(), _loc())) is kv
-    assert asyncio.run(pull.pull(_job(streamed=True), _loc())) is kv
+    pull = _kv_pull(client)
+    assert asyncio.run(pull.pull("r", _loc())) == (kv, None)
+    assert asyncio.run(pull.pull("r", _loc(), streamed=True)) == (kv, None)
     assert client.pulls == [("prefill:1", "r", len(PROMPT)), ("prefill:1", "r", None)]
-    pull.imported(kv)  # pyright: ignore[reportArgumentType]
-    asyncio.run(pull.discard(kv))  # pyright: ignore[reportArgumentType]
-    assert client.recycled == [kv, kv]
+    pull.recycle(kv)  # pyright: ignore[reportArgumentType]
+    asyncio.run(pull.drop(kv))  # pyright: ignore[reportArgumentType]  # not staged: nothing to drop
+    assert client.recycled == [kv]
 
 
-def test_a_failed_pull_is_a_miss_the_policy_decides():
-    missing = asyncio.run(KvPull(Client(), None, None).pull(_job(), _loc()))  # pyright: ignore[reportArgumentType]
-    assert isinstance(missing, Missing) and missing.may_fail and "broke midway" in missing.reason
+def test_a_failed_pull_says_why_and_raises_nothing():
+    kv, failure = asyncio.run(_kv_pull(Client()).pull("r", _loc()))
+    assert kv is None and failure is not None and "broke midway" in failure
 
 
 # ---- import, and the fork for n choices -----------------------------------------------------------------------
@@ -191,7 +197,7 @@ async def _admit(model_dir, job: DecodeJob, kv, fallback: KvFallback = KvFallbac
     worker = DecodeWorker(settings)
     client = Client(kv)
     worker.registry = Registry({"r": _loc()} if record else {})  # pyright: ignore[reportAttributeAccessIssue]
-    worker.client = client  # pyright: ignore[reportAttributeAccessIssue]
+    worker.kv.client = client  # pyright: ignore[reportAttributeAccessIssue]
     worker.engine.start()
     try:
         msg = FakeMsg(job)
