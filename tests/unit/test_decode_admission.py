@@ -25,7 +25,7 @@ from shared.engine.sampling import SamplingParams
 from shared.kv.registry import KvLocation
 from shared.kv.transfer import FailureReason, KvTransferError
 from shared.kv.transfer.layer_stream import StreamedKv
-from shared.messages import DecodeJob, EventKind, Sampling, Sibling, TokenEvent, encode
+from shared.messages import Cancel, DecodeJob, EventKind, Sampling, Sibling, TokenEvent, encode
 from shared.settings import KvFallback, KvTransferSettings, WorkerRole, WorkerSettings
 
 PROMPT = list(range(3, 30))
@@ -285,3 +285,45 @@ def test_a_streamed_token_0_that_ends_the_request_is_all_decode_sends(model_dir)
     assert [(e.kind, e.seq, e.token_ids) for e in events if e.token_ids] == [(EventKind.FINISHED, 0, [first])]
     assert worker.load.prefill_tokens == 0 and worker.load.decode_tokens == 0  # never entered the engine
     assert client.recycled == [kv] and msg.calls[-1] == "ack"
+
+
+def test_a_job_cancelled_during_its_pull_gives_the_kv_back_and_ends_there(model_dir):
+    kv, _ = _prefilled(model_dir, streamed=False)
+
+    class Slow(Client):
+        """A pull that completes only once the test let it."""
+
+        def __init__(self, kv) -> None:
+            super().__init__(kv)
+            self.go = asyncio.Event()
+
+        async def pull(self, address: str, key: str, layout, num_tokens: int | None = None):
+            await self.go.wait()
+            return await super().pull(address, key, layout, num_tokens)
+
+    async def scenario():
+        settings = WorkerSettings(role=WorkerRole.DECODE, worker_id="d", engine=_engine_config(model_dir),
+                                  cluster_secret=SECRET, metrics_port=None)  # fmt: skip
+        worker = DecodeWorker(settings)
+        client = Slow(kv)
+        worker.registry = Registry({"r": _loc()})  # pyright: ignore[reportAttributeAccessIssue]
+        worker.kv.client = client  # pyright: ignore[reportAttributeAccessIssue]
+        worker.engine.start()
+        try:
+            msg = FakeMsg(_job())
+            await worker.handle_job(msg)  # pyright: ignore[reportArgumentType]
+            await asyncio.sleep(0.05)
+            await worker.on_cancel(Cancel("r"))  # the entry is the pull's: only marked
+            assert worker.ledger.get("r") is not None and worker.ledger.get("r").cancelled  # pyright: ignore[reportOptionalMemberAccess]
+            client.go.set()
+            for _ in range(int(TIMEOUT_S / 0.01)):
+                if not worker.ledger:
+                    break
+                await asyncio.sleep(0.01)
+            await worker.engine.call(lambda e: None)  # the snapshot after the last call
+            assert not worker.ledger and msg.calls[-1] == "ack" and client.recycled == [kv]
+            assert worker.load.prefill_tokens == 0 and not worker.load.requests  # never entered the engine
+        finally:
+            await worker.engine.stop()
+
+    asyncio.run(scenario())
