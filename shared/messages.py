@@ -17,10 +17,11 @@ from __future__ import annotations
 import logging
 import re
 from enum import StrEnum
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from shared import sampling_spec as spec
 from shared.structured.spec import StructuredSpec
 
 _log = logging.getLogger(__name__)
@@ -129,39 +130,39 @@ class Role(StrEnum):
     MIXED = "mixed"
 
 
-# The sampling ranges, declared here once: decoding a job enforces them, the workers' job checks
-# (shared/job_checks.py) word their refusals from them, and the gateway's request schemas reuse them.
-MAX_TEMPERATURE = 100.0  # as shared.engine.sampling.SamplingParams
-MaxTokens = Annotated[int, msgspec.Meta(ge=1)]
-Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)]
-TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
-TopK = Annotated[int, msgspec.Meta(ge=1)]  # None = off
-Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]  # presence / frequency (OpenAI's range)
-RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0)]  # 1 = off
-MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
-LogitBias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
-MAX_LOGPROBS = 20  # top alternatives per position at most (OpenAI's top_logprobs bound)
-TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]  # None = no logprobs
-ScoreOrMaxTokens = Annotated[int, msgspec.Meta(ge=0)]  # 0 = compute the prompt (its logprobs) and generate nothing
+def range_meta(r: spec.Range | None, description: str, **extra: Any) -> msgspec.Meta:
+    """A declared range (shared/sampling_spec.py) as msgspec constraints, naming only the sides it has."""
+    r = r or spec.Range()
+    given = (("ge", r.ge), ("gt", r.gt), ("le", r.le), ("lt", r.lt))
+    bounds: dict[str, Any] = {name: value for name, value in given if value is not None}
+    return msgspec.Meta(**bounds, description=description, **extra)
+
+
+def _meta(field: spec.SamplingField[object], values: spec.Range | None = None) -> msgspec.Meta:
+    """A field's declared range (or its values' range, for a map's values) as constraints: decoding a job enforces
+    them; shared/job_checks.py words a refusal from the declaration itself."""
+    return range_meta(values or field.range, field.doc)
 
 
 class Sampling(msgspec.Struct, frozen=True):
-    """The wire form of shared.engine.sampling.SamplingParams (validated by the gateway)."""
+    """The wire form of shared.engine.sampling.SamplingParams (validated by the gateway). Every field, its range,
+    default and meaning come from shared/sampling_spec.py; the types are spelled here for the type checker
+    (tests/unit/test_sampling_spec.py holds them to the declaration)."""
 
-    max_tokens: ScoreOrMaxTokens
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: TopK | None = None
-    seed: int | None = None
+    max_tokens: Annotated[int, _meta(spec.MAX_TOKENS)]  # required: a job states it
+    temperature: Annotated[float, _meta(spec.TEMPERATURE)] = spec.TEMPERATURE.default
+    top_p: Annotated[float, _meta(spec.TOP_P)] = spec.TOP_P.default
+    top_k: Annotated[int, _meta(spec.TOP_K)] | None = spec.TOP_K.default
+    seed: int | None = spec.SEED.default
     stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
-    repetition_penalty: RepetitionPenalty = 1.0
-    min_p: MinP = 0.0
-    logit_bias: dict[int, LogitBias] = {}  # token id → bias
-    logprobs: TopLogprobs | None = None  # per generated token: its logprob and this many alternatives
-    prompt_logprobs: TopLogprobs | None = None  # per prompt token (from the second): the same
+    ignore_eos: bool = spec.IGNORE_EOS.default
+    presence_penalty: Annotated[float, _meta(spec.PRESENCE_PENALTY)] = spec.PRESENCE_PENALTY.default
+    frequency_penalty: Annotated[float, _meta(spec.FREQUENCY_PENALTY)] = spec.FREQUENCY_PENALTY.default
+    repetition_penalty: Annotated[float, _meta(spec.REPETITION_PENALTY)] = spec.REPETITION_PENALTY.default
+    min_p: Annotated[float, _meta(spec.MIN_P)] = spec.MIN_P.default
+    logit_bias: dict[int, Annotated[float, _meta(spec.LOGIT_BIAS, spec.LOGIT_BIAS.item_range)]] = {}
+    logprobs: Annotated[int, _meta(spec.LOGPROBS)] | None = spec.LOGPROBS.default
+    prompt_logprobs: Annotated[int, _meta(spec.PROMPT_LOGPROBS)] | None = spec.PROMPT_LOGPROBS.default
     structured: StructuredSpec | None = None  # the output must match it (validated by the gateway)
 
 
