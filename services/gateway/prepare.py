@@ -1,8 +1,8 @@
 """From a validated-by-schema request to what the backend runs: prompt token ids, sampling, stop strings.
 
 Everything a client can get wrong is checked here and raised as a 4xx APIError naming the field; a
-request that passes is one every worker accepts (the same rules as shared.engine.sampling.SamplingParams,
-checked without importing torch into the gateway).
+request that passes is one every worker accepts (the rules shared/sampling_spec.py declares for the engine's
+SamplingParams too, read without importing torch into the gateway).
 
 Limits: the body is at most max_body_bytes (litestar answers 413); a prompt at most
 ServedModel.max_prompt_tokens tokens (settings.max_prompt_tokens, else the context less one). Work grows with
