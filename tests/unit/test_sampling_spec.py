@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import msgspec
 import pytest
@@ -59,6 +60,11 @@ def _range_of(t: msgspec.inspect.Type) -> spec.Range | None:
     )
 
 
+def _params(name: str, value: float) -> SamplingParams:
+    fields: dict[str, Any] = {name: value}
+    return SamplingParams(**fields)
+
+
 def _empty(value: object) -> object:
     """Defaults compare as values: an empty list, tuple or dict is one empty collection."""
     return () if value in ([], (), {}) else value
@@ -101,14 +107,14 @@ def test_the_engine_params_are_the_declaration(field: spec.SamplingField[object]
             continue
         outside = bound - step if bound == r.low else bound + step
         if inside:
-            SamplingParams(**{field.name: bound})  # accepted
+            _params(field.name, bound)  # accepted
         else:
             with pytest.raises(ValueError, match=field.name):
-                SamplingParams(**{field.name: bound})
+                _params(field.name, bound)
         with pytest.raises(ValueError, match=field.name):
-            SamplingParams(**{field.name: outside})
+            _params(field.name, outside)
     with pytest.raises(ValueError, match=field.name):
-        SamplingParams(**{field.name: math.nan})
+        _params(field.name, math.nan)
 
 
 def test_the_engine_refuses_a_bias_out_of_the_declared_range():
