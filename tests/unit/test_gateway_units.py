@@ -19,19 +19,21 @@ from services.gateway.schemas import CompletionRequest
 from services.gateway.served_model import ServedModel
 from services.gateway.textstream import TextAssembler
 from shared.engine.sampling import SamplingParams
-from shared.messages import FinishReason, Heartbeat, TokenEvent
+from shared.messages import FailedEvent, FinishedEvent, FinishReason, Heartbeat, TokenEvent, TokensEvent
 from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
 
 
-def ev(seq: int, tokens: list[int], attempt: int = 0, finish: str | None = None, error: str | None = None):
+def ev(
+    seq: int, tokens: list[int], attempt: int = 0, finish: str | None = None, error: str | None = None
+) -> TokenEvent:
     """Shorthand: tokens, finished ("stop" / "length") or failed ("error" / "abort") by `finish`."""
     if finish in ("error", "abort"):
-        return TokenEvent.failed("r1", attempt, error or "", reason=FinishReason(finish))
+        return FailedEvent("r1", attempt, error or "", finish_reason=FinishReason(finish))
     if finish is not None:
-        return TokenEvent.finished("r1", attempt, seq, tokens, FinishReason(finish))
-    return TokenEvent.tokens("r1", attempt, seq, tokens)
+        return FinishedEvent("r1", attempt, seq, tokens, finish_reason=FinishReason(finish))
+    return TokensEvent("r1", attempt, seq, tokens)
 
 
 def feed(order: TokenOrder, *events: TokenEvent) -> list[Update]:
