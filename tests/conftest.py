@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from shared.model.demo import write_demo_checkpoint
+from shared.model.loader import load_model
+from shared.model.tokenizer import Tokenizer
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -26,6 +28,25 @@ def model_dir(tmp_path_factory) -> Path:
     """The tiny random-weight Qwen3-MoE checkpoint the real-stack tests serve, as model "demo" (its directory's
     name). Read-only: a module that needs another checkpoint defines its own."""
     return write_demo_checkpoint(tmp_path_factory.mktemp("model") / "demo", arch="qwen3_moe", size="tiny")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """The same tiny qwen3_moe checkpoint, written afresh for each module that loads it in process (engines, the
+    gateway's tokenizer); a module that needs another architecture defines its own `checkpoint`."""
+    return write_demo_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), arch="qwen3_moe", size="tiny")
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    """`checkpoint`'s weights, loaded once per module: engines built over them share them (each engine has its own
+    KV pool and scheduler)."""
+    return load_model(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint) -> Tokenizer:
+    return Tokenizer(checkpoint)
 
 
 TIERS = ("unit", "integration", "e2e", "clients")
