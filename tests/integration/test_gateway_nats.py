@@ -44,7 +44,6 @@ from shared.messages import (
     prefill_subject,
     token_subject,
 )
-from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
 
@@ -91,11 +90,6 @@ def redis_url():
     args = [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     with server(args, port):
         yield f"redis://127.0.0.1:{port}/0"
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("ckpt"), arch="qwen3_moe", size="tiny")
 
 
 def settings(checkpoint, nats_url, redis_url, model: str, **overrides) -> GatewaySettings:

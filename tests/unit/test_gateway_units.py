@@ -20,7 +20,6 @@ from services.gateway.served_model import ServedModel
 from services.gateway.textstream import TextAssembler
 from shared.engine.sampling import SamplingParams
 from shared.messages import FailedEvent, FinishedEvent, FinishReason, Heartbeat, TokenEvent, TokensEvent
-from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
 
@@ -130,16 +129,6 @@ def test_liveness_matches_models_by_subject_token():
 
 
 # ---- TextAssembler ----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("ckpt"), arch="qwen3_moe", size="tiny")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(checkpoint):
-    return Tokenizer(checkpoint)
 
 
 def run(tokenizer: Tokenizer, text: str, stop: list[str]) -> tuple[list[str], TextAssembler]:
