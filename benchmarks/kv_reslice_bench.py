@@ -88,8 +88,8 @@ class _Reports:
     async def send_began(self, key: str, rank: int) -> None:
         self.queue.put(("began", key, rank))
 
-    async def send_ended(self, key: str, rank: int, outcome: SendOutcome, pulls: int) -> None:
-        self.queue.put(("ended", key, rank, outcome.value, pulls))
+    async def send_ended(self, key: str, rank: int, outcome: SendOutcome, group_pulls: int) -> None:
+        self.queue.put(("ended", key, rank, outcome.value, group_pulls))
 
 
 class Group:

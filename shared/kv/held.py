@@ -151,7 +151,9 @@ class KvHandOff:
         timer = asyncio.get_running_loop().call_later(self.lease_s, self._lease_expired, key)
         record = self._records[key] = _Record(key, request_id, attempt, timer)
         try:
-            await asyncio.gather(*(rank.hold(key, table) for rank in self.ranks))
+            for result in await self._each(lambda rank: rank.hold(key, table)):
+                if isinstance(result, BaseException):
+                    raise result
             if self.registry is not None and location is not None and self._records.get(key) is record:
                 await self.registry.put(location)
         except Exception as exc:  # a rank gone, Redis unreachable
@@ -219,7 +221,7 @@ class KvHandOff:
             record.timer.cancel()
             record.timer = None
         if first and record.sending:
-            await asyncio.gather(*(r.close(record.key) for r in self.ranks), return_exceptions=True)
+            await self._each(lambda rank: rank.close(record.key))
         await self._settle(record)
 
     async def _settle(self, record: _Record) -> None:
@@ -241,8 +243,7 @@ class KvHandOff:
             record.timer.cancel()
         why = record.closing or Freed.CANCELLED
         self.freed[why] += 1
-        results = await asyncio.gather(*(r.retire(record.key, wait) for r in self.ranks), return_exceptions=True)
-        for rank, result in enumerate(results):
+        for rank, result in enumerate(await self._each(lambda r: r.retire(record.key, wait))):
             if isinstance(result, BaseException):  # a dead rank takes its group down (issue 13, 6)
                 log.warning("rank %d could not retire the KV of %s: %r", rank, record.key, result)
         log.debug("freeing the KV of %s (%s)", record.key, why.value)
@@ -251,6 +252,18 @@ class KvHandOff:
         except Exception:
             log.exception("releasing the KV of %s failed", record.key)
         await self._delete_entry(record.key)
+
+    async def _each(self, call: Callable[[RankLink], Awaitable[None]]) -> list[BaseException | None]:
+        """`call` on every rank at once; what each raised (None: it returned). One rank: awaited in place (no task
+        for the single worker's in-process rank)."""
+        if len(self.ranks) == 1:
+            try:
+                await call(self.ranks[0])
+            except Exception as exc:
+                return [exc]
+            return [None]
+        results = await asyncio.gather(*(call(r) for r in self.ranks), return_exceptions=True)
+        return [r if isinstance(r, BaseException) else None for r in results]
 
     def _lease_expired(self, key: str) -> None:
         record = self._records.get(key)

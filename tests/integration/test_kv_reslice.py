@@ -54,8 +54,8 @@ async def _rank_serve(conn: Connection, reports: mp.Queue, rank: int, layout: KV
         async def send_began(self, key: str, rank: int) -> None:
             reports.put(("began", key, rank))
 
-        async def send_ended(self, key: str, rank: int, outcome: SendOutcome, pulls: int) -> None:
-            reports.put(("ended", key, rank, outcome.value, pulls))
+        async def send_ended(self, key: str, rank: int, outcome: SendOutcome, group_pulls: int) -> None:
+            reports.put(("ended", key, rank, outcome.value, group_pulls))
 
     held = RankKv(rank, Reports(), pool=pool)
     server = kv_server(KvTransferSettings(), held, secret=SECRET.decode(), model_name="", port=0)

@@ -33,10 +33,12 @@ class Group:
     def __init__(self, lease_s: float = 60.0) -> None:
         self.released: list[str] = []
         self.ranks: list[RankKv] = []
+        self.pools: list[KVPool] = []
         for rank in range(TP):
             layout = KVLayout(2, KVH, 3, 4, "float32", tuple(kv_head_range(KVH, TP, rank)))
             pool = KVPool(layout, 8)
             pool.tensor.copy_(torch.randn(pool.tensor.shape))
+            self.pools.append(pool)
             self.ranks.append(RankKv(rank, pool=pool))
         self.leader = KvHandOff(self.ranks, self._release, lease_s)
         for r in self.ranks:
@@ -59,7 +61,7 @@ async def test_freed_after_every_pull_of_the_group() -> None:
     await g.hold("k", [5, 2], 7)
     assert all(r.held() == ["k"] for r in g.ranks)
     kv = await g.ranks[1].begin_send_heads("k", range(3, 4), group_pulls=2)
-    pool = g.ranks[1].pool.tensor
+    pool = g.pools[1].tensor
     assert torch.equal(kv.blocks, pool[:, :, [5, 2], :, 1:2]) and kv.blocks.is_contiguous()
     assert kv.layout.kv_heads == (3,) and kv.num_tokens == 7
     await g.ranks[1].end_send("k", ok=True)

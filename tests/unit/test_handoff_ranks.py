@@ -81,12 +81,12 @@ class Worker:
     def layout(self) -> KVLayout:
         return MODEL
 
-    async def export_kv(self, key: str) -> PoolKv:
-        return PoolKv(MODEL, TOKENS, self.pool, self.tables[key], "direct")
+    async def export_kv(self, request_id: str) -> PoolKv:
+        return PoolKv(MODEL, TOKENS, self.pool, self.tables[request_id], "direct")
 
-    async def release_kv(self, key: str) -> None:
-        self.released[key] += 1
-        self.blocks.free(self.tables.pop(key))
+    async def release_kv(self, request_id: str) -> None:
+        self.released[request_id] += 1
+        self.blocks.free(self.tables.pop(request_id))
 
     # ---- the prefill worker's calls ----
 
