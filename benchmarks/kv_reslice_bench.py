@@ -120,8 +120,8 @@ class _Link:
     async def hold(self, key: str, table: HeldTable | None = None) -> None:
         await asyncio.to_thread(self._call, "hold", key, table)
 
-    async def close(self, key: str) -> None:
-        await asyncio.to_thread(self._call, "close", key)
+    async def close(self, key: str, stop_why: str | None = None) -> None:
+        await asyncio.to_thread(self._call, "close", key, stop_why)
 
     async def retire(self, key: str, wait: bool = True) -> None:
         await asyncio.to_thread(self._call, "retire", key, wait)

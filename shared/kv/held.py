@@ -76,7 +76,7 @@ class RankLink(Protocol):
 
     async def hold(self, key: str, table: HeldTable | None = None) -> None: ...
 
-    async def close(self, key: str) -> None: ...
+    async def close(self, key: str, stop_why: str | None = None) -> None: ...
 
     async def retire(self, key: str, wait: bool = True) -> None: ...
 
@@ -169,13 +169,13 @@ class KvHandOff:
         """Free a HELD key now; a SENDING one when its sends end. No-op for a key not held."""
         record = self._records.get(key)
         if record is not None:
-            await self._close(record, why)
+            await self._close(record, why, stop=True)
 
     async def cancel(self, request_id: str, covers: Callable[[int], bool]) -> int:
         """`release` every key of `request_id` whose attempt `covers` accepts; how many it found."""
         found = [r for r in self._records.values() if r.request_id == request_id and covers(r.attempt)]
         for record in found:
-            await self._close(record, Freed.CANCELLED)
+            await self._close(record, Freed.CANCELLED, stop=True)
         return len(found)
 
     async def release_all(self) -> None:
@@ -213,15 +213,17 @@ class KvHandOff:
 
     # ---- closing and freeing -------------------------------------------------------------------------------------
 
-    async def _close(self, record: _Record, why: Freed) -> None:
-        """No new pull of the record (every rank told), its timer stopped; freed now if no send is in flight."""
+    async def _close(self, record: _Record, why: Freed, stop: bool = False) -> None:
+        """No new pull of the record (every rank told), its timer stopped; freed now if no send is in flight.
+        stop: a release or cancel, which also stops a layer-streamed send in flight (the KV is not wanted)."""
         first = record.closing is None
         record.closing = record.closing or why
         if record.timer is not None:
             record.timer.cancel()
             record.timer = None
-        if first and record.sending:
-            await self._each(lambda rank: rank.close(record.key))
+        if record.sending and (first or stop):
+            stop_why = f"its KV was released ({why.value})" if stop else None
+            await self._each(lambda rank: rank.close(record.key, stop_why))
         await self._settle(record)
 
     async def _settle(self, record: _Record) -> None:

@@ -73,8 +73,8 @@ class AgentRankLink:
     async def hold(self, key: str, table: HeldTable | None = None) -> None:
         await self.agents.call(self.rank, "kv.hold", (key, msgspec.msgpack.encode(table)))
 
-    async def close(self, key: str) -> None:
-        await self.agents.call(self.rank, "kv.close", key)
+    async def close(self, key: str, stop_why: str | None = None) -> None:
+        await self.agents.call(self.rank, "kv.close", (key, stop_why))
 
     async def retire(self, key: str, wait: bool = True) -> None:
         await self.agents.call(self.rank, "kv.retire", (key, wait))
@@ -101,11 +101,14 @@ def register_rank_link(agent: RankAgent, held: RankKv) -> None:
         key, table = payload
         await held.hold(key, msgspec.msgpack.decode(table, type=HeldTable | None))
 
+    async def close(payload: tuple[str, str | None]) -> None:
+        await held.close(*payload)
+
     async def retire(payload: tuple[str, bool]) -> None:
         await held.retire(*payload)
 
     agent.register("kv.hold", hold)
-    agent.register("kv.close", held.close)
+    agent.register("kv.close", close)
     agent.register("kv.retire", retire)
 
 

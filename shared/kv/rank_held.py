@@ -120,15 +120,16 @@ class RankKv:
         self._keys[key] = entry = _Entry(table)
         entry.idle.set()
 
-    async def close(self, key: str) -> None:
-        """No new pull of `key`; a layer-streamed send in flight stops now instead of at its end."""
+    async def close(self, key: str, stop_why: str | None = None) -> None:
+        """No new pull of `key`. stop_why: a layer-streamed send of it in flight fails now, for that reason,
+        instead of running to its end (a release or a cancel: nobody wants the KV; a lease's end lets it finish)."""
         entry = self._keys.get(key)
-        if entry is None or entry.state is KeyState.CLOSED:
+        if entry is None:
             return
         entry.state = KeyState.CLOSED
         stop = getattr(self.blocks, "stop_stream", None)
-        if entry.sends and stop is not None:
-            stop(key, "its KV is being freed")
+        if stop_why is not None and entry.sends and stop is not None:
+            stop(key, stop_why)
 
     async def retire(self, key: str, wait: bool = True) -> None:
         """Close `key` and forget it once the sends in flight ended (at once with wait=False: teardown, after
@@ -136,7 +137,7 @@ class RankKv:
         entry = self._keys.get(key)
         if entry is None:
             return
-        await self.close(key)
+        await self.close(key, None if wait else "the worker is stopping")
         if wait:
             await entry.idle.wait()
         if self._keys.get(key) is entry:

@@ -34,6 +34,7 @@ from shared.parallel.layout import LayoutError, kv_head_range
 
 log = logging.getLogger(__name__)
 
+
 class Agent(Protocol):
     """What these functions need of a rank agent (the `groups` runtime): async handlers by name."""
 

@@ -94,8 +94,8 @@ class RankProcess:
     async def hold(self, key: str, table: HeldTable | None = None) -> None:
         await asyncio.to_thread(self.call, "hold", key, table)
 
-    async def close(self, key: str) -> None:
-        await asyncio.to_thread(self.call, "close", key)
+    async def close(self, key: str, stop_why: str | None = None) -> None:
+        await asyncio.to_thread(self.call, "close", key, stop_why)
 
     async def retire(self, key: str, wait: bool = True) -> None:
         await asyncio.to_thread(self.call, "retire", key, wait)
