@@ -26,6 +26,7 @@ from shared.kv.endpoints import kv_client, kv_server, rank_worker_id
 from shared.kv.rank_held import HeldTable, RankKv, SendOutcome
 from shared.kv.rank_transfer import register_pull
 from shared.kv.transfer import KvTransferClient, KvTransferServer
+from shared.kv.transfer.send_stream import SendStream
 from shared.parallel.agents import GroupAgents, RankAgent, StagedKv
 from shared.settings import KvTransferSettings
 
@@ -116,14 +117,15 @@ def register_rank_kv(agent: RankAgent, pool: KVPool, staged: StagedKv) -> None:
     """Register the hand-off's handlers on this rank's agent (every rank of a group, at start)."""
     servers: list[KvTransferServer] = []
     clients: list[KvTransferClient] = []
-    held = RankKv(agent.rank, AgentReports(agent), pool=pool)
+    stream = SendStream(pool.tensor.device)  # the slices' copies and the sends, off the compute stream (CUDA)
+    held = RankKv(agent.rank, AgentReports(agent), pool=pool, send_stream=stream)
     register_rank_link(agent, held)
 
     async def serve(encoded: bytes) -> str:
         job = msgspec.msgpack.decode(encoded, type=RankServe)
         port = job.leader_port if agent.rank == 0 else 0
         server = kv_server(job.kv, held, secret=job.secret, model_name=job.model_name, port=port,
-                           shared_pool=pool.handle())  # fmt: skip
+                           send_stream=stream, shared_pool=pool.handle())  # fmt: skip
         address = await server.start()
         servers.append(server)
         return address

@@ -34,6 +34,7 @@ from shared.engine.block_manager import FREED
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVLayout, KVPool
 from shared.kv.transfer.pool_kv import PoolKv
+from shared.kv.transfer.send_stream import SendStream
 from shared.kv.transfer.source import AlreadySending, KvBlocks, Outgoing
 
 log = logging.getLogger(__name__)
@@ -87,15 +88,18 @@ class RankKv:
         *,
         blocks: KvBlocks | None = None,
         pool: KVPool | None = None,
+        send_stream: SendStream | None = None,
     ) -> None:
         """reports: the leader's (None: given later, `report_to`). blocks: the engine side (a group of one);
-        pool: this rank's pool slice (a group of several)."""
+        pool: this rank's pool slice (a group of several). send_stream: the stream this rank's head slices are
+        cut on, shared with its server (send_stream.py: on CUDA, off the compute stream; None: none, as on CPU)."""
         if (blocks is None) == (pool is None):
             raise ValueError("a rank serves either its engine's blocks or its pool slice")
         self.rank = rank
         self.reports = reports
         self.blocks = blocks
         self.pool = pool
+        self.send_stream = send_stream or SendStream("cpu")
         self._keys: dict[str, _Entry] = {}
 
     def report_to(self, reports: SendReports) -> None:
@@ -180,7 +184,8 @@ class RankKv:
             if entry.export is None:  # the first slice exports; the others wait for the same export
                 entry.export = asyncio.ensure_future(self._export(key, entry))
             full = await asyncio.shield(entry.export)
-            return _cut(key, full, heads, positions)
+            with self.send_stream.exporting():
+                return _cut(key, full, heads, positions)
         except BaseException:
             entry.export = None
             await self._ended(key, entry, SendOutcome.NOT_STARTED)
