@@ -1,6 +1,6 @@
 """A prefill group's held KV over the real agent channels, in one process: the follower rank's agent runs on its
-own thread and loop (as in a spawned follower), talks to the leader over socket pairs, and reports each ended
-send on its events channel. What is checked: the leader's `PrefillKv` frees a key exactly once, only after
+own thread and loop (as in a spawned follower), talks to the leader over socket pairs, and reports each send's
+start and end on its events channel. What is checked: the leader's `PrefillKv` frees a key exactly once, only after
 every rank retired it, once the decode group's pulls all ended, or at the first failed one; cancels free too.
 The same KvHandOff and RankKv serve a worker of one rank (test_handoff_ranks.py)."""
 
