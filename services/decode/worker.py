@@ -65,7 +65,7 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
     @property
     def _kv_group(self) -> WorkerGroup | None:
         """This worker's group when its ranks hold KV head slices (each rank pulls its own heads), else None."""
-        group = self.engine.engine.worker_group
+        group = self.group
         return group if group is not None and group.layout.tp > 1 else None
 
     async def setup(self) -> None:

@@ -74,7 +74,7 @@ class PrefillWorker(Worker[PrefillJob]):
 
     async def setup(self) -> None:
         kv = self.settings.kv
-        group = self.engine.engine.worker_group
+        group = self.group
         if group is not None and group.layout.tp > 1:
             registry = KvRegistry(self.conn.redis, kv.lease_s)
             held = PrefillGroupKv(group.agents, group.layout.tp, self.engine.engine.layout, self.engine.call,
