@@ -186,7 +186,7 @@ def prefill_s(group: RankGroup | None, model: str, threads: int, tokens: int) ->
         kv_cache_bytes=256 << 20,
         scheduler=SchedulerConfig(max_num_batched_tokens=tokens),
     )
-    engine = Engine(config, group=group)
+    engine = Engine.build(config, group=group)
     vocab = engine.model.config.vocab_size
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     engine.generate([[5 + i % (vocab - 10) for i in range(32)]], first)  # warm-up

@@ -54,7 +54,7 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
         # the pulls of this worker's ranks (one, or a group's: each its own heads), started in setup
         self.kv = DecodeKv(self.settings.kv, self.settings.worker_id, self.engine.engine.layout,
                            secret=self.settings.ticket_secret, model_name=self.model_name,
-                           ranks=kv_ranks(self.engine.engine))  # fmt: skip
+                           ranks=kv_ranks(self.group))  # fmt: skip
 
     def job_subject(self) -> str:
         return decode_subject(self.model_name)

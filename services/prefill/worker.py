@@ -71,7 +71,7 @@ class PrefillWorker(Worker[PrefillJob]):
         kv, engine = self.settings.kv, self.engine.engine
         held = self.held = PrefillKv(kv, engine, self.engine.call, KvRegistry(self.conn.redis, kv.lease_s),
                                      secret=self.settings.ticket_secret, model_name=self.model_name,
-                                     ranks=kv_ranks(engine))  # fmt: skip
+                                     ranks=kv_ranks(self.group))  # fmt: skip
         self.blocks = held.blocks
         self.rpc_address = await held.start()
 

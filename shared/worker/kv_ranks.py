@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from shared.engine.engine import Engine
 from shared.kv.ranks import KvRanks
+from shared.parallel.group_engine import WorkerGroup
 
 
-def kv_ranks(engine: Engine) -> KvRanks | None:
+def kv_ranks(group: WorkerGroup | None) -> KvRanks | None:
     """The group this worker leads when its ranks hold KV head slices (tp > 1), else None (a rank of one)."""
-    group = engine.worker_group
     if group is None or group.layout.tp <= 1:
         return None
     return KvRanks(group.agents, group.layout.tp, group.ops.state.staged)

@@ -33,7 +33,7 @@ from shared.kv.prefill_kv import PrefillKv
 from shared.kv.rank_transfer import pull_rank_kv
 from shared.kv.registry import KvLocation
 from shared.kv.reslice import group_record
-from shared.parallel.group_engine import start_group
+from shared.parallel.group_engine import WorkerGroup, start_group
 from shared.settings import KvTransferSettings
 from shared.worker.kv_ranks import kv_ranks
 
@@ -97,11 +97,14 @@ def _local_pulls() -> float:
     return REGISTRY.get_sample_value("pdserve:kv_local_pulls_total", labels) or 0.0
 
 
-async def _hand_off(engine: Engine, tp: int, decoder: Engine, sent: KVExport, expected: list[int]) -> None:
-    """The prefill worker's hand-off over `engine` (its ranks: `tp`), the decode worker's into `decoder`."""
+async def _hand_off(
+    engine: Engine, group: WorkerGroup | None, tp: int, decoder: Engine, sent: KVExport, expected: list[int]
+) -> None:
+    """The prefill worker's hand-off over `engine` (its ranks: `tp`, led as `group`), the decode worker's into
+    `decoder`."""
     registry = Registry()
     prefill = PrefillKv(SETTINGS, engine, _inline(engine), registry, secret=SECRET, model_name=MODEL_NAME,
-                        ranks=kv_ranks(engine))  # fmt: skip
+                        ranks=kv_ranks(group))  # fmt: skip
     address = await prefill.start()
     decode = DecodeKv(SETTINGS, "decode-1", decoder.layout, secret=SECRET, model_name=MODEL_NAME)
     await decode.start()
@@ -167,20 +170,20 @@ async def _until_freed(prefill: PrefillKv, registry: Registry) -> None:
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["prefill-of-one", "prefill-group-of-two"])
 def test_prefill_group_and_single_decode_hand_off_on_one_host(model_dir, tp: int) -> None:
-    single = Engine(_config(model_dir))  # the single-process reference: its export and its greedy tokens
+    single = Engine.build(_config(model_dir))  # the single-process reference: its export and its greedy tokens
     first = _prefill(single, "r")
     sent = single.export_kv("r")
-    whole = Engine(_config(model_dir))
+    whole = Engine.build(_config(model_dir))
     whole.add_request("w", PROMPT, GREEDY)
     expected = _run(whole)
     assert expected[0] == first
-    decoder = Engine(_config(model_dir))  # the single decode worker's engine
+    decoder = Engine.build(_config(model_dir))  # the single decode worker's engine
     if tp == 1:
-        engine = Engine(_config(model_dir, kv_shared_memory=True))  # a single prefill worker's pool is shared
-        asyncio.run(_hand_off(engine, tp, decoder, sent, expected))
+        engine = Engine.build(_config(model_dir, kv_shared_memory=True))  # a single prefill worker's pool is shared
+        asyncio.run(_hand_off(engine, None, tp, decoder, sent, expected))
         return
     group = start_group(_config(model_dir, tp=2))
     try:
-        asyncio.run(_hand_off(group.engine, tp, decoder, sent, expected))
+        asyncio.run(_hand_off(group.engine, group, tp, decoder, sent, expected))
     finally:
         group.close()

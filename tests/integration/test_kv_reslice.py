@@ -110,7 +110,7 @@ def _checkpoint(tmp_path, kv_heads: int) -> str:
 
 
 def _single_rank_export(checkpoint: str, prompt_len: int) -> KVExport:
-    engine = Engine(
+    engine = Engine.build(
         EngineConfig(
             model=checkpoint, num_kv_blocks=48, max_model_len=512, scheduler=SchedulerConfig(max_num_batched_tokens=128)
         )
