@@ -3,9 +3,10 @@
 Admission is a pipeline, one stage a module, run per job as a task on the event loop while the engine thread
 keeps stepping the running batch:
 
-    locate (locate.py: the Redis record) → pull (kv_pull.py: ONE call into the KV plane, any transport or
-    topology) → token 0 (first_token.py: a layer-streamed job's, from the pull's trailer) → into the engine
-    with the fork for n choices (into_engine.py) → ack; then every token streams back (StreamingWorker).
+    locate (locate.py: the Redis record) → pull (DecodeKv, shared/kv/decode_kv.py: ONE call into the KV
+    plane, for this worker's R ranks, any transport) → token 0 (first_token.py: a layer-streamed job's, from
+    the pull's trailer) → into the engine with the fork for n choices (into_engine.py) → ack; then every token
+    streams back (StreamingWorker).
 
 A stage that cannot have the KV says why (`Missing`); the request is then recomputed from its prompt and its
 tokens so far (kv_fallback `recompute`), or failed with a clear error (`fail`). A job with nothing to pull
@@ -25,20 +26,20 @@ from nats.aio.msg import Msg
 
 from services.decode.first_token import first_token_end, owes_first_token, with_first_token
 from services.decode.into_engine import import_choices, recompute_choices
-from services.decode.kv_pull import KvPull
 from services.decode.locate import Missing, kv_key, locate
 from shared.engine.block_manager import NoFreeBlocksError
 from shared.engine.borrowed_kv import BorrowRevoked
 from shared.engine.fork import Choice
 from shared.engine.kv_export import KVExport
+from shared.kv.decode_kv import DecodeKv
 from shared.kv.registry import KvRegistry
 from shared.kv.transfer.layer_stream import StreamedKv
 from shared.messages import DecodeJob, Role, decode_subject
-from shared.parallel.group_engine import WorkerGroup
 from shared.telemetry import metrics, tracing
 from shared.worker import Entry, Phase, StreamingWorker, error_event, sampling_params, spans
 from shared.worker.choices import engine_choices
 from shared.worker.events import streamed_first_token_event
+from shared.worker.kv_ranks import kv_ranks
 
 __all__ = ["DecodeWorker", "first_token_end"]
 
@@ -53,19 +54,12 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
         super().__init__(*args, **kwargs)
         self.registry: KvRegistry | None = None  # set up once Redis is connected (setup)
         # the pull stage: this worker's one way into the KV plane (a group's ranks each pull their own heads)
-        self.kv = KvPull(self.settings.kv, self.settings.worker_id, self.engine.engine.layout,
-                         secret=self.settings.ticket_secret, model_name=self.model_name,
-                         group=self._kv_group)  # fmt: skip
+        self.kv = DecodeKv(self.settings.kv, self.settings.worker_id, self.engine.engine.layout,
+                           secret=self.settings.ticket_secret, model_name=self.model_name,
+                           ranks=kv_ranks(self.group))  # fmt: skip
 
     def job_subject(self) -> str:
         return decode_subject(self.model_name)
-
-    @property
-    def _kv_group(self) -> WorkerGroup | None:
-        """This worker's group when its ranks hold KV head slices (each rank pulls its own heads), else None.
-        The one place the decode worker asks its engine for its group."""
-        group = self.engine.engine.worker_group
-        return group if group is not None and group.layout.tp > 1 else None
 
     async def setup(self) -> None:
         self.registry = KvRegistry(self.conn.redis, self.settings.kv.lease_s)

@@ -3,41 +3,39 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, Any
 
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.messages import Sampling
+from shared.sampling_spec import SAMPLING_FIELDS
 from shared.settings import WorkerRole, WorkerSettings
+
+if TYPE_CHECKING:
+    from shared.parallel.group_engine import WorkerGroup
 
 
 def sampling_params(s: Sampling, max_tokens: int | None = None) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=s.max_tokens if max_tokens is None else max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        seed=s.seed,
-        stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty,
-        min_p=s.min_p,
-        logit_bias=tuple(sorted(s.logit_bias.items())),
-        logprobs=s.logprobs,
-        prompt_logprobs=s.prompt_logprobs,
-        structured=s.structured,
-    )
+    """The engine's parameters from the wire's: every field shared/sampling_spec.py declares, by name, with the
+    sequences as tuples (logit_bias as sorted (token id, bias) pairs); `max_tokens` overrides the job's."""
+    fields: dict[str, Any] = {f.name: getattr(s, f.name) for f in SAMPLING_FIELDS}
+    fields["stop_token_ids"] = tuple(s.stop_token_ids)
+    fields["logit_bias"] = tuple(sorted(s.logit_bias.items()))
+    if max_tokens is not None:
+        fields["max_tokens"] = max_tokens
+    return SamplingParams(**fields)
 
 
-def build_engine(settings: WorkerSettings) -> Engine:
-    """The worker's engine; with --tp/--ep > 1 the leader's engine of a worker group whose other ranks this
-    process spawns (they die with it; one that dies takes this process down: shared/parallel/watch.py)."""
+def build_engine(settings: WorkerSettings) -> tuple[Engine, WorkerGroup | None]:
+    """The worker's engine, and with --tp/--ep > 1 the worker group it leads (else None): the group's other
+    ranks this process spawns (they die with it; one that dies takes this process down: shared/parallel/watch.py).
+    The engine knows nothing of its group: the worker keeps both."""
     config = settings.engine
     if settings.role is WorkerRole.PREFILL and settings.kv.share_pool and settings.kv.shm_bytes:
         config = dataclasses.replace(config, kv_shared_memory=True)  # same-host decode workers borrow its blocks
     if max(config.tp, config.ep) == 1:
-        return Engine(config)
+        return Engine.build(config), None
     from shared.parallel.group_engine import start_group
 
-    return start_group(config).engine
+    group = start_group(config)
+    return group.engine, group

@@ -11,24 +11,12 @@ from shared.engine.block_manager import NoFreeBlocksError
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
-from shared.model.loader import load_model
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), arch="qwen3_moe", size="tiny")
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return load_model(checkpoint)
 
 
 def _engine(checkpoint, model, **overrides) -> Engine:
     """An engine sharing the already loaded weights (each engine has its own KV pool and scheduler)."""
     opts = dict(num_kv_blocks=48, max_model_len=512, scheduler=SchedulerConfig(max_num_batched_tokens=64)) | overrides
-    return Engine(EngineConfig(model=str(checkpoint), **opts), model)
+    return Engine.build(EngineConfig(model=str(checkpoint), **opts), model)
 
 
 PROMPT = torch.randint(0, 259, (70,), generator=torch.Generator().manual_seed(7)).tolist()

@@ -28,8 +28,6 @@ from shared.engine.sampling import SamplingParams
 from shared.kv.held import HeldKv
 from shared.kv.transfer import EngineKvBlocks, FailureReason, KvTransferClient, KvTransferError, KvTransferServer
 from shared.kv.transfer.layer_stream import StreamedKv
-from shared.model.demo import write_demo_checkpoint
-from shared.model.loader import load_model
 
 TIMEOUT_S = 20.0
 SECRET = b"test-cluster-secret-0123456789"
@@ -63,7 +61,7 @@ async def _prefill_serve(conn: Connection, checkpoint: str) -> None:
     ("cancel", id) → the held KV is released (as a Cancel does); ("configure", path) → the sends of PATHS[path]
     from now on; ("sending",) → the keys being sent; ("state",) → blocks, held keys, stats."""
     loop = asyncio.get_running_loop()
-    engine = Engine(EngineConfig(model=checkpoint, **ENGINE_OPTS))
+    engine = Engine.build(EngineConfig(model=checkpoint, **ENGINE_OPTS))
     engine_thread = concurrent.futures.ThreadPoolExecutor(1)  # the engine's own thread, as AsyncEngine has
 
     async def call(fn):
@@ -192,16 +190,6 @@ def _stop(prefill: PrefillProcess) -> None:
         prefill.proc.join(5)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), arch="qwen3_moe", size="tiny")
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return load_model(checkpoint)
-
-
 # direct: each (layer, plane, run) a view of the pool (a fresh prefill's blocks are one run); layered: the runs
 # are "too short" (threshold raised), so each layer is gathered once it is written; chunked: pieces of 4 KiB
 PATHS = {
@@ -222,7 +210,7 @@ def prefill(checkpoint):
 
 
 def _engine(checkpoint, model, **overrides) -> Engine:
-    return Engine(EngineConfig(model=str(checkpoint), **(ENGINE_OPTS | overrides)), model)
+    return Engine.build(EngineConfig(model=str(checkpoint), **(ENGINE_OPTS | overrides)), model)
 
 
 def _client(worker: str) -> KvTransferClient:

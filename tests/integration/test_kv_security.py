@@ -38,8 +38,6 @@ from shared.kv.transfer.pull_stream import PullStream
 from shared.kv.transfer.rpc_calls import MAX_MESSAGE_BYTES
 from shared.kv.transfer.server import MAX_ID_CHARS, SERVICE
 from shared.kv.transfer.wire import pieces
-from shared.model.demo import write_demo_checkpoint
-from shared.model.loader import load_model
 from shared.rpc import kv_transfer_pb2 as pb
 from shared.rpc import kv_transfer_pb2_grpc as pb_grpc
 
@@ -113,16 +111,6 @@ def test_tickets_need_a_real_secret_and_ids():
 
 
 # ---- a server holding KV ----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), arch="qwen3_moe", size="tiny")
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return load_model(checkpoint)
 
 
 @dataclasses.dataclass
@@ -208,7 +196,7 @@ async def join_pair(reply: pb.ConnectReply, secret: bytes) -> Pair:
 
 @contextlib.asynccontextmanager
 async def serving(checkpoint, model, **server_options):
-    engine = Engine(EngineConfig(model=str(checkpoint), **ENGINE_OPTS), model)
+    engine = Engine.build(EngineConfig(model=str(checkpoint), **ENGINE_OPTS), model)
     source = HeldKv(EngineKvBlocks(engine), lease_s=LEASE_S)
     server = KvTransferServer(
         "127.0.0.1",

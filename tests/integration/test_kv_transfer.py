@@ -36,8 +36,6 @@ from shared.kv.transfer.pair import DECODE_RANK, Pair, TransferBackend, store_cl
 from shared.kv.transfer.pair_proof import PairProofs
 from shared.kv.transfer.shm import PREFIX, SHM_DIR
 from shared.kv.transfer.wire import announced_layout, num_pieces, pieces
-from shared.model.demo import write_demo_checkpoint
-from shared.model.loader import load_model
 from shared.rpc import kv_transfer_pb2 as pb
 from shared.rpc import kv_transfer_pb2_grpc as pb_grpc
 
@@ -77,7 +75,7 @@ async def _prefill_serve(conn: Connection, checkpoint: str, settings: dict) -> N
     ("state",) → block and server counts; ("stop",). settings["shared_pool"]: the pool in a memfd, offered to
     same-host pairs to borrow from (test_kv_borrow.py)."""
     shared = settings.pop("shared_pool", False)
-    engine = Engine(EngineConfig(model=checkpoint, kv_shared_memory=shared, **ENGINE_OPTS))
+    engine = Engine.build(EngineConfig(model=checkpoint, kv_shared_memory=shared, **ENGINE_OPTS))
     blocks = EngineKvBlocks(engine)
     source = HeldKv(blocks, lease_s=LEASE_S)
     server = KvTransferServer(
@@ -167,16 +165,6 @@ class PrefillProcess:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), arch="qwen3_moe", size="tiny")
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return load_model(checkpoint)
-
-
-@pytest.fixture(scope="module")
 def prefill(checkpoint):
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
@@ -195,7 +183,7 @@ def prefill(checkpoint):
 
 
 def _engine(checkpoint, model, **overrides) -> Engine:
-    return Engine(EngineConfig(model=str(checkpoint), **(ENGINE_OPTS | overrides)), model)
+    return Engine.build(EngineConfig(model=str(checkpoint), **(ENGINE_OPTS | overrides)), model)
 
 
 def _generated(checkpoint, model, prompt: list[int], params: SamplingParams) -> list[int]:

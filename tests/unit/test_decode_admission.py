@@ -14,18 +14,30 @@ import pytest
 
 from services.decode.first_token import owes_first_token, with_first_token
 from services.decode.into_engine import import_and_fork
-from services.decode.kv_pull import KvPull
 from services.decode.locate import Missing, locate
 from services.decode.worker import DecodeWorker
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.fork import Choice
 from shared.engine.kv_export import KVExport
+from shared.engine.kv_pool import KVLayout
 from shared.engine.sampling import SamplingParams
+from shared.kv.decode_kv import DecodeKv
 from shared.kv.registry import KvLocation
 from shared.kv.transfer import FailureReason, KvTransferError
 from shared.kv.transfer.layer_stream import StreamedKv
-from shared.messages import Cancel, DecodeJob, EventKind, Sampling, Sibling, TokenEvent, encode
+from shared.messages import (
+    Cancel,
+    DecodeJob,
+    FailedEvent,
+    FinishedEvent,
+    Sampling,
+    Sibling,
+    TakenEvent,
+    TokenEvent,
+    TokensEvent,
+    encode,
+)
 from shared.settings import KvFallback, KvTransferSettings, WorkerRole, WorkerSettings
 
 PROMPT = list(range(3, 30))
@@ -98,8 +110,9 @@ class Client:
         self.recycled.append(kv)
 
 
-def _kv_pull(client: Client) -> KvPull:
-    pull = KvPull(KvTransferSettings(), "d", None, secret=SECRET, model_name="demo")  # pyright: ignore[reportArgumentType]
+def _kv_pull(client: Client) -> DecodeKv:
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32")
+    pull = DecodeKv(KvTransferSettings(), "d", layout, secret=SECRET, model_name="demo")
     pull.client = client  # pyright: ignore[reportAttributeAccessIssue]
     return pull
 
@@ -219,7 +232,7 @@ def _by_request(events: list[TokenEvent]) -> dict[str, dict[int, list[int]]]:
     """Each request's tokens by position (no position twice)."""
     seen: dict[str, dict[int, list[int]]] = {}
     for e in events:
-        if e.kind in (EventKind.TOKENS, EventKind.FINISHED) and e.token_ids:
+        if isinstance(e, TokensEvent | FinishedEvent) and e.token_ids:
             assert e.seq not in seen.setdefault(e.request_id, {}), f"{e.request_id} position {e.seq} twice"
             seen[e.request_id][e.seq] = e.token_ids
     return seen
@@ -241,7 +254,7 @@ def test_a_location_miss_or_a_failed_pull_is_recomputed_or_failed_per_kv_fallbac
         assert msg.calls[-1] == "ack"  # answered either way: never redelivered
         assert len(client.pulls) == (1 if record else 0)
         if fallback is KvFallback.FAIL:
-            (failed,) = [e for e in events if e.kind is EventKind.FAILED]
+            (failed,) = [e for e in events if isinstance(e, FailedEvent)]
             assert failed.status == 502 and "kv_fallback is 'fail'" in (failed.error or "")
             assert not _by_request(events) and worker.load.prefill_tokens == 0
         else:
@@ -252,7 +265,7 @@ def test_a_location_miss_or_a_failed_pull_is_recomputed_or_failed_per_kv_fallbac
 def test_a_job_with_nothing_to_pull_is_recomputed_even_under_fail(model_dir):
     worker, _, client, events = asyncio.run(_admit(model_dir, _job(holder=None), None, KvFallback.FAIL))
     assert not client.pulls and worker.load.prefill_tokens > 0
-    assert not [e for e in events if e.kind is EventKind.FAILED]
+    assert not [e for e in events if isinstance(e, FailedEvent)]
 
 
 def test_n_choices_are_pulled_once_imported_once_and_forked(model_dir):
@@ -264,7 +277,7 @@ def test_n_choices_are_pulled_once_imported_once_and_forked(model_dir):
     for rid in tokens:  # each continues after its own token 0
         assert min(tokens[rid]) == 1 and sum(map(len, tokens[rid].values())) == MAX_TOKENS - 1
     assert worker.load.prefill_tokens == 0 and msg.calls.count("ack") == 1
-    taken = [e.request_id for e in events if e.kind is EventKind.TAKEN]
+    taken = [e.request_id for e in events if isinstance(e, TakenEvent)]
     assert taken == ["r", "r_c1", "r_c2"]  # every choice announced as it was taken
 
 
@@ -282,7 +295,8 @@ def test_token_0_is_emitted_by_decode_only_when_the_job_came_without_it(model_di
 def test_a_streamed_token_0_that_ends_the_request_is_all_decode_sends(model_dir):
     kv, first = _prefilled(model_dir, streamed=True)
     worker, msg, client, events = asyncio.run(_admit(model_dir, _job(streamed=True, stop_token_ids=[first]), kv))
-    assert [(e.kind, e.seq, e.token_ids) for e in events if e.token_ids] == [(EventKind.FINISHED, 0, [first])]
+    outputs = [e for e in events if isinstance(e, TokensEvent | FinishedEvent) and e.token_ids]
+    assert [(type(e), e.seq, e.token_ids) for e in outputs] == [(FinishedEvent, 0, [first])]
     assert worker.load.prefill_tokens == 0 and worker.load.decode_tokens == 0  # never entered the engine
     assert client.recycled == [kv] and msg.calls[-1] == "ack"
 

@@ -11,26 +11,14 @@ from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.layer_streams import LayerProgress, StreamFailed, StreamStart
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
-from shared.model.loader import load_model
 
 PREFILL = SamplingParams(max_tokens=1, temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), arch="qwen3_moe", size="tiny")
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return load_model(checkpoint)
 
 
 def _engine(checkpoint, model) -> Engine:
     chunks = SchedulerConfig(max_num_batched_tokens=128)
     config = EngineConfig(model=str(checkpoint), num_kv_blocks=64, max_model_len=1024, scheduler=chunks)
-    return Engine(config, model)
+    return Engine.build(config, model)
 
 
 def _prompt(n: int) -> list[int]:

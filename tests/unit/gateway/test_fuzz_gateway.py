@@ -35,7 +35,6 @@ from services.gateway.schemas import CHAT_ROLES as DOCUMENTED_ROLES
 from services.gateway.served_model import ServedModel
 from shared.job_checks import job_refusal
 from shared.messages import PrefillJob, decode, encode, token_subject
-from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from shared.worker import sampling_params
 from tests.unit.gateway.harness import MODEL, FakeBackend, FakeStream, settings_for
@@ -66,18 +65,12 @@ class WorkerLikeBackend(FakeBackend):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("ckpt"), arch="qwen3_moe", size="tiny")
-
-
-@pytest.fixture(scope="module")
-def backend(checkpoint):
-    tokenizer = Tokenizer(checkpoint)
+def backend(tokenizer):
     return WorkerLikeBackend(tokenizer, vocab_size=259, max_model_len=2048)
 
 
 @pytest.fixture(scope="module")
-def app(checkpoint, backend):
+def app(checkpoint, backend):  # one app for the module (the schema is read from it): `client` enters it per test
     return create_app(settings_for(checkpoint), backend)
 
 
@@ -94,12 +87,6 @@ def gateway_schema(app):
         }
     )
     return schemathesis.openapi.from_asgi("/schema/openapi.json", app, config=config)
-
-
-@pytest.fixture
-def client(app):
-    with TestClient(app) as c:
-        yield c
 
 
 CHECKS = [
