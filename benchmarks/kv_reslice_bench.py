@@ -50,9 +50,9 @@ from shared.kv.rank_transfer import pull_rank_kv, rank_worker_id, serve_rank_kv 
 from shared.kv.reslice import group_record  # noqa: E402
 from shared.kv.transfer import KvTransferClient  # noqa: E402
 from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
-from shared.parallel.group import RankGroup  # noqa: E402
 from shared.parallel.launch import run_on_ranks  # noqa: E402
-from shared.parallel.layout import kv_head_range  # noqa: E402
+from shared.sharding.group import RankGroup  # noqa: E402
+from shared.sharding.layout import kv_head_range  # noqa: E402
 
 SECRET = b"kv-reslice-bench-secret-0123"
 TIMEOUT_S = 120.0

@@ -41,7 +41,7 @@ from shared.kv.transfer.layer_stream import StreamedKv
 from shared.messages import DecodeJob, Role, decode_subject
 from shared.parallel.agents import StagedExport
 from shared.parallel.group_engine import WorkerGroup
-from shared.parallel.layout import LayoutError
+from shared.sharding.layout import LayoutError
 from shared.telemetry import metrics, tracing
 from shared.worker import Entry, Phase, StreamingWorker, error_event, sampling_params, spans
 from shared.worker.choices import choice_jobs, engine_choices, import_and_fork

@@ -49,8 +49,8 @@ from shared.model.kernels.choice import KernelChoice, resolve_kernels
 from shared.model.linear import can_prepack, prepack
 from shared.model.moe import use_cpu_expert_kernel
 from shared.model.transformer import CausalLM
-from shared.parallel.group import RankGroup
-from shared.parallel.layout import kv_head_range
+from shared.sharding.group import RankGroup
+from shared.sharding.layout import kv_head_range
 from shared.structured.grammar import Grammars
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from shared.kv.rank_transfer import pull_rank_kv, rank_worker_id, serve_rank_kv
 from shared.kv.reslice import group_record
 from shared.kv.transfer import FailureReason, KvTransferClient, KvTransferError
 from shared.model.demo import _write_weights, random_weights, write_demo_checkpoint
-from shared.parallel.layout import kv_head_range
+from shared.sharding.layout import kv_head_range
 
 pytestmark = pytest.mark.slow  # worker groups: ranks spawned per scenario (make test-slow)
 

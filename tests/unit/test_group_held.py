@@ -11,7 +11,7 @@ import torch
 from shared.engine.kv_pool import KVLayout, KVPool
 from shared.kv.group_held import GroupHeldKv, RankHeldKv
 from shared.kv.held import Freed
-from shared.parallel.layout import kv_head_range
+from shared.sharding.layout import kv_head_range
 
 KVH, TP = 4, 2
 

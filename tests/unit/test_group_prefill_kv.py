@@ -21,7 +21,7 @@ from shared.kv.rank_agents import SEND_ENDED
 from shared.kv.registry import KvLocation
 from shared.kv.reslice import group_record
 from shared.parallel.agents import GroupAgents, RankAgent
-from shared.parallel.layout import kv_head_range
+from shared.sharding.layout import kv_head_range
 
 KVH, TP = 4, 2
 MODEL = KVLayout(2, KVH, 3, 4, "float32")

@@ -26,10 +26,10 @@ from shared.model.demo import write_demo_checkpoint
 from shared.model.kernels.choice import KernelChoice
 from shared.model.loader import load_model, model_weight_bytes
 from shared.model.transformer import CausalLM, DecoderLayer
-from shared.parallel.dispatch import EPDispatch
-from shared.parallel.group import RankGroup
 from shared.parallel.launch import run_on_ranks
-from shared.parallel.layout import LayoutError, ParallelLayout
+from shared.sharding.dispatch import EPDispatch
+from shared.sharding.group import RankGroup
+from shared.sharding.layout import LayoutError, ParallelLayout
 
 NEW_TOKENS = 16
 # 37 and 23 tokens through a 16-token step budget: prompts in chunks, sharing steps with decodes

@@ -214,7 +214,7 @@ def fused_moe(
 def fused_moe_reference(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
 ) -> torch.Tensor:
-    """Plain torch, one expert at a time: the math of moe.Experts.forward_reference (same gated_mlp, routing
+    """Plain torch, one expert at a time: the math of experts.Experts.forward_reference (same gated_mlp, routing
     weight cast to x.dtype before it scales the expert output, summed into the token)."""
     _check_inputs(x, gate_up, down, topk_ids, topk_weights)
     out = torch.zeros_like(x)
