@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from benchmarks.host_info import cpu_info, describe, load_average  # noqa: E402
-from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
+from services.demo_model import ensure_demo_checkpoint  # noqa: E402
 from shared.model.expert_shards import take_rank_load  # noqa: E402
 from shared.model.loader import load_model  # noqa: E402
 from shared.parallel.launch import local_rendezvous, spawn_followers  # noqa: E402

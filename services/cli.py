@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo_model(args: argparse.Namespace) -> int:
-    from shared.model.demo import write_demo_checkpoint
+    from services.demo_model import write_demo_checkpoint
 
     out = write_demo_checkpoint(args.out_dir, args.arch, args.size, args.seed, args.dtype, args.max_shard_bytes)
     print(f"wrote a random-weight {args.size} {args.arch} checkpoint to {out} (its text is meaningless)")
@@ -321,10 +321,10 @@ def _worker_class(role: str):
 
 
 def _up(args: argparse.Namespace) -> int:
+    from services.demo_model import ensure_demo_checkpoint
     from services.local.kv_certs import KvCertError
     from services.local.stack import Stack, StackSpec
     from services.local.supervisor import Supervisor
-    from shared.model.demo import ensure_demo_checkpoint
     from shared.settings import CommonSettings, from_env
 
     model = args.model

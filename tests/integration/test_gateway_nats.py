@@ -24,6 +24,7 @@ import nats
 import pytest
 from litestar.testing import TestClient
 
+from services.demo_model import write_demo_checkpoint
 from services.gateway import create_app
 from services.gateway.backend import BackendUnavailable, GenerationJob, Update
 from services.gateway.nats_backend import NatsBackend
@@ -42,7 +43,6 @@ from shared.messages import (
     prefill_subject,
     token_subject,
 )
-from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
 

@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine.block_manager import NoFreeBlocksError
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
 from shared.model.loader import load_model
 
 

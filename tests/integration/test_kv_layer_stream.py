@@ -22,13 +22,13 @@ from multiprocessing.process import BaseProcess
 import pytest
 import torch
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.kv.held import HeldKv
 from shared.kv.transfer import EngineKvBlocks, FailureReason, KvTransferClient, KvTransferError, KvTransferServer
 from shared.kv.transfer.layer_stream import StreamedKv
-from shared.model.demo import write_demo_checkpoint
 from shared.model.loader import load_model
 
 TIMEOUT_S = 20.0

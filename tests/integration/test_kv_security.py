@@ -23,6 +23,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
@@ -38,7 +39,6 @@ from shared.kv.transfer.pull_stream import PullStream
 from shared.kv.transfer.rpc_calls import MAX_MESSAGE_BYTES
 from shared.kv.transfer.server import MAX_ID_CHARS, SERVICE
 from shared.kv.transfer.wire import pieces
-from shared.model.demo import write_demo_checkpoint
 from shared.model.loader import load_model
 from shared.rpc import kv_transfer_pb2 as pb
 from shared.rpc import kv_transfer_pb2_grpc as pb_grpc

@@ -25,6 +25,7 @@ import grpc
 import pytest
 import torch
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
@@ -36,7 +37,6 @@ from shared.kv.transfer.pair import DECODE_RANK, Pair, TransferBackend, store_cl
 from shared.kv.transfer.pair_proof import PairProofs
 from shared.kv.transfer.shm import PREFIX, SHM_DIR
 from shared.kv.transfer.wire import announced_layout, num_pieces, pieces
-from shared.model.demo import write_demo_checkpoint
 from shared.model.loader import load_model
 from shared.rpc import kv_transfer_pb2 as pb
 from shared.rpc import kv_transfer_pb2_grpc as pb_grpc

@@ -18,12 +18,12 @@ import time
 import pytest
 import torch
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.fork import Choice
 from shared.engine.kv_export import KVExport
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
 from shared.parallel.group_engine import WorkerGroup, rank_placements, start_group
 
 pytestmark = pytest.mark.slow  # worker groups: ranks spawned per scenario (make test-slow)

@@ -12,12 +12,12 @@ import multiprocessing as mp
 import pytest
 import torch
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.group_model import load_rank_model
 from shared.engine.sampling import SamplingParams
 from shared.model.config import ARCHITECTURES
-from shared.model.demo import write_demo_checkpoint
 from shared.model.loader import load_model
 from shared.parallel.launch import local_rendezvous, spawn_followers
 from shared.sharding.dispatch import EPDispatch

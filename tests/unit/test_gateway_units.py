@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from services.demo_model import write_demo_checkpoint
 from services.gateway.backend import Update
 from services.gateway.decoding import check_content_type, decode_body
 from services.gateway.errors import APIError
@@ -20,7 +21,6 @@ from services.gateway.served_model import ServedModel
 from services.gateway.textstream import TextAssembler
 from shared.engine.sampling import SamplingParams
 from shared.messages import FinishReason, Heartbeat, TokenEvent
-from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
 

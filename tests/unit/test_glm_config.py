@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import Glm4MoeConfig
 
+from services.demo_model import demo_config
 from shared.model.config import ModelConfig, QKNorm, SharedExpert, UnsupportedModelError
-from shared.model.demo import demo_config
 from shared.model.layers import Rotary, apply_rotary
 from shared.model.router_config import Scoring, TopkMethod
 

@@ -7,11 +7,11 @@ import threading
 import pytest
 import torch
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.layer_streams import LayerProgress, StreamFailed, StreamStart
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
 from shared.model.loader import load_model
 
 PREFILL = SamplingParams(max_tokens=1, temperature=0.0)

@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
+from services.demo_model import write_demo_checkpoint
 from shared.model.config import ARCHITECTURES
-from shared.model.demo import write_demo_checkpoint
 from shared.model.loader import load_model
 
 MOE_ARCHS = sorted(a for a, spec in ARCHITECTURES.items() if spec.moe)

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine.config import SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
 from shared.model.loader import CheckpointError, load_model
 from shared.model.quantization import UnsupportedQuantizationError, module_excluded
 from shared.parallel.launch import run_on_ranks

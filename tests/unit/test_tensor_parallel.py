@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import shared.model.loader as loader
+from services.demo_model import write_demo_checkpoint
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.decode_graphs import EagerReplay
 from shared.engine.engine import Engine
@@ -22,7 +23,6 @@ from shared.engine.kv_pool import KVLayout
 from shared.engine.sampling import SamplingParams
 from shared.model.attention import Attention
 from shared.model.config import ARCHITECTURES
-from shared.model.demo import write_demo_checkpoint
 from shared.model.kernels.choice import KernelChoice
 from shared.model.loader import load_model, model_weight_bytes
 from shared.model.transformer import CausalLM, DecoderLayer

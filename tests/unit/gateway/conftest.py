@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from litestar.testing import TestClient
 
+from services.demo_model import write_demo_checkpoint
 from services.gateway import create_app
-from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from tests.unit.gateway.harness import FakeBackend, settings_for
 

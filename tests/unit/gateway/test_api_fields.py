@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from litestar.testing import TestClient
 
+from services.demo_model import write_demo_checkpoint
 from services.gateway import create_app
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.unsupported import BOOKKEEPING, REFUSED
-from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from tests.openai_schema import SCHEMAS
 from tests.unit.gateway.harness import MODEL, FakeBackend, assert_error, settings_for

@@ -26,6 +26,7 @@ from litestar.testing import TestClient
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi import checks as openapi_checks
 
+from services.demo_model import write_demo_checkpoint
 from services.gateway import create_app
 from services.gateway.backend import GenerationJob, Overloaded, Update
 from services.gateway.draining import Drain
@@ -35,7 +36,6 @@ from services.gateway.schemas import CHAT_ROLES as DOCUMENTED_ROLES
 from services.gateway.served_model import ServedModel
 from shared.job_checks import job_refusal
 from shared.messages import PrefillJob, decode, encode, token_subject
-from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from shared.worker import sampling_params
 from tests.unit.gateway.harness import MODEL, FakeBackend, FakeStream, settings_for

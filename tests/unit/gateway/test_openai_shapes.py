@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 from litestar.testing import TestClient
 
+from services.demo_model import write_demo_checkpoint
 from services.gateway import create_app
 from services.gateway.backend import Update
-from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from tests.openai_schema import SCHEMAS, errors, validate, validate_error, validate_stream_chunk
 from tests.unit.gateway.harness import MODEL, FakeBackend, settings_for, stream_chunks
