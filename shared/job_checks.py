@@ -8,13 +8,13 @@ configured differently from the gateway (a shorter max_model_len). Pure function
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
 
 from shared.messages import TOKENS, DecodeJob, Job, PrefillJob, Sampling
+from shared.sampling_spec import SAMPLING_FIELDS
 
 MAX_REQUEST_ID = 256  # characters: ids name log lines, spans and Redis keys
 MAX_CHOICES = 128  # choices of one job (n): a gateway allows fewer (its max_n setting)
@@ -67,62 +67,16 @@ def reply_subject_problem(subject: str) -> str | None:
 
 
 def sampling_problem(sampling: Sampling, vocab_size: int) -> str | None:
-    """Why the engine cannot sample with these parameters, or None: the ranges the wire declares
-    (shared/messages.py), checked on a struct built in a process (decoding checks them on one from the wire),
-    and stop ids inside the vocabulary."""
-    for field in _SAMPLING_FIELDS:
-        problem = _range_problem(field.name, getattr(sampling, field.name), field.type)
+    """Why the engine cannot sample with these parameters, or None: the ranges shared/sampling_spec.py declares,
+    checked on a struct built in a process (decoding checks them on one from the wire), and stop ids inside the
+    vocabulary."""
+    for field in SAMPLING_FIELDS:
+        problem = field.problem(getattr(sampling, field.name))
         if problem is not None:
             return problem
     return _token_ids_problem(sampling.stop_token_ids, "stop_token_ids", vocab_size) or _token_ids_problem(
         list(sampling.logit_bias), "logit_bias", vocab_size
     )
-
-
-def _range_problem(name: str, value: object, kind: msgspec.inspect.Type) -> str | None:
-    """Why `value` is outside the bounds its field type declares, worded for a person; None when inside."""
-    optional = isinstance(kind, msgspec.inspect.UnionType)
-    if optional:
-        if value is None:
-            return None
-        kind = next(t for t in kind.types if not isinstance(t, msgspec.inspect.NoneType))
-    if not isinstance(kind, msgspec.inspect.IntType | msgspec.inspect.FloatType) or not isinstance(value, int | float):
-        return None
-    low, high = _bound(kind, "gt", "ge"), _bound(kind, "lt", "le")
-    if _within(value, low, high):
-        return None
-    off = " (or null for off)" if optional else ""
-    if high is None and low is not None:
-        return f"{name} must be {'above' if low[1] else 'at least'} {low[0]:g}{off}, got {value}"
-    lo = "(" if low is None or low[1] else "["
-    hi = ")" if high is None or high[1] else "]"
-    lo_value = "-inf" if low is None else f"{low[0]:g}"
-    hi_value = "inf" if high is None else f"{high[0]:g}"
-    return f"{name} must be in {lo}{lo_value}, {hi_value}{hi}{off}, got {value}"
-
-
-def _within(value: float, low: tuple[float, bool] | None, high: tuple[float, bool] | None) -> bool:
-    if not math.isfinite(value):
-        return False
-    if low is not None and (value <= low[0] if low[1] else value < low[0]):
-        return False
-    return high is None or (value < high[0] if high[1] else value <= high[0])
-
-
-def _bound(
-    kind: msgspec.inspect.IntType | msgspec.inspect.FloatType, strict: str, loose: str
-) -> tuple[float, bool] | None:
-    """(bound, strict) of one side of a numeric constraint, or None when that side is open."""
-    if getattr(kind, strict) is not None:
-        return getattr(kind, strict), True
-    if getattr(kind, loose) is not None:
-        return getattr(kind, loose), False
-    return None
-
-
-_SAMPLING_INFO = msgspec.inspect.type_info(Sampling)
-assert isinstance(_SAMPLING_INFO, msgspec.inspect.StructType)  # Sampling is a Struct: type_info says so
-_SAMPLING_FIELDS = _SAMPLING_INFO.fields
 
 
 def job_problem(
@@ -176,9 +130,7 @@ def undecodable_job_refusal(data: bytes, kind: type[Job]) -> tuple[Job, Refusal]
     sampling = fields.get("sampling") if isinstance(fields, dict) else None
     if not isinstance(sampling, dict):
         return None
-    problem = next(
-        (p for f in _SAMPLING_FIELDS if (p := _range_problem(f.name, sampling.get(f.name, f.default), f.type))), None
-    )
+    problem = next((p for f in SAMPLING_FIELDS if (p := f.problem(sampling.get(f.name)))), None)
     if problem is None:
         return None
     try:  # everything but the sampling must be sound

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from enum import StrEnum
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from shared import sampling_spec as spec
 from shared.structured.spec import StructuredSpec
 
 _log = logging.getLogger(__name__)
@@ -129,39 +131,39 @@ class Role(StrEnum):
     MIXED = "mixed"
 
 
-# The sampling ranges, declared here once: decoding a job enforces them, the workers' job checks
-# (shared/job_checks.py) word their refusals from them, and the gateway's request schemas reuse them.
-MAX_TEMPERATURE = 100.0  # as shared.engine.sampling.SamplingParams
-MaxTokens = Annotated[int, msgspec.Meta(ge=1)]
-Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)]
-TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
-TopK = Annotated[int, msgspec.Meta(ge=1)]  # None = off
-Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]  # presence / frequency (OpenAI's range)
-RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0)]  # 1 = off
-MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
-LogitBias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
-MAX_LOGPROBS = 20  # top alternatives per position at most (OpenAI's top_logprobs bound)
-TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]  # None = no logprobs
-ScoreOrMaxTokens = Annotated[int, msgspec.Meta(ge=0)]  # 0 = compute the prompt (its logprobs) and generate nothing
+def range_meta(r: spec.Range | None, description: str, **extra: Any) -> msgspec.Meta:
+    """A declared range (shared/sampling_spec.py) as msgspec constraints, naming only the sides it has."""
+    r = r or spec.Range()
+    given = (("ge", r.ge), ("gt", r.gt), ("le", r.le), ("lt", r.lt))
+    bounds: dict[str, Any] = {name: value for name, value in given if value is not None}
+    return msgspec.Meta(**bounds, description=description, **extra)
+
+
+def _meta(field: spec.SamplingField[object], values: spec.Range | None = None) -> msgspec.Meta:
+    """A field's declared range (or its values' range, for a map's values) as constraints: decoding a job enforces
+    them; shared/job_checks.py words a refusal from the declaration itself."""
+    return range_meta(values or field.range, field.doc)
 
 
 class Sampling(msgspec.Struct, frozen=True):
-    """The wire form of shared.engine.sampling.SamplingParams (validated by the gateway)."""
+    """The wire form of shared.engine.sampling.SamplingParams (validated by the gateway). Every field, its range,
+    default and meaning come from shared/sampling_spec.py; the types are spelled here for the type checker
+    (tests/unit/test_sampling_spec.py holds them to the declaration)."""
 
-    max_tokens: ScoreOrMaxTokens
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: TopK | None = None
-    seed: int | None = None
+    max_tokens: Annotated[int, _meta(spec.MAX_TOKENS)]  # required: a job states it
+    temperature: Annotated[float, _meta(spec.TEMPERATURE)] = spec.TEMPERATURE.default
+    top_p: Annotated[float, _meta(spec.TOP_P)] = spec.TOP_P.default
+    top_k: Annotated[int, _meta(spec.TOP_K)] | None = spec.TOP_K.default
+    seed: int | None = spec.SEED.default
     stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
-    repetition_penalty: RepetitionPenalty = 1.0
-    min_p: MinP = 0.0
-    logit_bias: dict[int, LogitBias] = {}  # token id → bias
-    logprobs: TopLogprobs | None = None  # per generated token: its logprob and this many alternatives
-    prompt_logprobs: TopLogprobs | None = None  # per prompt token (from the second): the same
+    ignore_eos: bool = spec.IGNORE_EOS.default
+    presence_penalty: Annotated[float, _meta(spec.PRESENCE_PENALTY)] = spec.PRESENCE_PENALTY.default
+    frequency_penalty: Annotated[float, _meta(spec.FREQUENCY_PENALTY)] = spec.FREQUENCY_PENALTY.default
+    repetition_penalty: Annotated[float, _meta(spec.REPETITION_PENALTY)] = spec.REPETITION_PENALTY.default
+    min_p: Annotated[float, _meta(spec.MIN_P)] = spec.MIN_P.default
+    logit_bias: dict[int, Annotated[float, _meta(spec.LOGIT_BIAS, spec.LOGIT_BIAS.item_range)]] = {}
+    logprobs: Annotated[int, _meta(spec.LOGPROBS)] | None = spec.LOGPROBS.default
+    prompt_logprobs: Annotated[int, _meta(spec.PROMPT_LOGPROBS)] | None = spec.PROMPT_LOGPROBS.default
     structured: StructuredSpec | None = None  # the output must match it (validated by the gateway)
 
 
@@ -228,19 +230,8 @@ _TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 _HttpStatus = Annotated[int, msgspec.Meta(ge=400, lt=600)]
 
 
-class EventKind(StrEnum):
-    """What a token event says. A worker that takes a job says TAKEN at once; TOKENS and FINISHED carry output;
-    QUEUED hands the request to a job queue (the prefill worker published its decode job); FAILED ends it."""
-
-    TAKEN = "taken"
-    TOKENS = "tokens"
-    QUEUED = "queued"
-    FINISHED = "finished"
-    FAILED = "failed"
-
-
 class FinishReason(StrEnum):
-    """Why a request ended, as its last event says: STOP / LENGTH end a FINISHED event, ERROR / ABORT a FAILED one.
+    """Why a request ended, as its last event says: STOP / LENGTH end a FinishedEvent, ERROR / ABORT a FailedEvent.
     (The engine has its own enum; the wire's is this one, so the gateway never imports the engine.)"""
 
     STOP = "stop"
@@ -249,8 +240,8 @@ class FinishReason(StrEnum):
     ERROR = "error"
 
 
-_KINDS_WITHOUT_OUTPUT = (EventKind.TAKEN, EventKind.QUEUED)
 _NORMAL_ENDS = (FinishReason.STOP, FinishReason.LENGTH)
+_FAILURES = (FinishReason.ERROR, FinishReason.ABORT)
 
 
 class Logprob(msgspec.Struct, frozen=True, array_like=True):
@@ -262,117 +253,83 @@ class Logprob(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: list[float] = []
 
 
-class TokenEvent(msgspec.Struct, frozen=True):
-    """One event of a request, to the gateway that owns it; `kind` says which (build one with the constructors
-    below). `seq` is the output position of token_ids[0] (0 = the first generated token), whatever the attempt:
-    the gateway delivers positions in order, drops positions it already delivered (duplicates after a
-    re-dispatch) and holds back early ones (two publishers: the prefill worker sends position 0, a decode worker
-    the rest). Events of an attempt older than the newest one seen are stale and dropped.
-
-    Events also say who is responsible for the request's progress, so that the gateway can move it when that
-    worker dies: every event of `worker_id` makes it the holder, until a QUEUED one says the request waits in a
-    job queue. A TAKEN / QUEUED event's seq is the next position. Decoding checks that the fields fit the kind
-    (a malformed event is dropped, never guessed at)."""
-
+# Token events: one struct per kind, a tagged union on the wire (`"kind": "taken"`, …; the union is TokenEvent,
+# below). Each kind carries exactly its fields: a field of another kind, or no kind, makes an event malformed.
+class _Event(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind"):
     request_id: str
-    attempt: _Count
+    attempt: _Count  # bumped on every re-dispatch: events of an attempt older than the newest seen are stale
+
+
+class TakenEvent(_Event, frozen=True, tag="taken"):
+    """`worker_id` took the request's job: it holds the request from now on. `seq` is where its stage begins (the
+    next position)."""
+
     seq: _Count
-    kind: EventKind
-    token_ids: list[_TokenId] = []
-    finish_reason: FinishReason | None = None  # FINISHED: stop | length; FAILED: error | abort
-    error: str | None = None  # FAILED: what went wrong
-    prompt_tokens: _Count = 0
+    worker_id: str
+
+
+class QueuedEvent(_Event, frozen=True, tag="queued"):
+    """No worker holds the request any more: it waits in a job queue for its next stage, from position `seq`."""
+
+    seq: _Count
+    worker_id: str
+
+
+class _Output(_Event, frozen=True):
+    """Output tokens: `seq` is the output position of token_ids[0] (0 = the first generated token), whatever the
+    attempt."""
+
+    seq: _Count
+    token_ids: list[_TokenId]
     worker_id: str = ""
-    status: _HttpStatus = 500  # FAILED: the HTTP status it means (400 = the request itself was refused)
+    prompt_tokens: _Count = 0
     logprobs: list[Logprob] = []  # one per token_ids entry when the request asked (Sampling.logprobs)
     prompt_logprobs: list[Logprob] = []  # prompt positions 1.., on the first event of the worker that computed them
 
     def __post_init__(self) -> None:
-        kind = self.kind
         if self.logprobs and len(self.logprobs) != len(self.token_ids):
             raise ValueError("an event carries one logprobs entry per token, or none")
-        if kind in _KINDS_WITHOUT_OUTPUT and (self.token_ids or self.finish_reason or self.error):
-            raise ValueError(f"a {kind} event carries no tokens, finish_reason or error")
-        if kind is EventKind.TOKENS and (not self.token_ids or self.finish_reason or self.error):
-            raise ValueError("a tokens event carries tokens and no finish_reason or error")
-        if kind is EventKind.FINISHED and self.finish_reason not in _NORMAL_ENDS:
-            raise ValueError("a finished event ends with finish_reason stop or length")
-        if kind is EventKind.FAILED and (self.finish_reason in _NORMAL_ENDS or self.token_ids):
-            raise ValueError("a failed event ends with finish_reason error or abort, without tokens")
 
-    @classmethod
-    def taken(cls, request_id: str, attempt: int, seq: int, worker_id: str) -> TokenEvent:
-        """`worker_id` took the request's job: it holds the request from now on."""
-        return cls(request_id, attempt, seq, EventKind.TAKEN, worker_id=worker_id)
 
-    @classmethod
-    def tokens(
-        cls,
-        request_id: str,
-        attempt: int,
-        seq: int,
-        token_ids: list[int],
-        worker_id: str = "",
-        prompt_tokens: int = 0,
-        logprobs: list[Logprob] | None = None,
-        prompt_logprobs: list[Logprob] | None = None,
-    ) -> TokenEvent:
-        return cls(
-            request_id,
-            attempt,
-            seq,
-            EventKind.TOKENS,
-            token_ids,
-            prompt_tokens=prompt_tokens,
-            worker_id=worker_id,
-            logprobs=logprobs or [],
-            prompt_logprobs=prompt_logprobs or [],
-        )
+class TokensEvent(_Output, frozen=True, tag="tokens"):
+    """New tokens of a request that goes on."""
 
-    @classmethod
-    def finished(
-        cls,
-        request_id: str,
-        attempt: int,
-        seq: int,
-        token_ids: list[int],
-        reason: FinishReason,
-        worker_id: str = "",
-        prompt_tokens: int = 0,
-        logprobs: list[Logprob] | None = None,
-        prompt_logprobs: list[Logprob] | None = None,
-    ) -> TokenEvent:
-        """The request's last tokens (maybe none) and why it ended."""
-        return cls(
-            request_id,
-            attempt,
-            seq,
-            EventKind.FINISHED,
-            token_ids,
-            reason,
-            None,
-            prompt_tokens,
-            worker_id,
-            logprobs=logprobs or [],
-            prompt_logprobs=prompt_logprobs or [],
-        )
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.token_ids:
+            raise ValueError("a tokens event carries at least one token")
 
-    @classmethod
-    def queued(cls, request_id: str, attempt: int, seq: int, worker_id: str) -> TokenEvent:
-        """No worker holds the request any more: it waits in a job queue for its next stage."""
-        return cls(request_id, attempt, seq, EventKind.QUEUED, worker_id=worker_id)
 
-    @classmethod
-    def failed(
-        cls,
-        request_id: str,
-        attempt: int,
-        error: str,
-        status: int = 500,
-        worker_id: str = "",
-        reason: FinishReason = FinishReason.ERROR,
-    ) -> TokenEvent:
-        return cls(request_id, attempt, 0, EventKind.FAILED, [], reason, error, 0, worker_id, status)
+class FinishedEvent(_Output, frozen=True, tag="finished", kw_only=True):
+    """The request's last tokens (maybe none) and why it ended."""
+
+    finish_reason: FinishReason  # stop | length
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.finish_reason not in _NORMAL_ENDS:
+            raise ValueError("a finished event ends with finish_reason stop or length (a failure is a failed event)")
+
+
+class FailedEvent(_Event, frozen=True, tag="failed"):
+    """The request ends without its answer, whatever position it reached."""
+
+    error: str  # what went wrong
+    status: _HttpStatus = 500  # the HTTP status it means (400 = the request itself was refused)
+    worker_id: str = ""
+    finish_reason: FinishReason = FinishReason.ERROR  # error | abort
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in _FAILURES:
+            raise ValueError("a failed event ends with finish_reason error or abort")
+
+
+# One event of a request, to the gateway that owns it. The gateway delivers positions in order, drops positions it
+# already delivered (duplicates after a re-dispatch) and holds back early ones (two publishers: the prefill worker
+# sends position 0, a decode worker the rest). Events also say who is responsible for the request's progress, so
+# that the gateway can move it when that worker dies: every event of `worker_id` makes it the holder, until a
+# QueuedEvent says the request waits in a job queue. Decode one with `decode_event`.
+TokenEvent = TakenEvent | QueuedEvent | TokensEvent | FinishedEvent | FailedEvent
 
 
 class Cancel(msgspec.Struct, frozen=True):
@@ -417,20 +374,43 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 
 _S = TypeVar("_S", bound=msgspec.Struct)
+_T = TypeVar("_T")
 
 
 def decode(data: bytes, kind: type[_S]) -> _S:
     """Raises msgspec.ValidationError / DecodeError on malformed input."""
+    return _guarded(lambda: msgspec.json.decode(data, type=kind))
+
+
+_event_decoder: msgspec.json.Decoder[TokenEvent] = msgspec.json.Decoder(TokenEvent)
+
+
+def decode_event(data: bytes) -> TokenEvent:
+    """A token event of whichever kind its tag says. Raises msgspec.ValidationError / DecodeError on malformed input
+    (no kind, an unknown one, or a field the kind does not carry)."""
+    return _guarded(lambda: _event_decoder.decode(data))
+
+
+def _guarded(decoding: Callable[[], _T]) -> _T:
     try:
-        return msgspec.json.decode(data, type=kind)
+        return decoding()
     except RecursionError as exc:  # msgspec's guard against arrays / objects nested thousands deep
         raise msgspec.DecodeError("JSON is nested too deeply") from exc
 
 
 def decode_or_drop(data: bytes, kind: type[_S], subject: str) -> _S | None:
     """`decode`, or None after logging why: a malformed message is dropped, never fatal to its reader."""
+    return _or_drop(lambda: decode(data, kind), kind.__name__, subject)
+
+
+def decode_event_or_drop(data: bytes, subject: str) -> TokenEvent | None:
+    """`decode_event`, or None after logging why (as decode_or_drop)."""
+    return _or_drop(lambda: decode_event(data), "TokenEvent", subject)
+
+
+def _or_drop(decoding: Callable[[], _T], name: str, subject: str) -> _T | None:
     try:
-        return decode(data, kind)
+        return decoding()
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        _log.warning("dropping malformed %s on %s: %s", kind.__name__, subject, exc)
+        _log.warning("dropping malformed %s on %s: %s", name, subject, exc)
         return None

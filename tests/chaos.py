@@ -24,12 +24,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
-import msgspec
 import nats
 
 from services.local.cluster_state import wait_settled
 from services.local.stack import Stack
-from shared.messages import EventKind, TokenEvent
+from shared.messages import FailedEvent, FinishedEvent, TakenEvent, TokenEvent, TokensEvent, decode_event
 from tests.e2e_support import scraped_total
 
 CLIENT_TIMEOUT_S = 120.0
@@ -172,7 +171,7 @@ class EventWatch:
 
         async def on_event(msg) -> None:
             with self._lock:
-                self.events.append(msgspec.json.decode(msg.data, type=TokenEvent))
+                self.events.append(decode_event(msg.data))
 
         await nc.subscribe("pd.tokens.>", cb=on_event)
         await nc.flush()
@@ -184,8 +183,8 @@ class EventWatch:
         """Requests a worker announced (took) and has published no token for yet."""
         with self._lock:
             events = list(self.events)
-        taken = {e.request_id for e in events if e.worker_id.startswith(worker_prefix) and e.kind is EventKind.TAKEN}
-        tokened = {e.request_id for e in events if e.kind in (EventKind.TOKENS, EventKind.FINISHED, EventKind.FAILED)}
+        taken = {e.request_id for e in events if e.worker_id.startswith(worker_prefix) and isinstance(e, TakenEvent)}
+        tokened = {e.request_id for e in events if isinstance(e, TokensEvent | FinishedEvent | FailedEvent)}
         return taken - tokened
 
     def holders(self) -> dict[str, str]:
@@ -194,7 +193,7 @@ class EventWatch:
             events = list(self.events)
         last: dict[str, str] = {}
         for e in events:
-            if e.finish_reason:
+            if isinstance(e, FinishedEvent | FailedEvent):
                 last[e.request_id] = ""
             elif e.request_id not in last or last[e.request_id]:
                 last[e.request_id] = e.worker_id

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from services.demo_model import write_demo_checkpoint
+from shared.model.loader import load_model
+from shared.model.tokenizer import Tokenizer
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -28,14 +30,43 @@ def model_dir(tmp_path_factory) -> Path:
     return write_demo_checkpoint(tmp_path_factory.mktemp("model") / "demo", arch="qwen3_moe", size="tiny")
 
 
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """The same tiny qwen3_moe checkpoint, written afresh for each module that loads it in process (engines, the
+    gateway's tokenizer); a module that needs another architecture defines its own `checkpoint`."""
+    return write_demo_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), arch="qwen3_moe", size="tiny")
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    """`checkpoint`'s weights, loaded once per module: engines built over them share them (each engine has its own
+    KV pool and scheduler)."""
+    return load_model(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint) -> Tokenizer:
+    return Tokenizer(checkpoint)
+
+
 TIERS = ("unit", "integration", "e2e", "clients")
+TESTS = Path(__file__).parent
+
+
+def tier_of(path: Path) -> str | None:
+    """The tier of the test file at `path`: the folder directly under tests/ that holds it, at any depth
+    (tests/unit/gateway/test_x.py is a unit test); None for a file outside every tier."""
+    if not path.is_relative_to(TESTS):
+        return None
+    top = path.relative_to(TESTS).parts[0]
+    return top if top in TIERS else None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each test is marked with its tier, the folder it lives in: `-m unit` selects the fast tier (no server
-    processes), `-m integration` real nats/redis/gRPC/gloo pieces, `-m e2e` whole stacks and faults, `-m clients`
-    third-party clients against a whole stack (make test-clients installs them)."""
+    """Each test is marked with its tier, the folder under tests/ it lives in: `-m unit` selects the fast tier (no
+    server processes), `-m integration` real nats/redis/gRPC/gloo pieces, `-m e2e` whole stacks and faults,
+    `-m clients` third-party clients against a whole stack (make test-clients installs them)."""
     for item in items:
-        tier = item.path.parent.name
-        if tier in TIERS:
+        tier = tier_of(item.path)
+        if tier is not None:
             item.add_marker(getattr(pytest.mark, tier))

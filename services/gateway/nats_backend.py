@@ -36,8 +36,8 @@ from shared.messages import (
     Heartbeat,
     PrefillJob,
     Sibling,
-    TokenEvent,
     cancel_subject,
+    decode_event_or_drop,
     decode_or_drop,
     encode,
     prefill_subject,
@@ -153,7 +153,7 @@ class NatsBackend:
             await self.cancel(rid)
 
     async def _on_token(self, msg: Msg) -> None:
-        event = decode_or_drop(msg.data, TokenEvent, msg.subject)
+        event = decode_event_or_drop(msg.data, msg.subject)
         if event is None:
             return
         stream = self._streams.get(event.request_id)

@@ -1,8 +1,8 @@
 """From a validated-by-schema request to what the backend runs: prompt token ids, sampling, stop strings.
 
 Everything a client can get wrong is checked here and raised as a 4xx APIError naming the field; a
-request that passes is one every worker accepts (the same rules as shared.engine.sampling.SamplingParams,
-checked without importing torch into the gateway).
+request that passes is one every worker accepts (the rules shared/sampling_spec.py declares for the engine's
+SamplingParams too, read without importing torch into the gateway).
 
 Limits: the body is at most max_body_bytes (litestar answers 413); a prompt at most
 ServedModel.max_prompt_tokens tokens (settings.max_prompt_tokens, else the context less one). Work grows with
@@ -31,11 +31,12 @@ from services.gateway.structured import checked, requested_spec
 from services.gateway.tools.choice import ToolPlan, plan_tools
 from services.gateway.tools.parsers import ToolParser
 from services.gateway.tools.registry import parser_for
+from shared import sampling_spec as spec
 from shared.messages import Sampling
 from shared.model.tokenizer import ChatTemplateError
 from shared.structured.spec import StructuredSpec
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+COMPLETIONS_DEFAULT_MAX_TOKENS = spec.MAX_TOKENS.default  # OpenAI's; chat's is the room left in the context
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -250,12 +251,8 @@ def _prepared(
         raise APIError(400, f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
     sampling = Sampling(
         max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k if req.top_k is not None and req.top_k > 0 else None,
         seed=req.seed,
         stop_token_ids=stop_token_ids,
-        ignore_eos=bool(req.ignore_eos),
         logprobs=scoring.logprobs,
         prompt_logprobs=scoring.prompt_logprobs,
         **distribution_fields(req, model),

@@ -2,7 +2,7 @@
 who holds the request now, and the deadlines that keep a lost worker or a lost event from hanging the client.
 
 Holder: the worker responsible for the request's next event (TokenEvent: a worker announces a job it takes with
-a TAKEN event; every event makes its worker the holder, until a QUEUED one hands the request to a job queue).
+a TakenEvent; every event makes its worker the holder, until a QueuedEvent hands the request to a job queue).
 NatsBackend's watchdog asks `why_move` and, when the holder died or stalled, moves the request on to a
 new attempt (`move_on`): prompt + tokens so far go to another worker, the old attempt's events are stale.
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from services.gateway.backend import Update
 from services.gateway.ordering import TokenOrder
-from shared.messages import EventKind, PrefillJob, TokenEvent
+from shared.messages import PrefillJob, QueuedEvent, TakenEvent, TokenEvent
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class RequestUpdates:
             self._progress_at = now
             self._tokens_at = now
         if event.attempt == self._order.attempt and event.worker_id:
-            queued = event.kind is EventKind.QUEUED
+            queued = isinstance(event, QueuedEvent)
             if not queued and event.worker_id != self.holder:
                 self.holder, self._held_since = event.worker_id, now
             elif queued and event.worker_id == self.holder:  # a later stage's taker may have spoken first
@@ -118,7 +118,7 @@ class RequestUpdates:
         who = (event.attempt, event.worker_id)
         if who in self._duplicates:
             return True
-        if event.worker_id and event.kind is EventKind.TAKEN:
+        if event.worker_id and isinstance(event, TakenEvent):
             first = self._stage_takers.setdefault((event.attempt, event.seq), event.worker_id)
             if first != event.worker_id:
                 self._duplicates.add(who)

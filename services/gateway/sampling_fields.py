@@ -1,20 +1,24 @@
-"""The request fields that shape the distribution beyond temperature / top_p / top_k (penalties, min_p,
-logit_bias) and the logprobs / echo options, checked with 400s naming the field and turned into the wire's
-Sampling fields. Ranges are declared in schemas.py (decoding refuses values outside them); what depends on the
-model (logit_bias ids against the vocabulary) and on other fields (top_logprobs needs logprobs, max_tokens 0 needs
-echo) is checked here.
+"""The request fields that shape the distribution (temperature, top_p, top_k, penalties, min_p, logit_bias) and the
+logprobs / echo options, checked with 400s naming the field and turned into the wire's Sampling fields, with the
+defaults shared/sampling_spec.py declares. Ranges come from there too, through schemas.py (decoding refuses values
+outside them); what depends on the model (logit_bias ids against the vocabulary) and on other fields (top_logprobs
+needs logprobs, max_tokens 0 needs echo) is checked here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from services.gateway.errors import APIError
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.served_model import ServedModel
+from shared import sampling_spec as spec
+
+T = TypeVar("T")
 
 MAX_LOGIT_BIAS = 1024  # entries: each is one scatter on every step of the request
+_BIAS = spec.LOGIT_BIAS.item_range or spec.Range()
 
 
 @dataclass(frozen=True)
@@ -43,14 +47,23 @@ def completion_scoring(req: CompletionRequest) -> Scoring:
 
 
 def distribution_fields(req: ChatCompletionRequest | CompletionRequest, model: ServedModel) -> dict[str, Any]:
-    """The wire Sampling's penalty, min_p and logit_bias fields (defaults where the request left them out)."""
+    """The wire Sampling's fields that shape the distribution, each the declared default (shared/sampling_spec.py)
+    where the request left it out; the API's top_k "off" (0 or -1) becomes the wire's null."""
     return {
-        "presence_penalty": req.presence_penalty or 0.0,
-        "frequency_penalty": req.frequency_penalty or 0.0,
-        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        "min_p": req.min_p or 0.0,
+        "temperature": _given(req.temperature, spec.TEMPERATURE),
+        "top_p": _given(req.top_p, spec.TOP_P),
+        "top_k": req.top_k if req.top_k is not None and req.top_k > 0 else spec.TOP_K.default,
+        "ignore_eos": _given(req.ignore_eos, spec.IGNORE_EOS),
+        "presence_penalty": _given(req.presence_penalty, spec.PRESENCE_PENALTY),
+        "frequency_penalty": _given(req.frequency_penalty, spec.FREQUENCY_PENALTY),
+        "repetition_penalty": _given(req.repetition_penalty, spec.REPETITION_PENALTY),
+        "min_p": _given(req.min_p, spec.MIN_P),
         "logit_bias": logit_bias(req.logit_bias, model),
     }
+
+
+def _given(value: T | None, field: spec.SamplingField[T]) -> T:
+    return field.default if value is None else value
 
 
 def logit_bias(bias: dict[str, float] | None, model: ServedModel) -> dict[int, float]:
@@ -69,7 +82,7 @@ def logit_bias(bias: dict[str, float] | None, model: ServedModel) -> dict[int, f
             raise APIError(
                 400, f"logit_bias token id {token} is outside the vocabulary [0, {model.vocab_size})", "logit_bias"
             )
-        if not -100.0 <= value <= 100.0:
-            raise APIError(400, f"logit_bias values must be in [-100, 100], got {value} for {token}", "logit_bias")
+        if not _BIAS.contains(value):
+            raise APIError(400, f"logit_bias values must be {_BIAS.describe()}, got {value} for {token}", "logit_bias")
         out[token] = float(value)
     return out

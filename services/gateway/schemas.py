@@ -31,7 +31,8 @@ from msgspec import Meta
 from services.gateway.admission import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S
 from services.gateway.errors import error_responses
 from services.gateway.served_model import ServedModel
-from shared import messages as wire
+from shared import sampling_spec as spec
+from shared.messages import range_meta
 
 # Limits on what any request may ask for (prepare.py refuses more with a 400 naming the field).
 MAX_STOP_STRINGS = 16
@@ -66,30 +67,34 @@ def _stop_token_ids_forms(token_id: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"type": "array", "items": token_id, "maxItems": MAX_STOP_TOKEN_IDS}, _NULL]
 
 
-# The wire's ranges (shared/messages.py) where the API's are the same; OpenAI's temperature range is narrower than
-# the engine's, and its top_k has an "off" value (0 or -1) where the wire has null.
-MaxTokens = Annotated[wire.MaxTokens, Meta(description="tokens to generate at most")]
-Temperature = Annotated[float, Meta(ge=0.0, le=2.0, description="0 = greedy"), _documented(minimum=0.0)]
-TopP = Annotated[wire.TopP, _documented(exclusive_minimum=0.0)]
-TopK = Annotated[int, Meta(ge=-1, description="0 or -1 = off")]
-PresencePenalty = Annotated[wire.Penalty, Meta(description="once for every token generated so far")]
-FrequencyPenalty = Annotated[wire.Penalty, Meta(description="times each token's count in the tokens generated so far")]
-RepetitionPenalty = Annotated[
-    wire.RepetitionPenalty,
-    Meta(description="over prompt and generated tokens; 1 = off"),
-    _documented(exclusive_minimum=0.0),
-]
-MinP = Annotated[
-    wire.MinP, Meta(description="drop tokens below min_p times the top probability; 0 = off"), _documented(minimum=0.0)
-]
+def _declared(field: spec.SamplingField[object], description: str | None = None, *, api: bool = True) -> Meta:
+    """A sampling field's bounds and description, from its declaration (shared/sampling_spec.py): the API's own range
+    where it has one (`api`), else the wire's. A bound of 0 is also written for the OpenAPI document (_documented)."""
+    r = (field.api_range if api else None) or field.range or spec.Range()
+    zero = {"minimum": r.ge, "exclusive_minimum": r.gt, "maximum": r.le, "exclusive_maximum": r.lt}
+    extra = {"extra": {k: v for k, v in zero.items() if v == 0}} if 0 in zero.values() else None
+    return range_meta(r, description or field.doc, extra_json_schema=extra)
+
+
+# The API's ranges, descriptions and defaults are the declared ones; OpenAI's temperature range is narrower than the
+# engine's, and its top_k has an "off" value (0 or -1) where the wire has null (sampling_spec.py says both).
+MaxTokens = Annotated[int, _declared(spec.MAX_TOKENS)]
+Temperature = Annotated[float, _declared(spec.TEMPERATURE)]
+TopP = Annotated[float, _declared(spec.TOP_P)]
+TopK = Annotated[int, _declared(spec.TOP_K)]
+PresencePenalty = Annotated[float, _declared(spec.PRESENCE_PENALTY)]
+FrequencyPenalty = Annotated[float, _declared(spec.FREQUENCY_PENALTY)]
+RepetitionPenalty = Annotated[float, _declared(spec.REPETITION_PENALTY)]
+MinP = Annotated[float, _declared(spec.MIN_P)]
+_BIAS = spec.LOGIT_BIAS.item_range or spec.Range()
 LogitBiasMap = Annotated[
-    dict[str, float] | None, _documented(description="token id (as a string) → bias in [-100, 100]")
+    dict[str, float] | None, _documented(description=f"token id (as a string) → bias {_BIAS.describe()}")
 ]
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's bound on `logprobs`
-TopLogprobs = Annotated[int, Meta(ge=0, le=wire.MAX_LOGPROBS), _documented(minimum=0)]
+TopLogprobs = Annotated[int, _declared(spec.LOGPROBS, "alternatives per token")]
 CompletionLogprobsCount = Annotated[int, Meta(ge=0, le=MAX_COMPLETION_LOGPROBS), _documented(minimum=0)]
 ScoreOrMaxTokens = Annotated[
-    int, Meta(ge=0, description="tokens to generate at most; 0 with echo = score the prompt"), _documented(minimum=0)
+    int, _declared(spec.MAX_TOKENS, "tokens to generate at most; 0 with echo = score the prompt", api=False)
 ]
 # Annotated around the whole Optional: `oneOf` replaces what litestar would write, null included.
 Stop = Annotated[

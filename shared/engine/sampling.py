@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared import sampling_spec as spec
 from shared.engine.logits_process import filter_batch, process_batch
 from shared.engine.logprobs import TokenLogprobs, gather_logprobs
 from shared.structured.spec import StructuredSpec
@@ -28,44 +29,33 @@ GREEDY_BELOW = 1e-5
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 (or anything below GREEDY_BELOW) = greedy
-    top_p: float = 1.0
-    top_k: int | None = None  # None = off
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0  # [-2, 2], over output tokens (OpenAI)
-    frequency_penalty: float = 0.0  # [-2, 2], over output tokens (OpenAI)
-    repetition_penalty: float = 1.0  # > 0, over prompt + output tokens (HF / vLLM); 1 = off
-    min_p: float = 0.0  # [0, 1]; 0 = off
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
-    logprobs: int | None = None  # per sampled token: its logprob and this many top alternatives; None = off
-    prompt_logprobs: int | None = None  # per prompt token (from the second): the same; None = off
+    """A request's sampling, as shared/sampling_spec.py declares each field (range, default, meaning); built from
+    the wire's Sampling by shared/worker/engine_factory.py. Sequences are tuples here: the params are hashable."""
+
+    max_tokens: int = spec.MAX_TOKENS.default  # 0 = score the prompt only: computed (with its logprobs), no token
+    temperature: float = spec.TEMPERATURE.default  # 0 (or anything below GREEDY_BELOW) = greedy
+    top_p: float = spec.TOP_P.default
+    top_k: int | None = spec.TOP_K.default  # None = off
+    seed: int | None = spec.SEED.default
+    stop_token_ids: tuple[int, ...] = spec.STOP_TOKEN_IDS.default
+    ignore_eos: bool = spec.IGNORE_EOS.default
+    presence_penalty: float = spec.PRESENCE_PENALTY.default  # over output tokens (OpenAI)
+    frequency_penalty: float = spec.FREQUENCY_PENALTY.default  # over output tokens (OpenAI)
+    repetition_penalty: float = spec.REPETITION_PENALTY.default  # over prompt + output tokens (HF / vLLM)
+    min_p: float = spec.MIN_P.default
+    logit_bias: tuple[tuple[int, float], ...] = spec.LOGIT_BIAS.default  # (token id, bias)
+    logprobs: int | None = spec.LOGPROBS.default  # None = off
+    prompt_logprobs: int | None = spec.PROMPT_LOGPROBS.default  # None = off
     structured: StructuredSpec | None = None  # the output must match it (shared/engine/structured.py)
 
     def __post_init__(self) -> None:
-        # 0 = score the prompt only: the engine computes it (and its prompt logprobs) and ends without a token
-        if self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be at least 0, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be at least 1 (or None for off), got {self.top_k}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty < float("inf"):
-            raise ValueError(f"repetition_penalty must be above 0, got {self.repetition_penalty}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
-            raise ValueError("logit_bias values must be in [-100, 100]")
-        for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(self, name) or 0) < 0:
-                raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")
+        for field in spec.SAMPLING_FIELDS:
+            problem = field.problem(getattr(self, field.name))
+            if problem is not None:
+                raise ValueError(problem)
+        bias = spec.LOGIT_BIAS.item_range
+        if bias is not None and any(not bias.contains(b) for _, b in self.logit_bias):
+            raise ValueError(f"logit_bias values must be {bias.describe()}")
 
     @property
     def scale(self) -> float:

@@ -3,31 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.messages import Sampling
+from shared.sampling_spec import SAMPLING_FIELDS
 from shared.settings import WorkerRole, WorkerSettings
 
 
 def sampling_params(s: Sampling, max_tokens: int | None = None) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=s.max_tokens if max_tokens is None else max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        seed=s.seed,
-        stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty,
-        min_p=s.min_p,
-        logit_bias=tuple(sorted(s.logit_bias.items())),
-        logprobs=s.logprobs,
-        prompt_logprobs=s.prompt_logprobs,
-        structured=s.structured,
-    )
+    """The engine's parameters from the wire's: every field shared/sampling_spec.py declares, by name, with the
+    sequences as tuples (logit_bias as sorted (token id, bias) pairs); `max_tokens` overrides the job's."""
+    fields: dict[str, Any] = {f.name: getattr(s, f.name) for f in SAMPLING_FIELDS}
+    fields["stop_token_ids"] = tuple(s.stop_token_ids)
+    fields["logit_bias"] = tuple(sorted(s.logit_bias.items()))
+    if max_tokens is not None:
+        fields["max_tokens"] = max_tokens
+    return SamplingParams(**fields)
 
 
 def build_engine(settings: WorkerSettings) -> Engine:

@@ -1,12 +1,22 @@
-"""Every TokenEvent the worker runtime sends to the gateway is built here (and nowhere else), each through the
-constructor of its kind (shared/messages.py)."""
+"""Every token event the worker runtime sends to the gateway is built here (and nowhere else), each as the struct of
+its kind (shared/messages.py: the TokenEvent union)."""
 
 from __future__ import annotations
 
 from shared.engine.engine import RequestOutput
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.request import FinishReason as EngineFinishReason
-from shared.messages import DecodeJob, FinishReason, Logprob, PrefillJob, TokenEvent
+from shared.messages import (
+    DecodeJob,
+    FailedEvent,
+    FinishedEvent,
+    FinishReason,
+    Logprob,
+    PrefillJob,
+    QueuedEvent,
+    TakenEvent,
+    TokensEvent,
+)
 
 
 def wire_finish_reason(reason: EngineFinishReason | None) -> FinishReason:
@@ -19,7 +29,7 @@ def wire_logprobs(logprobs: list[TokenLogprobs] | None) -> list[Logprob]:
     return [Logprob(lp.logprob, list(lp.top_ids), list(lp.top_logprobs)) for lp in logprobs or ()]
 
 
-def token_event(request_id: str, attempt: int, out: RequestOutput, worker_id: str) -> TokenEvent:
+def token_event(request_id: str, attempt: int, out: RequestOutput, worker_id: str) -> TokensEvent | FinishedEvent:
     """The wire event of one engine output: its new tokens (with their logprobs, and the prompt's on the first
     output, when asked), and the end when it finished."""
     seq, tokens, prompt_tokens = (
@@ -28,24 +38,24 @@ def token_event(request_id: str, attempt: int, out: RequestOutput, worker_id: st
         out.num_prompt_tokens,
     )
     lps, prompt_lps = wire_logprobs(out.logprobs), wire_logprobs(out.prompt_logprobs)
+    output = (request_id, attempt, seq, tokens, worker_id, prompt_tokens, lps, prompt_lps)
     if out.finished:
-        reason = wire_finish_reason(out.finish_reason)
-        return TokenEvent.finished(request_id, attempt, seq, tokens, reason, worker_id, prompt_tokens, lps, prompt_lps)
-    return TokenEvent.tokens(request_id, attempt, seq, tokens, worker_id, prompt_tokens, lps, prompt_lps)
+        return FinishedEvent(*output, finish_reason=wire_finish_reason(out.finish_reason))
+    return TokensEvent(*output)
 
 
-def error_event(job: PrefillJob | DecodeJob, message: str, worker_id: str, status: int = 400) -> TokenEvent:
+def error_event(job: PrefillJob | DecodeJob, message: str, worker_id: str, status: int = 400) -> FailedEvent:
     """The request was refused (by default as a client mistake the gateway could not see, e.g. a worker
     with a shorter max_model_len)."""
-    return TokenEvent.failed(job.request_id, job.attempt, message, status, worker_id)
+    return FailedEvent(job.request_id, job.attempt, message, status, worker_id)
 
 
-def announce_event(job: PrefillJob | DecodeJob, worker_id: str) -> TokenEvent:
+def announce_event(job: PrefillJob | DecodeJob, worker_id: str) -> TakenEvent:
     """This worker holds the request now (the gateway watches its heartbeats from here on). Its position is where
     the stage begins (the gateway keeps one taker per stage): a layer-streamed decode job's stage is still the one
     after the first token, although this worker emits that token too."""
     streamed = isinstance(job, DecodeJob) and job.kv_streamed
-    return TokenEvent.taken(job.request_id, job.attempt, len(job.output_token_ids) + streamed, worker_id)
+    return TakenEvent(job.request_id, job.attempt, len(job.output_token_ids) + streamed, worker_id)
 
 
 def first_token_event(
@@ -54,31 +64,31 @@ def first_token_event(
     finished: bool,
     reason: EngineFinishReason | None,
     worker_id: str,
-) -> TokenEvent:
+) -> TokensEvent | FinishedEvent:
     """A prefill worker's one sampled token (none when max_tokens is 0: the prompt was only scored), at the
     position after the tokens the job already carries, with its logprobs and the prompt's when asked; the
     request's end too when that token finished it."""
-    rid, attempt, seq = job.request_id, job.attempt, len(job.output_token_ids)
-    tokens, prompt_tokens = out.new_token_ids[:1], out.num_prompt_tokens
+    seq, tokens = len(job.output_token_ids), out.new_token_ids[:1]
     lps, prompt_lps = wire_logprobs(out.logprobs), wire_logprobs(out.prompt_logprobs)
+    output = (job.request_id, job.attempt, seq, tokens, worker_id, out.num_prompt_tokens, lps, prompt_lps)
     if finished:
-        reason_ = wire_finish_reason(reason)
-        return TokenEvent.finished(rid, attempt, seq, tokens, reason_, worker_id, prompt_tokens, lps, prompt_lps)
-    return TokenEvent.tokens(rid, attempt, seq, tokens, worker_id, prompt_tokens, lps, prompt_lps)
+        return FinishedEvent(*output, finish_reason=wire_finish_reason(reason))
+    return TokensEvent(*output)
 
 
-def queued_event(job: PrefillJob, worker_id: str, streamed: bool = False) -> TokenEvent:
+def queued_event(job: PrefillJob, worker_id: str, streamed: bool = False) -> QueuedEvent:
     """The decode job is published: no worker holds the request until a decode worker takes it (streamed: it was
     published before the first token, which the decode worker emits)."""
-    return TokenEvent.queued(job.request_id, job.attempt, len(job.output_token_ids) + (not streamed), worker_id)
+    return QueuedEvent(job.request_id, job.attempt, len(job.output_token_ids) + (not streamed), worker_id)
 
 
 def streamed_first_token_event(
     job: DecodeJob, token: int, reason: EngineFinishReason | None, worker_id: str
-) -> TokenEvent:
+) -> TokensEvent | FinishedEvent:
     """A decode worker's event for the first token of a layer-streamed job (the pull's trailer: sampled by the
     prefill worker, which did not emit it), the request's end too when that token finished it."""
-    rid, attempt, seq, prompt_tokens = job.request_id, job.attempt, len(job.output_token_ids), len(job.prompt_token_ids)
+    seq, prompt_tokens = len(job.output_token_ids), len(job.prompt_token_ids)
+    output = (job.request_id, job.attempt, seq, [token], worker_id, prompt_tokens)
     if reason is not None:
-        return TokenEvent.finished(rid, attempt, seq, [token], wire_finish_reason(reason), worker_id, prompt_tokens)
-    return TokenEvent.tokens(rid, attempt, seq, [token], worker_id, prompt_tokens)
+        return FinishedEvent(*output, finish_reason=wire_finish_reason(reason))
+    return TokensEvent(*output)

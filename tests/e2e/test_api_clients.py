@@ -11,22 +11,12 @@ import httpx
 import openai
 import pytest
 
-from services.local.infra import free_port
-from services.local.stack import StackSpec
-from tests.e2e_support import start_stack
 from tests.openai_schema import validate, validate_error, validate_stream_chunk
 
 MODEL = "demo"
 USER = [{"role": "user", "content": "Tell me about disaggregated serving"}]
 PROMPT = "The quick brown fox"
 GREEDY = {"temperature": 0, "max_tokens": 12}
-
-
-@pytest.fixture(scope="module")
-def stack(model_dir):
-    stack = start_stack(StackSpec(model=str(model_dir), port=free_port(), threads_per_worker=1))
-    yield stack
-    stack.stop()
 
 
 @pytest.fixture(scope="module")

@@ -29,11 +29,16 @@ from shared.messages import (
     JOBS_STREAM,
     Cancel,
     DecodeJob,
+    FailedEvent,
+    FinishedEvent,
     Heartbeat,
     PrefillJob,
     Sampling,
     TokenEvent,
+    TokensEvent,
     decode,
+    decode_event,
+    decode_event_or_drop,
     decode_or_drop,
     decode_subject,
     encode,
@@ -163,7 +168,7 @@ def test_token_events_with_impossible_values_are_malformed(event):
     """A negative position or token id on a live request's subject broke its stream mid-body (the
     detokenizer cannot decode a negative id): the gateway now drops such an event as malformed."""
     payload = json.dumps({"request_id": "r", "attempt": 0} | event).encode()
-    assert decode_or_drop(payload, TokenEvent, "pd.tokens.gw.r") is None
+    assert decode_event_or_drop(payload, "pd.tokens.gw.r") is None
 
 
 # ---- a real stack -----------------------------------------------------------------------------------------
@@ -237,7 +242,7 @@ class Bus:
         await self.nc.drain()
 
     async def _on_event(self, msg) -> None:
-        event = msgspec.json.decode(msg.data, type=TokenEvent)
+        event = decode_event(msg.data)
         self.events.setdefault(event.request_id, []).append(event)
 
     async def job(self, subject: str, payload: bytes | msgspec.Struct) -> None:
@@ -247,18 +252,24 @@ class Bus:
         await self.nc.publish(subject, payload if isinstance(payload, bytes) else encode(payload))
         await self.nc.flush()
 
-    async def final(self, request_id: str, timeout_s: float = 20.0) -> TokenEvent:
+    async def final(self, request_id: str, timeout_s: float = 20.0) -> FinishedEvent | FailedEvent:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            done = [e for e in self.events.get(request_id, []) if e.finish_reason is not None]
+            done = [e for e in self.events.get(request_id, []) if isinstance(e, FinishedEvent | FailedEvent)]
             if done:
                 return done[0]
             await asyncio.sleep(0.05)
         raise AssertionError(f"no final event for {request_id}: {self.events.get(request_id)}")
 
+    async def failure(self, request_id: str) -> FailedEvent:
+        event = await self.final(request_id)
+        assert isinstance(event, FailedEvent), event
+        return event
+
     def tokens(self, request_id: str) -> list[int]:
         """The request's tokens in output order (each position once; a decode job's start after its first)."""
-        by_seq = {e.seq + i: t for e in self.events.get(request_id, []) for i, t in enumerate(e.token_ids)}
+        outputs = [e for e in self.events.get(request_id, []) if isinstance(e, TokensEvent | FinishedEvent)]
+        by_seq = {e.seq + i: t for e in outputs for i, t in enumerate(e.token_ids)}
         return [by_seq[i] for i in sorted(by_seq)]
 
     async def jetstream_is_empty(self, timeout_s: float = 10.0) -> str | None:
@@ -345,7 +356,7 @@ def test_malformed_and_bad_prefill_jobs(stack, baseline, prompt_ids):
             junk = {"traceparent": "00-zz-not-a-trace-01", "tracestate": "=" * 4000, "baggage": "\u00ff"}
             await bus.js.publish(subject, encode(_prefill_job("junk-headers", prompt_ids)), headers=junk)
             for request_id, _, reason in semantic:
-                event = await bus.final(request_id)
+                event = await bus.failure(request_id)
                 assert (event.finish_reason, event.status) == ("error", 400), event
                 assert reason in event.error
             assert (await bus.final("junk-headers")).finish_reason == "length"
@@ -397,7 +408,7 @@ def test_malformed_and_bad_decode_jobs(stack, baseline, prompt_ids):
             )
             await bus.job(subject, ghost)
             for job, reason in refused:
-                event = await bus.final(job.request_id)
+                event = await bus.failure(job.request_id)
                 assert (event.finish_reason, event.status) == ("error", 400) and reason in event.error, event
             assert (await bus.final("ghost")).finish_reason == "length"
             assert bus.tokens("ghost") == reference[1:]
@@ -495,7 +506,8 @@ def test_bad_cancels_heartbeats_and_token_events(stack, baseline):
     )
     gateway_log = _gateway_log(stack)
     assert gateway_log.count("dropping malformed Heartbeat on pd.hb.decode.fake") == heartbeats_dropped
-    assert gateway_log.count("dropping malformed TokenEvent") >= 2 * _malformed(bad_events, TokenEvent)
+    dropped = sum(decode_event_or_drop(p, "test") is None for p in bad_events)
+    assert gateway_log.count("dropping malformed TokenEvent") >= 2 * dropped
     _assert_healthy(stack, baseline)
 
 

@@ -28,13 +28,6 @@ def _stack(model_dir, **kw) -> Stack:
     return start_stack(StackSpec(model=str(model_dir), port=free_port(), threads_per_worker=1, **kw))
 
 
-@pytest.fixture(scope="module")
-def stack_1p1d(model_dir):
-    stack = _stack(model_dir, prefill=1, decode=1)
-    yield stack
-    stack.stop()
-
-
 def _client(stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -58,8 +51,8 @@ def _streamed_texts(stream, chat: bool) -> tuple[dict[int, str], dict[int, str |
     return texts, reasons, chunks
 
 
-def test_seeded_choices_equal_single_requests_and_repeat(stack_1p1d):
-    client = _client(stack_1p1d)
+def test_seeded_choices_equal_single_requests_and_repeat(stack):
+    client = _client(stack)
     first = client.completions.create(prompt=PROMPT, n=N, seed=SEED, **SAMPLED)
     again = client.completions.create(prompt=PROMPT, n=N, seed=SEED, **SAMPLED)
     assert [c.index for c in first.choices] == list(range(N))
@@ -80,8 +73,8 @@ def test_seeded_choices_equal_single_requests_and_repeat(stack_1p1d):
     assert all(len(c.choices) == 1 for c in chunks)  # one choice per chunk, tagged with its index
 
 
-def test_chat_choices_stream_with_a_role_each(stack_1p1d):
-    client = _client(stack_1p1d)
+def test_chat_choices_stream_with_a_role_each(stack):
+    client = _client(stack)
     messages = [{"role": "user", "content": "hi there"}]
     whole = client.chat.completions.create(messages=messages, n=N, seed=SEED, **SAMPLED)
     assert [c.index for c in whole.choices] == list(range(N))
@@ -120,47 +113,47 @@ def _settled(stack: Stack, timeout_s: float = 20.0) -> dict:
             return beats
 
 
-def test_the_prompt_is_prefilled_once_and_pulled_once(stack_1p1d):
-    client = _client(stack_1p1d)
-    before = {b.role: b for b in _settled(stack_1p1d).values()}
-    pulls_before = _decode_pulls(stack_1p1d)
+def test_the_prompt_is_prefilled_once_and_pulled_once(stack):
+    client = _client(stack)
+    before = {b.role: b for b in _settled(stack).values()}
+    pulls_before = _decode_pulls(stack)
     done = client.completions.create(prompt=PROMPT, n=N, seed=SEED, **SAMPLED)
-    after = {b.role: b for b in _settled(stack_1p1d).values()}
+    after = {b.role: b for b in _settled(stack).values()}
     assert after["prefill"].prefill_tokens - before["prefill"].prefill_tokens == done.usage.prompt_tokens
     assert after["decode"].prefill_tokens == before["decode"].prefill_tokens  # nothing recomputed on decode
     assert after["decode"].decode_tokens - before["decode"].decode_tokens == N * (MAX_TOKENS - 1)
-    assert _decode_pulls(stack_1p1d) - pulls_before == 1
+    assert _decode_pulls(stack) - pulls_before == 1
     assert all(b.free_blocks == b.total_blocks and b.integrity_error is None for b in after.values())
-    assert kv_keys(stack_1p1d.redis_url) == []
+    assert kv_keys(stack.redis_url) == []
 
 
-def test_client_disconnect_frees_every_choice(stack_1p1d):
+def test_client_disconnect_frees_every_choice(stack):
     body = {"model": "demo", "prompt": "cancel us", "max_tokens": 1000, "n": N, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as client:
-        with client.stream("POST", f"{stack_1p1d.url}/v1/completions", json=body) as resp:
+        with client.stream("POST", f"{stack.url}/v1/completions", json=body) as resp:
             assert resp.status_code == 200
             for i, _ in enumerate(resp.iter_lines()):
                 if i > 3 * N * 2:
                     break  # leave mid-stream
-    beats = _settled(stack_1p1d)
+    beats = _settled(stack)
     assert all(b.running == 0 and b.held_kv == 0 and b.free_blocks == b.total_blocks for b in beats.values()), beats
     assert all(b.integrity_error is None for b in beats.values())
-    assert kv_keys(stack_1p1d.redis_url) == []
+    assert kv_keys(stack.redis_url) == []
 
 
-def test_a_mixed_worker_answers_the_same_choices(model_dir, stack_1p1d):
+def test_a_mixed_worker_answers_the_same_choices(model_dir, stack):
     """Identical results whether the request ran disaggregated or in one engine."""
     disaggregated = [
-        c.text for c in _client(stack_1p1d).completions.create(prompt=PROMPT, n=N, seed=SEED, **SAMPLED).choices
+        c.text for c in _client(stack).completions.create(prompt=PROMPT, n=N, seed=SEED, **SAMPLED).choices
     ]
-    stack = _stack(model_dir, prefill=0, decode=0, mixed=1)
+    one_worker = _stack(model_dir, prefill=0, decode=0, mixed=1)
     try:
-        mixed = _client(stack).completions.create(prompt=PROMPT, n=N, seed=SEED, **SAMPLED)
+        mixed = _client(one_worker).completions.create(prompt=PROMPT, n=N, seed=SEED, **SAMPLED)
         assert [c.text for c in mixed.choices] == disaggregated
-        beat = next(iter(_settled(stack).values()))
+        beat = next(iter(_settled(one_worker).values()))
         assert beat.prefill_tokens == mixed.usage.prompt_tokens  # the prompt once, for three choices
     finally:
-        stack.stop()
+        one_worker.stop()
 
 
 FAST = {  # as tests/e2e/test_faults.py: a worker silent for 2 s is dead

@@ -37,13 +37,6 @@ def _stack(model_dir, **kw) -> Stack:
     return start_stack(StackSpec(model=str(model_dir), port=free_port(), threads_per_worker=1, **kw))
 
 
-@pytest.fixture(scope="module")
-def stack_1p1d(model_dir):
-    stack = _stack(model_dir, prefill=1, decode=1)
-    yield stack
-    stack.stop()
-
-
 def _complete(url: str, prompt: str, stream: bool = False, **extra) -> dict:
     body = {"model": "demo", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
             "stream": stream} | extra  # fmt: skip
@@ -65,27 +58,27 @@ def _complete(url: str, prompt: str, stream: bool = False, **extra) -> dict:
         return {"chunks": [json.loads(c) for c in chunks[:-1]]}
 
 
-def test_completions_match_single_process_engine(stack_1p1d, model_dir, reference):
+def test_completions_match_single_process_engine(stack, model_dir, reference):
     tok = Tokenizer(model_dir)
     for prompt in PROMPTS:
-        out = _complete(stack_1p1d.url, prompt)
+        out = _complete(stack.url, prompt)
         assert out["usage"]["completion_tokens"] == MAX_TOKENS
         assert out["usage"]["prompt_tokens"] == len(tok.encode(prompt))
         assert out["choices"][0]["text"] == tok.decode(reference[prompt])
         assert out["choices"][0]["finish_reason"] == "length"
 
 
-def test_streaming_is_ordered_and_complete(stack_1p1d, model_dir, reference):
+def test_streaming_is_ordered_and_complete(stack, model_dir, reference):
     tok = Tokenizer(model_dir)
     prompt = PROMPTS[0]
-    chunks = _complete(stack_1p1d.url, prompt, stream=True)["chunks"]
+    chunks = _complete(stack.url, prompt, stream=True)["chunks"]
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert text == tok.decode(reference[prompt])
     assert len({c["id"] for c in chunks}) == 1
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-def test_chat_matches_engine(stack_1p1d, model_dir):
+def test_chat_matches_engine(stack, model_dir):
     tok = Tokenizer(model_dir)
     messages = [{"role": "user", "content": "hi there"}]
     ids = tok.encode_chat(messages)
@@ -93,7 +86,7 @@ def test_chat_matches_engine(stack_1p1d, model_dir):
     expected = engine.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))[0]
     with httpx.Client(timeout=120) as client:
         resp = client.post(
-            f"{stack_1p1d.url}/v1/chat/completions",
+            f"{stack.url}/v1/chat/completions",
             json={
                 "model": "demo",
                 "messages": messages,
@@ -108,17 +101,17 @@ def test_chat_matches_engine(stack_1p1d, model_dir):
     assert body["usage"]["prompt_tokens"] == len(ids)
 
 
-def test_concurrent_requests_all_complete_and_kv_moved(stack_1p1d, model_dir, reference):
+def test_concurrent_requests_all_complete_and_kv_moved(stack, model_dir, reference):
     tok = Tokenizer(model_dir)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
     with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(lambda p: _complete(stack_1p1d.url, p, stream=True), prompts))
+        results = list(pool.map(lambda p: _complete(stack.url, p, stream=True), prompts))
     for prompt, result in zip(prompts, results, strict=True):
         text = "".join(c["choices"][0]["text"] for c in result["chunks"] if c["choices"])
         assert text == tok.decode(reference[prompt])
 
     time.sleep(0.5)
-    beats = heartbeats(stack_1p1d.nats_url)
+    beats = heartbeats(stack.nats_url)
     prefill = [b for b in beats.values() if b.role == "prefill"]
     decode = [b for b in beats.values() if b.role == "decode"]
     assert len(prefill) == 1 and len(decode) == 1
@@ -130,7 +123,7 @@ def test_concurrent_requests_all_complete_and_kv_moved(stack_1p1d, model_dir, re
     assert prefill[0].held_kv == 0 and prefill[0].free_blocks == prefill[0].total_blocks
     assert prefill[0].integrity_error is None and decode[0].integrity_error is None  # check_integrity()
     assert decode[0].free_blocks == decode[0].total_blocks
-    assert kv_keys(stack_1p1d.redis_url) == []
+    assert kv_keys(stack.redis_url) == []
 
 
 def test_without_shared_memory_every_pull_arrives_in_posted_receives(model_dir, reference):
@@ -153,8 +146,8 @@ def test_without_shared_memory_every_pull_arrives_in_posted_receives(model_dir, 
         stack.stop()
 
 
-def test_openai_client(stack_1p1d, model_dir, reference):
-    client = openai.OpenAI(base_url=f"{stack_1p1d.url}/v1", api_key="unused", max_retries=0)
+def test_openai_client(stack, model_dir, reference):
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
     tok = Tokenizer(model_dir)
     prompt = PROMPTS[1]
     kwargs = dict(model="demo", max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
@@ -169,17 +162,17 @@ def test_openai_client(stack_1p1d, model_dir, reference):
     assert [m.id for m in client.models.list().data] == ["demo"]
 
 
-def test_client_disconnect_frees_kv_everywhere(stack_1p1d):
-    generated_before = _generated_tokens(stack_1p1d)
+def test_client_disconnect_frees_kv_everywhere(stack):
+    generated_before = _generated_tokens(stack)
     body = {"model": "demo", "prompt": "cancel me", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as client:
-        with client.stream("POST", f"{stack_1p1d.url}/v1/completions", json=body) as resp:
+        with client.stream("POST", f"{stack.url}/v1/completions", json=body) as resp:
             for i, _ in enumerate(resp.iter_lines()):
                 if i > 6:
                     break  # leave mid-stream
     deadline = time.monotonic() + 20
     while True:
-        beats = heartbeats(stack_1p1d.nats_url, seconds=1.2)
+        beats = heartbeats(stack.nats_url, seconds=1.2)
         idle = all(
             b.running == 0 and b.held_kv == 0 and b.free_blocks == b.total_blocks and b.integrity_error is None
             for b in beats.values()
@@ -187,9 +180,9 @@ def test_client_disconnect_frees_kv_everywhere(stack_1p1d):
         if idle or time.monotonic() > deadline:
             break
     assert idle, beats
-    assert kv_keys(stack_1p1d.redis_url) == []
+    assert kv_keys(stack.redis_url) == []
     # the cancel stopped generation: ignore_eos would have run all 1000 tokens otherwise
-    generated = _generated_tokens(stack_1p1d) - generated_before
+    generated = _generated_tokens(stack) - generated_before
     assert generated < 500, f"{generated} tokens generated after the client left at the 7th line"
 
 
@@ -225,21 +218,21 @@ def _prefill_beat(stack: Stack, wanted, timeout_s: float = 20.0):
             return beat
 
 
-def test_bad_input_keeps_the_stack_serving(stack_1p1d):
+def test_bad_input_keeps_the_stack_serving(stack):
     with httpx.Client(timeout=60) as client:
         for body in ({"model": "demo"}, {"model": "nope", "prompt": "x"}, {"model": "demo", "prompt": "x", "n": 17}):
-            resp = client.post(f"{stack_1p1d.url}/v1/completions", json=body)
+            resp = client.post(f"{stack.url}/v1/completions", json=body)
             assert 400 <= resp.status_code < 500 and "error" in resp.json()
         resp = client.post(
-            f"{stack_1p1d.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+            f"{stack.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
         )
         assert 400 <= resp.status_code < 500
-    assert _complete(stack_1p1d.url, "still fine")["usage"]["completion_tokens"] == MAX_TOKENS
+    assert _complete(stack.url, "still fine")["usage"]["completion_tokens"] == MAX_TOKENS
 
 
-def test_tracing_off_by_default_and_quiet(stack_1p1d):
+def test_tracing_off_by_default_and_quiet(stack):
     """No OTEL_* set: no service turned tracing on, and nothing logged an error along the way."""
-    logs = stack_1p1d.logs()
+    logs = stack.logs()
     assert "tracing on" not in logs
     assert "Traceback" not in logs and " ERROR " not in logs, logs
 

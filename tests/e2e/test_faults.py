@@ -22,7 +22,7 @@ from services.local.infra import free_port
 from services.local.stack import Stack, StackSpec
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
-from shared.messages import EventKind
+from shared.messages import QueuedEvent
 from shared.model.tokenizer import Tokenizer
 from tests.chaos import EventWatch, Load, gateway_metric, settled, stream_completion, tally
 from tests.e2e_support import scraped_total, start_stack
@@ -172,7 +172,7 @@ def test_prefill_killed_after_first_token(model_dir, reference, policy):
     try:
         signal_worker(stack, decode, signal.SIGSTOP)  # dispatch still works while its last beat is < 5 s old
         load = Load(stack.url, prompts(SHORT), MAX_TOKENS)
-        watch.wait_for(lambda w: sum(e.kind is EventKind.QUEUED for e in w.events) >= N)  # every decode job published
+        watch.wait_for(lambda w: sum(isinstance(e, QueuedEvent) for e in w.events) >= N)  # every decode job published
         signal_worker(stack, "prefill-0", signal.SIGKILL)
         signal_worker(stack, decode, signal.SIGCONT)
         outcomes = load.results()

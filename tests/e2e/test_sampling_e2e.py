@@ -23,13 +23,6 @@ MAX_TOKENS = 20
 
 
 @pytest.fixture(scope="module")
-def stack(model_dir):
-    s = start_stack(StackSpec(model=str(model_dir), port=free_port(), prefill=1, decode=1, threads_per_worker=1))
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
 def client(stack):
     return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
 

@@ -49,13 +49,6 @@ E2E_SCHEMAS = ["flat", "nested", "array_of_objects", "one_of_shapes"]
 
 
 @pytest.fixture(scope="module")
-def stack(model_dir):
-    s = start_stack(StackSpec(model=str(model_dir), port=free_port(), threads_per_worker=1))
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
 def client(stack):
     return openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=120)
 

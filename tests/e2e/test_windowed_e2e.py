@@ -17,12 +17,10 @@ import httpx
 import pytest
 
 from services.demo_model import write_demo_checkpoint
-from services.local.infra import free_port
-from services.local.stack import StackSpec
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.model.tokenizer import Tokenizer
-from tests.e2e_support import heartbeats, kv_keys, scraped_total, start_stack
+from tests.e2e_support import heartbeats, kv_keys, scraped_total
 
 PROMPTS = ["Tell me a story about disaggregation " * 3, "a window of sixteen tokens is short", "hi"]
 MAX_TOKENS = 24
@@ -38,13 +36,6 @@ def model_dir(request, tmp_path_factory):
         config = json.loads((path / "config.json").read_text()) | {"sliding_window": 16}
         (path / "config.json").write_text(json.dumps(config))
     return path
-
-
-@pytest.fixture(scope="module")
-def stack(model_dir):
-    stack = start_stack(StackSpec(model=str(model_dir), port=free_port(), threads_per_worker=1, prefill=1, decode=1))
-    yield stack
-    stack.stop()
 
 
 def test_disaggregated_output_equals_the_engine_and_the_kv_moves_and_is_freed(stack, model_dir):

@@ -24,7 +24,6 @@ import nats
 import pytest
 from litestar.testing import TestClient
 
-from services.demo_model import write_demo_checkpoint
 from services.gateway import create_app
 from services.gateway.backend import BackendUnavailable, GenerationJob, Update
 from services.gateway.nats_backend import NatsBackend
@@ -32,11 +31,13 @@ from shared import bus
 from shared.messages import (
     CANCEL_WILDCARD,
     Cancel,
+    FinishedEvent,
     FinishReason,
     Heartbeat,
     PrefillJob,
     Sampling,
     TokenEvent,
+    TokensEvent,
     decode,
     encode,
     heartbeat_subject,
@@ -91,11 +92,6 @@ def redis_url():
         yield f"redis://127.0.0.1:{port}/0"
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("ckpt"), arch="qwen3_moe", size="tiny")
-
-
 def settings(checkpoint, nats_url, redis_url, model: str, **overrides) -> GatewaySettings:
     return GatewaySettings(
         model=str(checkpoint),
@@ -110,8 +106,8 @@ def settings(checkpoint, nats_url, redis_url, model: str, **overrides) -> Gatewa
 def in_order(job: PrefillJob) -> list[TokenEvent]:
     """Echo the prompt back, one token per event, then a final event."""
     ids = job.prompt_token_ids
-    events = [TokenEvent.tokens(job.request_id, 0, i, [t]) for i, t in enumerate(ids)]
-    return [*events, TokenEvent.finished(job.request_id, 0, len(ids), [], FinishReason.STOP)]
+    events = [TokensEvent(job.request_id, 0, i, [t]) for i, t in enumerate(ids)]
+    return [*events, FinishedEvent(job.request_id, 0, len(ids), [], finish_reason=FinishReason.STOP)]
 
 
 class FakeWorker:
@@ -193,11 +189,11 @@ def test_dispatch_and_demultiplex_out_of_order_events(checkpoint, nats_url, redi
     def shuffled(job: PrefillJob) -> list[TokenEvent]:
         r, (a, b, c) = job.request_id, job.prompt_token_ids
         return [
-            TokenEvent.tokens(r, 0, 1, [b]),  # decode worker overtakes the prefill worker's first token
-            TokenEvent.tokens(r, 0, 0, [a]),
-            TokenEvent.tokens(r, 0, 0, [a, b]),  # duplicate (a re-sent batch)
-            TokenEvent.finished(r, 1, 2, [c], FinishReason.STOP),  # a re-dispatch finished the request
-            TokenEvent.finished(r, 0, 2, [99], FinishReason.LENGTH),  # the old attempt, too late: stale
+            TokensEvent(r, 0, 1, [b]),  # decode worker overtakes the prefill worker's first token
+            TokensEvent(r, 0, 0, [a]),
+            TokensEvent(r, 0, 0, [a, b]),  # duplicate (a re-sent batch)
+            FinishedEvent(r, 1, 2, [c], finish_reason=FinishReason.STOP),  # a re-dispatch finished the request
+            FinishedEvent(r, 0, 2, [99], finish_reason=FinishReason.LENGTH),  # the old attempt, too late: stale
         ]
 
     async def scenario() -> None:
@@ -243,7 +239,7 @@ def test_cancel_reaches_workers(checkpoint, nats_url, redis_url):
     ("model", "script", "expected"),
     [
         ("silent", lambda j: [], "no first token within 0.3 s"),
-        ("stalled", lambda j: [TokenEvent.tokens(j.request_id, 0, 0, [7])], "no progress within 0.3 s"),
+        ("stalled", lambda j: [TokensEvent(j.request_id, 0, 0, [7])], "no progress within 0.3 s"),
     ],
 )
 def test_deadlines_end_the_request_and_cancel_it(checkpoint, nats_url, redis_url, model, script, expected):

@@ -29,12 +29,10 @@ from tests.integration.test_kv_transfer import (
     _prefill_main,
     _prompt,
     _run,
-    checkpoint,  # noqa: F401 (fixtures)
-    model,  # noqa: F401
 )
 
 
-def _start(checkpoint) -> tuple[mp.Process, PrefillProcess]:  # noqa: F811
+def _start(checkpoint) -> tuple[mp.Process, PrefillProcess]:
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
     proc = ctx.Process(target=_prefill_main, args=(theirs, str(checkpoint), {"shared_pool": True}), daemon=True)
@@ -46,7 +44,7 @@ def _start(checkpoint) -> tuple[mp.Process, PrefillProcess]:  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def lender(checkpoint):  # noqa: F811
+def lender(checkpoint):
     proc, process = _start(checkpoint)
     try:
         yield process
@@ -69,7 +67,7 @@ def _client(worker: str, borrow: bool = True) -> KvTransferClient:
 
 @pytest.mark.parametrize("scatter", [False, True], ids=["one-run", "scattered"])
 @pytest.mark.parametrize("block_size", [16, 8], ids=["same-blocks", "re-cut"])
-def test_a_borrowed_pull_is_imported_exactly_and_freed_at_its_release(lender, checkpoint, model, scatter, block_size):  # noqa: F811
+def test_a_borrowed_pull_is_imported_exactly_and_freed_at_its_release(lender, checkpoint, model, scatter, block_size):
     prompt = _prompt(150, seed=71)  # 10 blocks of 16
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     expected = _generated(checkpoint, model, prompt, params)
@@ -104,7 +102,7 @@ def test_a_borrowed_pull_is_imported_exactly_and_freed_at_its_release(lender, ch
     assert released["failed_sends"] == before["failed_sends"]  # a release is a send that went well
 
 
-def test_without_borrowing_the_same_host_pull_goes_through_the_segment(lender, checkpoint, model):  # noqa: F811
+def test_without_borrowing_the_same_host_pull_goes_through_the_segment(lender, checkpoint, model):
     layout = _engine(checkpoint, model).layout
     lender.prefill("no-borrow", _prompt(70, seed=72))
     sent = lender.call("export", "no-borrow")
@@ -122,7 +120,7 @@ def test_without_borrowing_the_same_host_pull_goes_through_the_segment(lender, c
     lender.assert_all_free()
 
 
-def test_a_loan_dropped_unreleased_is_given_back(lender, checkpoint, model):  # noqa: F811
+def test_a_loan_dropped_unreleased_is_given_back(lender, checkpoint, model):
     layout = _engine(checkpoint, model).layout
     lender.prefill("dropped", _prompt(70, seed=73))
 
@@ -142,7 +140,7 @@ def test_a_loan_dropped_unreleased_is_given_back(lender, checkpoint, model):  # 
     assert stats.borrowed_pulls == 1 and state["held"] == [] and state["free"] == state["total"]
 
 
-def test_a_loan_cut_by_its_connection_is_freed_and_its_copy_refused(lender, checkpoint, model):  # noqa: F811
+def test_a_loan_cut_by_its_connection_is_freed_and_its_copy_refused(lender, checkpoint, model):
     """The client drops its pair (as after a failure) while holding a loan: the prefill frees the blocks, and an
     import made after that refuses the copy rather than decode from blocks that may be reused."""
     prompt = _prompt(70, seed=74)
@@ -168,7 +166,7 @@ def test_a_loan_cut_by_its_connection_is_freed_and_its_copy_refused(lender, chec
     decode.check_integrity()
 
 
-def test_a_prefill_process_killed_while_lending(checkpoint, model):  # noqa: F811
+def test_a_prefill_process_killed_while_lending(checkpoint, model):
     """The lender dies with a loan out: the mapping stays valid (the memfd lives while mapped), the connection is
     gone, so the import refuses the copy and the caller recomputes; nothing is left behind."""
     proc, victim = _start(checkpoint)

@@ -7,22 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from services.demo_model import write_demo_checkpoint
 from shared.engine.block_manager import NoFreeBlocksError
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
-from shared.model.loader import load_model
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), arch="qwen3_moe", size="tiny")
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return load_model(checkpoint)
 
 
 def _engine(checkpoint, model, **overrides) -> Engine:

@@ -22,14 +22,12 @@ from multiprocessing.process import BaseProcess
 import pytest
 import torch
 
-from services.demo_model import write_demo_checkpoint
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.kv.held import HeldKv
 from shared.kv.transfer import EngineKvBlocks, FailureReason, KvTransferClient, KvTransferError, KvTransferServer
 from shared.kv.transfer.layer_stream import StreamedKv
-from shared.model.loader import load_model
 
 TIMEOUT_S = 20.0
 SECRET = b"test-cluster-secret-0123456789"
@@ -190,16 +188,6 @@ def _stop(prefill: PrefillProcess) -> None:
     if prefill.proc.is_alive():
         prefill.proc.kill()
         prefill.proc.join(5)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), arch="qwen3_moe", size="tiny")
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return load_model(checkpoint)
 
 
 # direct: each (layer, plane, run) a view of the pool (a fresh prefill's blocks are one run); layered: the runs

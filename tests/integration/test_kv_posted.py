@@ -32,9 +32,7 @@ from tests.integration.test_kv_transfer import (
     _prefill_main,
     _prompt,
     _run,
-    checkpoint,  # noqa: F401 (fixtures)
-    model,  # noqa: F401
-    prefill,  # noqa: F401
+    prefill,  # noqa: F401 (a fixture)
 )
 
 FAST_S = TIMEOUT_S / 10  # a refused or broken pull returns within this, not at its timeout
@@ -200,7 +198,7 @@ def test_a_wrong_token_count_is_ignored_by_the_server_and_the_kv_arrives_anyway(
     assert state["posted_pulls"] == before
 
 
-def test_a_prefill_worker_killed_mid_send_fails_the_posted_pull_at_once(checkpoint, model):  # noqa: F811
+def test_a_prefill_worker_killed_mid_send_fails_the_posted_pull_at_once(checkpoint, model):
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
     stall = dict(PATHS["direct"][0], chunk_bytes=4096, fault_send_stall_s=120.0)

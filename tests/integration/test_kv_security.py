@@ -23,7 +23,6 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from services.demo_model import write_demo_checkpoint
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
@@ -39,7 +38,6 @@ from shared.kv.transfer.pull_stream import PullStream
 from shared.kv.transfer.rpc_calls import MAX_MESSAGE_BYTES
 from shared.kv.transfer.server import MAX_ID_CHARS, SERVICE
 from shared.kv.transfer.wire import pieces
-from shared.model.loader import load_model
 from shared.rpc import kv_transfer_pb2 as pb
 from shared.rpc import kv_transfer_pb2_grpc as pb_grpc
 
@@ -113,16 +111,6 @@ def test_tickets_need_a_real_secret_and_ids():
 
 
 # ---- a server holding KV ----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), arch="qwen3_moe", size="tiny")
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return load_model(checkpoint)
 
 
 @dataclasses.dataclass

@@ -25,7 +25,6 @@ import grpc
 import pytest
 import torch
 
-from services.demo_model import write_demo_checkpoint
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
@@ -37,7 +36,6 @@ from shared.kv.transfer.pair import DECODE_RANK, Pair, TransferBackend, store_cl
 from shared.kv.transfer.pair_proof import PairProofs
 from shared.kv.transfer.shm import PREFIX, SHM_DIR
 from shared.kv.transfer.wire import announced_layout, num_pieces, pieces
-from shared.model.loader import load_model
 from shared.rpc import kv_transfer_pb2 as pb
 from shared.rpc import kv_transfer_pb2_grpc as pb_grpc
 
@@ -164,16 +162,6 @@ class PrefillProcess:
         assert state["integrity"] is None, state["integrity"]
         assert state["free"] == state["total"]
         return state
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), arch="qwen3_moe", size="tiny")
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return load_model(checkpoint)
 
 
 @pytest.fixture(scope="module")

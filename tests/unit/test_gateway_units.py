@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-from services.demo_model import write_demo_checkpoint
 from services.gateway.backend import Update
 from services.gateway.decoding import check_content_type, decode_body
 from services.gateway.errors import APIError
@@ -20,18 +19,20 @@ from services.gateway.schemas import CompletionRequest
 from services.gateway.served_model import ServedModel
 from services.gateway.textstream import TextAssembler
 from shared.engine.sampling import SamplingParams
-from shared.messages import FinishReason, Heartbeat, TokenEvent
+from shared.messages import FailedEvent, FinishedEvent, FinishReason, Heartbeat, TokenEvent, TokensEvent
 from shared.model.tokenizer import Tokenizer
 from shared.settings import GatewaySettings
 
 
-def ev(seq: int, tokens: list[int], attempt: int = 0, finish: str | None = None, error: str | None = None):
+def ev(
+    seq: int, tokens: list[int], attempt: int = 0, finish: str | None = None, error: str | None = None
+) -> TokenEvent:
     """Shorthand: tokens, finished ("stop" / "length") or failed ("error" / "abort") by `finish`."""
     if finish in ("error", "abort"):
-        return TokenEvent.failed("r1", attempt, error or "", reason=FinishReason(finish))
+        return FailedEvent("r1", attempt, error or "", finish_reason=FinishReason(finish))
     if finish is not None:
-        return TokenEvent.finished("r1", attempt, seq, tokens, FinishReason(finish))
-    return TokenEvent.tokens("r1", attempt, seq, tokens)
+        return FinishedEvent("r1", attempt, seq, tokens, finish_reason=FinishReason(finish))
+    return TokensEvent("r1", attempt, seq, tokens)
 
 
 def feed(order: TokenOrder, *events: TokenEvent) -> list[Update]:
@@ -128,16 +129,6 @@ def test_liveness_matches_models_by_subject_token():
 
 
 # ---- TextAssembler ----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("ckpt"), arch="qwen3_moe", size="tiny")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(checkpoint):
-    return Tokenizer(checkpoint)
 
 
 def run(tokenizer: Tokenizer, text: str, stop: list[str]) -> tuple[list[str], TextAssembler]:

@@ -12,7 +12,7 @@ import pytest
 from services.cli import main as cli_main
 from services.decode.worker import first_token_end
 from shared.engine.request import FinishReason
-from shared.messages import DecodeJob, EventKind, PrefillJob, Sampling
+from shared.messages import DecodeJob, FinishedEvent, PrefillJob, Sampling, TokensEvent
 from shared.settings import WorkerSettings, from_env
 from shared.worker.events import announce_event, queued_event, streamed_first_token_event
 
@@ -70,9 +70,9 @@ def test_a_streamed_job_keeps_the_stage_positions_of_an_unstreamed_one():
 def test_the_streamed_first_token_event_is_at_position_0_and_may_end_the_request():
     _, job = _jobs(streamed=True)
     going_on = streamed_first_token_event(job, 42, None, "d")
-    assert (going_on.kind, going_on.seq, going_on.token_ids, going_on.prompt_tokens) == (EventKind.TOKENS, 0, [42], 3)
+    assert (type(going_on), going_on.seq, going_on.token_ids, going_on.prompt_tokens) == (TokensEvent, 0, [42], 3)
     ended = streamed_first_token_event(job, 42, FinishReason.STOP, "d")
-    assert ended.kind is EventKind.FINISHED and ended.finish_reason is not None and ended.finish_reason.value == "stop"
+    assert isinstance(ended, FinishedEvent) and ended.finish_reason is not None and ended.finish_reason.value == "stop"
 
 
 def test_first_token_end_decides_as_the_scheduler():

@@ -7,24 +7,12 @@ import threading
 import pytest
 import torch
 
-from services.demo_model import write_demo_checkpoint
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.layer_streams import LayerProgress, StreamFailed, StreamStart
 from shared.engine.sampling import SamplingParams
-from shared.model.loader import load_model
 
 PREFILL = SamplingParams(max_tokens=1, temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), arch="qwen3_moe", size="tiny")
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return load_model(checkpoint)
 
 
 def _engine(checkpoint, model) -> Engine:

@@ -10,7 +10,18 @@ import pytest
 
 from services.gateway.ordering import TokenOrder
 from services.gateway.request_stream import Deadlines, RequestUpdates
-from shared.messages import Cancel, FinishReason, PrefillJob, Sampling, TokenEvent, attempt_key
+from shared.messages import (
+    Cancel,
+    FinishedEvent,
+    FinishReason,
+    PrefillJob,
+    QueuedEvent,
+    Sampling,
+    TakenEvent,
+    TokenEvent,
+    TokensEvent,
+    attempt_key,
+)
 
 TTL, STALL = 2.0, 10.0
 
@@ -18,12 +29,12 @@ TTL, STALL = 2.0, 10.0
 def ev(seq, tokens, worker="", attempt=0, finish=None, queued=False) -> TokenEvent:
     """Shorthand: queued, taken (no tokens), tokens or finished (`finish`) by its arguments."""
     if queued:
-        return TokenEvent.queued("r", attempt, seq, worker)
+        return QueuedEvent("r", attempt, seq, worker)
     if finish is not None:
-        return TokenEvent.finished("r", attempt, seq, tokens, FinishReason(finish), worker)
+        return FinishedEvent("r", attempt, seq, tokens, worker, finish_reason=FinishReason(finish))
     if not tokens:
-        return TokenEvent.taken("r", attempt, seq, worker)
-    return TokenEvent.tokens("r", attempt, seq, tokens, worker)
+        return TakenEvent("r", attempt, seq, worker)
+    return TokensEvent("r", attempt, seq, tokens, worker)
 
 
 class Clock:

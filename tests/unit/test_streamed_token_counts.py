@@ -25,7 +25,7 @@ from shared.kv.held import HeldKv
 from shared.kv.registry import KvLocation
 from shared.kv.transfer import EngineKvBlocks, FailureReason, KvTransferError
 from shared.kv.transfer.layer_stream import StreamedKv
-from shared.messages import DecodeJob, EventKind, PrefillJob, Sampling, TokenEvent, decode, encode
+from shared.messages import DecodeJob, FinishedEvent, PrefillJob, Sampling, TokenEvent, TokensEvent, decode, encode
 from shared.settings import KvTransferSettings, WorkerRole, WorkerSettings
 
 MAX_TOKENS = 6
@@ -158,7 +158,7 @@ def _tokens(events: list[TokenEvent]) -> list[int]:
     """The client's stream: every token event's tokens by position, no position twice."""
     by_seq: dict[int, list[int]] = {}
     for e in events:
-        if e.kind in (EventKind.TOKENS, EventKind.FINISHED) and e.token_ids:
+        if isinstance(e, TokensEvent | FinishedEvent) and e.token_ids:
             assert e.seq not in by_seq, f"position {e.seq} sent twice"
             by_seq[e.seq] = e.token_ids
     return [t for seq in sorted(by_seq) for t in by_seq[seq]]
@@ -175,7 +175,8 @@ def test_the_first_token_is_counted_once_by_the_worker_that_emits_it(model_dir, 
     decoder, events = asyncio.run(_streamed_hand_off(model_dir, pull_works))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     assert _tokens(events) == Engine.from_dir(model_dir, max_model_len=256).generate([PROMPT], params)[0]
-    assert all(e.worker_id == "d" for e in events if e.token_ids)  # the prefill worker emitted none
+    outputs = [e for e in events if isinstance(e, TokensEvent | FinishedEvent)]
+    assert all(e.worker_id == "d" for e in outputs if e.token_ids)  # the prefill worker emitted none
     assert (decoder.load.prefill_tokens > 0) is not pull_works  # recomputed exactly when the pull failed
     assert _generated("prefill") - prefill_before == 0  # sampled there, but emitted (and counted) by decode
     assert _generated("decode") - decode_before == MAX_TOKENS

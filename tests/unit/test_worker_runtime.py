@@ -13,7 +13,7 @@ from opentelemetry.trace import INVALID_SPAN, Span
 from services.mixed.worker import MixedWorker
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
-from shared.messages import Cancel, PrefillJob, Sampling, TokenEvent, encode
+from shared.messages import Cancel, FailedEvent, PrefillJob, Sampling, TakenEvent, TokenEvent, encode
 from shared.settings import WorkerSettings
 from shared.worker import JobLedger, Phase, sampling_params
 from shared.worker.cancels import CancelMemory
@@ -239,7 +239,7 @@ def test_a_cancel_drops_the_job_in_hand_everywhere(worker):
             msg = FakeMsg(job(max_tokens=200))
             await worker.handle_job(msg)
             assert msg.calls == ["ack"] and worker.ledger.get("r") is not None  # in the engine, streaming
-            assert [e.token_ids for e in _events(worker)][:1] == [[]]  # announced
+            assert [type(e) for e in _events(worker)][:1] == [TakenEvent]  # announced
             await worker.on_cancel(Cancel("r"))
             assert worker.ledger.get("r") is None and worker.cancels.is_cancelled("r", 0)
             await worker.engine.call(lambda e: None)  # the snapshot after the abort
@@ -265,9 +265,10 @@ def test_a_job_the_engine_refuses_is_answered_and_terminated(worker, error, stat
             msg = FakeMsg(job())
             await worker.handle_job(msg)
             assert msg.calls == ["term"] and len(worker.ledger) == 0
-            events = _events(worker)
-            assert events[-1].finish_reason == "error" and events[-1].status == status
-            assert str(error) in events[-1].error
+            *_, last = _events(worker)
+            assert isinstance(last, FailedEvent)
+            assert last.finish_reason == "error" and last.status == status
+            assert str(error) in last.error
         finally:
             await worker.engine.stop()
 

@@ -1,33 +1,29 @@
-"""Fixtures of the gateway tests: one tiny demo checkpoint (its tokenizer) per module, a fresh fake backend and
-an in-process client per test. A module overrides `fake` to script other replies."""
+"""Fixtures of the gateway tests: a fresh fake backend, the app over it and an in-process client per test, on the
+module's tiny demo checkpoint and its tokenizer (tests/conftest.py). A module overrides `fake` to script other
+replies, or `app` to serve another backend or keep one app for the whole module."""
 
 from __future__ import annotations
 
 import pytest
+from litestar import Litestar
 from litestar.testing import TestClient
 
-from services.demo_model import write_demo_checkpoint
 from services.gateway import create_app
-from shared.model.tokenizer import Tokenizer
 from tests.unit.gateway.harness import FakeBackend, settings_for
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("ckpt"), arch="qwen3_moe", size="tiny")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(checkpoint):
-    return Tokenizer(checkpoint)
-
-
 @pytest.fixture
-def fake(tokenizer):
+def fake(tokenizer) -> FakeBackend:
     return FakeBackend(tokenizer)
 
 
 @pytest.fixture
-def client(checkpoint, fake):
-    with TestClient(create_app(settings_for(checkpoint), fake)) as c:
+def app(checkpoint, fake) -> Litestar:
+    return create_app(settings_for(checkpoint), fake)
+
+
+@pytest.fixture
+def client(app):
+    """The app's client, its lifespan entered (the backend opened) for the test and left after it."""
+    with TestClient(app) as c:
         yield c

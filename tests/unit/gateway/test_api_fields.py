@@ -10,13 +10,10 @@ import re
 from pathlib import Path
 
 import pytest
-from litestar.testing import TestClient
 
-from services.demo_model import write_demo_checkpoint
 from services.gateway import create_app
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.unsupported import BOOKKEEPING, REFUSED
-from shared.model.tokenizer import Tokenizer
 from tests.openai_schema import SCHEMAS
 from tests.unit.gateway.harness import MODEL, FakeBackend, assert_error, settings_for
 
@@ -85,10 +82,8 @@ def test_docs_state_each_fields_status(api):
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    checkpoint = write_demo_checkpoint(tmp_path_factory.mktemp("ckpt"), arch="qwen3_moe", size="tiny")
-    with TestClient(create_app(settings_for(checkpoint), FakeBackend(Tokenizer(checkpoint)))) as c:
-        yield c
+def app(checkpoint, tokenizer):  # one app for the module's many requests (building one takes ~0.5 s)
+    return create_app(settings_for(checkpoint), FakeBackend(tokenizer))
 
 
 def _with(api: str, field: str, value) -> dict:

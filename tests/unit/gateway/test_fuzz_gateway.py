@@ -26,7 +26,6 @@ from litestar.testing import TestClient
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi import checks as openapi_checks
 
-from services.demo_model import write_demo_checkpoint
 from services.gateway import create_app
 from services.gateway.backend import GenerationJob, Overloaded, Update
 from services.gateway.draining import Drain
@@ -66,18 +65,12 @@ class WorkerLikeBackend(FakeBackend):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("ckpt"), arch="qwen3_moe", size="tiny")
-
-
-@pytest.fixture(scope="module")
-def backend(checkpoint):
-    tokenizer = Tokenizer(checkpoint)
+def backend(tokenizer):
     return WorkerLikeBackend(tokenizer, vocab_size=259, max_model_len=2048)
 
 
 @pytest.fixture(scope="module")
-def app(checkpoint, backend):
+def app(checkpoint, backend):  # one app for the module (the schema is read from it): `client` enters it per test
     return create_app(settings_for(checkpoint), backend)
 
 
@@ -94,12 +87,6 @@ def gateway_schema(app):
         }
     )
     return schemathesis.openapi.from_asgi("/schema/openapi.json", app, config=config)
-
-
-@pytest.fixture
-def client(app):
-    with TestClient(app) as c:
-        yield c
 
 
 CHECKS = [

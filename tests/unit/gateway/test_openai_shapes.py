@@ -11,34 +11,10 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from litestar.testing import TestClient
 
-from services.demo_model import write_demo_checkpoint
-from services.gateway import create_app
 from services.gateway.backend import Update
-from shared.model.tokenizer import Tokenizer
 from tests.openai_schema import SCHEMAS, errors, validate, validate_error, validate_stream_chunk
-from tests.unit.gateway.harness import MODEL, FakeBackend, settings_for, stream_chunks
-
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-USER = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_demo_checkpoint(tmp_path_factory.mktemp("ckpt"), arch="qwen3_moe", size="tiny")
-
-
-@pytest.fixture
-def fake(checkpoint):
-    return FakeBackend(Tokenizer(checkpoint))
-
-
-@pytest.fixture
-def client(checkpoint, fake):
-    with TestClient(create_app(settings_for(checkpoint), fake)) as c:
-        yield c
+from tests.unit.gateway.harness import CHAT, COMPLETIONS, MODEL, USER, stream_chunks
 
 
 @pytest.mark.parametrize("max_tokens", [3, None])  # finish "length" and "stop"
