@@ -38,7 +38,7 @@ def main() -> None:
     args = ap.parse_args()
     model = write_demo_checkpoint(tempfile.mkdtemp() + "/demo", arch="qwen3_moe", size="tiny")
     cfg = EngineConfig(model=str(model), threads=1, max_model_len=256, num_kv_blocks=256)
-    single = _decode_s(Engine(cfg), args.batch, args.tokens)
+    single = _decode_s(Engine.build(cfg), args.batch, args.tokens)
     group = start_group(EngineConfig(**{**cfg.__dict__, "tp": 2}))
     try:
         grouped = _decode_s(group.engine, args.batch, args.tokens)

@@ -4,13 +4,14 @@ share of the TTFT (the same prompt's prefill, measured in the same run).
     .venv/bin/python benchmarks/kv_reslice_bench.py [--tokens 4096] [--repeats 9] [--prefill-repeats 2]
         [--threads 2] [--model DIR] [--out JSON]
 
-The KV is that of a `tokens`-token prompt of the `small` demo model's layout (8 layers, 2 KV heads, head
-dim 64, float32: 33.6 MB at 4k tokens), random values (the bytes' values do not change the cost). Each
-prefill rank is a spawned process with its slice of the pool (`kv_head_range`) and its own KvTransferServer
-(`serve_rank_kv`); this process is the decode rank (`pull_rank_kv`: the plan's pulls from every source rank at
-once, assembled into one tensor of its heads) and plays the prefill leader (`GroupHeldKv`: holds the key on
-every rank before a pull, frees it once the group's pulls ended). Timed: `pull_rank_kv`, from the call to
-the assembled tensor, after one warm-up that forms the pairs; medians of `repeats`; the layouts alternate.
+The KV is that of a `tokens`-token prompt of the `small` demo model's layout (8 layers, 2 KV heads, head dim 64,
+float32: 33.6 MB at 4k tokens), random values (the bytes' values do not change the cost). Each prefill rank is a
+spawned process with its slice of the pool (`kv_head_range`) and its own KvTransferServer (a `RankKv` over its
+pool slice, served by `kv_server`); this process is the decode rank (`pull_rank_kv`: the plan's pulls from every
+source rank at once, assembled into one tensor of its heads) and plays the prefill leader (`KvHandOff`: holds
+the key on every rank before a pull, frees it once the group's pulls ended). Timed: `pull_rank_kv`, from the
+call to the assembled tensor, after one warm-up that forms the pairs; medians of `repeats`; the layouts
+alternate.
 
 TTFT: the prefill of one `tokens`-token prompt to its first token on the `small` demo checkpoint (the model
 whose KV layout the hand-off moves), TP 1 with --threads threads in this process, and TP 2 with half as many per
@@ -46,11 +47,14 @@ from shared.engine.config import EngineConfig, SchedulerConfig  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.kv_pool import KVLayout, KVPool  # noqa: E402
 from shared.engine.sampling import SamplingParams  # noqa: E402
-from shared.kv.group_held import GroupHeldKv  # noqa: E402
-from shared.kv.rank_transfer import pull_rank_kv, rank_worker_id, serve_rank_kv  # noqa: E402
+from shared.kv.endpoints import kv_server, rank_worker_id  # noqa: E402
+from shared.kv.held import KvHandOff  # noqa: E402
+from shared.kv.rank_held import HeldTable, RankKv, SendOutcome  # noqa: E402
+from shared.kv.rank_transfer import pull_rank_kv  # noqa: E402
 from shared.kv.reslice import group_record  # noqa: E402
 from shared.kv.transfer import KvTransferClient  # noqa: E402
 from shared.parallel.launch import run_on_ranks  # noqa: E402
+from shared.settings import KvTransferSettings  # noqa: E402
 from shared.sharding.group import RankGroup  # noqa: E402
 from shared.sharding.layout import kv_head_range  # noqa: E402
 
@@ -64,17 +68,28 @@ def _rank_main(conn: Connection, reports: mp.Queue, rank: int, layout: KVLayout,
         pool = KVPool(layout, blocks)
         pool.tensor.copy_(torch.randn(pool.tensor.shape, generator=torch.Generator().manual_seed(rank)))
 
-        async def report(key: str, rank: int, ok: bool, pulls: int) -> None:
-            reports.put((key, rank, ok, pulls))
-
-        held, server, address = await serve_rank_kv(None, pool, rank, report, host="127.0.0.1", secret=SECRET)
-        conn.send(address)
+        held = RankKv(rank, _Reports(reports), pool=pool)
+        server = kv_server(KvTransferSettings(), held, secret=SECRET.decode(), model_name="", port=0)
+        conn.send(await server.start())
         while (command := await asyncio.to_thread(conn.recv))[0] != "stop":
             op, *args = command
-            conn.send(await (held.hold(*args) if op == "hold" else held.retire(*args)))
+            conn.send(await getattr(held, op)(*args))  # hold, close or retire
         await server.stop()
 
     asyncio.run(serve())
+
+
+class _Reports:
+    """A rank's send reports, to the leader through the queue."""
+
+    def __init__(self, queue: mp.Queue) -> None:
+        self.queue = queue
+
+    async def send_began(self, key: str, rank: int) -> None:
+        self.queue.put(("began", key, rank))
+
+    async def send_ended(self, key: str, rank: int, outcome: SendOutcome, group_pulls: int) -> None:
+        self.queue.put(("ended", key, rank, outcome.value, group_pulls))
 
 
 class Group:
@@ -102,11 +117,14 @@ class _Link:
     conn: Connection
     address: str
 
-    async def hold(self, key: str, block_ids: list[int], num_tokens: int) -> None:
-        await asyncio.to_thread(self._call, "hold", key, block_ids, num_tokens)
+    async def hold(self, key: str, table: HeldTable | None = None) -> None:
+        await asyncio.to_thread(self._call, "hold", key, table)
 
-    async def retire(self, key: str) -> None:
-        await asyncio.to_thread(self._call, "retire", key)
+    async def close(self, key: str, stop_why: str | None = None) -> None:
+        await asyncio.to_thread(self._call, "close", key, stop_why)
+
+    async def retire(self, key: str, wait: bool = True) -> None:
+        await asyncio.to_thread(self._call, "retire", key, wait)
 
     def _call(self, *command):
         self.conn.send(command)
@@ -118,7 +136,7 @@ async def _bench(groups: dict[str, Group], tokens: int, repeats: int) -> dict[st
     out: dict[str, dict] = {}
     leaders, forwards, clients, times = {}, {}, {}, {name: [] for name in groups}
     for name, group in groups.items():
-        leaders[name] = leader = GroupHeldKv(group.links, _noop, lease_s=600.0)  # pyright: ignore[reportArgumentType]
+        leaders[name] = leader = KvHandOff(group.links, _noop, lease_s=600.0)
         forwards[name] = asyncio.create_task(_forward(group, leader))
         clients[name] = KvTransferClient(
             rank_worker_id(f"bench-{name}", 0), secret=SECRET, timeout_s=TIMEOUT_S, group_id=f"bench-{name}"
@@ -126,7 +144,7 @@ async def _bench(groups: dict[str, Group], tokens: int, repeats: int) -> dict[st
     for i in range(repeats + 1):  # the first round forms the pairs: not timed
         for name, group in groups.items():
             key = f"{name}-{i}"
-            await leaders[name].hold(key, list(range(blocks)), tokens)
+            await leaders[name].hold(key, key, 0, table=HeldTable(list(range(blocks)), tokens))
             started = time.perf_counter()
             kv = await pull_rank_kv(clients[name], group.record, key, MODEL, 1, 0)
             elapsed = time.perf_counter() - started
@@ -149,9 +167,13 @@ async def _noop(key: str) -> None:
     return None
 
 
-async def _forward(group: Group, leader: GroupHeldKv) -> None:
+async def _forward(group: Group, leader: KvHandOff) -> None:
     while (report := await asyncio.to_thread(group.reports.get)) is not None:
-        await leader.send_ended(*report)
+        if report[0] == "began":
+            await leader.send_began(*report[1:])
+        else:
+            key, rank, outcome, pulls = report[1:]
+            await leader.send_ended(key, rank, SendOutcome(outcome), pulls)
 
 
 def prefill_s(group: RankGroup | None, model: str, threads: int, tokens: int) -> float:
@@ -164,7 +186,7 @@ def prefill_s(group: RankGroup | None, model: str, threads: int, tokens: int) ->
         kv_cache_bytes=256 << 20,
         scheduler=SchedulerConfig(max_num_batched_tokens=tokens),
     )
-    engine = Engine(config, group=group)
+    engine = Engine.build(config, group=group)
     vocab = engine.model.config.vocab_size
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     engine.generate([[5 + i % (vocab - 10) for i in range(32)]], first)  # warm-up

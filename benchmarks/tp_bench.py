@@ -53,7 +53,7 @@ def measure(group: RankGroup | None, model: str, threads: int, args: dict) -> di
             max_num_seqs=max(args["decode_batch"], 1), max_num_batched_tokens=args["prefill_len"]
         ),
     )
-    engine = Engine(config, group=group)
+    engine = Engine.build(config, group=group)
     vocab = engine.model.config.vocab_size
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     engine.generate([[5 + i % (vocab - 10) for i in range(32)]], first)  # warm-up

@@ -28,7 +28,7 @@ from pathlib import Path
 from unittest import mock
 
 from services.demo_model import write_demo_checkpoint
-from shared.engine import engine as engine_module
+from shared.engine import kv_cache as kv_cache_module
 from shared.engine.config import SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.kv_groups import KVGroup
@@ -127,7 +127,7 @@ def run_hybrid(model_dir: Path, args: argparse.Namespace) -> dict:
 def main_hybrid(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_demo_checkpoint(Path(tmp) / "gpt_oss", arch="gpt_oss", size=args.size)
-        with mock.patch.object(engine_module, "kv_groups", one_pool):
+        with mock.patch.object(kv_cache_module, "kv_groups", one_pool):
             before = run_hybrid(model_dir, args)
         after = run_hybrid(model_dir, args)
     report = {"cpu": cpu_model(), "args": vars(args), "results": {"one pool": before, "groups": after}}

@@ -78,7 +78,8 @@ def _demo_model(args: argparse.Namespace) -> int:
 
 
 def _generate_engine(args: argparse.Namespace):
-    """The engine of `generate`: one process, or with --tp/--ep > 1 a worker group led by this process."""
+    """The engine of `generate` and the worker group it leads: one process (no group), or with --tp/--ep > 1 a
+    worker group led by this process."""
     from shared.engine.config import EngineConfig
     from shared.engine.engine import Engine
 
@@ -86,10 +87,11 @@ def _generate_engine(args: argparse.Namespace):
         model=str(args.model), dtype=args.dtype, threads=args.threads, device=args.device, tp=args.tp, ep=args.ep
     )
     if max(args.tp, args.ep) == 1:
-        return Engine(config)
+        return Engine.build(config), None
     from shared.parallel.group_engine import start_group
 
-    return start_group(config).engine
+    group = start_group(config)
+    return group.engine, group
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -116,12 +118,12 @@ def _generate(args: argparse.Namespace) -> int:
         if args.chat
         else tokenizer.encode(args.prompt)
     )
-    engine = _generate_engine(args)
+    engine, group = _generate_engine(args)
     try:
         return _generate_with(args, engine, tokenizer, prompt_ids, params)
     finally:
-        if engine.worker_group is not None:  # a planned stop: the followers leave their loops
-            engine.worker_group.close()
+        if group is not None:  # a planned stop: the followers leave their loops
+            group.close()
 
 
 def _generate_with(args: argparse.Namespace, engine, tokenizer, prompt_ids: list[int], params) -> int:
@@ -298,7 +300,7 @@ def _worker(args: argparse.Namespace) -> int:
         try:
             await worker.run()
         finally:
-            group = worker.engine.engine.worker_group
+            group = worker.group
             if group is not None:  # a planned stop: the followers leave their loops (no rank-death exit)
                 group.close()
         return worker.failure is None

@@ -30,22 +30,16 @@ from shared.engine.borrowed_kv import BorrowedKv, BorrowRevoked
 from shared.engine.engine import Engine
 from shared.engine.kv_export import KVExport
 from shared.engine.request import FinishReason
-from shared.kv.rank_agents import RankPuller
-from shared.kv.rank_transfer import drop_group_kv, pull_group_kv, pull_rank_kv
-from shared.kv.registry import KvLocation, KvRegistry
-from shared.kv.reslice import IncompatibleKv, check_compatible, group_record
-from shared.kv.transfer.channel_tls import KvTls
-from shared.kv.transfer.client import KvTransferClient
-from shared.kv.transfer.errors import KvTransferError
+from shared.kv.decode_kv import DecodeKv
+from shared.kv.registry import KvRegistry
 from shared.kv.transfer.layer_stream import StreamedKv
 from shared.messages import DecodeJob, Role, decode_subject
 from shared.parallel.agents import StagedExport
-from shared.parallel.group_engine import WorkerGroup
-from shared.sharding.layout import LayoutError
 from shared.telemetry import metrics, tracing
 from shared.worker import Entry, Phase, StreamingWorker, error_event, sampling_params, spans
 from shared.worker.choices import choice_jobs, engine_choices, import_and_fork
 from shared.worker.events import streamed_first_token_event
+from shared.worker.kv_ranks import kv_ranks
 
 log = logging.getLogger(__name__)
 MAX_CONCURRENT_PULLS = 4
@@ -56,38 +50,21 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.registry: KvRegistry | None = None  # both set up once Redis is connected (setup)
-        self.client: KvTransferClient | None = None
+        self.registry: KvRegistry | None = None  # set up once Redis is connected (setup)
+        # the pulls of this worker's ranks (one, or a group's: each its own heads), started in setup
+        self.kv = DecodeKv(self.settings.kv, self.settings.worker_id, self.engine.engine.layout,
+                           secret=self.settings.ticket_secret, model_name=self.model_name,
+                           ranks=kv_ranks(self.group))  # fmt: skip
 
     def job_subject(self) -> str:
         return decode_subject(self.model_name)
 
-    @property
-    def _kv_group(self) -> WorkerGroup | None:
-        """This worker's group when its ranks hold KV head slices (each rank pulls its own heads), else None."""
-        group = self.engine.engine.worker_group
-        return group if group is not None and group.layout.tp > 1 else None
-
     async def setup(self) -> None:
         self.registry = KvRegistry(self.conn.redis, self.settings.kv.lease_s)
-        if (group := self._kv_group) is not None:  # every rank its own transfer client, pulling its own heads
-            puller = RankPuller(self.settings.worker_id, self.settings.kv, self.settings.ticket_secret, self.model_name)
-            await group.agents.call_all("kv.puller", dict.fromkeys(range(group.layout.tp), puller))
-        self.client = KvTransferClient(
-            self.settings.worker_id,
-            secret=self.settings.ticket_secret,
-            backend=self.settings.kv.backend,
-            timeout_s=self.settings.kv.timeout_s,
-            model_name=self.model_name,
-            tls=KvTls.load(*self.settings.kv.tls_files),
-            shared_memory=self.settings.kv.shm_bytes > 0,
-        )
+        await self.kv.start()
 
     async def teardown(self) -> None:
-        if self.client is not None:
-            await self.client.close()
-        if (group := self._kv_group) is not None:
-            await group.agents.call_all("kv.stop", dict.fromkeys(range(group.layout.tp)))
+        await self.kv.close()
 
     def has_room(self) -> bool:
         return super().has_room() and self.ledger.count(Phase.PULLING) < MAX_CONCURRENT_PULLS
@@ -105,7 +82,6 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
         spans.end_once(entry.span)
 
     async def _admit(self, entry: Entry[DecodeJob]) -> None:
-        assert self.client is not None  # set up (setup) before any job is taken
         job, key, span = entry.job, entry.key, entry.span
         staged: StagedExport | None = None  # KV each rank of this group staged, until imported
         try:
@@ -133,7 +109,7 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
                 self.emit(job.reply_subject, first)
                 metrics.GENERATION_TOKENS.labels(*self.labels).inc()  # emitted here, so counted here (not by prefill)
                 if end is not None:  # that token finished it: nothing to decode
-                    self.client.recycle(kv)
+                    self.kv.recycle(kv)
                     self.ledger.finish(key)
                     span.set_attribute(tracing.KV_OUTCOME, "pulled")
                     return
@@ -148,12 +124,11 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
                 done = await self.engine.call(lambda e: import_and_fork(e, key, prompt, outputs, params, kv, choices))
                 staged = None  # written into the blocks on every rank (the import_staged op)
                 self.handle_outputs(done)
-                if not isinstance(kv, StagedExport):
-                    self.client.recycle(kv)  # its receive buffer serves the next pull (no fresh page faults)
+                self.kv.recycle(kv)  # its receive buffer serves the next pull (no fresh page faults)
                 span.set_attribute(tracing.KV_OUTCOME, "pulled")
             except (NoFreeBlocksError, BorrowRevoked) as exc:
                 if isinstance(kv, BorrowedKv):
-                    self.client.recycle(kv)  # given back (a revoked loan: to a connection that is over already)
+                    self.kv.recycle(kv)  # given back (a revoked loan: to a connection that is over already)
                 if isinstance(exc, BorrowRevoked):  # the prefill worker took the blocks back: a failed pull
                     log.warning("the KV of %s was taken back before it was copied (%s)", key, exc)
                     if self.settings.kv.fallback == "fail":
@@ -167,8 +142,8 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
             for e in self._choices(entry):
                 await self.fail(e, exc)
         finally:
-            if staged is not None and (kv_group := self._kv_group) is not None:  # pulled, not imported: dropped
-                await drop_group_kv(kv_group.agents, kv_group.layout.tp, staged.key)
+            if staged is not None:  # pulled, not imported: dropped
+                await self.kv.drop(staged)
 
     def _fail_unpulled(self, group: list[Entry[DecodeJob]], failure: str, span) -> None:
         """kv_fallback 'fail': answer the group's choices with an error, since their KV could not be had."""
@@ -192,7 +167,7 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
     async def _pull(self, job: DecodeJob) -> tuple[KVExport | None, str | None]:
         """The job's KV from the prefill worker that holds it, or None and why it could not be had; (None, None)
         when there is nothing to pull."""
-        assert self.registry is not None and self.client is not None  # set up (setup) before any job is taken
+        assert self.registry is not None  # set up (setup) before any job is taken
         if job.prefill_worker is None:
             return None, None
         key = job.kv_key or job.key  # a group's KV is held under its first choice's key
@@ -204,37 +179,7 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
         if loc is None:
             log.warning("no KV location for %s (lease expired?)", key)
             return None, f"no KV location (prefill worker {job.prefill_worker} freed it, or its lease expired)"
-        if (group := self._kv_group) is not None:
-            return await self._pull_group(group, key, loc)
-        try:
-            if loc.group is not None:  # a prefill group: its ranks' heads, rank by rank, assembled here
-                kv = await pull_rank_kv(self.client, loc.group, key, self.engine.engine.layout, 1, 0)
-            else:
-                # The location's token count lets the receives be posted before the Pull (kv/transfer/posted.py);
-                # a streamed KV is not sent into them (its trailer follows the layers).
-                expected = None if job.kv_streamed else loc.num_tokens
-                kv = await self.client.pull(loc.rpc_address, key, self.engine.engine.layout, num_tokens=expected)
-            return kv, None
-        except KvTransferError as exc:
-            log.warning("KV pull of %s from %s failed (%s)", key, loc.worker_id, exc)
-            return None, f"pulling it from {loc.worker_id} failed: {exc}"
-
-    async def _pull_group(self, group: WorkerGroup, key: str, loc: KvLocation) -> tuple[KVExport | None, str | None]:
-        """Every rank of this group pulls its own KV heads from the prefill rank(s) holding them (the leader's
-        plan, reslice.plan_pulls), all at once, and stages them; → the leader's reference to the staged KV,
-        which the import writes on every rank. A single prefill worker is a group of one rank (tp 1)."""
-        model = dataclasses.replace(self.engine.engine.layout, kv_heads=())
-        record = loc.group or group_record(model, 1, [loc.rpc_address])
-        try:
-            check_compatible(record, model, group.layout.tp)
-        except (IncompatibleKv, LayoutError) as exc:
-            log.warning("the KV of %s cannot be pulled from %s: %s", key, loc.worker_id, exc)
-            return None, f"incompatible KV at {loc.worker_id}: {exc}"
-        failure = await pull_group_kv(group.agents, group.layout.tp, key, record)
-        if failure is not None:
-            log.warning("KV pull of %s from %s failed (%s)", key, loc.worker_id, failure)
-            return None, f"pulling it from {loc.worker_id} failed: {failure}"
-        return group.ops.state.staged.ref(key), None
+        return await self.kv.pull(key, loc, streamed=job.kv_streamed)
 
 
 def first_token_end(engine: Engine, job: DecodeJob, outputs: list[int]) -> FinishReason | None:

@@ -4,9 +4,10 @@ Per job: announce it (this worker holds the request), add the prompt with max_to
 first token → publish it (TTFT), hold the KV (HeldKv: its Redis location and lease), publish the decode job,
 ack the prefill job, tell the gateway the request is queued for decode. The blocks stay pinned until a decode
 worker's pull completes, the lease expires or the attempt is cancelled: HeldKv (shared/kv/held.py) owns them
-from the hold on (held → sending → freed). Everything inside the worker is keyed by the job's attempt key
-(engine request, held KV, Redis entry). A job's ledger entry: PREFILLING (in the engine) → HANDING_ON (first
-token out; `_hand_off` owns it) → forgotten once the decode job is published and the prefill job acked.
+from the hold on (held → sending → freed), for every rank of this worker (shared/kv/prefill_kv.py). Everything
+inside the worker is keyed by the job's attempt key (engine request, held KV, Redis entry). A job's ledger
+entry: PREFILLING (in the engine) → HANDING_ON (first token out; `_hand_off` owns it) → forgotten once the
+decode job is published and the prefill job acked.
 
 Layer-streamed (kv_stream_layers, docs/kv_transfer.md): a job that can stream (`_streams_kv`) is watched, and
 its hand-on starts when its last chunk does, before the first token exists: HANDING_ON from then, the KV held
@@ -27,20 +28,15 @@ from nats.aio.msg import Msg
 
 from shared.engine.engine import RequestOutput
 from shared.engine.request import FinishReason
-from shared.kv.group_prefill import PrefillGroupKv
-from shared.kv.held import HeldKv
-from shared.kv.rank_agents import RankServe
-from shared.kv.rank_transfer import group_of
+from shared.kv.prefill_kv import PrefillKv
 from shared.kv.registry import KvLocation, KvRegistry
-from shared.kv.transfer.channel_tls import KvTls
-from shared.kv.transfer.send_stream import SendStream
-from shared.kv.transfer.server import KvTransferServer
 from shared.kv.transfer.source import EngineKvBlocks
 from shared.messages import Cancel, DecodeJob, PrefillJob, Role, Sibling, decode_subject, encode, prefill_subject
 from shared.telemetry import metrics, tracing
 from shared.worker import Entry, Phase, Worker, sampling_params, spans
 from shared.worker.choices import choice_jobs, engine_choices
 from shared.worker.events import first_token_event, queued_event
+from shared.worker.kv_ranks import kv_ranks
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +55,10 @@ class PrefillWorker(Worker[PrefillJob]):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # KV held for a pull, by attempt key (state, lease timer, Redis entry); built once Redis is connected.
-        # A worker group whose ranks hold KV head slices: every rank serves its own heads (PrefillGroupKv).
-        self.held: HeldKv | PrefillGroupKv | None = None
-        self.server: KvTransferServer | None = None
-        self.blocks: EngineKvBlocks | None = None  # a single process's engine blocks (layer streaming watches them)
+        # KV held for a pull, by attempt key (state, lease timer, Redis entry), served by every rank of this
+        # worker (one rank, or a group's: each its own heads); built once Redis is connected.
+        self.held: PrefillKv | None = None
+        self.blocks: EngineKvBlocks | None = None  # a rank of one's engine blocks (layer streaming watches them)
         self._streamed: dict[str, _StreamedHandOn] = {}  # attempt key → a layer-streamed job being handed on
 
     def job_subject(self) -> str:
@@ -73,49 +68,16 @@ class PrefillWorker(Worker[PrefillJob]):
         return 0 if self.held is None else self.held.count()
 
     async def setup(self) -> None:
-        kv = self.settings.kv
-        group = self.engine.engine.worker_group
-        if group is not None and group.layout.tp > 1:
-            registry = KvRegistry(self.conn.redis, kv.lease_s)
-            held = PrefillGroupKv(group.agents, group.layout.tp, self.engine.engine.layout, self.engine.call,
-                                  kv.lease_s, registry)  # fmt: skip
-            self.held = held
-            self.rpc_address = await held.start(
-                RankServe(kv, self.settings.ticket_secret, self.model_name, kv.rpc_port)
-            )
-            return
-        # one stream for this server's exports and sends, off the engine's compute stream (a no-op on CPU)
-        stream = SendStream(self.engine.engine.device)
-        blocks = self.blocks = EngineKvBlocks(self.engine.engine, call=self.engine.call, send_stream=stream)
-        self.held = HeldKv(blocks, kv.lease_s, registry=KvRegistry(self.conn.redis, kv.lease_s))
-        self.server = KvTransferServer(
-            kv.rpc_host,
-            kv.rpc_port,
-            source=self.held,
-            secret=self.settings.ticket_secret,
-            backend=kv.backend,
-            timeout_s=kv.timeout_s,
-            chunk_bytes=kv.chunk_bytes,
-            fault_send_midway=kv.fault_send_midway,
-            fault_send_stall_s=kv.fault_send_stall_s,
-            advertise_host=kv.advertise_host,
-            model_name=self.model_name,
-            send_stream=stream,
-            tls=KvTls.load(*kv.tls_files),
-            replay_capacity=kv.replay_cache_entries,
-            ticket_holder=group_of,  # a decode group's ranks pull their heads under their group's ticket
-            shm_bytes=kv.shm_bytes,
-            shared_pool=self.engine.engine.pool.handle(),  # same-host pulls borrow its blocks
-        )
-        self.rpc_address = await self.server.start()
+        kv, engine = self.settings.kv, self.engine.engine
+        held = self.held = PrefillKv(kv, engine, self.engine.call, KvRegistry(self.conn.redis, kv.lease_s),
+                                     secret=self.settings.ticket_secret, model_name=self.model_name,
+                                     ranks=kv_ranks(self.group))  # fmt: skip
+        self.blocks = held.blocks
+        self.rpc_address = await held.start()
 
     async def teardown(self) -> None:
-        if self.server is not None:
-            await self.server.stop()  # waits for sends in flight
-        if isinstance(self.held, PrefillGroupKv):
-            await self.held.stop()  # every rank's server: waits for their sends in flight
         if self.held is not None:
-            await self.held.release_all()
+            await self.held.close()  # every rank's server (waits for sends in flight), then what is still held
 
     async def handle_job(self, msg: Msg) -> None:
         # Registered before the engine sees it: the first token may reach the loop before this resumes.

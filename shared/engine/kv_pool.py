@@ -12,14 +12,13 @@ import hashlib
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from shared.engine.shared_pool import PoolHandle, SharedPoolMemory
 
 if TYPE_CHECKING:
-    from shared.engine.kv_export import KVExport
     from shared.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -113,6 +112,14 @@ class KVLayout:
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+class PoolFill(Protocol):
+    """KV that writes itself into a pool's blocks: kv_export.KVExport (re-cut to the pool's block size), or a
+    borrowed one copying from its lender's pool (borrowed_kv.py). Declared here, so the pool needs no import of
+    the export (which imports the pool)."""
+
+    def write_into(self, pool: KVPool, block_ids: list[int]) -> None: ...
+
+
 class KVPool:
     def __init__(
         self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu", shared: bool = False
@@ -182,7 +189,7 @@ class KVPool:
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.tensor.device)
         self.tensor.index_copy_(2, index, data.to(device=self.tensor.device, dtype=self.tensor.dtype))
 
-    def write_export(self, block_ids: list[int], kv: KVExport) -> None:
+    def write_export(self, block_ids: list[int], kv: PoolFill) -> None:
         """Fill the given blocks with an imported request's KV (re-cut to this pool's block size)."""
         kv.write_into(self, block_ids)  # a borrowed KV copies from the lender's pool straight in (borrowed_kv.py)
 

@@ -1,7 +1,8 @@
 """Batched logit processing before sampling, in vLLM's order: logit_bias, then the repetition, frequency and
 presence penalties, then temperature (this module); then min_p, top_k, top_p (`filter_batch`).
 
-Every function takes the step's (N, V) float32 logits on their device and one SamplingParams per row, and works
+Every function takes the step's (N, V) float32 logits on their device and one `RowParams` per row (a
+sampling.SamplingParams: this module names only the fields it reads, so it does not import sampling), and works
 as tensor ops over all rows at once (only the rows that use a feature are touched). Histories are the requests'
 own token ids (prompt and output so far), so a request gives the same logits whichever engine runs its step
 (one engine, a decode worker after a hand-off, or after a migration).
@@ -18,18 +19,38 @@ Definitions:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from shared.engine.sampling import SamplingParams
 
 NEG_INF = float("-inf")
 
 
+class RowParams(Protocol):
+    """What processing and filtering read of one row's sampling parameters (read-only)."""
+
+    @property
+    def logit_bias(self) -> tuple[tuple[int, float], ...]: ...
+    @property
+    def repetition_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def has_penalties(self) -> bool: ...
+    @property
+    def scale(self) -> float: ...
+    @property
+    def min_p(self) -> float: ...
+    @property
+    def top_k(self) -> int | None: ...
+    @property
+    def top_p(self) -> float: ...
+
+
 def process_batch(
-    logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[tuple[list[int], list[int]]]
+    logits: torch.Tensor, params: Sequence[RowParams], histories: Sequence[tuple[list[int], list[int]]]
 ) -> torch.Tensor:
     """Bias, penalties and temperature applied to a copy of `logits` (N, V); histories[i] = (prompt, output)."""
     out = logits.clone()
@@ -41,7 +62,7 @@ def process_batch(
     return out
 
 
-def _apply_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+def _apply_bias(logits: torch.Tensor, params: Sequence[RowParams]) -> None:
     rows, ids, biases = [], [], []
     for i, p in enumerate(params):
         for token, bias in p.logit_bias:
@@ -54,7 +75,7 @@ def _apply_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
 
 
 def _apply_penalties(
-    logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[tuple[list[int], list[int]]]
+    logits: torch.Tensor, params: Sequence[RowParams], histories: Sequence[tuple[list[int], list[int]]]
 ) -> None:
     rows = [i for i, p in enumerate(params) if p.has_penalties]
     if not rows:
@@ -86,7 +107,7 @@ def _apply_penalties(
     logits[rows] = sub
 
 
-def filter_batch(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def filter_batch(logits: torch.Tensor, params: Sequence[RowParams]) -> torch.Tensor:
     """min_p, then top_k, then top_p, each row by its own values; dropped tokens become -inf. Keeps at least the
     most likely token of every row. logits: (N, V), already biased, penalised and divided by temperature."""
     n, v = logits.shape

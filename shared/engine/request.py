@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Container
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -89,3 +90,26 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """What an engine takes in: token ids below `vocab_size`, fewer tokens than `max_model_len` (one more must
+    fit), and a request id no live request has."""
+
+    max_model_len: int
+    vocab_size: int
+
+    def check(self, live: Container[str], request_id: str, tokens: list[int]) -> None:
+        """ValueError for a duplicate id (in `live`), no tokens, too many, or one out of the vocabulary."""
+        if request_id in live:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not tokens:
+            raise ValueError("the prompt is empty")
+        if len(tokens) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(tokens)} tokens; max_model_len is {self.max_model_len} "
+                "and at least one token must be generated"
+            )
+        if min(tokens) < 0 or max(tokens) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")

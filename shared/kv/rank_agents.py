@@ -1,36 +1,41 @@
-"""The KV hand-off's handlers on every rank of a worker group, set up from the leader through its agents.
+"""The KV hand-off's handlers on every rank of a worker group of several, set up from the leader through its agents.
 
-A worker group's services do not build a rank's transfer server or client themselves: the leader asks every
-rank (itself included, through its local agent) to, with one agent call each, so the rank's own process binds
-its own gRPC port and forms its own pairs, and KV moves rank to rank:
+A group's services do not build a rank's transfer server or client themselves: the leader asks every rank
+(itself included, through its local agent) to, with one agent call each, so the rank's own process binds its
+own gRPC port and forms its own pairs, and KV moves rank to rank. Each call carries the worker's one
+`KvTransferSettings`, msgspec-encoded (`RankServe` / `RankPuller`); the rank builds its server or client from
+it exactly as a single worker does (endpoints.py).
 
-- `kv.serve` (a prefill rank; a `RankServe`): start this rank's `KvTransferServer` over its pool slice
-  (rank_transfer.serve_rank_kv: `kv.hold` / `kv.retire` are registered with it); every ended send is reported
-  to the leader as the event `kv.send_ended` (key, ok, group pulls). → the address to publish.
-- `kv.puller` (a decode rank; a `RankPuller`): build this rank's `KvTransferClient`, transfer id
-  `<group>#r<rank>`, pull tickets naming the group; registers `kv.pull` / `kv.drop` (rank_transfer.register_pull).
+- `kv.serve` (a prefill rank): a `RankKv` over this rank's pool slice and its server; `kv.hold` / `kv.close` /
+  `kv.retire` are the leader's rank link to it (`AgentRankLink`), and its sends are reported to the leader as the
+  events `kv.send_began` (key) and `kv.send_ended` (key, outcome, group pulls). → the address to publish.
+- `kv.puller` (a decode rank): this rank's client, transfer id `<group>#r<rank>`, pull tickets naming the group;
+  `kv.pull` / `kv.drop` pull its heads into its StagedKv, or forget them (rank_transfer.py).
 - `kv.stop`: stop this rank's server and client (the leader's teardown; a follower's exit stops them anyway).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from shared.engine.kv_pool import KVPool
-from shared.kv.rank_transfer import rank_worker_id, register_pull, serve_rank_kv
+from shared.kv.endpoints import kv_client, kv_server, rank_worker_id
+from shared.kv.rank_held import HeldTable, RankKv, SendOutcome
+from shared.kv.rank_transfer import register_pull
 from shared.kv.transfer import KvTransferClient, KvTransferServer
-from shared.kv.transfer.channel_tls import KvTls
-from shared.parallel.agents import RankAgent, StagedKv
+from shared.kv.transfer.send_stream import SendStream
+from shared.parallel.agents import GroupAgents, RankAgent, StagedKv
 from shared.settings import KvTransferSettings
 
-SEND_ENDED = "kv.send_ended"  # the event a prefill rank reports each ended send with: (key, ok, group pulls)
+SEND_BEGAN = "kv.send_began"  # a prefill rank's event: a send of (key) started
+SEND_ENDED = "kv.send_ended"  # a prefill rank's event: a send ended, (key, outcome value, group pulls)
 
 
-@dataclass(frozen=True)
-class RankServe:
-    """What a prefill rank needs to serve its slice (pickled to the follower over the group's channel)."""
+class RankServe(msgspec.Struct, frozen=True):
+    """What a prefill rank needs to serve its slice (msgspec-encoded over the group's channel)."""
 
     kv: KvTransferSettings
     secret: str
@@ -38,8 +43,7 @@ class RankServe:
     leader_port: int  # the configured port, for rank 0 only; the others bind any free port
 
 
-@dataclass(frozen=True)
-class RankPuller:
+class RankPuller(msgspec.Struct, frozen=True):
     """What a decode rank needs to pull its heads: its group's id (the worker id) and the transfer settings."""
 
     group_id: str
@@ -48,53 +52,88 @@ class RankPuller:
     model_name: str
 
 
+class AgentReports:
+    """SendReports of a rank of a group: the leader's events (its own rank's are dispatched in-process)."""
+
+    def __init__(self, agent: RankAgent) -> None:
+        self.agent = agent
+
+    async def send_began(self, key: str, rank: int) -> None:
+        await self.agent.notify(SEND_BEGAN, key)
+
+    async def send_ended(self, key: str, rank: int, outcome: SendOutcome, group_pulls: int) -> None:
+        await self.agent.notify(SEND_ENDED, (key, outcome.value, group_pulls))
+
+
+class AgentRankLink:
+    """The leader's HeldKv's handle on one rank's RankKv, through the group's agents."""
+
+    def __init__(self, agents: GroupAgents, rank: int) -> None:
+        self.agents, self.rank = agents, rank
+
+    async def hold(self, key: str, table: HeldTable | None = None) -> None:
+        await self.agents.call(self.rank, "kv.hold", (key, msgspec.msgpack.encode(table)))
+
+    async def close(self, key: str, stop_why: str | None = None) -> None:
+        await self.agents.call(self.rank, "kv.close", (key, stop_why))
+
+    async def retire(self, key: str, wait: bool = True) -> None:
+        await self.agents.call(self.rank, "kv.retire", (key, wait))
+
+
+def on_rank_reports(agents: GroupAgents, leader) -> None:
+    """Route the ranks' send events to `leader` (the group's HeldKv), on the calling loop."""
+
+    async def began(rank: int, key: str) -> None:
+        await leader.send_began(key, rank)
+
+    async def ended(rank: int, payload: tuple[str, str, int]) -> None:
+        key, outcome, group_pulls = payload
+        await leader.send_ended(key, rank, SendOutcome(outcome), group_pulls)
+
+    agents.on_event(SEND_BEGAN, began)
+    agents.on_event(SEND_ENDED, ended)
+
+
+def register_rank_link(agent: RankAgent, held: RankKv) -> None:
+    """Register kv.hold / kv.close / kv.retire: the leader's rank link (AgentRankLink) to this rank's RankKv."""
+
+    async def hold(payload: tuple[str, bytes]) -> None:
+        key, table = payload
+        await held.hold(key, msgspec.msgpack.decode(table, type=HeldTable | None))
+
+    async def close(payload: tuple[str, str | None]) -> None:
+        await held.close(*payload)
+
+    async def retire(payload: tuple[str, bool]) -> None:
+        await held.retire(*payload)
+
+    agent.register("kv.hold", hold)
+    agent.register("kv.close", close)
+    agent.register("kv.retire", retire)
+
+
 def register_rank_kv(agent: RankAgent, pool: KVPool, staged: StagedKv) -> None:
-    """Register kv.serve, kv.puller and kv.stop on this rank's agent (every rank of a group, at start)."""
+    """Register the hand-off's handlers on this rank's agent (every rank of a group, at start)."""
     servers: list[KvTransferServer] = []
     clients: list[KvTransferClient] = []
+    stream = SendStream(pool.tensor.device)  # the slices' copies and the sends, off the compute stream (CUDA)
+    held = RankKv(agent.rank, AgentReports(agent), pool=pool, send_stream=stream)
+    register_rank_link(agent, held)
 
-    async def serve(job: RankServe) -> str:
-        async def report(key: str, rank: int, ok: bool, group_pulls: int) -> None:
-            del rank  # the event says which rank reports
-            await agent.notify(SEND_ENDED, (key, ok, group_pulls))
-
-        kv = job.kv
-        _, server, address = await serve_rank_kv(
-            agent,
-            pool,
-            agent.rank,
-            report,
-            host=kv.rpc_host,
-            port=job.leader_port if agent.rank == 0 else 0,
-            secret=job.secret,
-            backend=kv.backend,
-            timeout_s=kv.timeout_s,
-            chunk_bytes=kv.chunk_bytes,
-            fault_send_midway=kv.fault_send_midway,
-            advertise_host=kv.advertise_host,
-            model_name=job.model_name,
-            tls=KvTls.load(*kv.tls_files),
-            replay_capacity=kv.replay_cache_entries,
-            shm_bytes=kv.shm_bytes,  # a decode rank on this host gets a shared segment, as with single workers
-        )
+    async def serve(encoded: bytes) -> str:
+        job = msgspec.msgpack.decode(encoded, type=RankServe)
+        port = job.leader_port if agent.rank == 0 else 0
+        server = kv_server(job.kv, held, secret=job.secret, model_name=job.model_name, port=port,
+                           send_stream=stream, shared_pool=pool.handle())  # fmt: skip
+        address = await server.start()
         servers.append(server)
         return address
 
-    async def puller(job: RankPuller) -> None:
-        kv = job.kv
-        client = KvTransferClient(
-            rank_worker_id(job.group_id, agent.rank),
-            secret=job.secret,
-            backend=kv.backend,
-            timeout_s=kv.timeout_s,
-            model_name=job.model_name,
-            tls=KvTls.load(*kv.tls_files),
-            group_id=job.group_id,
-            shared_memory=kv.shm_bytes > 0,  # PDSERVE_KV_SHM_BYTES=0 turns it off for group hand-offs too
-            # no loans: a rank's KV is staged, then written by an op every rank runs, which must not fail midway
-            # (a loan taken back under it would: borrow.py); a rank's pull goes through the segment
-            borrow=False,
-        )
+    async def puller(encoded: bytes) -> None:
+        job = msgspec.msgpack.decode(encoded, type=RankPuller)
+        worker = rank_worker_id(job.group_id, agent.rank)
+        client = kv_client(job.kv, worker, secret=job.secret, model_name=job.model_name, group_id=job.group_id)
         clients.append(client)
         # the plan works in the model's heads (all of them); the pulled part is this pool's slice
         register_pull(agent, client, staged, dataclasses.replace(pool.layout, kv_heads=()), agent.rank)
@@ -110,3 +149,7 @@ def register_rank_kv(agent: RankAgent, pool: KVPool, staged: StagedKv) -> None:
     agent.register("kv.serve", serve)
     agent.register("kv.puller", puller)
     agent.register("kv.stop", stop)
+
+
+def encode(job: RankServe | RankPuller) -> bytes:
+    return msgspec.msgpack.encode(job)

@@ -1,15 +1,17 @@
-"""Rank-to-rank KV hand-off between worker groups: the glue each rank process calls.
+"""The decode side's pull plan, for a group of R ranks (R = 1: a single decode worker).
 
-Prefill side: every rank runs `serve_rank_kv` on its own loop: a `KvTransferServer` over that rank's pool
-slice (`RankHeldKv`), and the agent handlers `kv.hold` / `kv.retire` through which the leader's
-`GroupHeldKv` tells it what is held and when it is freed. Decode side: every rank's `kv.pull` handler
-(`register_pull`) runs `pull_rank_kv`: the pull plan for its heads, one pull per source rank, all at once,
-assembled into a tensor of exactly its pool's heads, kept in its `StagedKv` until the leader's import copies
-it into blocks (or drops it). The bytes go prefill rank → decode rank; no leader relays them.
+Every decode rank j of a tp = R group pulls the KV heads it owns from the prefill rank(s) holding them
+(`pull_rank_kv`: reslice.plan_pulls, one pull per source rank, all at once, assembled into a tensor of exactly
+its pool's heads). A decode worker of one rank pulling from a prefill worker of one rank (its location has no
+group record) takes the whole KV in one pull instead (decode_kv.py: posted receives, a borrowed pool or the segment
+on one host, a layer stream). A group of several: the
+leader asks every rank at once (`pull_group_kv`, agent call `kv.pull`); each keeps what it pulled in its
+`StagedKv` until the leader's import copies it into blocks (or drops it). The bytes go prefill rank → decode rank;
+no leader relays them.
 
-Ids: a rank of decode group G is the transfer worker `G#r<rank>` (its pairs, its connect tickets); its pull
-tickets name G, so one ticket minted by the group covers every rank, and a ticket of another group is
-refused at every prefill rank (the servers check pull tickets against `group_of(caller)`).
+Ids: a rank of decode group G is the transfer worker `G#r<rank>` (endpoints.rank_worker_id); its pull tickets
+name G, so one ticket minted by the group covers every rank, and a ticket of another group is refused at every
+prefill rank (the servers check pull tickets against `group_of(caller)`).
 """
 
 from __future__ import annotations
@@ -23,56 +25,20 @@ from typing import Any, Protocol
 import msgspec
 
 from shared.engine.kv_export import KVExport
-from shared.engine.kv_pool import KVLayout, KVPool
-from shared.kv.group_held import RankHeldKv, SendReport
+from shared.engine.kv_pool import KVLayout
 from shared.kv.registry import GroupKv
 from shared.kv.reslice import IncompatibleKv, check_compatible, group_pulls, plan_pulls
-from shared.kv.transfer import FailureReason, KvTransferClient, KvTransferError, KvTransferServer
+from shared.kv.transfer import FailureReason, KvTransferClient, KvTransferError
 from shared.parallel.agents import StagedKv
 from shared.sharding.layout import LayoutError, kv_head_range
 
 log = logging.getLogger(__name__)
-
-RANK_SEPARATOR = "#r"
-
-
-def rank_worker_id(group_id: str, rank: int) -> str:
-    return f"{group_id}{RANK_SEPARATOR}{rank}"
-
-
-def group_of(worker_id: str) -> str:
-    """The group a rank's transfer id belongs to; a single worker's id is its own group."""
-    group, sep, rank = worker_id.rpartition(RANK_SEPARATOR)
-    return group if sep and group and rank.isdigit() else worker_id
 
 
 class Agent(Protocol):
     """What these functions need of a rank agent (the `groups` runtime): async handlers by name."""
 
     def register(self, name: str, handler: Callable[[Any], Awaitable[Any]]) -> None: ...
-
-
-async def serve_rank_kv(
-    agent: Agent | None,
-    pool: KVPool,
-    rank: int,
-    report: SendReport,
-    *,
-    host: str,
-    secret: bytes | str,
-    port: int = 0,
-    **server: Any,
-) -> tuple[RankHeldKv, KvTransferServer, str]:
-    """Serve pulls of this rank's pool: (its held KV, its server, the address to publish in the group
-    record). `report` carries each ended send to the leader's `GroupHeldKv.send_ended`. With an agent, the
-    handlers `kv.hold` ({key, block_ids, num_tokens}) and `kv.retire` ({key}) are registered on it."""
-    held = RankHeldKv(pool, rank, report)
-    kv_server = KvTransferServer(host, port, held, secret=secret, ticket_holder=group_of, **server)
-    address = await kv_server.start()
-    if agent is not None:
-        agent.register("kv.hold", lambda p: held.hold(p["key"], p["block_ids"], p["num_tokens"]))
-        agent.register("kv.retire", lambda p: held.retire(p["key"]))
-    return held, kv_server, address
 
 
 async def pull_rank_kv(

@@ -152,7 +152,7 @@ def start_group(config: EngineConfig, on_death: Callable[[int, int | None], None
         _place(placements[0])
         group = RankGroup.join(rdv, 0, local_host=rdv.host)
         conns = server.accept_all(list(range(1, layout.world)), rdv.start_timeout_s or START_TIMEOUT_S)
-        engine = Engine(_rank_config(config, placements[0]), group=group)
+        engine = Engine.build(_rank_config(config, placements[0]), group=group)
     except BaseException:
         watch.disarm()
         for p in procs:
@@ -163,7 +163,7 @@ def start_group(config: EngineConfig, on_death: Callable[[int, int | None], None
     state = RankState(engine.model, engine.pool, StagedKv())
     op_channels = [conns[(r, "ops")] for r in range(1, layout.world)]
     ops = LeaderOps(group, op_channels, state)
-    # A worker group's engine keeps one pool (KV cache groups are single-rank: engine.py); `engine.pool` is
+    # A worker group's engine keeps one pool (KV cache groups are single-rank: kv_cache.py); `engine.pool` is
     # pools[0], so fork's copies and imports all go through the mirrored one and reach the followers.
     assert len(engine.pools) == 1, "a worker group's engine has one KV pool"
     engine.pools[0] = MirroredKVPool(engine.pool, ops)
@@ -176,7 +176,6 @@ def start_group(config: EngineConfig, on_death: Callable[[int, int | None], None
         agent, {r: conns[(r, "agent")] for r in followers}, {r: conns[(r, "events")] for r in followers}
     )
     group_handle = WorkerGroup(engine, layout, agents, ops, procs, watch, list(conns.values()))
-    engine.worker_group = group_handle
     log.info(
         "worker group %s: ranks %s (pids %s) on %s",
         layout,
@@ -195,7 +194,7 @@ def follower_main(group: RankGroup, config: EngineConfig, placements: list[RankP
     ops_channel = dial(address, group.rank, "ops", config.group_timeout_s)
     agent_channel = dial(address, group.rank, "agent", config.group_timeout_s)
     events_channel = dial(address, group.rank, "events", config.group_timeout_s)
-    engine = Engine(_rank_config(config, placement), group=group)
+    engine = Engine.build(_rank_config(config, placement), group=group)
     state = RankState(engine.model, engine.pool, StagedKv())
     agent = RankAgent(group.rank)
     agent.events_to(events_channel)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.kv_export import KVExport
-from shared.engine.kv_pool import KVPool
+from shared.engine.kv_pool import KVPool, PoolFill
 from shared.engine.step_inputs import ScoredFn, StepInputs, forward_step
 from shared.model.transformer import CausalLM
 from shared.parallel.agents import StagedExport, StagedKv
@@ -147,17 +147,19 @@ class MirroredKVPool(KVPool):
 
     def __init__(self, pool: KVPool, ops: LeaderOps) -> None:  # adopts `pool`'s tensor, allocates nothing
         self.layout, self.num_blocks, self.tensor = pool.layout, pool.num_blocks, pool.tensor
-        self.memory = pool.memory  # None: a group's pools are never shared (Engine._share_pool)
+        self.memory = pool.memory  # None: a group's pools are never shared (kv_cache.share_pool)
         self.ops = ops
 
     def write(self, block_ids: list[int], data: torch.Tensor) -> None:
         self.ops.write(block_ids, data)
 
-    def write_export(self, block_ids: list[int], kv: KVExport) -> None:
+    def write_export(self, block_ids: list[int], kv: PoolFill) -> None:
         if isinstance(kv, StagedExport):
             self.ops.import_staged(kv.key, block_ids)
-        else:
+        elif isinstance(kv, KVExport):  # a borrowed one too: gathered, then one write op for every rank
             self.ops.write(block_ids, kv.reblock(self.layout.block_size))
+        else:
+            kv.write_into(self, block_ids)  # through self.write: every rank
 
     def copy_block(self, src: int, dst: int) -> None:
         self.ops.copy(src, dst)

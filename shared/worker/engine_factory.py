@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.messages import Sampling
 from shared.sampling_spec import SAMPLING_FIELDS
 from shared.settings import WorkerRole, WorkerSettings
+
+if TYPE_CHECKING:
+    from shared.parallel.group_engine import WorkerGroup
 
 
 def sampling_params(s: Sampling, max_tokens: int | None = None) -> SamplingParams:
@@ -23,14 +26,16 @@ def sampling_params(s: Sampling, max_tokens: int | None = None) -> SamplingParam
     return SamplingParams(**fields)
 
 
-def build_engine(settings: WorkerSettings) -> Engine:
-    """The worker's engine; with --tp/--ep > 1 the leader's engine of a worker group whose other ranks this
-    process spawns (they die with it; one that dies takes this process down: shared/parallel/watch.py)."""
+def build_engine(settings: WorkerSettings) -> tuple[Engine, WorkerGroup | None]:
+    """The worker's engine, and with --tp/--ep > 1 the worker group it leads (else None): the group's other
+    ranks this process spawns (they die with it; one that dies takes this process down: shared/parallel/watch.py).
+    The engine knows nothing of its group: the worker keeps both."""
     config = settings.engine
     if settings.role is WorkerRole.PREFILL and settings.kv.share_pool and settings.kv.shm_bytes:
         config = dataclasses.replace(config, kv_shared_memory=True)  # same-host decode workers borrow its blocks
     if max(config.tp, config.ep) == 1:
-        return Engine(config)
+        return Engine.build(config), None
     from shared.parallel.group_engine import start_group
 
-    return start_group(config).engine
+    group = start_group(config)
+    return group.engine, group

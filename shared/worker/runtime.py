@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 import time
-from typing import ClassVar, Generic
+from typing import TYPE_CHECKING, ClassVar, Generic
 
 import msgspec
 import nats.errors
@@ -51,6 +51,9 @@ from shared.worker.job_feed import JobFeed
 from shared.worker.ledger import Entry, JobLedger, Phase, settle
 from shared.worker.outbox import Outbox
 
+if TYPE_CHECKING:
+    from shared.parallel.group_engine import WorkerGroup
+
 log = logging.getLogger(__name__)
 TEARDOWN_TIMEOUT_S = 30.0
 IDLE_POLL_S = 0.005  # how often a worker without room looks again
@@ -69,13 +72,17 @@ class Worker(Generic[Job]):
 
     role: ClassVar[Role] = Role.MIXED
 
-    def __init__(self, settings: WorkerSettings, engine: Engine | None = None) -> None:
+    def __init__(
+        self, settings: WorkerSettings, engine: Engine | None = None, group: WorkerGroup | None = None
+    ) -> None:
+        """engine: instead of building one from the settings (tests); group: the worker group it leads, if any."""
         self.settings = settings
         self.model_name = settings.served_model_name
         self.labels = (self.model_name, self.role)  # every metric's model_name, role
         self.metrics_port: int | None = None  # bound once run() starts the metrics server
-        engine = engine or build_engine(settings)
-        group = engine.worker_group  # a worker group's leader: its layout and ranks go in every heartbeat
+        if engine is None:
+            engine, group = build_engine(settings)
+        self.group = group  # a worker group's leader: its layout and ranks go in every heartbeat
         self._group_facts = {} if group is None else {"parallel": str(group.layout), "rank_pids": tuple(group.pids)}
         self.load = EngineLoad.of(engine)  # replaced by the engine thread after every command and step
         self.engine = AsyncEngine(engine, self._outputs_ready, self._engine_failed, on_state=self._observe)

@@ -68,7 +68,7 @@ def test_a_grouped_hand_off_moves_the_window_only_and_decodes_exactly(prefill, c
     prompt = _prompt(150, seed=41)  # 10 blocks of 16; the window (16) reaches back into block 8
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     opts: dict[str, Any] = dict(ENGINE_OPTS)
-    whole = Engine(EngineConfig(model=str(checkpoint), **opts))
+    whole = Engine.build(EngineConfig(model=str(checkpoint), **opts))
     assert len(whole.pools) == 2
     whole.add_request("w", prompt, params)
     expected = _run(whole)
@@ -76,7 +76,7 @@ def test_a_grouped_hand_off_moves_the_window_only_and_decodes_exactly(prefill, c
     rid = f"grouped-{'shm' if shared_memory else 'pair'}"
     first = prefill.prefill(rid, prompt)
     sent = prefill.call("export", rid)  # the prefill engine's export: both groups' blocks, flat
-    decode = Engine(EngineConfig(model=str(checkpoint), **{**opts, "block_size": 8, "num_kv_blocks": 96}))
+    decode = Engine.build(EngineConfig(model=str(checkpoint), **{**opts, "block_size": 8, "num_kv_blocks": 96}))
     kv, client = _pull(prefill.address, rid, decode.layout, shared_memory)
     assert torch.equal(kv.blocks, sent)
     assert client.stats.shm_pulls == (1 if shared_memory else 0)

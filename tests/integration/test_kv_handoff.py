@@ -16,7 +16,7 @@ from shared.engine.sampling import SamplingParams
 def _engine(checkpoint, model, **overrides) -> Engine:
     """An engine sharing the already loaded weights (each engine has its own KV pool and scheduler)."""
     opts = dict(num_kv_blocks=48, max_model_len=512, scheduler=SchedulerConfig(max_num_batched_tokens=64)) | overrides
-    return Engine(EngineConfig(model=str(checkpoint), **opts), model)
+    return Engine.build(EngineConfig(model=str(checkpoint), **opts), model)
 
 
 PROMPT = torch.randint(0, 259, (70,), generator=torch.Generator().manual_seed(7)).tolist()

@@ -61,7 +61,7 @@ async def _prefill_serve(conn: Connection, checkpoint: str) -> None:
     ("cancel", id) → the held KV is released (as a Cancel does); ("configure", path) → the sends of PATHS[path]
     from now on; ("sending",) → the keys being sent; ("state",) → blocks, held keys, stats."""
     loop = asyncio.get_running_loop()
-    engine = Engine(EngineConfig(model=checkpoint, **ENGINE_OPTS))
+    engine = Engine.build(EngineConfig(model=checkpoint, **ENGINE_OPTS))
     engine_thread = concurrent.futures.ThreadPoolExecutor(1)  # the engine's own thread, as AsyncEngine has
 
     async def call(fn):
@@ -210,7 +210,7 @@ def prefill(checkpoint):
 
 
 def _engine(checkpoint, model, **overrides) -> Engine:
-    return Engine(EngineConfig(model=str(checkpoint), **(ENGINE_OPTS | overrides)), model)
+    return Engine.build(EngineConfig(model=str(checkpoint), **(ENGINE_OPTS | overrides)), model)
 
 
 def _client(worker: str) -> KvTransferClient:

@@ -1,8 +1,8 @@
 """KV handed off rank to rank between groups of different TP, across real processes and gRPC ports.
 
-Each prefill rank is a spawned process owning a KVPool slice (its `kv_head_range`) of a real engine's KV and a
-KvTransferServer; this process plays the prefill leader (GroupHeldKv, talking to the ranks over pipes, as the
-groups runtime's agents would) and every decode rank (one KvTransferClient each, its own transfer id). What the
+Each prefill rank is a spawned process owning a KVPool slice (its `kv_head_range`) of a real engine's KV (its
+RankKv) and a KvTransferServer; this process plays the prefill leader (KvHandOff, talking to the ranks over pipes,
+as the groups runtime's agents would) and every decode rank (one KvTransferClient each, its own transfer id). What the
 decode ranks assemble must be byte-identical to the single-rank engine's export of the same prompt.
 """
 
@@ -25,11 +25,13 @@ from shared.engine.engine import Engine
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVLayout, KVPool
 from shared.engine.sampling import SamplingParams
-from shared.kv.group_held import GroupHeldKv
-from shared.kv.held import Freed
-from shared.kv.rank_transfer import pull_rank_kv, rank_worker_id, serve_rank_kv
+from shared.kv.endpoints import kv_server, rank_worker_id
+from shared.kv.held import Freed, KvHandOff
+from shared.kv.rank_held import HeldTable, RankKv, SendOutcome
+from shared.kv.rank_transfer import pull_rank_kv
 from shared.kv.reslice import group_record
 from shared.kv.transfer import FailureReason, KvTransferClient, KvTransferError
+from shared.settings import KvTransferSettings
 from shared.sharding.layout import kv_head_range
 
 pytestmark = pytest.mark.slow  # worker groups: ranks spawned per scenario (make test-slow)
@@ -48,11 +50,16 @@ async def _rank_serve(conn: Connection, reports: mp.Queue, rank: int, layout: KV
     pool = KVPool(layout, POOL_BLOCKS)
     pool.tensor.copy_(tensor)
 
-    async def report(key: str, rank: int, ok: bool, pulls: int) -> None:
-        reports.put((key, rank, ok, pulls))
+    class Reports:  # the rank's reports reach the leader through the queue
+        async def send_began(self, key: str, rank: int) -> None:
+            reports.put(("began", key, rank))
 
-    held, server, address = await serve_rank_kv(None, pool, rank, report, host="127.0.0.1", secret=SECRET)
-    conn.send(address)
+        async def send_ended(self, key: str, rank: int, outcome: SendOutcome, group_pulls: int) -> None:
+            reports.put(("ended", key, rank, outcome.value, group_pulls))
+
+    held = RankKv(rank, Reports(), pool=pool)
+    server = kv_server(KvTransferSettings(), held, secret=SECRET.decode(), model_name="", port=0)
+    conn.send(await server.start())
     try:
         while True:
             op, *args = await asyncio.to_thread(conn.recv)
@@ -60,6 +67,8 @@ async def _rank_serve(conn: Connection, reports: mp.Queue, rank: int, layout: KV
                 break
             if op == "hold":
                 conn.send(await held.hold(*args))
+            elif op == "close":
+                conn.send(await held.close(*args))
             elif op == "retire":
                 conn.send(await held.retire(*args))
             elif op == "state":
@@ -82,11 +91,14 @@ class RankProcess:
             self.conn.send(command)
             return self.conn.recv()
 
-    async def hold(self, key: str, block_ids: list[int], num_tokens: int) -> None:
-        await asyncio.to_thread(self.call, "hold", key, block_ids, num_tokens)
+    async def hold(self, key: str, table: HeldTable | None = None) -> None:
+        await asyncio.to_thread(self.call, "hold", key, table)
 
-    async def retire(self, key: str) -> None:
-        await asyncio.to_thread(self.call, "retire", key)
+    async def close(self, key: str, stop_why: str | None = None) -> None:
+        await asyncio.to_thread(self.call, "close", key, stop_why)
+
+    async def retire(self, key: str, wait: bool = True) -> None:
+        await asyncio.to_thread(self.call, "retire", key, wait)
 
 
 def _checkpoint(tmp_path, kv_heads: int) -> str:
@@ -98,7 +110,7 @@ def _checkpoint(tmp_path, kv_heads: int) -> str:
 
 
 def _single_rank_export(checkpoint: str, prompt_len: int) -> KVExport:
-    engine = Engine(
+    engine = Engine.build(
         EngineConfig(
             model=checkpoint, num_kv_blocks=48, max_model_len=512, scheduler=SchedulerConfig(max_num_batched_tokens=128)
         )
@@ -137,12 +149,16 @@ class PrefillGroup:
     async def _release(self, key: str) -> None:
         self.released.append(key)
 
-    def leader(self) -> GroupHeldKv:
-        return GroupHeldKv(self.ranks, self._release, lease_s=600.0)  # pyright: ignore[reportArgumentType]
+    def leader(self) -> KvHandOff:
+        return KvHandOff(self.ranks, self._release, lease_s=600.0)
 
-    async def forward_reports(self, leader: GroupHeldKv) -> None:
+    async def forward_reports(self, leader: KvHandOff) -> None:
         while (report := await asyncio.to_thread(self.reports.get)) is not None:  # None: stop
-            await leader.send_ended(*report)
+            if report[0] == "began":
+                await leader.send_began(*report[1:])
+            else:
+                key, rank, outcome, pulls = report[1:]
+                await leader.send_ended(key, rank, SendOutcome(outcome), pulls)
 
     def stop(self) -> None:
         for r in self.ranks:
@@ -162,7 +178,7 @@ async def _hand_off(group: PrefillGroup, full: KVExport, dst_tp: int, refusals: 
     forwarding = asyncio.create_task(group.forward_reports(leader))
     clients = _clients(dst_tp)
     try:
-        assert await leader.hold("r", group.block_ids, full.num_tokens)
+        assert await leader.hold("r", "r", 0, table=HeldTable(group.block_ids, full.num_tokens))
         if refusals:
             await _check_refusals(group, full.layout)
         pulled = await asyncio.gather(

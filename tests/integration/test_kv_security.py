@@ -196,7 +196,7 @@ async def join_pair(reply: pb.ConnectReply, secret: bytes) -> Pair:
 
 @contextlib.asynccontextmanager
 async def serving(checkpoint, model, **server_options):
-    engine = Engine(EngineConfig(model=str(checkpoint), **ENGINE_OPTS), model)
+    engine = Engine.build(EngineConfig(model=str(checkpoint), **ENGINE_OPTS), model)
     source = HeldKv(EngineKvBlocks(engine), lease_s=LEASE_S)
     server = KvTransferServer(
         "127.0.0.1",

@@ -84,7 +84,7 @@ def _tls(pki, who: str, ca: str = "ca", server_name: str | None = None) -> KvTls
 @contextlib.asynccontextmanager
 async def tls_server(model_dir, tls: KvTls):
     path, model = model_dir
-    engine = Engine(EngineConfig(model=str(path), **ENGINE_OPTS), model)
+    engine = Engine.build(EngineConfig(model=str(path), **ENGINE_OPTS), model)
     source = HeldKv(EngineKvBlocks(engine), lease_s=600.0)
     server = KvTransferServer("127.0.0.1", 0, source, secret=SECRET, timeout_s=TIMEOUT_S, tls=tls)
     address = await server.start()

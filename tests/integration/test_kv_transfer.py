@@ -75,7 +75,7 @@ async def _prefill_serve(conn: Connection, checkpoint: str, settings: dict) -> N
     ("state",) → block and server counts; ("stop",). settings["shared_pool"]: the pool in a memfd, offered to
     same-host pairs to borrow from (test_kv_borrow.py)."""
     shared = settings.pop("shared_pool", False)
-    engine = Engine(EngineConfig(model=checkpoint, kv_shared_memory=shared, **ENGINE_OPTS))
+    engine = Engine.build(EngineConfig(model=checkpoint, kv_shared_memory=shared, **ENGINE_OPTS))
     blocks = EngineKvBlocks(engine)
     source = HeldKv(blocks, lease_s=LEASE_S)
     server = KvTransferServer(
@@ -183,7 +183,7 @@ def prefill(checkpoint):
 
 
 def _engine(checkpoint, model, **overrides) -> Engine:
-    return Engine(EngineConfig(model=str(checkpoint), **(ENGINE_OPTS | overrides)), model)
+    return Engine.build(EngineConfig(model=str(checkpoint), **(ENGINE_OPTS | overrides)), model)
 
 
 def _generated(checkpoint, model, prompt: list[int], params: SamplingParams) -> list[int]:

@@ -75,7 +75,7 @@ def _workload(engine: Engine, exported: Exported, staged_ref) -> dict[str, list[
 class Exported:
     def __init__(self, model_dir) -> None:
         """A request's KV exported by a single engine after its first token (what a prefill worker hands on)."""
-        engine = Engine(_config(model_dir))
+        engine = Engine.build(_config(model_dir))
         prompt = _prompts()[2][:21]
         engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0), hold_kv=True)
         tokens = []
@@ -101,7 +101,7 @@ def group(model_dir):
 
 
 def test_group_matches_single_engine_and_pools_stay_identical(model_dir, group: WorkerGroup, exported) -> None:
-    single = Engine(_config(model_dir))
+    single = Engine.build(_config(model_dir))
     key = "staged-imp"
 
     def staged(kv: KVExport):

@@ -192,7 +192,7 @@ def test_graphs_are_off_where_they_cannot_run(model_dir, caplog):
     assert choose_backend(False, cuda, KernelChoice.TRITON) == (None, "off (cuda_graphs setting)")
     assert choose_backend(True, cpu, KernelChoice.TRITON)[0] is None
     assert "graphs capture the Triton path only" in choose_backend(True, cuda, KernelChoice.TORCH)[1]
-    with caplog.at_level(logging.INFO, logger="shared.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="shared.engine"):
         engine = Engine.from_dir(model_dir, num_kv_blocks=8, max_model_len=128)
     assert engine.runner.graphs is None and engine.pool.num_blocks == 8
     assert "decode graphs: off (device cpu: CUDA graphs need CUDA)" in caplog.text
@@ -205,7 +205,7 @@ def test_graphs_are_off_where_they_cannot_run(model_dir, caplog):
 
 @interpreted
 def test_start_up_line(checkpoint, caplog):
-    with caplog.at_level(logging.INFO, logger="shared.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="shared.engine"):
         engine = make_engine(checkpoint, graphs=True)
     assert engine.graph_capture is not None and engine.graph_capture.sizes == [1, 2, 4, 8]
     assert "decode graphs: 4 buckets [1, 2, 4, 8] captured in" in caplog.text
@@ -220,7 +220,7 @@ def test_a_failed_capture_leaves_the_engine_eager(checkpoint, caplog):
         def capture(self, fn):
             raise RuntimeError("operation not permitted when stream is capturing")
 
-    with caplog.at_level(logging.INFO, logger="shared.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="shared.engine"):
         engine = Engine.from_dir(checkpoint, graph_backend=Refuses(), kernels=KernelChoice.TRITON, block_size=BLOCK,
                                  num_kv_blocks=16, max_model_len=128)  # fmt: skip
     assert engine.runner.graphs is None and engine.graph_capture is None

@@ -115,7 +115,7 @@ def _generate(group: RankGroup | None, ckpt: str, mode: str, placement: str | No
         ep_dispatch=EPDispatch(mode),
         expert_placement=placement,
     )
-    engine = Engine(config, group=group)  # loads this rank's shard (load_rank_model)
+    engine = Engine.build(config, group=group)  # loads this rank's shard (load_rank_model)
     engine.model.take_expert_load()
     tokens = engine.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     integrity, load, rank_load = beat_facts(engine)  # what the worker's heartbeat path reads
@@ -170,7 +170,7 @@ def test_a_placement_that_does_not_match_the_model_is_refused(checkpoints, tmp_p
     with pytest.raises(PlacementError, match="the model has 8"):
         load_rank_model(EngineConfig(model=model_dir, ep=EP, expert_placement=str(path)), group)
     with pytest.raises(ValueError, match="needs a group of 2 ranks"):  # an engine at ep=2 alone
-        Engine(EngineConfig(model=model_dir, ep=EP))
+        Engine.build(EngineConfig(model=model_dir, ep=EP))
 
 
 def test_a_rank_loads_only_its_experts_and_reads_no_other(checkpoints, monkeypatch, caplog):

@@ -1,7 +1,8 @@
 """A prefill group's held KV over the real agent channels, in one process: the follower rank's agent runs on its
-own thread and loop (as in a spawned follower), talks to the leader over socket pairs, and reports each ended
-send on its events channel. What is checked: the leader's `PrefillGroupKv` frees a key exactly once, only after
-every rank retired it, once the decode group's pulls all ended, or at the first failed one; cancels free too."""
+own thread and loop (as in a spawned follower), talks to the leader over socket pairs, and reports each send's
+start and end on its events channel. What is checked: the leader's `PrefillKv` frees a key exactly once, only after
+every rank retired it, once the decode group's pulls all ended, or at the first failed one; cancels free too.
+The same KvHandOff and RankKv serve a worker of one rank (test_handoff_ranks.py)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ from types import SimpleNamespace
 import torch
 
 from shared.engine.kv_pool import KVLayout, KVPool
-from shared.kv.group_held import RankHeldKv
-from shared.kv.group_prefill import PrefillGroupKv
 from shared.kv.held import Freed
-from shared.kv.rank_agents import SEND_ENDED
+from shared.kv.prefill_kv import PrefillKv
+from shared.kv.rank_agents import AgentReports, on_rank_reports, register_rank_link
+from shared.kv.rank_held import RankKv
+from shared.kv.ranks import KvRanks
 from shared.kv.registry import KvLocation
 from shared.kv.reslice import group_record
-from shared.parallel.agents import GroupAgents, RankAgent
+from shared.parallel.agents import GroupAgents, RankAgent, StagedKv
+from shared.settings import KvTransferSettings
 from shared.sharding.layout import kv_head_range
 
 KVH, TP = 4, 2
@@ -37,19 +40,15 @@ def sync(test):
     return run
 
 
-def _rank_held(agent: RankAgent) -> RankHeldKv:
-    """A rank's RankHeldKv on `agent` (kv.hold / kv.retire, as serve_rank_kv registers them, without a server),
-    and a test handler that makes one send of heads on the rank's own loop."""
+def _rank_held(agent: RankAgent) -> RankKv:
+    """A rank's RankKv on `agent` (kv.hold / kv.close / kv.retire, as register_rank_kv registers them, without a
+    server), and a test handler that makes one send of heads on the rank's own loop."""
     layout = KVLayout(2, KVH, 3, 4, "float32", tuple(kv_head_range(KVH, TP, agent.rank)))
     pool = KVPool(layout, 8)
     pool.tensor.copy_(torch.randn(pool.tensor.shape))
 
-    async def report(key: str, rank: int, ok: bool, pulls: int) -> None:
-        await agent.notify(SEND_ENDED, (key, ok, pulls))
-
-    held = RankHeldKv(pool, agent.rank, report)
-    agent.register("kv.hold", lambda p: held.hold(p["key"], p["block_ids"], p["num_tokens"]))
-    agent.register("kv.retire", lambda p: held.retire(p["key"]))
+    held = RankKv(agent.rank, AgentReports(agent), pool=pool)
+    register_rank_link(agent, held)
 
     async def send(p) -> list[int]:  # what a decode rank's pull does at this rank's transfer server
         kv = await held.begin_send_heads(p["key"], range(*p["heads"]), p["pulls"])
@@ -76,7 +75,9 @@ class Registry:
 
 
 class FakeEngine:
-    """What PrefillGroupKv asks of the leader's engine: a held request's block table, and freeing it."""
+    """What PrefillKv asks of the leader's engine: a held request's block table, and freeing it."""
+
+    layout = KVLayout(2, KVH, 3, 4, "float32", (0, 1))
 
     def __init__(self) -> None:
         self.requests: dict[str, SimpleNamespace] = {}
@@ -108,10 +109,11 @@ class Group:
         self.engine = FakeEngine()
         self.released = self.engine.released
         self.registry = Registry()
-        self.kv = PrefillGroupKv(self.agents, TP, KVLayout(2, KVH, 3, 4, "float32", (0, 1)), self._call, 60.0,
-                                 self.registry)  # fmt: skip
+        ranks = KvRanks(self.agents, TP, StagedKv())
+        self.kv = PrefillKv(KvTransferSettings(lease_s=60.0), self.engine, self._call, self.registry,  # pyright: ignore[reportArgumentType]
+                            secret="s" * 16, model_name="m", ranks=ranks)  # fmt: skip
         self.kv.record = group_record(MODEL, TP, ["rank0:1", "rank1:1"])
-        self.agents.on_event(SEND_ENDED, self.kv._send_ended)  # what start() does, without the servers
+        on_rank_reports(self.agents, self.kv.held)  # what start() does, without the servers
 
     async def _call(self, fn):
         """The engine thread: fn on the fake engine; a release checks first that no rank still holds the key."""
@@ -184,7 +186,7 @@ async def test_freed_once_after_every_rank_sent_and_retired() -> None:
         assert g.released == [] and g.kv.count() == 1  # one of the two pulls
         await g.agents.call(0, "test.send", {"key": "k", "heads": (0, 2), "pulls": 2, "ok": True})
         await g.wait_released(1)
-        assert g.kv.freed == {Freed.PULLED: 1} and g.kv.count() == 0 and "k" not in g.registry.entries
+        assert g.kv.held.freed == {Freed.PULLED: 1} and g.kv.count() == 0 and "k" not in g.registry.entries
         assert await g.keys() == {0: [], 1: []}
     finally:
         g.close()
@@ -198,12 +200,12 @@ async def test_a_failed_send_on_the_follower_frees_on_every_rank_and_a_cancel_fr
         assert await g.kv.hold("k", "r", 0, _loc("k"))
         await g.agents.call(1, "test.send", {"key": "k", "heads": (2, 4), "pulls": 2, "ok": False})
         await g.wait_released(1)
-        assert g.kv.freed == {Freed.SEND_FAILED: 1}
+        assert g.kv.held.freed == {Freed.SEND_FAILED: 1}
         _request(g, "c")
         assert await g.kv.hold("c", "rc", 3, _loc("c"))
         assert await g.kv.cancel("rc", lambda attempt: attempt <= 2) == 0  # a later attempt: not covered
         assert await g.kv.cancel("rc", lambda attempt: attempt <= 3) == 1
         await g.wait_released(2)
-        assert g.kv.freed == {Freed.SEND_FAILED: 1, Freed.CANCELLED: 1} and await g.keys() == {0: [], 1: []}
+        assert g.kv.held.freed == {Freed.SEND_FAILED: 1, Freed.CANCELLED: 1} and await g.keys() == {0: [], 1: []}
     finally:
         g.close()

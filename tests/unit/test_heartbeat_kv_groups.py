@@ -34,7 +34,7 @@ def _worker(checkpoint) -> MixedWorker:
         block_size=BLOCK,
         scheduler=SchedulerConfig(max_num_batched_tokens=32),
     )
-    return MixedWorker(WorkerSettings(engine=config, worker_id="beats", metrics_port=None), engine=Engine(config))
+    return MixedWorker(WorkerSettings(engine=config, worker_id="beats", metrics_port=None), engine=Engine.build(config))
 
 
 def _gauge(name: str, worker: MixedWorker, group: int) -> float | None:

@@ -247,7 +247,7 @@ def test_dummy_step_runs_the_model_over_a_chunk_at_the_end_of_a_context(model_di
 
 
 def test_engine_logs_one_kv_line_at_start(model_dir, caplog):
-    with caplog.at_level(logging.INFO, logger="shared.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="shared.engine"):
         engine = Engine.from_dir(model_dir, num_kv_blocks=40, max_model_len=300)
     [line] = [r.getMessage() for r in caplog.records if "KV cache" in r.getMessage()]
     bytes_ = 40 * engine.layout.bytes_per_block

@@ -9,7 +9,7 @@ import torch
 
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVLayout
-from shared.kv.rank_transfer import group_of, rank_worker_id
+from shared.kv.endpoints import group_of, rank_worker_id
 from shared.kv.transfer.heads import HeadsRefused, begin_send, head_fields
 from shared.rpc import kv_transfer_pb2 as pb
 

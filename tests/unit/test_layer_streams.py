@@ -18,7 +18,7 @@ PREFILL = SamplingParams(max_tokens=1, temperature=0.0)
 def _engine(checkpoint, model) -> Engine:
     chunks = SchedulerConfig(max_num_batched_tokens=128)
     config = EngineConfig(model=str(checkpoint), num_kv_blocks=64, max_model_len=1024, scheduler=chunks)
-    return Engine(config, model)
+    return Engine.build(config, model)
 
 
 def _prompt(n: int) -> list[int]:

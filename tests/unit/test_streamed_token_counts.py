@@ -122,7 +122,7 @@ async def _streamed_hand_off(model_dir, pull_works: bool) -> tuple[DecodeWorker,
     prefill.held = HeldKv(prefill.blocks, lease_s=TIMEOUT_S)  # no registry: the decode side's stand-in answers
     puller = Puller(functools.partial(_pulled_from, prefill) if pull_works else None)
     decoder.registry = Location("prefill:1")  # pyright: ignore[reportAttributeAccessIssue]
-    decoder.client = puller  # pyright: ignore[reportAttributeAccessIssue]
+    decoder.kv.client = puller  # pyright: ignore[reportAttributeAccessIssue]
     prefill.engine.start()
     decoder.engine.start()
     try:

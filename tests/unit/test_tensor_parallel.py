@@ -64,7 +64,7 @@ def _rank_generates(group: RankGroup, cases: list[tuple[str, bool]]) -> list[dic
     """Per case on this rank: the tokens, the KV pool's heads and blocks, the weight bytes."""
     out: list[dict] = [{"agreed": group.agree_min("test", 100 - group.rank)}]  # ranks offering different numbers
     for model_dir, prepack in cases:
-        engine = Engine(_config(model_dir, group.world, prepack), group=group)
+        engine = Engine.build(_config(model_dir, group.world, prepack), group=group)
         out.append(
             {
                 "tokens": _generate(engine),
@@ -80,7 +80,7 @@ def _rank_generates(group: RankGroup, cases: list[tuple[str, bool]]) -> list[dic
 def _rank_generates_with_kernels(group: RankGroup, model_dir: str) -> list[list[int]]:
     """The Triton kernels (interpreted on CPU) and decode-step replay (EagerReplay) over this rank's shard."""
     config = _config(model_dir, group.world, prepack=False, kernels=KernelChoice.TRITON)
-    engine = Engine(config, graph_backend=EagerReplay(), group=group)
+    engine = Engine.build(config, graph_backend=EagerReplay(), group=group)
     assert engine.runner.graphs is not None, "decode steps were not replayed"
     return _generate(engine)
 
@@ -95,7 +95,7 @@ def test_tp2_greedy_output_matches_the_single_rank_engine_for_every_architecture
     cases = [(str(checkpoints[a, s]), prepack) for a, s, prepack in CASES]
     reference = []
     for model_dir, prepack in cases:
-        engine = Engine(_config(model_dir, 1, prepack))
+        engine = Engine.build(_config(model_dir, 1, prepack))
         reference.append((_generate(engine), engine.layout.fingerprint, model_weight_bytes(engine.model)))
     ranks = run_on_ranks(2, _rank_generates, (cases,))
     assert [r.pop(0)["agreed"] for r in ranks] == [99, 99]
@@ -127,7 +127,7 @@ def _rank_generates_tp_with_ep(group: RankGroup, cases: list[tuple[str, str]]) -
     out = []
     for model_dir, dispatch in cases:
         config = replace(_config(model_dir, 2, prepack=False), ep=2, ep_dispatch=EPDispatch(dispatch))
-        engine = Engine(config, group=group)
+        engine = Engine.build(config, group=group)
         for moe in engine.model.sparse_layers().values():  # half the experts, each whole; attention split
             assert moe.experts.num_experts * 2 == moe.experts.total_experts and moe.dispatch is not None
             assert moe.experts.intermediate == engine.model.config.moe_intermediate_size
@@ -138,7 +138,7 @@ def _rank_generates_tp_with_ep(group: RankGroup, cases: list[tuple[str, str]]) -
 
 def test_tp2_with_ep2_matches_the_single_rank_engine_for_every_moe_architecture(checkpoints):
     dirs = [str(checkpoints[a, s]) for a, s in MOE_CASES]
-    reference = [_generate(Engine(_config(d, 1, prepack=False))) for d in dirs]
+    reference = [_generate(Engine.build(_config(d, 1, prepack=False))) for d in dirs]
     cases = [(d, str(mode)) for d in dirs for mode in EPDispatch]
     for rank, got in enumerate(run_on_ranks(2, _rank_generates_tp_with_ep, (cases,))):
         for (d, mode), tokens in zip(cases, got, strict=True):
@@ -149,7 +149,7 @@ def test_tp2_with_ep2_matches_the_single_rank_engine_for_every_moe_architecture(
 def test_tp2_triton_kernels_and_decode_graphs_run_on_the_local_shards(checkpoints):
     pytest.importorskip("triton", reason="the kernels need triton")
     model_dir = str(checkpoints["qwen3_moe", "tiny_mqa"])  # one KV head, replicated: heads of width 16 per rank
-    reference = _generate(Engine(_config(model_dir, 1, prepack=False)))
+    reference = _generate(Engine.build(_config(model_dir, 1, prepack=False)))
     for rank, tokens in enumerate(run_on_ranks(2, _rank_generates_with_kernels, (model_dir,))):
         assert tokens == reference, f"rank {rank} with the Triton kernels differs from the single-rank engine"
 
@@ -256,7 +256,7 @@ def test_layouts_the_model_cannot_take_are_refused(checkpoints, tmp_path):
     with pytest.raises(LayoutError, match="each 1 or the group size"):
         EngineConfig(model=str(model_dir), tp=2, ep=4)
     with pytest.raises(ValueError, match="needs a group of 2 ranks"):
-        Engine(EngineConfig(model=str(model_dir), tp=2))
+        Engine.build(EngineConfig(model=str(model_dir), tp=2))
 
 
 def test_a_ranks_kv_layout_names_its_heads_and_keeps_the_models_fingerprint():

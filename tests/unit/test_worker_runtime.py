@@ -158,7 +158,7 @@ def worker(model_dir):
     config = EngineConfig(
         str(model_dir), max_model_len=256, num_kv_blocks=64, scheduler=SchedulerConfig(max_num_seqs=4)
     )
-    return MixedWorker(WorkerSettings(engine=config, worker_id="w1", metrics_port=None), engine=Engine(config))
+    return MixedWorker(WorkerSettings(engine=config, worker_id="w1", metrics_port=None), engine=Engine.build(config))
 
 
 def test_connections_are_there_only_once_run_made_them(worker):

@@ -1,0 +1,46 @@
+"""Readying a loaded model for its device: prepacked weights, the kernel choice, the CPU kernels.
+
+Runs once per engine, before the KV plan (whose dummy step on CUDA runs the chosen kernels and measures what
+the weights and their packed twins left of the device).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from shared.engine.config import EngineConfig
+from shared.model.attention import use_cpu_attention_kernel, use_cpu_norm_rope_kernel
+from shared.model.kernels.choice import KernelChoice, resolve_kernels
+from shared.model.linear import can_prepack, prepack
+from shared.model.moe import use_cpu_expert_kernel
+from shared.model.transformer import CausalLM
+
+log = logging.getLogger(__name__)
+
+
+def prepare_model(model: CausalLM, config: EngineConfig, device: torch.device) -> KernelChoice:
+    """Check the model against the configuration (its device, its parallel layout), prepack its weights where
+    that pays, choose its kernels and hand them to it (`CausalLM.use_kernels`), switch on the CPU kernels the
+    settings ask for. Changes the model in place; → the kernels it runs. ValueError on a mismatch."""
+    weight = next(model.parameters())
+    if weight.device != device:
+        raise ValueError(f"the model is on {weight.device}, the engine is configured for {device}")
+    if config.prepack_weights and can_prepack(device, weight.dtype):
+        prepack(model)
+    kernels = resolve_kernels(config.kernels, device, config.block_size)
+    model.use_kernels(kernels)
+    log.info("kernels: %s (setting %s, device %s)", kernels, config.kernels, device)
+    torch_on_cpu = device.type == "cpu" and kernels is KernelChoice.TORCH
+    if config.cpu_expert_kernel and torch_on_cpu:
+        log.info("CPU experts: %s", use_cpu_expert_kernel(model))
+    if config.cpu_attention_kernel and torch_on_cpu:
+        log.info("CPU decode attention: %s", use_cpu_attention_kernel(model))
+    else:
+        model.cpu_attention = False
+    if config.cpu_norm_kernel and device.type == "cpu":
+        log.info("CPU norms and RoPE: %s", use_cpu_norm_rope_kernel(model))
+    if model.layout != config.parallel:
+        raise ValueError(f"the model was built for {model.layout}, the engine is configured for {config.parallel}")
+    return kernels
