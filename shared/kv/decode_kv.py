@@ -29,7 +29,7 @@ from shared.kv.registry import GroupKv, KvLocation
 from shared.kv.reslice import IncompatibleKv, check_compatible, group_record
 from shared.kv.transfer.client import KvTransferClient
 from shared.kv.transfer.errors import KvTransferError
-from shared.parallel.agents import StagedExport
+from shared.ranklink.agents import StagedExport
 from shared.settings import KvTransferSettings
 from shared.sharding.layout import LayoutError
 

@@ -127,7 +127,7 @@ def test_group_matches_single_engine_and_pools_stay_identical(model_dir, group: 
 
 
 def test_agent_errors_and_unknown_handlers(group: WorkerGroup) -> None:
-    from shared.parallel.agents import AgentError
+    from shared.ranklink.agents import AgentError
 
     with pytest.raises(AgentError, match="no handler 'nope'"):
         asyncio.run(group.agents.call(1, "nope"))

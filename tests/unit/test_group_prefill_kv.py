@@ -22,7 +22,7 @@ from shared.kv.rank_held import RankKv
 from shared.kv.ranks import KvRanks
 from shared.kv.registry import KvLocation
 from shared.kv.reslice import group_record
-from shared.parallel.agents import GroupAgents, RankAgent, StagedKv
+from shared.ranklink.agents import GroupAgents, RankAgent, StagedKv
 from shared.settings import KvTransferSettings
 from shared.sharding.layout import kv_head_range
 
