@@ -103,8 +103,8 @@ def test_concurrent_posted_pulls_on_one_pair_keep_apart(prefill, checkpoint, mod
         client = _client("decode-posted-pair")
         try:
             kvs = await asyncio.gather(*(_pull_posted(client, prefill.address, r, layout, 64) for r in rids))
-            conn = await client._connections[prefill.address]
-            return kvs, client.stats, conn.next_posted_tag
+            posted = (await client._connections[prefill.address]).receiver("posted")
+            return kvs, client.stats, posted.next_posted_tag  # pyright: ignore[reportOptionalMemberAccess]
         finally:
             await client.close()
 
