@@ -22,6 +22,7 @@ import torch
 from shared.engine.sampling import SamplingParams
 from shared.kv.transfer import FailureReason, KvTransferClient, KvTransferError, posted
 from shared.kv.transfer.posted import POSTED_TAG_BASE
+from shared.kv.transfer.transports.posted_pair import PostedReceiver
 from tests.integration.test_kv_transfer import (
     PATHS,
     TIMEOUT_S,
@@ -104,7 +105,8 @@ def test_concurrent_posted_pulls_on_one_pair_keep_apart(prefill, checkpoint, mod
         try:
             kvs = await asyncio.gather(*(_pull_posted(client, prefill.address, r, layout, 64) for r in rids))
             posted = (await client._connections[prefill.address]).receiver("posted")
-            return kvs, client.stats, posted.next_posted_tag  # pyright: ignore[reportOptionalMemberAccess]
+            assert isinstance(posted, PostedReceiver)
+            return kvs, client.stats, posted.next_posted_tag
         finally:
             await client.close()
 

@@ -319,7 +319,11 @@ class KvTransferServer:
         lender = getattr(context, "lender", None)  # a message of a same-host pair's Unix socket
         job = SendJob(request, kv, slot, pair, span, started, context, lender)
         for sender in self._senders:  # the first transport that takes the pull sends it, and ends it
-            reply = await sender.send(job)
+            try:
+                reply = await sender.send(job)
+            except BaseException:  # it took the pull, ended it, and aborts the call
+                self.stats.by_transport[sender.name] += 1
+                raise
             if reply is not None:
                 self.stats.by_transport[sender.name] += 1
                 return reply
