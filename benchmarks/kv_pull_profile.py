@@ -35,6 +35,7 @@ import kv_transfer_bench as bench  # noqa: E402
 
 from shared.engine.kv_pool import KVLayout, KVPool  # noqa: E402
 from shared.kv.transfer import KvTransferClient  # noqa: E402
+from shared.kv.transfer import call_checks as checks_mod  # noqa: E402
 from shared.kv.transfer import client as client_mod  # noqa: E402
 from shared.kv.transfer import pair as pair_mod  # noqa: E402
 from shared.kv.transfer import server as server_mod  # noqa: E402
@@ -51,7 +52,7 @@ def stamp(rid: str, phase: str) -> None:
 def patch_server() -> None:
     """Wrap the server's phases (one pull at a time, so the current request id is the one stamped)."""
     current = {"rid": ""}
-    accept, authorize, begin = server_mod.KvTransferServer._accept, server_mod.KvTransferServer._authorize, None
+    accept, authorize, begin = server_mod.KvTransferServer._accept, checks_mod.CallChecks.authorize, None
     begin = server_mod.begin_send
 
     async def _accept(self, request, context, span):
@@ -82,7 +83,7 @@ def patch_server() -> None:
         stamp(job.request_id, "s_freed")
 
     server_mod.KvTransferServer._accept = _accept
-    server_mod.KvTransferServer._authorize = _authorize
+    checks_mod.CallChecks.authorize = _authorize
     server_mod.begin_send = begin_send
     segment_mod.copy_into_region = copy_into_region
     sends_mod.Sends.end = _end_send

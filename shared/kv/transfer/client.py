@@ -20,11 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import grpc
 
@@ -34,22 +32,14 @@ from shared.engine.kv_pool import KVLayout
 from shared.kv.tickets import Tickets
 from shared.kv.transfer.buffers import BufferPool
 from shared.kv.transfer.channel_tls import KvTls
+from shared.kv.transfer.client_pair import REFUSALS, ClientPair, join_pair, open_channel, open_local, transfer_error
 from shared.kv.transfer.errors import FailureReason, KvTransferError
 from shared.kv.transfer.heads import head_fields
-from shared.kv.transfer.local_stream import LocalCall
-from shared.kv.transfer.pair import (
-    DECODE_RANK,
-    Pair,
-    TransferBackend,
-    check_backend,
-    local_address_towards,
-    store_client,
-)
+from shared.kv.transfer.pair import TransferBackend, check_backend
 from shared.kv.transfer.pair_proof import PairProofs
 from shared.kv.transfer.pull_stream import PullStream
-from shared.kv.transfer.rpc_calls import MAX_MESSAGE_BYTES
 from shared.kv.transfer.shm import host_identity
-from shared.kv.transfer.transports.base import Arrival, Offer, Pull, Receiver, Transport
+from shared.kv.transfer.transports.base import Arrival, Offer, Pull, Transport
 from shared.kv.transfer.transports.receives import ClientStats, Link, Receives
 from shared.kv.transfer.transports.registry import TRANSPORTS, with_fallback
 from shared.kv.transfer.transports.segment import SegmentReceiver
@@ -58,40 +48,7 @@ from shared.rpc import kv_transfer_pb2_grpc as pb_grpc
 from shared.telemetry import metrics, tracing
 
 __all__ = ["ClientStats", "KvTransferClient"]
-log = logging.getLogger(__name__)
 MAX_BLOCKING_THREADS = 32  # joins + recv waits at once; more queue for a free thread
-# Pull answers given before any send starts: the pair is still clean after them.
-REFUSALS = frozenset(
-    {
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.UNAUTHENTICATED,
-        grpc.StatusCode.NOT_FOUND,
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.FAILED_PRECONDITION,
-        grpc.StatusCode.ALREADY_EXISTS,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,  # a message too big for gRPC, or the server's replay cache full
-    }
-)
-
-
-@dataclass
-class _Connection:
-    stub: pb_grpc.KvTransferStub
-    link: Link  # the pair's group and the carrier of its pulls
-    # NCCL matches send/recv by issue order, not tag: one transfer at a time on such a pair.
-    order: asyncio.Lock | contextlib.nullcontext
-    receivers: list[Receiver] = field(default_factory=list)  # the transports this pair took, in order
-
-    @property
-    def pair(self) -> Pair:
-        return self.link.pair
-
-    @property
-    def pulls(self) -> PullStream:
-        return self.link.pulls
-
-    def receiver(self, name: str) -> Receiver | None:
-        return next((r for r in self.receivers if r.name == name), None)
 
 
 class _StalePair(KvTransferError):
@@ -151,7 +108,7 @@ class KvTransferClient:
         self._receives = Receives(self.backend, model_name, self.stats, self._buffers, self._executor, borrow)
         self._transports = with_fallback(transports)
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._connections: dict[str, asyncio.Task[_Connection]] = {}
+        self._connections: dict[str, asyncio.Task[ClientPair]] = {}
 
     async def pull(
         self, address: str, request_id: str, layout: KVLayout, group_pulls: int = 0, num_tokens: int | None = None
@@ -276,13 +233,13 @@ class KvTransferClient:
             except Exception as e:  # gloo: timeout, peer gone (or its pair closed midway); the pair is dead
                 self._withdraw(offers.values())
                 self._forget(address, conn)
-                raise _transfer_error(e, f"receiving {request_id!r} from {address}") from e
+                raise transfer_error(e, f"receiving {request_id!r} from {address}") from e
         kv = arrival.result()
         self.stats.by_transport[name] += 1
         return kv
 
     async def _receive(
-        self, conn: _Connection, pull: Pull, reply: pb.PullReply, offers: dict[str, Offer]
+        self, conn: ClientPair, pull: Pull, reply: pb.PullReply, offers: dict[str, Offer]
     ) -> tuple[str, Arrival]:
         """The first of the pair's receivers that recognises the reply receives it (the plain pair's is last)."""
         for receiver in conn.receivers:
@@ -296,7 +253,7 @@ class KvTransferClient:
         """Withdraw every offer; True when one leaves receives posted on the pair (it must go)."""
         return any([offer.withdraw() for offer in offers])
 
-    async def _call(self, address: str, conn: _Connection | None, call, what: str):
+    async def _call(self, address: str, conn: ClientPair | None, call, what: str):
         """Await an RPC on `conn`'s pair (None: Connect), mapping its failure to KvTransferError."""
         try:
             return await call
@@ -309,7 +266,7 @@ class KvTransferClient:
                 raise _StalePair(FailureReason.UNAVAILABLE, f"{what} to {address}: {e.details()}") from e
             raise KvTransferError.from_rpc(e, f"{what} to {address}") from e
 
-    async def _connection(self, address: str, layout: KVLayout) -> _Connection:
+    async def _connection(self, address: str, layout: KVLayout) -> ClientPair:
         """The pair with `address`, negotiated on first use; concurrent first pulls share one negotiation."""
         task = self._connections.get(address)
         if task is None:
@@ -322,10 +279,10 @@ class KvTransferClient:
                 del self._connections[address]  # a failed negotiation is not cached
             raise
 
-    async def _connect(self, address: str, layout: KVLayout) -> _Connection:
+    async def _connect(self, address: str, layout: KVLayout) -> ClientPair:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = self._channel(address)
+            channel = self._channels[address] = open_channel(address, self.tls)
         stub = pb_grpc.KvTransferStub(channel)
         request = pb.ConnectRequest(
             decode_worker_id=self.worker_id,
@@ -338,43 +295,22 @@ class KvTransferClient:
         # Each transport the server offered takes it up now, before the pair forms (a segment's name goes then)
         receivers = [r for t in self._transports if (r := t.connect(self._receives, reply, layout)) is not None]
         try:
-            pair = await asyncio.get_running_loop().run_in_executor(self._executor, self._join, reply)
+            join = functools.partial(join_pair, reply, self.backend, self.timeout_s, self._proofs)
+            pair = await asyncio.get_running_loop().run_in_executor(self._executor, join)
         except Exception as e:
             for receiver in receivers:
                 receiver.close()
-            raise _transfer_error(e, f"joining pair {reply.pair_id!r} at {reply.store_host}:{reply.store_port}") from e
+            raise transfer_error(e, f"joining pair {reply.pair_id!r} at {reply.store_host}:{reply.store_port}") from e
         self.stats.connects += 1
         order = contextlib.nullcontext() if self.backend.tagged else asyncio.Lock()
-        local = await self._local_call(reply)
+        wanted = self.local_stream and bool(self.host_id)  # same host asked for, and the socket not turned off
+        local = await open_local(reply, wanted, self.timeout_s)
         pulls = PullStream(stub.PullStream if local is None else lambda: local)  # pyright: ignore[reportArgumentType]
-        conn = _Connection(stub, Link(pair, pulls, local), order, receivers)
+        conn = ClientPair(stub, Link(pair, pulls, local), order, receivers)
         pulls.on_break = functools.partial(self._forget, address, conn)  # the server stopped or died: unmap now
         return conn
 
-    async def _local_call(self, reply: pb.ConnectReply) -> LocalCall | None:
-        """The server's Unix socket for this pair's pulls, if it offered one (same host) and we reach it; None: gRPC."""
-        if not (reply.local_stream and self.local_stream and self.host_id):
-            return None
-        try:
-            return await LocalCall.connect(reply.local_stream, MAX_MESSAGE_BYTES, self.timeout_s)
-        except (OSError, TimeoutError) as e:  # e.g. another network namespace: the abstract name is not here
-            log.info("the prefill worker's local pull stream is not reachable (%s): pulls go over gRPC", e)
-            return None
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        if self.tls is None:
-            return grpc.aio.insecure_channel(address)
-        return grpc.aio.secure_channel(address, self.tls.channel_credentials(), options=self.tls.channel_options())
-
-    def _join(self, reply: pb.ConnectReply) -> Pair:
-        """Blocking: reach the prefill worker's store, build our rank of the pair's group, exchange proofs."""
-        store = store_client(reply.store_host, reply.store_port, self.timeout_s)
-        local = local_address_towards(reply.store_host) if self.backend is TransferBackend.GLOO else None
-        pair = Pair.join(self.backend, store, reply.pair_id, DECODE_RANK, self.timeout_s, local)
-        self._proofs.confirm(pair)  # PairRefused (pair closed): the rank 0 we reached is not the prefill worker
-        return pair
-
-    def _forget(self, address: str, conn: _Connection) -> None:
+    def _forget(self, address: str, conn: ClientPair) -> None:
         """Stop using `conn`'s pair: the next pull from `address` negotiates a new one. Closing our side
         (once no recv is in flight on it) closes the connection, which fails the server's pending sends. Pulls
         still waiting on its stream get their answers (and then find the pair closed, or finish)."""
@@ -387,9 +323,3 @@ class KvTransferClient:
         if task is not None and task.done() and not task.cancelled() and task.exception() is None:
             if task.result() is conn:
                 del self._connections[address]
-
-
-def _transfer_error(error: Exception, what: str) -> KvTransferError:
-    timed_out = "timed out" in str(error).lower() or "timeout" in type(error).__name__.lower()
-    reason = FailureReason.TIMEOUT if timed_out else FailureReason.UNAVAILABLE
-    return KvTransferError(reason, f"{what}: {error}")

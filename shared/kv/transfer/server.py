@@ -30,21 +30,21 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 import torch.distributed as dist
 
 from shared.engine.shared_pool import PoolHandle
-from shared.kv.replay import DEFAULT_CAPACITY, ReplayCache
-from shared.kv.tickets import TicketError, TicketReason, Tickets
+from shared.kv.replay import DEFAULT_CAPACITY
 from shared.kv.transfer import pull_stream
+from shared.kv.transfer.call_checks import MAX_ID_CHARS, CallChecks
 from shared.kv.transfer.channel_tls import KvTls
 from shared.kv.transfer.heads import HeadsRefused, begin_send
 from shared.kv.transfer.local_stream import LocalListener
 from shared.kv.transfer.pair import PREFILL_RANK, Pair, TransferBackend, check_backend, store_client
 from shared.kv.transfer.pair_proof import PairProofs, PairRefused
-from shared.kv.transfer.rpc_calls import MAX_MESSAGE_BYTES, Call, Unreadable, handler, short
+from shared.kv.transfer.rpc_calls import MAX_MESSAGE_BYTES, Unreadable, handler
 from shared.kv.transfer.send_stream import SendStream
 from shared.kv.transfer.shm import host_identity, sweep_stale
 from shared.kv.transfer.slots import Slot
@@ -63,18 +63,10 @@ MAX_BLOCKING_THREADS = 32  # joins + sends waiting at once; more queue for a fre
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 DEFAULT_CHUNK_BYTES = 64 << 20  # KV of up to this size moves in one piece
 MIN_CHUNK_BYTES = 1024
-MAX_ID_CHARS = 512  # request, worker and pair ids; longer is refused as INVALID_ARGUMENT
 SERVICE = pb.DESCRIPTOR.services_by_name["KvTransfer"].full_name
-# A refused ticket: no usable credential at all → UNAUTHENTICATED; a real one that does not grant this call
-# (or a signature that does not check out) → PERMISSION_DENIED.
-_TICKET_CODES = {
-    TicketReason.MISSING: grpc.StatusCode.UNAUTHENTICATED,
-    TicketReason.MALFORMED: grpc.StatusCode.UNAUTHENTICATED,
-    TicketReason.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,  # a valid ticket, no room to remember it
-}
 PAIR_ID_BYTES = 24  # of CSPRNG output in each pair id
 DEFAULT_SHM_BYTES = 256 << 20  # a same-host pair's segment: KV up to this size skips the socket
-__all__ = ["KvTransferServer", "ServerStats"]
+__all__ = ["MAX_ID_CHARS", "KvTransferServer", "ServerStats"]
 
 
 def _send_setting(name: str) -> property:
@@ -119,8 +111,8 @@ class KvTransferServer:
         and gloo (default: host, or this machine's FQDN when host is a wildcard). timeout_s bounds a pair's
         forming and each send; a send that times out frees the KV all the same. chunk_bytes: the largest
         piece a send moves (0 = one piece). fault_send_midway: testing only, every send fails after its first
-        piece (see `_send`). model_name labels this server's spans and metrics. send_stream: the stream sends
-        run on, shared with the source's exports (send_stream.py; None: no stream, as on CPU). tls: serve gRPC
+        piece (transports/over_pair.py). model_name labels this server's spans and metrics. send_stream: the stream
+        sends run on, shared with the source's exports (send_stream.py; None: no stream, as on CPU). tls: serve gRPC
         over TLS with client certificates (None: plaintext). replay_capacity: the most unexpired tickets
         remembered against replay. ticket_holder: the id a caller's pull ticket must name (a group rank's: its
         group's, shared/kv/rank_transfer.py); None: the caller's own. shm_bytes: the size of the shared
@@ -141,12 +133,11 @@ class KvTransferServer:
         self.timeout_s = timeout_s
         self.host_id = host_identity() if shm_bytes else ""
         self.model_name = model_name
-        self._tickets = Tickets(secret)
-        self._replays = ReplayCache(replay_capacity, self._tickets.skew_s)
+        self.stats = ServerStats()
+        self._checks = CallChecks(secret, replay_capacity, self.stats, model_name, lambda: source.layout, log)
         self._proofs = PairProofs(secret)
         self.tls = tls
         self._ticket_holder = ticket_holder or (lambda worker: worker)
-        self.stats = ServerStats()
         # Where decode workers reach this machine, for the store and for gloo's listening socket.
         self.public_host = advertise_host or (socket.getfqdn() if host in WILDCARD_HOSTS else host)
         self._executor = ThreadPoolExecutor(MAX_BLOCKING_THREADS, thread_name_prefix="kv-send")
@@ -225,15 +216,15 @@ class KvTransferServer:
     async def connect(
         self, request: pb.ConnectRequest | Unreadable, context: grpc.aio.ServicerContext
     ) -> pb.ConnectReply:
-        request = await self._check_shape(context, "Connect", request, "decode_worker_id")
+        request = await self._checks.shape(context, "Connect", request, "decode_worker_id")
         worker = request.decode_worker_id
-        await self._authorize(context, "Connect", request.ticket, worker)
+        await self._checks.authorize(context, "Connect", request.ticket, worker)
         backend = TransferBackend.from_wire(request.backend)
         if backend is None:
-            await self._refuse(context, "Connect", worker, f"unknown transfer backend {request.backend}")
+            await self._checks.refuse(context, "Connect", worker, f"unknown transfer backend {request.backend}")
         if backend is not self.backend:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this server transfers over {self.backend}")
-        await self._check_fingerprint(request.layout_fingerprint, context)
+        await self._checks.fingerprint(request.layout_fingerprint, context)
         store = self._store
         assert store is not None  # start() sets it before the server takes calls; stop() unsets it after
         # Unguessable, but readable by any client of the store (list_keys): the pair proof is what keeps
@@ -260,7 +251,7 @@ class KvTransferServer:
     async def pull(self, request: pb.PullRequest | Unreadable, context: grpc.aio.ServicerContext) -> pb.PullReply:
         """Accept a pull: check, export, announce, start the send. The `send_kv` span (child of the puller's
         span, from the gRPC metadata) covers export and send; the send task ends it."""
-        request = await self._check_shape(context, "Pull", request, "request_id", "decode_worker_id", "pair_id")
+        request = await self._checks.shape(context, "Pull", request, "request_id", "decode_worker_id", "pair_id")
         # trace context travels in text entries; binary ("-bin") entries come as bytes and carry none
         metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
         span = tracing.start_span(
@@ -288,11 +279,11 @@ class KvTransferServer:
     async def _accept(self, request: pb.PullRequest, context: grpc.aio.ServicerContext, span) -> pb.PullReply:
         started = time.perf_counter()
         rid, worker = request.request_id, request.decode_worker_id
-        await self._authorize(context, "Pull", request.ticket, self._ticket_holder(worker), rid)
+        await self._checks.authorize(context, "Pull", request.ticket, self._ticket_holder(worker), rid)
         slot = self._pairs.get(worker)
         if slot is None or slot.pair_id != request.pair_id:
             await context.abort(grpc.StatusCode.ABORTED, f"pair {request.pair_id!r} is not open here; connect again")
-        await self._check_fingerprint(request.layout_fingerprint, context)
+        await self._checks.fingerprint(request.layout_fingerprint, context)
         if self.source.is_sending(rid):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already being pulled")
         try:
@@ -329,61 +320,11 @@ class KvTransferServer:
                 return reply
         raise AssertionError("the plain pair send takes every pull")  # the fallback is always in the list
 
-    async def _check_shape(
-        self, context: grpc.aio.ServicerContext, rpc: str, request: Call | Unreadable, *ids: str
-    ) -> Call:
-        """`request`, known readable; else INVALID_ARGUMENT for an unreadable message, or one whose id fields
-        are empty or too long."""
-        if isinstance(request, Unreadable):
-            await self._refuse(context, rpc, "?", f"the message is not a {request.kind}")
-        for name in ids:
-            value = getattr(request, name)
-            if not value or len(value) > MAX_ID_CHARS:
-                problem = "is empty" if not value else f"is longer than {MAX_ID_CHARS} characters"
-                await self._refuse(context, rpc, request.decode_worker_id or "?", f"{name} {problem}")
-        return request
-
-    async def _refuse(self, context: grpc.aio.ServicerContext, rpc: str, worker: str, why: str) -> NoReturn:
-        """Count and log the refusal, then abort the call with INVALID_ARGUMENT (raises)."""
-        self.stats.refused += 1
-        metrics.KV_TRANSFER_FAILURES.labels(self.model_name, "prefill", "invalid_request").inc()
-        log.warning("refused %s from %s (worker %s): %s", rpc, context.peer(), short(worker), why)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{rpc} refused: {why}")
-
-    async def _authorize(
-        self, context: grpc.aio.ServicerContext, rpc: str, ticket: str, worker: str, request_id: str | None = None
-    ) -> None:
-        """Pass if `ticket` lets `worker` make this call (pull `request_id`; None: connect); else refuse."""
-        try:
-            self._replays.admit(self._tickets.verify(ticket, worker, request_id))
-        except TicketError as e:
-            self.stats.refused += 1
-            metrics.KV_TRANSFER_FAILURES.labels(self.model_name, "prefill", f"ticket_{e.reason}").inc()
-            target = "" if request_id is None else f" of {short(request_id)}"
-            log.warning(
-                "refused %s%s from %s (worker %s): ticket %s: %s",
-                rpc,
-                target,
-                context.peer(),
-                short(worker),
-                e.reason,
-                e,
-            )
-            code = _TICKET_CODES.get(e.reason, grpc.StatusCode.PERMISSION_DENIED)
-            await context.abort(code, f"{rpc} refused, ticket {e.reason}: {e}")
-
     async def _joined(self, slot: Slot) -> Pair:
         """The slot's pair; the decode side joins before it pulls, so the wait is normally over already."""
         if slot.joining.done():
             return slot.joining.result()
         return await asyncio.wait_for(asyncio.shield(slot.joining), self.timeout_s)
-
-    async def _check_fingerprint(self, fingerprint: str, context: grpc.aio.ServicerContext) -> None:
-        ours = self.source.layout.fingerprint
-        if fingerprint != ours:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, f"KV layout fingerprint {fingerprint!r} differs from ours {ours!r}"
-            )
 
     def _join(self, pair_id: str, store_port: int) -> Pair:
         """Blocking: our rank of the pair's group, over a store connection of its own (to our store's port)."""
