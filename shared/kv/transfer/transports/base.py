@@ -21,16 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVLayout
+from shared.kv.transfer.slots import Slot
+from shared.kv.transfer.transports.receives import Link, Receives
+from shared.kv.transfer.transports.sends import SendJob, Sends
 from shared.rpc import kv_transfer_pb2 as pb
-
-if TYPE_CHECKING:
-    from shared.kv.transfer.slots import Slot
-    from shared.kv.transfer.transports.receives import Link, Receives
-    from shared.kv.transfer.transports.sends import SendJob, Sends
 
 
 class Sender(Protocol):
