@@ -250,3 +250,28 @@ async def _settled(bench: Bench, timeout_s: float = 5.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while bench.source.sending and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("name", [t.name for t in TRANSPORTS if SETUPS[t.name].breaks_by == "fault"])
+def test_a_pull_abandoned_mid_send_ends_its_send_once(name):
+    """The puller cancels its pull and goes while the send stalls midway (a lent KV's puller going away is the
+    failed-send test's revoke): the send ends exactly once, however it ends (the segment's copy completes into
+    memory nobody reads; a send over the pair fails with the pair)."""
+    setup = SETUPS[name]
+
+    async def run():
+        async with serving(name, fault_send_stall_s=1.0) as bench:
+            client = bench.client()
+            try:
+                pulling = asyncio.create_task(bench.pull(client, "scattered", setup))
+                await asyncio.sleep(0.3)  # the send is stalled midway
+                pulling.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await pulling
+            finally:
+                await client.close()
+            await _settled(bench, timeout_s=TIMEOUT_S)
+            assert bench.server.stats.by_transport == {name: 1}
+            assert len(bench.source.ends["scattered"]) == 1 and not bench.source.sending
+
+    asyncio.run(run())
