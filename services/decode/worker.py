@@ -34,7 +34,7 @@ from shared.kv.decode_kv import DecodeKv
 from shared.kv.registry import KvRegistry
 from shared.kv.transfer.layer_stream import StreamedKv
 from shared.messages import DecodeJob, Role, decode_subject
-from shared.parallel.agents import StagedExport
+from shared.ranklink.agents import StagedExport
 from shared.telemetry import metrics, tracing
 from shared.worker import Entry, Phase, StreamingWorker, error_event, sampling_params, spans
 from shared.worker.choices import choice_jobs, engine_choices, import_and_fork
