@@ -26,6 +26,7 @@ redis-server:
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports  # the layering rules: import-linter contracts in pyproject.toml
 	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(VENV)/bin/pyright --pythonpath $(abspath $(PY))  # no "newer version" ping
 
 # Every tier (tests/unit, tests/integration, tests/e2e); each also runs alone (`make test-unit` in seconds).
@@ -67,4 +68,4 @@ gpu-check: $(STAMP)
 	$(PY) benchmarks/gpu_check.py --out gpu_check.json
 
 clean:
-	rm -rf $(VENV) $(AIPERF_VENV) models .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(AIPERF_VENV) models .pytest_cache .ruff_cache .import_linter_cache

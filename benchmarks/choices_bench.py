@@ -21,10 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine.engine import Engine
 from shared.engine.fork import Choice, choice_params
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
 
 
 def cpu_model() -> str:

@@ -77,10 +77,10 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 from services.bench.datasets import BenchRequest, interference_requests, random_requests  # noqa: E402
 from services.bench.metrics import RequestRecord  # noqa: E402
 from services.bench.runner import BenchConfig, BenchResult, run  # noqa: E402
+from services.demo_model import ensure_demo_checkpoint  # noqa: E402
 from services.local.infra import free_port  # noqa: E402
 from services.local.stack import Stack, StackSpec  # noqa: E402
 from shared.engine.kv_budget import CPU_KV_CACHE_BYTES  # noqa: E402
-from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
 from shared.model.tokenizer import Tokenizer  # noqa: E402
 
 MODES = ("colocated", "colocated-chunked", "disaggregated")

@@ -23,10 +23,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from services.demo_model import ensure_demo_checkpoint  # noqa: E402
 from shared.engine.config import SchedulerConfig  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.sampling import SamplingParams  # noqa: E402
-from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
 
 PROMPT, WARMUP, BLOCK = 128, 6, 8
 

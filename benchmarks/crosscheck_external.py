@@ -51,9 +51,9 @@ import httpx
 import numpy as np
 
 from services.bench.metrics import RequestRecord, summarize
+from services.demo_model import ensure_demo_checkpoint
 from services.local.infra import free_port
 from services.local.stack import Stack, StackSpec
-from shared.model.demo import ensure_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent

@@ -48,10 +48,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere, installed or not
 
 from benchmarks.host_info import cpu_info, describe, load_average, matmul_gflops, read_bandwidth  # noqa: E402
+from services.demo_model import ensure_demo_checkpoint  # noqa: E402
 from shared.engine.config import SchedulerConfig  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.sampling import SamplingParams  # noqa: E402
-from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
 from shared.model.kernels import cpu_moe  # noqa: E402
 from shared.model.moe import use_cpu_expert_kernel  # noqa: E402
 

@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.host_info import cpu_info, load_average, matmul_gflops, read_bandwidth  # noqa: E402
+from shared.model.experts import Experts  # noqa: E402
 from shared.model.kernels import cpu_moe  # noqa: E402
-from shared.model.moe import Experts  # noqa: E402
 
 
 def _kernel_paths(isas: list[str], variants: list[str]) -> dict[str, cpu_moe.Kernel]:

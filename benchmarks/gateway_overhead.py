@@ -21,11 +21,11 @@ from pathlib import Path
 import httpx
 import torch
 
+from services.demo_model import ensure_demo_checkpoint
 from services.local.infra import free_port
 from services.local.stack import Stack, StackSpec
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import ensure_demo_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 

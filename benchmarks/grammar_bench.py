@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from shared.model.demo import byte_level_tokenizer
+from services.demo_model import byte_level_tokenizer
 
 GRAMMARS: list[tuple[str, str, Any, str]] = [
     # (name, kind, spec, a valid output)

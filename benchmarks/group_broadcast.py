@@ -11,10 +11,10 @@ import json
 import tempfile
 import time
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
 from shared.parallel.group_engine import start_group
 
 

@@ -26,11 +26,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.host_info import cpu_info, load_average  # noqa: E402
+from services.demo_model import ensure_demo_checkpoint  # noqa: E402
 from shared.engine.config import SchedulerConfig  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.sampling import SamplingParams  # noqa: E402
 from shared.model.attention import Attention  # noqa: E402
-from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
 from shared.model.kernels import cpu_norm_rope  # noqa: E402
 from shared.model.layers import RMSNorm  # noqa: E402
 

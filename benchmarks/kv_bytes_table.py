@@ -17,9 +17,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from services.demo_model import demo_config  # noqa: E402
 from shared.engine.kv_pool import KVLayout  # noqa: E402
 from shared.model.config import ModelConfig  # noqa: E402
-from shared.model.demo import demo_config  # noqa: E402
 
 _MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
 # model → (architecture, the config fields that decide its cache), from the published config.json files

@@ -43,8 +43,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.link_emulation import VethLink, raw_throughput_gbps, terminate_on_signals, unavailable  # noqa: E402
+from services.demo_model import write_demo_checkpoint  # noqa: E402
 from shared.model.config import ARCHITECTURES  # noqa: E402
-from shared.model.demo import write_demo_checkpoint  # noqa: E402
 
 ROLES = str(REPO / "benchmarks" / "kv_link_roles.py")
 LOOPBACK = "127.0.0.1"

@@ -35,9 +35,12 @@ import kv_transfer_bench as bench  # noqa: E402
 
 from shared.engine.kv_pool import KVLayout, KVPool  # noqa: E402
 from shared.kv.transfer import KvTransferClient  # noqa: E402
+from shared.kv.transfer import call_checks as checks_mod  # noqa: E402
 from shared.kv.transfer import client as client_mod  # noqa: E402
 from shared.kv.transfer import pair as pair_mod  # noqa: E402
 from shared.kv.transfer import server as server_mod  # noqa: E402
+from shared.kv.transfer.transports import segment as segment_mod  # noqa: E402
+from shared.kv.transfer.transports import sends as sends_mod  # noqa: E402
 
 STAMPS: list[tuple[str, str, float]] = []  # (request id, phase, perf_counter)
 
@@ -49,7 +52,7 @@ def stamp(rid: str, phase: str) -> None:
 def patch_server() -> None:
     """Wrap the server's phases (one pull at a time, so the current request id is the one stamped)."""
     current = {"rid": ""}
-    accept, authorize, begin = server_mod.KvTransferServer._accept, server_mod.KvTransferServer._authorize, None
+    accept, authorize, begin = server_mod.KvTransferServer._accept, checks_mod.CallChecks.authorize, None
     begin = server_mod.begin_send
 
     async def _accept(self, request, context, span):
@@ -68,22 +71,22 @@ def patch_server() -> None:
         stamp(request_id, "s_lent")
         return kv
 
-    copy, end_send = server_mod.copy_into_region, server_mod.KvTransferServer._end_send
+    copy, end_send = segment_mod.copy_into_region, sends_mod.Sends.end
 
     def copy_into_region(*args):  # the shared-memory send's gather, on a send thread
         stamp(current["rid"], "s_copy_start")
         copy(*args)
         stamp(current["rid"], "s_copy_done")
 
-    async def _end_send(self, rid, *args):
-        await end_send(self, rid, *args)
-        stamp(rid, "s_freed")
+    async def _end_send(self, job, error):
+        await end_send(self, job, error)
+        stamp(job.request_id, "s_freed")
 
     server_mod.KvTransferServer._accept = _accept
-    server_mod.KvTransferServer._authorize = _authorize
+    checks_mod.CallChecks.authorize = _authorize
     server_mod.begin_send = begin_send
-    server_mod.copy_into_region = copy_into_region
-    server_mod.KvTransferServer._end_send = _end_send
+    segment_mod.copy_into_region = copy_into_region
+    sends_mod.Sends.end = _end_send
     patch_transfers(current, "s_send")
 
 

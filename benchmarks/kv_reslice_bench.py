@@ -42,6 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere, installed or not
 
 from benchmarks.host_info import cpu_info  # noqa: E402
+from services.demo_model import ensure_demo_checkpoint  # noqa: E402
 from shared.engine.config import EngineConfig, SchedulerConfig  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.kv_pool import KVLayout, KVPool  # noqa: E402
@@ -52,11 +53,10 @@ from shared.kv.rank_held import HeldTable, RankKv, SendOutcome  # noqa: E402
 from shared.kv.rank_transfer import pull_rank_kv  # noqa: E402
 from shared.kv.reslice import group_record  # noqa: E402
 from shared.kv.transfer import KvTransferClient  # noqa: E402
-from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
-from shared.parallel.group import RankGroup  # noqa: E402
 from shared.parallel.launch import run_on_ranks  # noqa: E402
-from shared.parallel.layout import kv_head_range  # noqa: E402
 from shared.settings import KvTransferSettings  # noqa: E402
+from shared.sharding.group import RankGroup  # noqa: E402
+from shared.sharding.layout import kv_head_range  # noqa: E402
 
 SECRET = b"kv-reslice-bench-secret-0123"
 TIMEOUT_S = 120.0

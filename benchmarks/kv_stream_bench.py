@@ -35,6 +35,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere, installed or not
 
+from services.demo_model import ensure_demo_checkpoint  # noqa: E402
 from shared.engine.config import SchedulerConfig  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.kv_pool import KVLayout  # noqa: E402
@@ -43,7 +44,6 @@ from shared.engine.sampling import SamplingParams  # noqa: E402
 from shared.kv.held import HeldKv  # noqa: E402
 from shared.kv.transfer import EngineKvBlocks, KvTransferClient, KvTransferServer  # noqa: E402
 from shared.kv.transfer.layer_stream import StreamedKv  # noqa: E402
-from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
 
 TIMEOUT_S = 120.0
 SECRET = b"kv-stream-bench-secret-0123456789"

@@ -60,6 +60,7 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere, installed or not
 
+from services.demo_model import ensure_demo_checkpoint  # noqa: E402
 from shared.engine.borrowed_kv import BorrowedKv  # noqa: E402
 from shared.engine.config import SchedulerConfig  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
@@ -71,7 +72,6 @@ from shared.kv.transfer import KvTransferClient, KvTransferError, KvTransferServ
 from shared.kv.transfer.buffers import BufferPool  # noqa: E402
 from shared.kv.transfer.pair import DECODE_RANK, PREFILL_RANK, Pair  # noqa: E402
 from shared.kv.transfer.pool_kv import PoolKv  # noqa: E402
-from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
 from shared.rpc import kv_transfer_pb2 as pb  # noqa: E402
 
 HOST = "127.0.0.1"

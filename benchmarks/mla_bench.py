@@ -39,12 +39,12 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import kv_transfer_bench  # noqa: E402
 from host_info import cpu_info  # noqa: E402
 
+from services.demo_model import write_demo_checkpoint  # noqa: E402
 from shared.engine.config import SchedulerConfig  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.kv_pool import KVLayout  # noqa: E402
 from shared.engine.sampling import SamplingParams  # noqa: E402
 from shared.model.config import ModelConfig  # noqa: E402
-from shared.model.demo import write_demo_checkpoint  # noqa: E402
 from shared.model.mla_attention import MLAForm  # noqa: E402
 
 COMMON = {

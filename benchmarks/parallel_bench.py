@@ -11,7 +11,7 @@ measurement; the EP ones share one spawned group (rank 1 runs the same steps as 
 - ep_imbalance: a skewed router (a few experts favoured, different ones per workload) at EP = 2: the
   busiest rank over the mean rank (shared/model/expert_parallel.py RankLoad, what the worker exports as
   pdserve:moe_rank_imbalance) with the default contiguous placement, then with a placement planned from the
-  same workload's expert load with REDUNDANT replicas (shared/parallel/placement.py), for a prefill-like
+  same workload's expert load with REDUNDANT replicas (shared/sharding/placement.py), for a prefill-like
   (long prompts: 512-token batches) and a decode-like (many 16-token steps) workload.
 """
 
@@ -32,14 +32,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from benchmarks.host_info import cpu_info, describe, load_average  # noqa: E402
-from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
-from shared.model.expert_parallel import take_rank_load  # noqa: E402
+from services.demo_model import ensure_demo_checkpoint  # noqa: E402
+from shared.model.expert_shards import take_rank_load  # noqa: E402
 from shared.model.loader import load_model  # noqa: E402
-from shared.parallel.dispatch import EPDispatch  # noqa: E402
-from shared.parallel.group import RankGroup  # noqa: E402
 from shared.parallel.launch import local_rendezvous, spawn_followers  # noqa: E402
-from shared.parallel.layout import ParallelLayout  # noqa: E402
-from shared.parallel.placement import plan_placement  # noqa: E402
+from shared.sharding.dispatch import EPDispatch  # noqa: E402
+from shared.sharding.group import RankGroup  # noqa: E402
+from shared.sharding.layout import ParallelLayout  # noqa: E402
+from shared.sharding.placement import plan_placement  # noqa: E402
 
 EP = 2
 PREFILL_T, DECODE_T = 512, 16

@@ -50,11 +50,11 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
+from services.demo_model import ensure_demo_checkpoint  # noqa: E402
 from services.local.cluster_state import wait_settled  # noqa: E402
 from services.local.infra import free_port  # noqa: E402
 from services.local.stack import Stack, StackSpec  # noqa: E402
 from shared.messages import Heartbeat  # noqa: E402
-from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
 
 WORDS = ("prefill decode expert router token cache block stream worker gateway batch queue latency "
          "mixture sparse dense layer head value key query memory transfer lease ticket").split()  # fmt: skip

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from shared.structured import spec as specs
 

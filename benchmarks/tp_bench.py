@@ -28,14 +28,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from services.demo_model import ensure_demo_checkpoint  # noqa: E402
 from shared.engine.config import EngineConfig, SchedulerConfig  # noqa: E402
 from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.sampling import SamplingParams  # noqa: E402
-from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
 from shared.model.loader import load_model, model_weight_bytes  # noqa: E402
-from shared.parallel.group import RankGroup  # noqa: E402
 from shared.parallel.launch import run_on_ranks  # noqa: E402
-from shared.parallel.layout import ParallelLayout  # noqa: E402
+from shared.sharding.group import RankGroup  # noqa: E402
+from shared.sharding.layout import ParallelLayout  # noqa: E402
 
 DECODE_PROMPT = 64
 

@@ -53,9 +53,9 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere; tests.otlp_receiver lives in the repository
 
+from services.demo_model import ensure_demo_checkpoint  # noqa: E402
 from services.local.infra import free_port  # noqa: E402
 from services.local.stack import Stack, StackSpec  # noqa: E402
-from shared.model.demo import ensure_demo_checkpoint  # noqa: E402
 from shared.telemetry.spanfile import read_spans  # noqa: E402
 from tests.otlp_receiver import OtlpReceiver  # noqa: E402
 

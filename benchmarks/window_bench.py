@@ -27,12 +27,12 @@ import time
 from pathlib import Path
 from unittest import mock
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine import kv_cache as kv_cache_module
 from shared.engine.config import SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.kv_groups import KVGroup
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
 
 
 def cpu_model() -> str:

@@ -8,7 +8,7 @@ import json
 import shlex
 import sys
 import time
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 from services.bench.cli import add_bench_command
 from services.experts_cli import add_experts_command
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo_model(args: argparse.Namespace) -> int:
-    from shared.model.demo import write_demo_checkpoint
+    from services.demo_model import write_demo_checkpoint
 
     out = write_demo_checkpoint(args.out_dir, args.arch, args.size, args.seed, args.dtype, args.max_shard_bytes)
     print(f"wrote a random-weight {args.size} {args.arch} checkpoint to {out} (its text is meaningless)")
@@ -208,23 +208,13 @@ def _add_service_flags(p: argparse.ArgumentParser, settings_cls: type, skip: tup
     add_flags(p, settings_cls, skip)
 
 
-def _observe(service: str, instance: str, level: str, settings) -> None:
-    """Logging with trace ids, and tracing as OTEL_* / --trace-file ask (nothing exported otherwise)."""
-    import logging
-
-    from shared.telemetry import tracing
-
-    tracing.install_log_trace_ids()
-    logging.basicConfig(level=level, format=f"%(asctime)s {service} %(levelname)s %(name)s%(trace)s: %(message)s")
-    tracing.setup_tracing(f"pdserve-{service}", instance, settings.trace_file)
-
-
 def _add_service_commands(sub) -> None:
-    from shared.settings import GatewaySettings, WorkerSettings
+    from services.gateway import main as gateway
+    from shared.settings import WorkerSettings
 
     gw = sub.add_parser("gateway", help="the OpenAI-compatible REST gateway")
-    _add_service_flags(gw, GatewaySettings)
-    gw.set_defaults(func=_gateway)
+    gateway.add_arguments(gw)
+    gw.set_defaults(func=gateway.run)
 
     for role in ("prefill", "decode", "mixed"):
         w = sub.add_parser(role, help=f"a {role} worker")
@@ -291,35 +281,15 @@ def _add_service_commands(sub) -> None:
     up.set_defaults(func=_up)
 
 
-def _gateway(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from services.gateway.app import create_app
-    from services.gateway.draining import Drain, DrainingServer
-    from shared.settings import GatewaySettings, from_args
-
-    settings = from_args(GatewaySettings, args)
-    _observe("gateway", settings.gateway_id, args.log_level, settings)
-    drain = Drain(settings.drain_timeout_s)  # SIGTERM: /ready 503, new requests 503, in-flight ones finish
-    config = uvicorn.Config(
-        create_app(settings, drain=drain),
-        host=settings.host,
-        port=settings.port,
-        log_level="warning",
-        timeout_graceful_shutdown=settings.drain_timeout_s,
-    )
-    DrainingServer(config, drain).run()
-    return _exit_now(0)
-
-
 def _worker(args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
     from shared.settings import WorkerSettings, from_args
+    from shared.telemetry.lifecycle import exit_now, observe
 
     settings = from_args(WorkerSettings, args)  # the role: the subcommand's default
-    _observe(args.role, settings.worker_id, args.log_level, settings)
+    observe(args.role, settings.worker_id, args.log_level, settings.trace_file)
     worker_cls = _worker_class(args.role)
 
     async def serve() -> bool:
@@ -335,25 +305,7 @@ def _worker(args: argparse.Namespace) -> int:
                 group.close()
         return worker.failure is None
 
-    return _exit_now(0 if asyncio.run(serve()) else 1)  # 1: the engine failed (logged)
-
-
-def _exit_now(code: int) -> NoReturn:
-    """A service process that has stopped in order (drained, its connections closed) ends here, without the
-    interpreter's teardown: unloading torch and the model is 1.4 s of an idle 2-core host and 4 s of a loaded
-    one (measured: the worker's log says "stopped" 0.01 s after SIGTERM, the process exits seconds later), time
-    in which a supervisor waits and a port stays held. What that teardown would still do is done first: the
-    buffered spans are exported and the logs flushed."""
-    import logging
-    import os
-
-    from shared.telemetry import tracing
-
-    tracing.shutdown_tracing()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    return exit_now(0 if asyncio.run(serve()) else 1)  # 1: the engine failed (logged)
 
 
 def _worker_class(role: str):
@@ -371,10 +323,10 @@ def _worker_class(role: str):
 
 
 def _up(args: argparse.Namespace) -> int:
+    from services.demo_model import ensure_demo_checkpoint
     from services.local.kv_certs import KvCertError
     from services.local.stack import Stack, StackSpec
     from services.local.supervisor import Supervisor
-    from shared.model.demo import ensure_demo_checkpoint
     from shared.settings import CommonSettings, from_env
 
     model = args.model

@@ -1,4 +1,4 @@
-"""`pdserve experts plan`: an expert placement from expert-load statistics (shared/parallel/placement.py)."""
+"""`pdserve experts plan`: an expert placement from expert-load statistics (shared/sharding/placement.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from shared.parallel.placement import imbalance, parse_stats, plan_placement, rank_loads
+from shared.sharding.placement import imbalance, parse_stats, plan_placement, rank_loads
 
 
 def add_experts_command(sub) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.model.demo import write_demo_checkpoint
+from services.demo_model import write_demo_checkpoint
 from shared.model.loader import load_model
 from shared.model.tokenizer import Tokenizer
 

@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu_checks.common import CheckResult, Target, sync, verdict
+from services.demo_model import write_demo_checkpoint
 from shared.engine.config import SchedulerConfig
 from shared.engine.decode_graphs import EagerReplay
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
 
 NAME = "graphs"
 PROMPT_TOKENS = 16

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_checks.common import CheckResult, Target, max_diff, median_ms, verdict
+from shared.model.experts import Experts
 from shared.model.kernels.fused_moe import fused_moe, fused_moe_reference
 from shared.model.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
-from shared.model.moe import Experts
 from shared.model.paged_attention import AttentionMetadata, paged_attention
 
 NAME = "kernels"

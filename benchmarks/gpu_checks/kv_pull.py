@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.gpu_checks.common import CheckResult, Target, sync, verdict
+from services.demo_model import write_demo_checkpoint
 from shared.engine.engine import Engine
 from shared.engine.kv_pool import KVLayout
 from shared.engine.sampling import SamplingParams
@@ -31,7 +32,6 @@ from shared.kv.held import HeldKv
 from shared.kv.transfer import EngineKvBlocks, KvTransferClient, KvTransferServer
 from shared.kv.transfer.pair import DECODE_RANK, PREFILL_RANK, Pair, TransferBackend
 from shared.kv.transfer.send_stream import SendStream
-from shared.model.demo import write_demo_checkpoint
 
 # torch.distributed re-exports its C++ TCPStore without marking it public (as in shared/kv/transfer/pair.py)
 # pyright: reportPrivateImportUsage=false

@@ -7,7 +7,7 @@ near-tied router score sends a token to another expert, which moves that token's
 on CPU: mixtral's bf16 prefill logits differ by up to 3.1 at one position in 100, mean 0.024, where every
 other architecture matches transformers bit for bit). So bfloat16 is held to: the first BF16_EXACT_TOKENS
 tokens of every prompt identical, the prefill argmax equal at BF16_MIN_ARGMAX_AGREE of positions, and the
-mean |logit difference| (logits have std ~4, shared/model/demo.py) at most BF16_MAX_MEAN_LOGIT_DIFF. The
+mean |logit difference| (logits have std ~4, services/demo_model.py) at most BF16_MAX_MEAN_LOGIT_DIFF. The
 max difference and the fraction of all tokens equal are reported, not held.
 Under --allow-cpu only ARCHS_ON_CPU run (one dense, one MoE), with fewer tokens: the full set takes minutes
 on a small CPU.
@@ -21,11 +21,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from benchmarks.gpu_checks.common import CheckResult, Target, max_diff, verdict
+from services.demo_model import write_demo_checkpoint
 from shared.engine.config import SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.model.config import ARCHITECTURES
-from shared.model.demo import write_demo_checkpoint
 from shared.model.loader import load_model
 from shared.model.paged_attention import AttentionMetadata
 

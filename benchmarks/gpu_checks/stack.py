@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 
 from benchmarks.gpu_checks.common import CheckResult, Target, verdict
+from services.demo_model import write_demo_checkpoint
 from services.local.infra import free_port
 from services.local.stack import Stack, StackSpec
-from shared.model.demo import write_demo_checkpoint
 
 NAME = "stack"
 PROMPT = "The GPU path, end to end:"

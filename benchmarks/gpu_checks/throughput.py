@@ -17,10 +17,10 @@ import torch
 from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 from benchmarks.gpu_checks.common import CheckResult, Target, sync, verdict
+from services.demo_model import write_demo_checkpoint
 from shared.engine.config import SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
 
 NAME = "throughput"
 PROMPT_TOKENS = 16

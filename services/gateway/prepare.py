@@ -29,7 +29,8 @@ from services.gateway.schemas import (  # the limits live with the schema, which
 from services.gateway.served_model import ServedModel
 from services.gateway.structured import checked, requested_spec
 from services.gateway.tools.choice import ToolPlan, plan_tools
-from services.gateway.tools.parsers import ToolParser, parser_for
+from services.gateway.tools.parsers import ToolParser
+from services.gateway.tools.registry import parser_for
 from shared import sampling_spec as spec
 from shared.messages import Sampling
 from shared.model.tokenizer import ChatTemplateError

@@ -28,7 +28,7 @@ from services.local.children import popen_options
 from services.local.infra import ServerProcess, free_port, start_nats, start_redis
 from services.local.kv_certs import KV_TLS_DIR, KvTlsFiles, dialled_hosts, generate, refuse_other_kv_tls, without_kv_tls
 from shared.engine.config import EngineConfig
-from shared.parallel.layout import ParallelLayout
+from shared.sharding.layout import ParallelLayout
 from shared.urls import split_credentials
 
 

@@ -32,7 +32,7 @@ from shared.engine.structured import StructuredDecoding
 from shared.model.device import resolve_device
 from shared.model.kernels.choice import KernelChoice
 from shared.model.transformer import CausalLM
-from shared.parallel.group import RankGroup
+from shared.sharding.group import RankGroup
 from shared.structured.grammar import Grammars
 
 

@@ -11,8 +11,8 @@ from enum import StrEnum
 from shared.model.kernels.choice import KernelChoice
 
 # the enum only: shared/model/expert_parallel.py imports torch, so the enum lives in a torch-free module
-from shared.parallel.dispatch import EPDispatch
-from shared.parallel.layout import ParallelLayout
+from shared.sharding.dispatch import EPDispatch
+from shared.sharding.layout import ParallelLayout
 
 # cpu, cuda, cuda:N (meta: tensors without data, for placement tests); availability is checked when the
 # engine starts (shared/model/device.py resolve_device), this only refuses what can never be a device.
@@ -99,7 +99,7 @@ class EngineConfig:
     24, ... up to max_num_seqs); effective only on CUDA with kernels=triton, else every step runs eagerly."""
     tp: int = 1
     """Tensor-parallel degree: attention heads, dense MLPs, the experts' intermediate size and the untied LM
-    head's vocabulary split over this many ranks of the worker group (shared/parallel/layout.py)."""
+    head's vocabulary split over this many ranks of the worker group (shared/sharding/layout.py)."""
     ep: int = 1
     """Expert-parallel degree: routed experts partitioned over this many ranks. Each of tp and ep is 1 or the
     group size (max(tp, ep) ranks)."""

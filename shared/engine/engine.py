@@ -38,7 +38,7 @@ from shared.engine.outputs import RequestOutput, request_output
 from shared.engine.request import Request
 from shared.engine.sampling import SamplingParams
 from shared.model.transformer import CausalLM
-from shared.parallel.group import RankGroup
+from shared.sharding.group import RankGroup
 
 __all__ = ["Engine", "EngineStats", "RequestOutput"]
 

@@ -7,8 +7,8 @@ from shared.engine.config import EngineConfig
 from shared.model.device import resolve_device
 from shared.model.loader import load_model
 from shared.model.transformer import CausalLM
-from shared.parallel.group import RankGroup
-from shared.parallel.placement import ExpertPlacement, PlacementError
+from shared.sharding.group import RankGroup
+from shared.sharding.placement import ExpertPlacement, PlacementError
 
 
 def load_rank_model(config: EngineConfig, group: RankGroup) -> CausalLM:

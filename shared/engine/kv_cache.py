@@ -21,8 +21,8 @@ from shared.engine.kv_groups import KVGroup, kv_groups, window_live_blocks
 from shared.engine.kv_measure import plan_kv_pool
 from shared.engine.kv_pool import KVLayout, KVPool
 from shared.model.transformer import CausalLM
-from shared.parallel.group import RankGroup
-from shared.parallel.layout import kv_head_range
+from shared.sharding.group import RankGroup
+from shared.sharding.layout import kv_head_range
 
 log = logging.getLogger(__name__)
 

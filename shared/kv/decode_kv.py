@@ -29,9 +29,9 @@ from shared.kv.registry import GroupKv, KvLocation
 from shared.kv.reslice import IncompatibleKv, check_compatible, group_record
 from shared.kv.transfer.client import KvTransferClient
 from shared.kv.transfer.errors import KvTransferError
-from shared.parallel.agents import StagedExport
-from shared.parallel.layout import LayoutError
+from shared.ranklink.agents import StagedExport
 from shared.settings import KvTransferSettings
+from shared.sharding.layout import LayoutError
 
 log = logging.getLogger(__name__)
 

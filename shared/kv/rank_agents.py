@@ -27,7 +27,7 @@ from shared.kv.rank_held import HeldTable, RankKv, SendOutcome
 from shared.kv.rank_transfer import register_pull
 from shared.kv.transfer import KvTransferClient, KvTransferServer
 from shared.kv.transfer.send_stream import SendStream
-from shared.parallel.agents import GroupAgents, RankAgent, StagedKv
+from shared.ranklink.agents import GroupAgents, RankAgent, StagedKv
 from shared.settings import KvTransferSettings
 
 SEND_BEGAN = "kv.send_began"  # a prefill rank's event: a send of (key) started

@@ -29,8 +29,8 @@ from shared.engine.kv_pool import KVLayout
 from shared.kv.registry import GroupKv
 from shared.kv.reslice import IncompatibleKv, check_compatible, group_pulls, plan_pulls
 from shared.kv.transfer import FailureReason, KvTransferClient, KvTransferError
-from shared.parallel.agents import StagedKv
-from shared.parallel.layout import LayoutError, kv_head_range
+from shared.ranklink.agents import StagedKv
+from shared.sharding.layout import LayoutError, kv_head_range
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.parallel.agents import GroupAgents, StagedKv
+from shared.ranklink.agents import GroupAgents, StagedKv
 
 
 @dataclass(frozen=True)

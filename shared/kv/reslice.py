@@ -1,7 +1,7 @@
 """Re-slicing KV between worker groups of different tensor-parallel layouts (pure: no I/O, no torch).
 
 A prefill group of TP = a and a decode group of TP = b hold the same model's KV heads split differently
-(`shared.parallel.layout.kv_head_range`: contiguous slices, or replicas when heads are fewer than ranks).
+(`shared.sharding.layout.kv_head_range`: contiguous slices, or replicas when heads are fewer than ranks).
 For decode rank j, `plan_pulls` says which prefill rank sends which of its pool's heads into which of j's
 pool positions, so every decode rank pulls exactly the heads it owns, rank to rank. `check_compatible` refuses
 a pair of groups whose KV cannot be exchanged (another model, dtype or head dim) with a message that names the
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from shared.engine.kv_pool import KVLayout
 from shared.kv.registry import GroupKv, RankKv
-from shared.parallel.layout import kv_head_holders, kv_head_range
+from shared.sharding.layout import kv_head_holders, kv_head_range
 
 
 class IncompatibleKv(ValueError):

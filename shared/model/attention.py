@@ -1,7 +1,7 @@
 """The attention layer: fused QKV projection, optional q/k norm, RoPE, paged attention, output projection.
 
 Tensor-parallel (shard.tp > 1): this rank computes its query heads and holds its KV heads (replicated when there
-are fewer KV heads than ranks, shared/parallel/layout.py); qkv_proj holds only their rows, o_proj only their
+are fewer KV heads than ranks, shared/sharding/layout.py); qkv_proj holds only their rows, o_proj only their
 input columns (row-parallel), and the output is all-reduced. A FULL q/k norm needs the variance over the whole
 projection width: the per-token sums of squares are all-reduced (one (T, 2) all-reduce for q and k).
 """
@@ -9,7 +9,8 @@ projection width: the per-token sums of squares are all-reduced (one (T, 2) all-
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -21,10 +22,7 @@ from shared.model.linear import PackedWeights, linear
 from shared.model.mla_attention import MLAAttention
 from shared.model.paged_attention import AttentionMetadata, paged_attention
 from shared.model.tensor_parallel import TensorShard
-from shared.parallel.layout import head_range, kv_head_holders, kv_head_range
-
-if TYPE_CHECKING:
-    from shared.model.transformer import CausalLM
+from shared.sharding.layout import head_range, kv_head_holders, kv_head_range
 
 
 class Attention(nn.Module, PackedWeights):
@@ -135,7 +133,18 @@ class Attention(nn.Module, PackedWeights):
         return self.q_norm.weight * q32.to(q.dtype), self.k_norm.weight * k32.to(k.dtype)
 
 
-def use_cpu_attention_kernel(model: CausalLM) -> str:
+class AttentionKernelHost(Protocol):
+    """The model use_cpu_attention_kernel sets up (transformer.py's CausalLM; named by shape, not imported: the
+    model imports its layers, never the reverse)."""
+
+    cpu_attention: bool  # decode attention through the CPU kernel, in every layer or none
+
+    def modules(self) -> Iterator[nn.Module]: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+
+def use_cpu_attention_kernel(model: AttentionKernelHost) -> str:
     """Set `model.cpu_attention` (CausalLM) when every attention layer can run its decode tokens through the CPU
     attention kernel (float32, no sinks, a head dim of a multiple of 8, gcc at hand, AVX-512 or AVX2 + FMA);
     → a line for the engine's log saying what was chosen. All layers or none: the step's metadata is one
@@ -157,7 +166,7 @@ def use_cpu_attention_kernel(model: CausalLM) -> str:
     return f"cpu kernel in {len(attention)} layers"
 
 
-def use_cpu_norm_rope_kernel(model: CausalLM) -> str:
+def use_cpu_norm_rope_kernel(model: nn.Module) -> str:
     """Give every RMSNorm of a float32 model the CPU norm kernel and every (non-latent) attention layer the
     fused q/k norm + RoPE (kernels/cpu_norm_rope.py); → a line for the engine's log. Other dtypes, or a host
     where the kernel cannot be built, keep the torch ops."""

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.model.experts import Experts, sorted_pairs
 from shared.model.linear import linear
-from shared.model.moe import Experts, _sorted_pairs
 from shared.model.tensor_parallel import TensorShard
 
 
@@ -103,7 +103,7 @@ class ClampedSwiGLUExperts(Experts):
     def forward_grouped(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts: list[int]
     ) -> torch.Tensor:
-        pairs = _sorted_pairs(x, topk_ids, topk_weights)
+        pairs = sorted_pairs(x, topk_ids, topk_weights)
         ys, start = [], 0
         for e, n in enumerate(counts):
             if n:
@@ -116,7 +116,7 @@ class ClampedSwiGLUExperts(Experts):
     def forward_grouped_mm(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts: torch.Tensor
     ) -> torch.Tensor:
-        pairs = _sorted_pairs(x, topk_ids, topk_weights)
+        pairs = sorted_pairs(x, topk_ids, topk_weights)
         expert_of_pair = topk_ids.flatten()[pairs.order]
         ends = counts.cumsum(0).to(torch.int32)
         h = F.grouped_mm(pairs.rows, self.gate_up.transpose(1, 2), offs=ends) + self.gate_up_bias[expert_of_pair]

@@ -16,7 +16,7 @@ from typing import Any
 
 from shared.model.config_aliases import ALIASES, read_field, rope_parameters
 from shared.model.mla import MLAConfig
-from shared.model.routing import RouterConfig, router_config
+from shared.model.router_config import RouterConfig, router_config
 
 
 class QKNorm(Enum):

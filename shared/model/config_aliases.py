@@ -66,7 +66,7 @@ _QWEN_MOE: dict[str, Spelling] = {
     "use_sliding_window": _s("use_sliding_window", default=False),
 }
 # DeepSeek-V2/V3 and GLM-4.5 (routing with shared experts, dense first layers). The routers' own keys (n_group,
-# topk_group, norm_topk_prob, routed_scaling_factor, topk_method) are read by shared/model/routing.py; they are
+# topk_group, norm_topk_prob, routed_scaling_factor, topk_method) are read by shared/model/router_config.py; they are
 # listed here too, with transformers' defaults, for the model code still to come.
 _DEEPSEEK_MOE: dict[str, Spelling] = {
     "num_experts": _s("n_routed_experts", "num_experts", "num_local_experts", required=True),

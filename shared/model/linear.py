@@ -39,7 +39,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 @runtime_checkable
 class Prepackable(Protocol):
-    """A module that packs its own matmul weights: PackedWeights, or one with its own layout (moe.Experts)."""
+    """A module that packs its own matmul weights: PackedWeights, or one with its own layout (experts.Experts)."""
 
     def prepack(self) -> None: ...
 

@@ -28,12 +28,13 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from shared.model.config import ModelConfig
-from shared.model.expert_parallel import EPDispatch, shard_experts
+from shared.model.expert_shards import shard_experts
 from shared.model.quantization import SCALE_TENSOR, QuantizedCheckpointError, QuantMethod, quant_method_for
 from shared.model.transformer import CausalLM
-from shared.parallel.group import RankGroup
-from shared.parallel.layout import ParallelLayout
-from shared.parallel.placement import ExpertPlacement
+from shared.sharding.dispatch import EPDispatch
+from shared.sharding.group import RankGroup
+from shared.sharding.layout import ParallelLayout
+from shared.sharding.placement import ExpertPlacement
 
 log = logging.getLogger(__name__)
 

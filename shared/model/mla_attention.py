@@ -32,7 +32,7 @@ from shared.model.layers import RMSNorm, RopeTables, apply_rotary, apply_rotary_
 from shared.model.linear import PackedWeights, linear
 from shared.model.paged_attention import AttentionMetadata, PrefillChunk
 from shared.model.tensor_parallel import TensorShard
-from shared.parallel.layout import head_range
+from shared.sharding.layout import head_range
 
 
 class MLAForm(Enum):

@@ -4,7 +4,7 @@ group's all-reduce, and how a checkpoint tensor's rows or columns are cut for th
 `TensorShard.SINGLE` (tp = 1) is today's model: every range is the whole tensor, `source()` is () (the
 loader reads the whole tensor, as before), `all_reduce_` returns its argument untouched.
 
-Ownership (which heads, which rows) comes from shared/parallel/layout.py, so the model, the KV pool and the
+Ownership (which heads, which rows) comes from shared/sharding/layout.py, so the model, the KV pool and the
 hand-off cannot disagree.
 """
 
@@ -15,8 +15,8 @@ from typing import ClassVar
 
 import torch
 
-from shared.parallel.group import RankGroup
-from shared.parallel.layout import LayoutError, ParallelLayout, split_range
+from shared.sharding.group import RankGroup
+from shared.sharding.layout import LayoutError, ParallelLayout, split_range
 
 
 @dataclass(frozen=True)

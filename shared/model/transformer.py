@@ -26,8 +26,8 @@ from shared.model.mla_attention import MLAAttention, MLAForm
 from shared.model.moe import MoE
 from shared.model.paged_attention import AttentionMetadata
 from shared.model.tensor_parallel import TensorShard
-from shared.parallel.group import RankGroup
-from shared.parallel.layout import ParallelLayout
+from shared.sharding.group import RankGroup
+from shared.sharding.layout import ParallelLayout
 
 
 class DecoderLayer(nn.Module):

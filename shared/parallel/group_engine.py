@@ -27,13 +27,13 @@ from multiprocessing.process import BaseProcess
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.kv.rank_agents import register_rank_kv
-from shared.parallel.agents import GroupAgents, RankAgent, StagedKv, pool_digest
-from shared.parallel.channel import ChannelAddress, ChannelServer, dial
-from shared.parallel.group import RankGroup
 from shared.parallel.launch import local_rendezvous, spawn_followers
-from shared.parallel.layout import ParallelLayout
 from shared.parallel.ops import LeaderOps, MirroredKVPool, RankState, follow
 from shared.parallel.watch import FollowerWatch, exit_now
+from shared.ranklink.agents import GroupAgents, RankAgent, StagedKv, pool_digest
+from shared.ranklink.channel import ChannelAddress, ChannelServer, dial
+from shared.sharding.group import RankGroup
+from shared.sharding.layout import ParallelLayout
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0  # a follower's start: a fresh interpreter importing torch, then its model load

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from shared.parallel.group import RankGroup, Rendezvous
+from shared.sharding.group import RankGroup, Rendezvous
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -32,9 +32,9 @@ from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVPool, PoolFill
 from shared.engine.step_inputs import ScoredFn, StepInputs, forward_step
 from shared.model.transformer import CausalLM
-from shared.parallel.agents import StagedExport, StagedKv
-from shared.parallel.channel import recv_frame, send_frame
-from shared.parallel.group import RankGroup
+from shared.ranklink.agents import StagedExport, StagedKv
+from shared.ranklink.channel import recv_frame, send_frame
+from shared.sharding.group import RankGroup
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import llguidance
-import torch
-from llguidance.torch import fill_next_token_bitmask_par
 
 from shared.structured.spec import StructuredKind, StructuredSpec
 
 if TYPE_CHECKING:  # declared in llguidance's stubs only
     from llguidance._lib import JsonCompileOptions
+    from numpy.typing import ArrayLike
 
 _CACHE_SIZE = 256  # compiled grammars kept per tokenizer (the same schema sent again compiles once)
 
@@ -80,12 +79,18 @@ class Grammars:
             raise GrammarError(error)
         return grammar
 
-    def fill_masks(self, matchers: list[tuple[llguidance.LLMatcher, int]], bitmask: torch.Tensor) -> None:
-        """Write row i of `bitmask` (int32, (N, bitmask_words), CPU, contiguous) for each (matcher, i), in
-        llguidance's threads (the GIL is released: the caller may run this in a thread of its own)."""
+    def fill_masks(self, matchers: list[tuple[llguidance.LLMatcher, int]], bitmask: ArrayLike) -> None:
+        """Write row i of `bitmask` (int32, (N, bitmask_words), CPU, contiguous: the engine's torch tensor, viewed
+        in place as an array) for each (matcher, i), in llguidance's threads (the GIL is released: the caller may
+        run this in a thread of its own)."""
+        # numpy's variant, imported here: only the engine fills masks, and the gateway (which compiles grammars
+        # too) loads neither torch nor numpy for it
+        import numpy as np
+        from llguidance.numpy import fill_next_token_bitmask_par
+
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        fill_next_token_bitmask_par(self._executor, matchers, bitmask)
+        fill_next_token_bitmask_par(self._executor, matchers, np.asarray(bitmask))
 
 
 def _grammar_text(spec: StructuredSpec) -> str:
@@ -106,8 +111,3 @@ def _grammar_text(spec: StructuredSpec) -> str:
     if spec.kind is StructuredKind.REGEX:
         return m.grammar_from_regex(spec.spec)
     return m.grammar_from_lark(spec.spec)
-
-
-def allowed(bitmask_row: torch.Tensor, token_id: int) -> bool:
-    """Whether `token_id` is set in one bitmask row (tests, and the sampler's callers)."""
-    return bool((int(bitmask_row[token_id // 32]) >> (token_id % 32)) & 1)

@@ -11,7 +11,8 @@ from nats.aio.client import Client as NATS
 
 from shared.engine.engine import Engine
 from shared.messages import Heartbeat, Role, encode
-from shared.model.expert_parallel import RankLoad, take_rank_load
+from shared.model.expert_parallel import RankLoad
+from shared.model.expert_shards import take_rank_load
 from shared.worker.engine_load import EngineLoad
 
 HEARTBEAT_S = 1.0

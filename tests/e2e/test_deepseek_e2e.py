@@ -11,10 +11,10 @@ import httpx
 import pytest
 
 from services.cli import main
+from services.demo_model import write_demo_checkpoint
 from services.local.infra import free_port
 from services.local.stack import StackSpec
 from shared.engine.engine import Engine
-from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from tests.e2e_support import heartbeats, kv_keys, scraped_total, start_stack
 

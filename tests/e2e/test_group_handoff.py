@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import pytest
 
+from services.demo_model import write_demo_checkpoint
 from services.local.infra import free_port
 from services.local.stack import StackSpec
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from tests.chaos import Load, settled
 from tests.e2e.test_faults import FAST, SHORT

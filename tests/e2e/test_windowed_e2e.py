@@ -16,9 +16,9 @@ import time
 import httpx
 import pytest
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from tests.e2e_support import heartbeats, kv_keys, scraped_total
 

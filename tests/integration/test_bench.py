@@ -25,9 +25,9 @@ from services.bench.metrics import RequestRecord, summarize
 from services.bench.prompts import PromptMaker
 from services.bench.report import format_table
 from services.bench.runner import BenchConfig, schedule
+from services.demo_model import write_demo_checkpoint
 from services.local.infra import free_port
 from services.local.stack import Stack, StackSpec
-from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 
 VLLM_KEYS = [

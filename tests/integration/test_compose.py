@@ -9,23 +9,30 @@ compose.yaml run for real against local servers."""
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import importlib.util
 import json
+import os
 import re
 import socket
 import stat
 import subprocess
+import sys
 import threading
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import grimp
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import choose_encoder
 
 from services.cli import main as cli_main
+from services.gateway.main import main as gateway_main
 from services.local.infra import free_port, wait_for_port
 from shared import bus
 from shared.config_fields import knobs
@@ -39,7 +46,9 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
 SERVICES: dict[str, dict] = COMPOSE["services"]
 BUILDERS = [name for name, svc in SERVICES.items() if "build" in svc]
-PDSERVE_SERVICES = {name for name, svc in SERVICES.items() if svc.get("image") == SERVICES[BUILDERS[0]]["image"]}
+IMAGES = {SERVICES[name]["image"] for name in BUILDERS}  # what the Dockerfile makes: every role's, the gateway's
+GATEWAY_IMAGE = SERVICES["gateway"]["image"]  # entrypoint pdserve-gateway: its command is its flags
+PDSERVE_SERVICES = {name for name, svc in SERVICES.items() if svc.get("image") in IMAGES}
 ONE_SHOT = {name for name, svc in SERVICES.items() if svc.get("restart") == "no"}
 GPU_PROFILE = {name for name, svc in SERVICES.items() if "gpu" in svc.get("profiles", [])}
 OBSERVABILITY = {name for name, svc in SERVICES.items() if "observability" in svc.get("profiles", [])}
@@ -69,10 +78,10 @@ def command(name: str) -> list[str]:
 
 
 def role(name: str) -> str | None:
-    """The `pdserve` subcommand a long-running pdserve service runs."""
+    """The `pdserve` subcommand a long-running pdserve service runs (the gateway's image runs the gateway)."""
     if name not in PDSERVE_SERVICES or name in ONE_SHOT:
         return None
-    return command(name)[0]
+    return "gateway" if SERVICES[name]["image"] == GATEWAY_IMAGE else command(name)[0]
 
 
 WORKERS = {name for name in PDSERVE_SERVICES if role(name) in ("prefill", "decode", "mixed")}
@@ -357,16 +366,19 @@ def test_environment_values_parse():
         assert settings.model_name is None and settings.served_model_name == "demo"
 
 
-def _help_exits_cleanly(argv: list[str]) -> None:
+def _help_exits_cleanly(argv: list[str], main=cli_main) -> None:
     with pytest.raises(SystemExit) as exc:
-        cli_main([*argv, "--help"])
+        main([*argv, "--help"])
     assert exc.value.code == 0, argv
 
 
 def test_commands_are_pdserve_subcommands(capsys):
     for name in PDSERVE_SERVICES - ONE_SHOT:
-        assert "entrypoint" not in SERVICES[name], f"{name} runs the image's entrypoint, pdserve"
-        _help_exits_cleanly(command(name))
+        assert "entrypoint" not in SERVICES[name], f"{name} runs the image's entrypoint, pdserve (pdserve-gateway)"
+        if role(name) == "gateway":
+            _help_exits_cleanly(command(name), gateway_main)
+        else:
+            _help_exits_cleanly(command(name))
     # secrets-init takes the directory the volume is mounted at
     assert SERVICES["secrets-init"]["entrypoint"] == ["pdserve-secrets-init"]
     assert command("secrets-init") == [SECRETS_MOUNT]
@@ -377,15 +389,20 @@ def test_commands_are_pdserve_subcommands(capsys):
     capsys.readouterr()
 
 
-def test_one_image_built_once():
-    # One service builds the image (building it in several races in some compose versions); all the
-    # others wait for that one, so the image exists before compose looks for it.
-    assert BUILDERS == ["secrets-init"]
+def test_each_image_built_once():
+    # One service builds each image (building one in several races in some compose versions): secrets-init the
+    # image of every role, the gateway its own (no torch); all the others wait for secrets-init, so the image
+    # exists before compose looks for it.
+    assert BUILDERS == ["secrets-init", "gateway"]
     build = SERVICES["secrets-init"]["build"]
     assert build["context"] == "."
-    args = set(re.findall(r"^ARG (\w+)", (ROOT / "Dockerfile").read_text(), re.M))
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    args = set(re.findall(r"^ARG (\w+)", dockerfile, re.M))
     assert set(build.get("args", {})) <= args
     assert SERVICES["secrets-init"]["image"] == "pdserve:latest"
+    assert SERVICES["gateway"]["build"] == {"context": ".", "target": "gateway"}
+    assert re.search(r"^FROM \S+ AS gateway$", dockerfile, re.M)
+    assert GATEWAY_IMAGE == "pdserve-gateway:latest"
     for name in PDSERVE_SERVICES - {"secrets-init"}:
         assert "secrets-init" in SERVICES[name]["depends_on"], name
 
@@ -990,3 +1007,72 @@ async def _check_while_beating(healthcheck, url: str, role: str, worker_id: str)
     finally:
         task.cancel()
         await nc.close()
+
+
+def _stage(name: str) -> list[tuple[str, str]]:
+    """The Dockerfile's instructions from `FROM ... AS name` to the next FROM."""
+    instructions = _instructions()
+    start = next(i for i, (op, rest) in enumerate(instructions) if op == "FROM" and rest.endswith(f" AS {name}"))
+    end = next((i for i in range(start + 1, len(instructions)) if instructions[i][0] == "FROM"), len(instructions))
+    return instructions[start:end]
+
+
+def test_gateway_image_has_no_torch():
+    """The gateway's image installs the gateway's dependencies (pinned as pyproject.toml pins them) and pdserve
+    without its dependencies; they cover every distribution the gateway imports, and torch is none of them."""
+    build = " ".join(rest for _, rest in _stage("gateway-build"))
+    assert "deps.py /tmp/build/pyproject.toml --gateway" in build and "pip install --no-deps /tmp/src" in build
+    assert "docker/healthcheck.py /opt/venv/bin/pdserve-healthcheck" in build
+    gateway = dict(_stage("gateway"))
+    assert json.loads(gateway["ENTRYPOINT"]) == ["pdserve-gateway"] and gateway["USER"] not in ("root", "0")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "docker" / "deps.py"), str(ROOT / "pyproject.toml"), "--gateway"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    pins = out.stdout.split()
+    names = {canonicalize_name(Requirement(pin).name) for pin in pins}
+    assert not names & {"torch", "triton", "numpy"}, names
+    installed = _with_requirements(names)
+    assert not installed & {"torch", "triton"}, installed
+    needed = _gateway_distributions()
+    assert needed and needed <= installed, f"the gateway imports {sorted(needed - installed)}, which its image lacks"
+
+
+def _gateway_distributions() -> set[str]:
+    """The distributions whose modules the gateway loads (in a fresh interpreter) from the third-party packages
+    pdserve's own code imports (a library's optional imports of what happens to be installed here are not
+    needed); a module's distribution is the one whose files hold it."""
+    graph = grimp.build_graph("shared", "services", include_external_packages=True, cache_dir=None)
+    gateway = [m for m in graph.modules if m.startswith("services.gateway")]
+    upstream = set().union(*(graph.find_upstream_modules(m) for m in gateway))
+    direct = {m for m in upstream if not m.startswith(("shared", "services"))} - set(sys.stdlib_module_names)
+    code = (
+        "import sys, services.gateway.app, services.gateway.main\n"
+        "for name, module in list(sys.modules.items()):\n"
+        "    print(name, getattr(module, '__file__', None))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    loaded = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    owner = {
+        str(Path(str(dist.locate_file(f))).resolve()): canonicalize_name(dist.metadata["Name"])
+        for dist in importlib.metadata.distributions()
+        for f in dist.files or []
+        if f.suffix in (".py", ".so")
+    }
+    files = {str(Path(f).resolve()) for m, f in loaded.items() if m.split(".")[0] in direct and f != "None"}
+    return {owner[f] for f in files if f in owner}
+
+
+def _with_requirements(names: set[str]) -> set[str]:
+    """`names` and every distribution they require here (no extras), as pip would install them."""
+    seen, todo = set(), list(names)
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in seen:
+            continue
+        seen.add(name)
+        for req in map(Requirement, importlib.metadata.requires(name) or []):
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return seen

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
+from services.demo_model import GPT_OSS_WINDOW, write_demo_checkpoint
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.kv.transfer import KvTransferClient
-from shared.model.demo import GPT_OSS_WINDOW, write_demo_checkpoint
 from tests.integration.test_kv_transfer import (
     ENGINE_OPTS,
     SECRET,

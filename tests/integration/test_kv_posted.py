@@ -22,6 +22,7 @@ import torch
 from shared.engine.sampling import SamplingParams
 from shared.kv.transfer import FailureReason, KvTransferClient, KvTransferError, posted
 from shared.kv.transfer.posted import POSTED_TAG_BASE
+from shared.kv.transfer.transports.posted_pair import PostedReceiver
 from tests.integration.test_kv_transfer import (
     PATHS,
     TIMEOUT_S,
@@ -101,8 +102,9 @@ def test_concurrent_posted_pulls_on_one_pair_keep_apart(prefill, checkpoint, mod
         client = _client("decode-posted-pair")
         try:
             kvs = await asyncio.gather(*(_pull_posted(client, prefill.address, r, layout, 64) for r in rids))
-            conn = await client._connections[prefill.address]
-            return kvs, client.stats, conn.next_posted_tag
+            posted = (await client._connections[prefill.address]).receiver("posted")
+            assert isinstance(posted, PostedReceiver)
+            return kvs, client.stats, posted.next_posted_tag
         finally:
             await client.close()
 

@@ -19,6 +19,7 @@ from multiprocessing.process import BaseProcess
 import pytest
 import torch
 
+from services.demo_model import _write_weights, random_weights, write_demo_checkpoint
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.kv_export import KVExport
@@ -30,9 +31,8 @@ from shared.kv.rank_held import HeldTable, RankKv, SendOutcome
 from shared.kv.rank_transfer import pull_rank_kv
 from shared.kv.reslice import group_record
 from shared.kv.transfer import FailureReason, KvTransferClient, KvTransferError
-from shared.model.demo import _write_weights, random_weights, write_demo_checkpoint
-from shared.parallel.layout import kv_head_range
 from shared.settings import KvTransferSettings
+from shared.sharding.layout import kv_head_range
 
 pytestmark = pytest.mark.slow  # worker groups: ranks spawned per scenario (make test-slow)
 

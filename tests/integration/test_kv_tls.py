@@ -20,6 +20,7 @@ import grpc
 import pytest
 import torch
 
+from services.demo_model import write_demo_checkpoint
 from shared.config_fields import from_env
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
@@ -28,7 +29,6 @@ from shared.kv.held import HeldKv
 from shared.kv.tickets import Tickets
 from shared.kv.transfer import EngineKvBlocks, FailureReason, KvTransferClient, KvTransferError, KvTransferServer
 from shared.kv.transfer.channel_tls import KvTls
-from shared.model.demo import write_demo_checkpoint
 from shared.model.loader import load_model
 from shared.rpc import kv_transfer_pb2 as pb
 from shared.rpc import kv_transfer_pb2_grpc as pb_grpc

@@ -18,12 +18,12 @@ import time
 import pytest
 import torch
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.fork import Choice
 from shared.engine.kv_export import KVExport
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
 from shared.parallel.group_engine import WorkerGroup, rank_placements, start_group
 
 pytestmark = pytest.mark.slow  # worker groups: ranks spawned per scenario (make test-slow)
@@ -127,7 +127,7 @@ def test_group_matches_single_engine_and_pools_stay_identical(model_dir, group: 
 
 
 def test_agent_errors_and_unknown_handlers(group: WorkerGroup) -> None:
-    from shared.parallel.agents import AgentError
+    from shared.ranklink.agents import AgentError
 
     with pytest.raises(AgentError, match="no handler 'nope'"):
         asyncio.run(group.agents.call(1, "nope"))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoConfig
 
+from services.demo_model import demo_config
 from shared.model.config import ModelConfig
-from shared.model.demo import demo_config
 
 LAYERS = 6
 CASES = [

@@ -1,4 +1,4 @@
-"""The CPU expert kernel (shared/model/kernels/cpu_moe.c) against the torch paths of shared/model/moe.py."""
+"""The CPU expert kernel (shared/model/kernels/cpu_moe.c) against the torch paths of shared/model/experts.py."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from typing import cast
 import pytest
 import torch
 
-from shared.model import moe
+from shared.model import experts as experts_module
+from shared.model.experts import Experts
 from shared.model.kernels import cpu_moe
-from shared.model.moe import Experts, use_cpu_expert_kernel
+from shared.model.moe import use_cpu_expert_kernel
 
 LIB = cpu_moe.load()  # the widest build this host runs
 BUILDS = cpu_moe.kernels()
@@ -81,7 +82,7 @@ def test_forward_takes_the_kernel_for_every_batch_in_slices_that_change_no_bits(
     experts.prepack()
     assert LIB is not None and experts.use_cpu_kernel(LIB) is None
     assert experts._packed is None  # the panels replace the oneDNN packs
-    monkeypatch.setattr(moe, "CPU_KERNEL_SLICE_TOKENS", 8)
+    monkeypatch.setattr(experts_module, "CPU_KERNEL_SLICE_TOKENS", 8)
     called = []
     moe_call = cpu_moe.Kernel.moe
     monkeypatch.setattr(cpu_moe.Kernel, "moe", lambda k, x, *a, **kw: called.append(len(x)) or moe_call(k, x, *a, **kw))

@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from services.demo_model import write_demo_checkpoint
 from shared.config_fields import add_flags, from_args, from_env
 from shared.engine.config import SchedulerConfig
 from shared.engine.decode_graphs import (
@@ -24,7 +25,6 @@ from shared.engine.decode_graphs import (
 from shared.engine.engine import Engine
 from shared.engine.runner import ModelRunner
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
 from shared.model.kernels.choice import KernelChoice
 from shared.settings import WorkerSettings
 from tests.device_guard import DeviceGuard

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.model.demo import write_demo_checkpoint
+from services.demo_model import write_demo_checkpoint
 from shared.model.detokenizer import IncrementalDetokenizer
 from shared.model.tokenizer import Tokenizer
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from services.cli import main
+from services.demo_model import write_demo_checkpoint
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.model import moe as moe_module
 from shared.model.config import ARCHITECTURES
-from shared.model.demo import write_demo_checkpoint
 from shared.model.device import resolve_device
 from shared.model.paged_attention import AttentionMetadata
 from tests.device_guard import DeviceGuard, DeviceMisplacement

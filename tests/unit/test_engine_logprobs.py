@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine.config import SchedulerConfig
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.request import FinishReason
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
 from shared.structured import spec as specs
 
 BUDGET = 16  # prompts longer than this are prefilled in chunks

@@ -12,18 +12,18 @@ import multiprocessing as mp
 import pytest
 import torch
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.group_model import load_rank_model
 from shared.engine.sampling import SamplingParams
 from shared.model.config import ARCHITECTURES
-from shared.model.demo import write_demo_checkpoint
 from shared.model.loader import load_model
-from shared.parallel.dispatch import EPDispatch
-from shared.parallel.group import RankGroup
 from shared.parallel.launch import local_rendezvous, spawn_followers
-from shared.parallel.layout import ParallelLayout
-from shared.parallel.placement import ExpertPlacement, PlacementError
+from shared.sharding.dispatch import EPDispatch
+from shared.sharding.group import RankGroup
+from shared.sharding.layout import ParallelLayout
+from shared.sharding.placement import ExpertPlacement, PlacementError
 from shared.worker.heartbeat import beat_facts
 
 MOE_ARCHS = sorted(a for a, spec in ARCHITECTURES.items() if spec.moe)

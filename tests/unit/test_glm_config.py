@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import Glm4MoeConfig
 
+from services.demo_model import demo_config
 from shared.model.config import ModelConfig, QKNorm, SharedExpert, UnsupportedModelError
-from shared.model.demo import demo_config
 from shared.model.layers import Rotary, apply_rotary
-from shared.model.routing import Scoring, TopkMethod
+from shared.model.router_config import Scoring, TopkMethod
 
 
 def _glm(**overrides) -> dict:

@@ -12,7 +12,7 @@ import torch
 from shared.engine.kv_pool import KVLayout, KVPool
 from shared.kv.held import Freed, KvHandOff
 from shared.kv.rank_held import HeldTable, RankKv
-from shared.parallel.layout import kv_head_range
+from shared.sharding.layout import kv_head_range
 
 KVH, TP = 4, 2
 

@@ -22,9 +22,9 @@ from shared.kv.rank_held import RankKv
 from shared.kv.ranks import KvRanks
 from shared.kv.registry import KvLocation
 from shared.kv.reslice import group_record
-from shared.parallel.agents import GroupAgents, RankAgent, StagedKv
-from shared.parallel.layout import kv_head_range
+from shared.ranklink.agents import GroupAgents, RankAgent, StagedKv
 from shared.settings import KvTransferSettings
+from shared.sharding.layout import kv_head_range
 
 KVH, TP = 4, 2
 MODEL = KVLayout(2, KVH, 3, 4, "float32")

@@ -9,7 +9,7 @@ from typing import Any
 from shared.engine.kv_pool import KVLayout
 from shared.kv.rank_transfer import PullJob, pull_group_kv
 from shared.kv.reslice import group_record
-from shared.parallel.agents import AgentError
+from shared.ranklink.agents import AgentError
 
 RECORD = group_record(KVLayout(2, 2, 4, 4, "float32"), 2, ["p0:1", "p1:1"])
 

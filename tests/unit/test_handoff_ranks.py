@@ -26,7 +26,7 @@ from shared.kv.reslice import group_pulls, plan_pulls
 from shared.kv.transfer.pool_kv import PoolKv
 from shared.kv.transfer.source import AlreadySending
 from shared.messages import Cancel
-from shared.parallel.layout import kv_head_range
+from shared.sharding.layout import kv_head_range
 
 KVH, BLOCKS, BLOCK_SIZE, TOKENS = 4, 16, 4, 10
 MODEL = KVLayout(2, KVH, 3, BLOCK_SIZE, "float32")

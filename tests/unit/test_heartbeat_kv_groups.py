@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 from prometheus_client import REGISTRY
 
+from services.demo_model import GPT_OSS_WINDOW, write_demo_checkpoint
 from services.mixed.worker import MixedWorker
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.messages import Heartbeat, decode, encode
-from shared.model.demo import GPT_OSS_WINDOW, write_demo_checkpoint
 from shared.settings import WorkerSettings
 from shared.worker.engine_load import EngineLoad
 

@@ -19,8 +19,8 @@ pytest.importorskip("triton", reason="triton is not installed: the fused MoE ker
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from shared.model.experts import Experts  # noqa: E402
 from shared.model.kernels import fused_moe as fm  # noqa: E402
-from shared.model.moe import Experts  # noqa: E402
 
 D, I = 32, 16  # noqa: E741 (the legend's I)
 
@@ -208,7 +208,7 @@ def test_fused_moe_no_tokens() -> None:
 
 @pytest.mark.parametrize(("e", "a", "t"), [(8, 2, 5), (4, 1, 33)])
 def test_reference_matches_model_experts(e: int, a: int, t: int) -> None:
-    """fused_moe_reference is the math of moe.Experts.forward_reference, so the kernel is held to the model."""
+    """fused_moe_reference is the math of experts.Experts.forward_reference, so the kernel is held to the model."""
     experts = Experts(e, D, I).to(DEVICE)
     gate_up, down = _weights(e, seed=7)
     with torch.no_grad():

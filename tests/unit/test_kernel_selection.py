@@ -10,11 +10,11 @@ import os
 import pytest
 import torch
 
+from services.demo_model import write_demo_checkpoint
 from shared.config_fields import add_flags, from_args, from_env
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
 from shared.model.kernels.choice import KernelChoice, resolve_kernels
 from shared.model.paged_attention import AttentionMetadata
 from shared.settings import WorkerSettings

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.demo_model import GPT_OSS_WINDOW, write_demo_checkpoint
 from shared.engine.block_manager import FREED, NoFreeBlocksError
 from shared.engine.config import SchedulerConfig
 from shared.engine.engine import Engine
@@ -15,7 +16,6 @@ from shared.engine.fork import Choice
 from shared.engine.kv_budget import GroupNeed, KvPlan, KvShape, KvSizing, split_plan
 from shared.engine.kv_groups import KVGroup, kv_groups, window_live_blocks
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import GPT_OSS_WINDOW, write_demo_checkpoint
 
 BLOCK = 4
 W = GPT_OSS_WINDOW  # 16: the tiny demo's even layers slide over 16 tokens

@@ -10,7 +10,7 @@ import pytest
 from shared.engine.kv_pool import KVLayout
 from shared.kv.registry import KvLocation
 from shared.kv.reslice import IncompatibleKv, check_compatible, group_pulls, group_record, plan_pulls
-from shared.parallel.layout import LayoutError, kv_head_range
+from shared.sharding.layout import LayoutError, kv_head_range
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4, dtype="float32")
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from services.demo_model import write_demo_checkpoint
 from shared.model.config import UnsupportedModelError
-from shared.model.demo import write_demo_checkpoint
+from shared.model.experts import Experts
 from shared.model.linear import PackedWeights, can_prepack, prepack
 from shared.model.loader import CheckpointError, load_model
-from shared.model.moe import Experts
 from shared.model.tokenizer import ChatTemplateError, Tokenizer
 
 

@@ -12,13 +12,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from services.demo_model import demo_config, write_demo_checkpoint
 from shared.engine.config import SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.kv_pool import KVLayout, KVPool
 from shared.engine.sampling import SamplingParams
 from shared.kv.reslice import IncompatibleKv, check_compatible, group_record, plan_pulls, record_layout
 from shared.model.config import ModelConfig
-from shared.model.demo import demo_config, write_demo_checkpoint
 from shared.model.kernels.choice import KernelChoice
 from shared.model.layers import Rotary
 from shared.model.loader import load_model

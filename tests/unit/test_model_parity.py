@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine.config import SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.model.config import ARCHITECTURES
-from shared.model.demo import write_demo_checkpoint
 from shared.model.loader import load_model
 from shared.model.moe import MoE
 from shared.model.paged_attention import AttentionMetadata

@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
+from services.demo_model import write_demo_checkpoint
 from shared.model.config import ARCHITECTURES
-from shared.model.demo import write_demo_checkpoint
 from shared.model.loader import load_model
 
 MOE_ARCHS = sorted(a for a, spec in ARCHITECTURES.items() if spec.moe)
@@ -83,13 +83,13 @@ def test_moe_counts_routed_tokens_on_the_model_device(moe):
 def test_combine_rounds_like_index_add_into_zeros(num_tokens):
     """The combine (outputs put back in routing order, summed over top-k) against the index_add_ it replaced:
     bitwise equal for top-2, an empty batch included."""
-    from shared.model.moe import _sorted_pairs
+    from shared.model.experts import sorted_pairs
 
     gen = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, 16, generator=gen)
     ids = torch.rand(num_tokens, 8, generator=gen).argsort(dim=1)[:, :2]  # two distinct experts per token
     weights = torch.rand(num_tokens, 2, generator=gen)
-    pairs = _sorted_pairs(x, ids, weights)
+    pairs = sorted_pairs(x, ids, weights)
     y = torch.randn(num_tokens * 2, 16, generator=gen)
     token = pairs.order // 2
     expected = torch.zeros_like(x).index_add_(0, token, y * weights.flatten()[pairs.order].unsqueeze(1))

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from services.demo_model import write_demo_checkpoint
 from shared.model.config import UnsupportedModelError
-from shared.model.demo import write_demo_checkpoint
 from shared.model.loader import load_model
 from shared.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 

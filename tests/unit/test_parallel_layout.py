@@ -1,13 +1,13 @@
-"""Who owns what in a worker group (shared/parallel/layout.py), and the group's collectives over real gloo ranks."""
+"""Who owns what in a worker group (shared/sharding/layout.py), and the group's collectives over real gloo ranks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shared.parallel.group import RankGroup
 from shared.parallel.launch import local_rendezvous, spawn_followers
-from shared.parallel.layout import (
+from shared.sharding.group import RankGroup
+from shared.sharding.layout import (
     LayoutError,
     ParallelLayout,
     expert_range,

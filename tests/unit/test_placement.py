@@ -1,4 +1,4 @@
-"""The expert placement planner (shared/parallel/placement.py) and `pdserve experts plan`."""
+"""The expert placement planner (shared/sharding/placement.py) and `pdserve experts plan`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from services.cli import main
-from shared.parallel.placement import (
+from shared.sharding.placement import (
     ExpertPlacement,
     PlacementError,
     imbalance,

@@ -13,15 +13,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine.config import SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
 from shared.model.loader import CheckpointError, load_model
 from shared.model.quantization import UnsupportedQuantizationError, module_excluded
-from shared.parallel.group import RankGroup
 from shared.parallel.launch import run_on_ranks
-from shared.parallel.layout import ParallelLayout
+from shared.sharding.group import RankGroup
+from shared.sharding.layout import ParallelLayout
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 NOT_CONVERTED = ["lm_head", "mlp.gate"]  # the router stays in full precision, as in DeepSeek-V3's checkpoints

@@ -9,11 +9,12 @@ import importlib
 import pytest
 import torch
 
+from services.demo_model import demo_config
 from shared.model.config import ArchSpec, ModelConfig, RopeConfig, SharedExpert
-from shared.model.demo import demo_config
 from shared.model.linear import can_prepack
 from shared.model.moe import MoE
-from shared.model.routing import Router, RouterConfig, Scoring, TopkMethod, router_config
+from shared.model.router_config import RouterConfig, Scoring, TopkMethod, router_config
+from shared.model.routing import Router
 
 HIDDEN, EXPERTS, TOP_K, TOKENS = 32, 16, 4, 200
 

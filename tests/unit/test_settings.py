@@ -218,9 +218,10 @@ def test_ticket_secret_is_the_cluster_secret_of_a_role_that_signs_tickets():
 def _parsed(monkeypatch, argv: list[str]) -> argparse.Namespace:
     """The arguments `pdserve <argv>` would start its service with (the service itself is not started)."""
     import services.cli as cli
+    import services.gateway.main as gateway_main
 
     seen: list[argparse.Namespace] = []
-    monkeypatch.setattr(cli, "_gateway", seen.append)
+    monkeypatch.setattr(gateway_main, "run", seen.append)
     monkeypatch.setattr(cli, "_worker", seen.append)
     cli.main(argv)
     return seen[0]

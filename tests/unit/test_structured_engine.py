@@ -12,10 +12,10 @@ import llguidance
 import pytest
 import torch
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.engine.structured import StructuredDecoding, apply_bitmask
-from shared.model.demo import write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 from shared.structured import spec as specs
 from shared.structured.grammar import GrammarError, Grammars

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import shared.model.loader as loader
+from services.demo_model import write_demo_checkpoint
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.decode_graphs import EagerReplay
 from shared.engine.engine import Engine
@@ -22,14 +23,13 @@ from shared.engine.kv_pool import KVLayout
 from shared.engine.sampling import SamplingParams
 from shared.model.attention import Attention
 from shared.model.config import ARCHITECTURES
-from shared.model.demo import write_demo_checkpoint
 from shared.model.kernels.choice import KernelChoice
 from shared.model.loader import load_model, model_weight_bytes
 from shared.model.transformer import CausalLM, DecoderLayer
-from shared.parallel.dispatch import EPDispatch
-from shared.parallel.group import RankGroup
 from shared.parallel.launch import run_on_ranks
-from shared.parallel.layout import LayoutError, ParallelLayout
+from shared.sharding.dispatch import EPDispatch
+from shared.sharding.group import RankGroup
+from shared.sharding.layout import LayoutError, ParallelLayout
 
 NEW_TOKENS = 16
 # 37 and 23 tokens through a 16-token step budget: prompts in chunks, sharing steps with decodes

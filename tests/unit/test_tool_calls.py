@@ -9,13 +9,13 @@ import json
 import jsonschema
 import pytest
 
+from services.demo_model import CHAT_TEMPLATE, write_demo_checkpoint
 from services.gateway.tools.hermes import HermesParser
 from services.gateway.tools.llama3_json import Llama3JsonParser
 from services.gateway.tools.output import ToolDeltas
-from services.gateway.tools.parsers import parser_for
+from services.gateway.tools.registry import parser_for
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import CHAT_TEMPLATE, write_demo_checkpoint
 from shared.model.tokenizer import Tokenizer
 
 WEATHER = {

@@ -9,12 +9,12 @@ import json
 
 import pytest
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine.block_manager import FREED
 from shared.engine.config import SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.kv_pool import KVLayout
 from shared.engine.sampling import SamplingParams
-from shared.model.demo import write_demo_checkpoint
 
 WINDOW, BLOCK = 16, 8
 PROMPTS = [list(range(3, 103)), list(range(40, 63)), [5, 6, 7]]  # 100 tokens (chunked), 23, 3

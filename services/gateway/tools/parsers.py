@@ -1,4 +1,5 @@
-"""What a tool-call parser does, the calls it finds, and the choice of parser for a model.
+"""What a tool-call parser does, the calls it finds, and the helpers the parsers share (the parsers import this
+module; choosing one for a model is registry.py's, which imports them).
 
 A parser reads the model's whole text (`parse`) or follows it as it streams (`stream()` → a StreamParser fed
 each text delta); both give the text outside the calls as content and each call as a name plus its arguments as
@@ -102,18 +103,3 @@ def call_from_json(obj: Any, arguments_keys: tuple[str, ...]) -> ParsedCall | No
     if not isinstance(args, dict):
         return None
     return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
-
-
-def parser_for(setting: str, chat_template: str | None) -> ToolParser:
-    """settings.tool_call_parser, or for "auto" the family the chat template writes (Hermes when unsure)."""
-    from services.gateway.tools.hermes import HermesParser
-    from services.gateway.tools.llama3_json import Llama3JsonParser
-
-    if setting == "llama3_json":
-        return Llama3JsonParser()
-    if setting == "hermes":
-        return HermesParser()
-    template = chat_template or ""
-    if "<tool_call>" not in template and ("<|python_tag|>" in template or "ipython" in template):
-        return Llama3JsonParser()
-    return HermesParser()

@@ -1,7 +1,8 @@
 """The KV transfer plane: decode workers pull a request's KV from the prefill worker holding it.
 
-gRPC (proto/kv_transfer.proto) negotiates; the bytes move over a two-rank torch.distributed group per
-(prefill, decode) pair: gloo between CPU processes, NCCL between GPUs. docs/kv_transfer.md has the protocol.
+gRPC (proto/kv_transfer.proto) negotiates a two-rank torch.distributed group per (prefill, decode) pair (gloo
+between CPU processes, NCCL between GPUs); each pull's bytes move by one of the transports behind one interface
+(transports/: the borrowed pool, a shared segment, the pair's sends). docs/kv_transfer.md has the protocol.
 """
 
 from shared.kv.transfer.client import ClientStats, KvTransferClient

@@ -26,10 +26,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from shared.model.layers import gated_mlp
 
 DEFAULT_BLOCK_M = 16  # tl.dot needs every tile side >= 16
 
@@ -214,13 +213,15 @@ def fused_moe(
 def fused_moe_reference(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
 ) -> torch.Tensor:
-    """Plain torch, one expert at a time: the math of moe.Experts.forward_reference (same gated_mlp, routing
-    weight cast to x.dtype before it scales the expert output, summed into the token)."""
+    """Plain torch, one expert at a time: the math of experts.Experts.forward_reference (the same gated MLP as
+    layers.gated_mlp, written out here: the kernels sit below the model's layers; routing weight cast to x.dtype
+    before it scales the expert output, summed into the token)."""
     _check_inputs(x, gate_up, down, topk_ids, topk_weights)
     out = torch.zeros_like(x)
     for e in range(gate_up.shape[0]):
         tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
         if tokens.numel():
-            y = gated_mlp(x[tokens], gate_up[e], down[e])
+            gate, up = F.linear(x[tokens], gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, down[e])
             out.index_add_(0, tokens, topk_weights[tokens, slots].to(x.dtype).unsqueeze(1) * y)
     return out

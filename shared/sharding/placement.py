@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.parallel.layout import LayoutError, expert_range
+from shared.sharding.layout import LayoutError, expert_range
 
 METRIC = "pdserve:moe_expert_tokens_total"  # the Counter MOE_EXPERT_TOKENS as exported (`_total` added)
 

@@ -127,7 +127,7 @@ def demo_config(arch: str, size: str = "tiny") -> dict[str, Any]:
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(sorted(ARCHITECTURES))}")
     if arch not in HF_CLASS:
-        raise ValueError(f"no demo checkpoint is defined for {arch!r} (shared/model/demo.py)")
+        raise ValueError(f"no demo checkpoint is defined for {arch!r} (services/demo_model.py)")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
     s = SIZES[size]

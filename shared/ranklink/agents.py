@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from shared.engine.kv_export import KVExport
-from shared.parallel.channel import recv_frame, send_frame
+from shared.ranklink.channel import recv_frame, send_frame
 
 log = logging.getLogger(__name__)
 
