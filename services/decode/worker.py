@@ -1,45 +1,47 @@
 """The decode worker: takes prefilled requests, pulls their KV from the prefill worker, decodes.
 
-Per job: read the KV location from Redis, pull the blocks over the pair's channel (negotiated over
-gRPC), import them into freshly allocated blocks, ack, and stream tokens until the request finishes.
-Pulls run as tasks on the event loop while the engine thread keeps stepping the running batch. When the
-KV cannot be had (no location, transfer failed), the request is recomputed from its prompt and the tokens
-so far (kv_fallback `recompute`), or fails with a clear error (`fail`). A job with nothing to pull (moved
-here from a worker that died) and one with no room to import its KV are always recomputed.
+Admission is a pipeline, one stage a module, run per job as a task on the event loop while the engine thread
+keeps stepping the running batch:
 
-A layer-streamed job (`kv_streamed`: published by the prefill worker before its first token existed) carries no
-first token: the pull's trailer does (`StreamedKv.first_token`), and this worker emits it to the client before
-decoding on (or ends the request there when that token finished it). When the pull fails it recomputes as
-above, and samples the first token itself: the client only ever sees one of the two.
+    locate (locate.py: the Redis record) → pull (DecodeKv, shared/kv/decode_kv.py: ONE call into the KV
+    plane, for this worker's R ranks, any transport) → token 0 (first_token.py: a layer-streamed job's, from
+    the pull's trailer) → into the engine with the fork for n choices (into_engine.py) → ack; then every token
+    streams back (StreamingWorker).
 
-A request's entry: PULLING (its KV pull in flight, owned by `_admit`) → RUNNING (in the engine) → forgotten
-with its last token.
+A stage that cannot have the KV says why (`Missing`); the request is then recomputed from its prompt and its
+tokens so far (kv_fallback `recompute`), or failed with a clear error (`fail`). A job with nothing to pull
+(moved here from a worker that died) and one with no room to import its KV are always recomputed.
+
+A job of n choices is split once, as it is taken (Worker.take_choices): one ledger entry per choice, the KV
+pulled once and imported once, the other choices forked from it. A request's entry: PULLING (owned by the
+admission task) → RUNNING (in the engine) → forgotten with its last token.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 
-import msgspec
 from nats.aio.msg import Msg
 
+from services.decode.first_token import first_token_end, owes_first_token, with_first_token
+from services.decode.into_engine import import_choices, recompute_choices
+from services.decode.locate import Missing, kv_key, locate
 from shared.engine.block_manager import NoFreeBlocksError
-from shared.engine.borrowed_kv import BorrowedKv, BorrowRevoked
-from shared.engine.engine import Engine
+from shared.engine.borrowed_kv import BorrowRevoked
+from shared.engine.fork import Choice
 from shared.engine.kv_export import KVExport
-from shared.engine.request import FinishReason
 from shared.kv.decode_kv import DecodeKv
 from shared.kv.registry import KvRegistry
 from shared.kv.transfer.layer_stream import StreamedKv
 from shared.messages import DecodeJob, Role, decode_subject
-from shared.ranklink.agents import StagedExport
 from shared.telemetry import metrics, tracing
 from shared.worker import Entry, Phase, StreamingWorker, error_event, sampling_params, spans
-from shared.worker.choices import choice_jobs, engine_choices, import_and_fork
+from shared.worker.choices import engine_choices
 from shared.worker.events import streamed_first_token_event
 from shared.worker.kv_ranks import kv_ranks
+
+__all__ = ["DecodeWorker", "first_token_end"]
 
 log = logging.getLogger(__name__)
 MAX_CONCURRENT_PULLS = 4
@@ -51,7 +53,7 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.registry: KvRegistry | None = None  # set up once Redis is connected (setup)
-        # the pulls of this worker's ranks (one, or a group's: each its own heads), started in setup
+        # the pull stage: this worker's one way into the KV plane (a group's ranks each pull their own heads)
         self.kv = DecodeKv(self.settings.kv, self.settings.worker_id, self.engine.engine.layout,
                            secret=self.settings.ticket_secret, model_name=self.model_name,
                            ranks=kv_ranks(self.group))  # fmt: skip
@@ -70,124 +72,135 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
         return super().has_room() and self.ledger.count(Phase.PULLING) < MAX_CONCURRENT_PULLS
 
     async def handle_job(self, msg: Msg) -> None:
-        entry = await self.take(msg, DecodeJob, Phase.PULLING)
-        if entry is not None:
-            # n > 1: every choice is announced now (this worker holds them all), and forked from one KV pull
-            self.adopt(entry, choice_jobs(entry.job)[1:], Phase.PULLING)
-            asyncio.create_task(self._admit_traced(entry))
+        # n > 1: every choice is announced now (this worker holds them all), and forked from one KV pull
+        entries = await self.take_choices(msg, DecodeJob, Phase.PULLING)
+        if entries:
+            asyncio.create_task(self._admit_traced(entries))
 
-    async def _admit_traced(self, entry: Entry[DecodeJob]) -> None:
-        with tracing.use_span(entry.span):  # the pull's span and log lines join the request's trace
-            await self._admit(entry)
-        spans.end_once(entry.span)
+    async def _admit_traced(self, entries: list[Entry[DecodeJob]]) -> None:
+        head = entries[0]
+        with tracing.use_span(head.span):  # the pull's span and log lines join the request's trace
+            await self._admit(entries)
+        spans.end_once(head.span)
 
-    async def _admit(self, entry: Entry[DecodeJob]) -> None:
-        job, key, span = entry.job, entry.key, entry.span
-        staged: StagedExport | None = None  # KV each rank of this group staged, until imported
+    async def _admit(self, entries: list[Entry[DecodeJob]]) -> None:
+        """The pipeline for one job's choices (`entries`, the job's own first). Anything raised is a bug (or the
+        engine refusing the job: ValueError) and fails every choice still in hand."""
+        head = entries[0]
+        kv: KVExport | None = None  # pulled and not yet in the engine: given up on the way out
         try:
-            # the prefill worker reported the prompt's logprobs: a recomputation here need not score it again
-            params = dataclasses.replace(sampling_params(job.sampling), prompt_logprobs=None)
-            kv, failure = await self._pull(job)
-            if isinstance(kv, StagedExport):  # each rank staged its heads: imported on every rank, or dropped
-                staged = kv
-            if job.kv_streamed and kv is not None and not isinstance(kv, StreamedKv):  # no first token came with it
-                kv, failure = None, "the streamed KV came without its first token"  # recomputed (or failed)
-            group = self._choices(entry)
-            if entry.cancelled:  # during the pull (the gateway cancels a group's choices together)
-                for e in group:
+            got = await self._fetch(head.job)
+            kv = None if isinstance(got, Missing) else got
+            entries = self._in_hand(entries)
+            if head.cancelled:  # during the pull (the gateway cancels a group's choices together)
+                for e in entries:
                     self.ledger.finish(e.key)
                 return
-            if failure is not None and self.settings.kv.fallback == "fail":
-                self._fail_unpulled(group, failure, span)
+            if isinstance(got, Missing) and got.may_fail and self.settings.kv.fallback == "fail":
+                self._fail_unpulled(entries, got.reason, head)
                 return
-            prompt, outputs, jobs = job.prompt_token_ids, job.output_token_ids, [e.job for e in group]
-            if job.kv_streamed and isinstance(kv, StreamedKv):  # its first token came with the KV: emitted here
-                outputs = [*outputs, kv.first_token]
-                jobs = [msgspec.structs.replace(job, output_token_ids=outputs)]  # streamed jobs have one choice
-                end = first_token_end(self.engine.engine, job, outputs)
-                first = streamed_first_token_event(job, kv.first_token, end, self.settings.worker_id)
-                self.emit(job.reply_subject, first)
-                metrics.GENERATION_TOKENS.labels(*self.labels).inc()  # emitted here, so counted here (not by prefill)
-                if end is not None:  # that token finished it: nothing to decode
-                    self.kv.recycle(kv)
-                    self.ledger.finish(key)
-                    span.set_attribute(tracing.KV_OUTCOME, "pulled")
+            jobs = [e.job for e in entries]
+            if isinstance(kv, StreamedKv) and owes_first_token(head.job):  # token 0 came with the KV: out now
+                jobs = [with_first_token(head.job, kv.first_token)]  # streamed jobs have one choice
+                if self._emit_first_token(head.job, jobs[0]):  # that token finished it: nothing to decode
+                    self.ledger.finish(head.key)
+                    head.span.set_attribute(tracing.KV_OUTCOME, "pulled")
                     return
             choices = engine_choices(jobs, [sampling_params(j.sampling) for j in jobs])
-            # Running before the engine sees it: its first outputs may reach the loop before this resumes.
-            for e in group:
+            for e in entries:  # running before the engine sees them: their first outputs may come before we resume
                 e.phase = Phase.RUNNING
-                self.start_decode_span(e, span)
-            try:
-                if kv is None:
-                    raise NoFreeBlocksError("no KV to import")
-                done = await self.engine.call(lambda e: import_and_fork(e, key, prompt, outputs, params, kv, choices))
-                staged = None  # written into the blocks on every rank (the import_staged op)
-                self.handle_outputs(done)
-                self.kv.recycle(kv)  # its receive buffer serves the next pull (no fresh page faults)
-                span.set_attribute(tracing.KV_OUTCOME, "pulled")
-            except (NoFreeBlocksError, BorrowRevoked) as exc:
-                if isinstance(kv, BorrowedKv):
-                    self.kv.recycle(kv)  # given back (a revoked loan: to a connection that is over already)
-                if isinstance(exc, BorrowRevoked):  # the prefill worker took the blocks back: a failed pull
-                    log.warning("the KV of %s was taken back before it was copied (%s)", key, exc)
-                    if self.settings.kv.fallback == "fail":
-                        self._fail_unpulled(group, str(exc), span)
-                        return
-                await self.engine.call(lambda e: e.add_group(prompt, choices))
-                span.set_attribute(tracing.KV_OUTCOME, "recompute")
-                metrics.PROMPT_TOKENS.labels(*self.labels).inc(len(prompt) * len(choices))  # computed here, each
-            await self.ledger.ack(key)
+                self.start_decode_span(e, head.span)
+            owned, kv = kv, None  # the next stage owns it
+            outcome = await self._into_engine(entries, head.job.prompt_token_ids, choices, owned)
+            if outcome is not None:
+                head.span.set_attribute(tracing.KV_OUTCOME, outcome)
+                await self.ledger.ack(head.key)
         except Exception as exc:  # ValueError: the job was refused; anything else: a bug, answered as such
-            for e in self._choices(entry):
+            for e in self._in_hand(entries):
                 await self.fail(e, exc)
         finally:
-            if staged is not None:  # pulled, not imported: dropped
-                await self.kv.drop(staged)
+            if kv is not None:  # pulled, not imported: its buffer, loan or staged copies given back
+                await self._give_up(kv)
 
-    def _fail_unpulled(self, group: list[Entry[DecodeJob]], failure: str, span) -> None:
-        """kv_fallback 'fail': answer the group's choices with an error, since their KV could not be had."""
+    async def _fetch(self, job: DecodeJob) -> KVExport | Missing:
+        """Locate, then pull: the job's KV here, or why not."""
+        assert self.registry is not None  # set up (setup) before any job is taken
+        loc = await locate(self.registry, job)
+        if isinstance(loc, Missing):
+            return loc
+        kv, failure = await self.kv.pull(kv_key(job), loc, streamed=job.kv_streamed)
+        if kv is None:
+            return Missing(failure or "the pull brought no KV")
+        if owes_first_token(job) and not isinstance(kv, StreamedKv):  # no first token came with it
+            await self._give_up(kv)
+            return Missing("the streamed KV came without its first token")
+        return kv
+
+    async def _give_up(self, kv: KVExport) -> None:
+        """A pulled KV that will not be imported (cancelled, no room, or its first token ended the request): its
+        buffer or loan given back (a loan to a connection that is over already too), a group's staged copies
+        dropped."""
+        self.kv.recycle(kv)
+        await self.kv.drop(kv)
+
+    def _emit_first_token(self, job: DecodeJob, going_on: DecodeJob) -> bool:
+        """Emit (and count) a streamed job's token 0, the last of `going_on`'s outputs; whether it ended it."""
+        outputs = going_on.output_token_ids
+        end = first_token_end(self.engine.engine, job, outputs)
+        self.emit(job.reply_subject, streamed_first_token_event(job, outputs[-1], end, self.settings.worker_id))
+        metrics.GENERATION_TOKENS.labels(*self.labels).inc()  # emitted here, so counted here (not by prefill)
+        return end is not None
+
+    async def _into_engine(
+        self,
+        entries: list[Entry[DecodeJob]],
+        prompt: list[int],
+        choices: list[Choice],
+        kv: KVExport | None,
+    ) -> str | None:
+        """The choices into the engine: `kv` imported and the other choices forked from it, or, without it or
+        without room for it, the prompt recomputed. Owns `kv` (imported or given back). → the KV outcome
+        ("pulled" | "recompute"), or None when the request was answered with an error instead (a loan revoked
+        under kv_fallback `fail`)."""
+        head = entries[0]
+        if kv is not None:
+            try:
+                done = await import_choices(self.engine, prompt, kv, choices)
+            except (NoFreeBlocksError, BorrowRevoked) as exc:
+                await self._give_up(kv)  # given back (a revoked loan: to a connection that is over already)
+                if isinstance(exc, BorrowRevoked):  # the prefill worker took the blocks back: a failed pull
+                    log.warning("the KV of %s was taken back before it was copied (%s)", head.key, exc)
+                    if self.settings.kv.fallback == "fail":
+                        self._fail_unpulled(entries, str(exc), head)
+                        return None
+            except BaseException:
+                await self._give_up(kv)
+                raise
+            else:
+                self.kv.recycle(kv)  # imported: its receive buffer serves the next pull
+                self.handle_outputs(done)
+                return "pulled"
+        await recompute_choices(self.engine, prompt, choices)
+        metrics.PROMPT_TOKENS.labels(*self.labels).inc(len(prompt) * len(choices))  # computed here, each
+        return "recompute"
+
+    def _fail_unpulled(self, entries: list[Entry[DecodeJob]], failure: str, head: Entry[DecodeJob]) -> None:
+        """kv_fallback 'fail': answer the choices with an error, since their KV could not be had."""
         message = f"the request's KV could not be had ({failure}) and kv_fallback is 'fail'"
-        for e in group:
+        for e in entries:
             self.emit(e.reply_subject, error_event(e.job, message, self.settings.worker_id, status=502))
             self.ledger.finish(e.key)  # answered: the job is done
-        span.set_attribute(tracing.KV_OUTCOME, "failed")
+        head.span.set_attribute(tracing.KV_OUTCOME, "failed")
 
-    def _choices(self, entry: Entry[DecodeJob]) -> list[Entry[DecodeJob]]:
-        """The entry and those of its group's other choices still in hand (a cancelled one is left out)."""
-        group = [entry]
-        for job in choice_jobs(entry.job)[1:]:
-            sibling = self.ledger.get(job.key)
-            if sibling is not None and sibling.cancelled:  # cancelled during the pull: done here
-                self.ledger.finish(job.key)
-            elif sibling is not None:
-                group.append(sibling)
-        return group
-
-    async def _pull(self, job: DecodeJob) -> tuple[KVExport | None, str | None]:
-        """The job's KV from the prefill worker that holds it, or None and why it could not be had; (None, None)
-        when there is nothing to pull."""
-        assert self.registry is not None  # set up (setup) before any job is taken
-        if job.prefill_worker is None:
-            return None, None
-        key = job.kv_key or job.key  # a group's KV is held under its first choice's key
-        try:
-            loc = await self.registry.get(key)
-        except Exception as exc:  # Redis unreachable: the KV cannot be found
-            log.warning("reading the KV location of %s failed (%s)", key, exc)
-            return None, f"reading its location failed: {exc}"
-        if loc is None:
-            log.warning("no KV location for %s (lease expired?)", key)
-            return None, f"no KV location (prefill worker {job.prefill_worker} freed it, or its lease expired)"
-        return await self.kv.pull(key, loc, streamed=job.kv_streamed)
-
-
-def first_token_end(engine: Engine, job: DecodeJob, outputs: list[int]) -> FinishReason | None:
-    """Whether a layer-streamed job's first token (the last of `outputs`) ends it, as the prefill engine's
-    scheduler decided (Scheduler._finish_reason): a stop token or EOS, max_tokens, or the model's length."""
-    s, token, scheduler = job.sampling, outputs[-1], engine.scheduler
-    if token in s.stop_token_ids or (not s.ignore_eos and token in scheduler.eos_token_ids):
-        return FinishReason.STOP
-    if len(outputs) >= s.max_tokens or len(job.prompt_token_ids) + len(outputs) >= engine.max_model_len:
-        return FinishReason.LENGTH
-    return None
+    def _in_hand(self, entries: list[Entry[DecodeJob]]) -> list[Entry[DecodeJob]]:
+        """The job's own entry and its other choices still in hand (one cancelled meanwhile is done here)."""
+        head, *others = entries
+        kept = [head]
+        for e in others:
+            if self.ledger.get(e.key) is not e:
+                continue
+            if e.cancelled:
+                self.ledger.finish(e.key)
+            else:
+                kept.append(e)
+        return kept

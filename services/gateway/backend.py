@@ -104,11 +104,11 @@ class GroupBackend(Protocol):
     """A backend that dispatches the n choices of one prompt together (NatsBackend: one prefill, one KV hand-off)."""
 
     async def open_group(self, job: GenerationJob) -> list[RequestStream]:
-        """One stream per choice (`choice_jobs`), every one registered before the one dispatch. Raises as open."""
+        """One stream per choice (`choice_requests`), every one registered before the one dispatch. Raises as open."""
         ...
 
 
-def choice_jobs(job: GenerationJob) -> list[GenerationJob]:
+def choice_requests(job: GenerationJob) -> list[GenerationJob]:
     """The job's choices as single jobs: choice i's wire request id and seed (shared/choices.py)."""
     return [
         dataclasses.replace(
@@ -129,10 +129,10 @@ async def open_choices(backend: GatewayBackend, job: GenerationJob) -> list[Requ
         return await backend.open_group(job)
     streams: list[RequestStream] = []
     try:
-        for single in choice_jobs(job):
+        for single in choice_requests(job):
             streams.append(await backend.open(single))
     except BaseException:
-        for single, stream in zip(choice_jobs(job), streams, strict=False):
+        for single, stream in zip(choice_requests(job), streams, strict=False):
             await backend.cancel(single.request_id)
             await stream.aclose()
         raise

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from services.gateway.backend import GatewayBackend, GenerationJob, choice_jobs, open_choices
+from services.gateway.backend import GatewayBackend, GenerationJob, choice_requests, open_choices
 from services.gateway.generation import Generation, GenerationError, Piece
 from services.gateway.observe import RequestObserver
 from shared.model.tokenizer import Tokenizer
@@ -37,7 +37,7 @@ class ChoiceSet:
         self.job = job
         self.gens = [
             Generation(backend, single, tokenizer, stop, observer if i == 0 else None, log_prompts)
-            for i, single in enumerate(choice_jobs(job))
+            for i, single in enumerate(choice_requests(job))
         ]
 
     @property

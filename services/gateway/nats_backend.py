@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from services.gateway.admission import Admission
-from services.gateway.backend import BackendUnavailable, GenerationJob, Update, choice_jobs
+from services.gateway.backend import BackendUnavailable, GenerationJob, Update, choice_requests
 from services.gateway.liveness import WorkerTable
 from services.gateway.request_stream import Deadlines, RequestUpdates
 from shared import bus
@@ -183,7 +183,7 @@ class NatsBackend:
         if not ok:
             raise BackendUnavailable(reason)
         self.admission.admit(self.workers, self._streams, job)  # raises Overloaded (429) past the bounds
-        singles = choice_jobs(job)
+        singles = choice_requests(job)
         if any(s.request_id in self._streams for s in singles):
             raise ValueError(f"request id {job.request_id!r} is already in flight")
         created_at = time.time()

@@ -13,7 +13,7 @@ from nats.aio.msg import Msg
 from shared.engine.engine import RequestOutput
 from shared.messages import PrefillJob, Role, prefill_subject
 from shared.worker import Entry, Phase, StreamingWorker, sampling_params, spans
-from shared.worker.choices import choice_jobs, engine_choices
+from shared.worker.choices import engine_choices
 
 
 class MixedWorker(StreamingWorker[PrefillJob]):
@@ -24,13 +24,11 @@ class MixedWorker(StreamingWorker[PrefillJob]):
 
     async def handle_job(self, msg: Msg) -> None:
         # Registered before the engine sees it: its first outputs may reach the loop before this resumes.
-        entry = await self.take(msg, PrefillJob, Phase.PREFILLING)
-        if entry is None:
+        # n > 1: the prompt is computed once, the other choices forked from its KV
+        entries = await self.take_choices(msg, PrefillJob, Phase.PREFILLING)
+        if not entries:
             return
-        job = entry.job
-        jobs = choice_jobs(job)  # n > 1: the prompt is computed once, the other choices forked from its KV
-        entries = [entry, *self.adopt(entry, jobs[1:], Phase.PREFILLING)]
-        live = [j for j in jobs if self.ledger.get(j.key) in entries]
+        entry, job, live = entries[0], entries[0].job, [e.job for e in entries]
         try:
             # a request moved here mid-stream resumes after its tokens so far (each job's output_token_ids)
             choices = engine_choices(live, [sampling_params(j.sampling) for j in live])

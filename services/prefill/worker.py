@@ -14,8 +14,9 @@ its hand-on starts when its last chunk does, before the first token exists: HAND
 and the decode job published (`kv_streamed`, without the first token) while the forward runs, so the pull
 overlaps it. The first token reaches decode as the pull's trailer and the client from the decode worker: this
 worker records its prefill (the span, queue time, prompt tokens) but never emits it, nor counts it among the
-generated tokens: the worker that emits a token counts it. The entry is forgotten once both the publish
-and the first token are done (`_StreamedHandOn`).
+generated tokens: the worker that emits a token counts it (services/decode/first_token.py). The entry's
+hand-on state (`Entry.streamed`: the ledger record is the one record of the request here) tells when both the
+publish and the first token are done; the entry is forgotten then.
 """
 
 from __future__ import annotations
@@ -34,20 +35,12 @@ from shared.kv.transfer.source import EngineKvBlocks
 from shared.messages import Cancel, DecodeJob, PrefillJob, Role, Sibling, decode_subject, encode, prefill_subject
 from shared.telemetry import metrics, tracing
 from shared.worker import Entry, Phase, Worker, sampling_params, spans
-from shared.worker.choices import choice_jobs, engine_choices
+from shared.worker.choices import engine_choices
 from shared.worker.events import first_token_event, queued_event
 from shared.worker.kv_ranks import kv_ranks
+from shared.worker.ledger import StreamedHandOn
 
 log = logging.getLogger(__name__)
-
-
-class _StreamedHandOn:
-    """A layer-streamed job's hand-on, between its last chunk's start and the end of both halves: the publish
-    (a task) and the first token (the engine's output); whichever comes last forgets the entry."""
-
-    def __init__(self) -> None:
-        self.out: RequestOutput | None = None
-        self.published = False
 
 
 class PrefillWorker(Worker[PrefillJob]):
@@ -59,7 +52,6 @@ class PrefillWorker(Worker[PrefillJob]):
         # worker (one rank, or a group's: each its own heads); built once Redis is connected.
         self.held: PrefillKv | None = None
         self.blocks: EngineKvBlocks | None = None  # a rank of one's engine blocks (layer streaming watches them)
-        self._streamed: dict[str, _StreamedHandOn] = {}  # attempt key → a layer-streamed job being handed on
 
     def job_subject(self) -> str:
         return prefill_subject(self.model_name)
@@ -81,14 +73,11 @@ class PrefillWorker(Worker[PrefillJob]):
 
     async def handle_job(self, msg: Msg) -> None:
         # Registered before the engine sees it: the first token may reach the loop before this resumes.
-        entry = await self.take(msg, PrefillJob, Phase.PREFILLING)
-        if entry is None:
-            return
-        job = entry.job
         # n > 1: the prompt is computed once and its KV held once; every choice samples its first token
-        jobs = choice_jobs(job)
-        entries = [entry, *self.adopt(entry, jobs[1:], Phase.PREFILLING)]
-        live = [j for j in jobs if self.ledger.get(j.key) in entries]
+        entries = await self.take_choices(msg, PrefillJob, Phase.PREFILLING)
+        if not entries:
+            return
+        entry, job, live = entries[0], entries[0].job, [e.job for e in entries]
         try:
             # one token more than it has: a request moved here mid-stream resumes after its tokens so far
             # max_tokens 0: score the prompt only (prompt logprobs), nothing to sample or hand on
@@ -98,6 +87,7 @@ class PrefillWorker(Worker[PrefillJob]):
             ]
             choices = engine_choices(live, params)
             if self._streams_kv(job, len(live)):  # added and watched in one call: no step runs in between
+                entry.streamed = StreamedHandOn()
                 loop, key = asyncio.get_running_loop(), job.key
                 announce = lambda _start: loop.call_soon_threadsafe(self._stream_started, key)  # noqa: E731
                 await self.engine.call(
@@ -127,23 +117,24 @@ class PrefillWorker(Worker[PrefillJob]):
 
     def _watch(self, engine, key: str, announce) -> None:
         assert self.blocks is not None
-        self._streamed[key] = _StreamedHandOn()  # on the engine thread, before any step: the loop reads it later
         self.blocks.watch(engine, key, announce)
 
     def _stream_started(self, key: str) -> None:
         """On the loop, as the job's last chunk starts: hand it on now (its first token is not sampled yet)."""
         entry = self.ledger.get(key)
-        if entry is None or entry.phase is not Phase.PREFILLING or key not in self._streamed:
-            self._streamed.pop(key, None)
+        if entry is None or entry.streamed is None:
             return  # cancelled meanwhile (its abort failed the stream)
+        if entry.phase is not Phase.PREFILLING:  # its first token came first: handed on as an unstreamed job
+            entry.streamed = None
+            return
         entry.phase = Phase.HANDING_ON
         asyncio.create_task(self._hand_on_streamed(entry))
 
     async def _hand_on_streamed(self, entry: Entry[PrefillJob]) -> None:
         """Hold the KV (the forward is writing it) and publish the decode job without its first token."""
-        assert self.held is not None
+        assert self.held is not None and entry.streamed is not None
         job, span, worker_id = entry.job, entry.span, self.settings.worker_id
-        key, state = job.key, self._streamed[job.key]
+        key, state = job.key, entry.streamed
         with tracing.use_span(span):
             try:
                 if entry.cancelled or self.is_cancelled(job.request_id, job.attempt):
@@ -163,11 +154,11 @@ class PrefillWorker(Worker[PrefillJob]):
                 await self._drop_streamed(key, settle=False)
                 return
         state.published = True
-        self._streamed_done(key)
+        self._streamed_done(entry)
         # cancelled during the publish, or the location not written: its KV was freed (the running request
         # aborted), so no first token comes to forget it (a decode job without a holder recomputes)
         if entry.cancelled or holder is None:
-            self._forget_streamed(key, "cancelled" if entry.cancelled else "its KV location could not be written")
+            self._forget_streamed(entry, "cancelled" if entry.cancelled else "its KV location could not be written")
 
     async def _drop_streamed(self, key: str, settle: bool) -> None:
         """A streamed hand-on that cannot go on: its KV freed (the request aborted if still running), forgotten
@@ -175,27 +166,21 @@ class PrefillWorker(Worker[PrefillJob]):
         assert self.held is not None
         await self.held.release(key)  # a no-op when not held
         await self.engine.call(lambda e: e.release_kv(key) or (key in e.requests and e.abort(key)))
-        self._streamed.pop(key, None)
         entry = self.ledger.finish(key) if settle else self.ledger.pop(key)
         if entry is not None:
             spans.end_once(entry.span)
 
-    def _forget_streamed(self, key: str, why: str) -> None:
+    def _forget_streamed(self, entry: Entry[PrefillJob], why: str) -> None:
         """A published streamed job whose KV was freed (cancelled, not recorded): the running request was aborted,
-        so no first token will come to forget it."""
-        if self._streamed.pop(key, None) is not None:
-            entry = self.ledger.finish(key)
-            if entry is not None:
-                spans.end_once(entry.span, error=why)
+        so no first token will come to forget it. Once: a later call finds it forgotten."""
+        if self.ledger.get(entry.key) is entry:
+            self.ledger.finish(entry.key)
+            spans.end_once(entry.span, error=why)
 
-    def _streamed_done(self, key: str) -> None:
+    def _streamed_done(self, entry: Entry[PrefillJob]) -> None:
         """Forget a streamed job once its decode job is out and its first token came (acks the prefill job)."""
-        state = self._streamed.get(key)
-        if state is None or not state.published or state.out is None:
-            return
-        del self._streamed[key]
-        entry = self.ledger.finish(key)
-        if entry is not None:
+        if entry.streamed is not None and entry.streamed.done and self.ledger.get(entry.key) is entry:
+            self.ledger.finish(entry.key)
             spans.end_once(entry.span)
 
     def handle_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -204,13 +189,12 @@ class PrefillWorker(Worker[PrefillJob]):
         groups: dict[str, list[tuple[Entry[PrefillJob], RequestOutput]]] = {}
         for out in outputs:
             entry = self.ledger.get(out.request_id)
-            state = self._streamed.get(out.request_id)
-            if entry is not None and state is not None and entry.phase is Phase.HANDING_ON:
+            if entry is not None and entry.streamed is not None and entry.phase is Phase.HANDING_ON:
                 # streamed: the decode worker emits this token (it has it from the pull's trailer) and counts it;
                 # when its pull fails it samples one of its own, so a count here would count the request's twice
                 spans.record_prefill(entry.job, out, entry.span, self.labels)
-                state.out = out
-                self._streamed_done(out.request_id)
+                entry.streamed.first_token_came = True
+                self._streamed_done(entry)
                 continue
             if entry is not None and entry.phase is Phase.PREFILLING:
                 entry.phase = Phase.HANDING_ON
@@ -244,7 +228,7 @@ class PrefillWorker(Worker[PrefillJob]):
         rid, key, worker_id = job.request_id, job.key, self.settings.worker_id
         going_on: list[tuple[PrefillJob, int]] = []
         for e, out in group:
-            one = choice_jobs(e.job)[0]  # the choice alone (the group's first entry holds the whole job)
+            one = e.job  # the choice alone (Worker.take_choices)
             finished = out.finish_reason is FinishReason.STOP or out.num_output_tokens >= one.sampling.max_tokens
             reason = out.finish_reason if finished else None
             self.emit(one.reply_subject, first_token_event(one, out, finished, reason, worker_id))
@@ -277,12 +261,10 @@ class PrefillWorker(Worker[PrefillJob]):
         await super().on_cancel(cancel)  # the jobs in hand
         if self.held is not None:  # the KV held for a pull; KV being sent is freed when its send ends
             await self.held.cancel(cancel.request_id, cancel.covers)
-        for key, state in list(self._streamed.items()):
-            entry = self.ledger.get(key)
-            if entry is None:  # dropped before its stream started (the abort dropped the watch)
-                del self._streamed[key]
-            elif state.published and entry.cancelled:  # streaming: its KV released above, the request aborted
-                self._forget_streamed(key, "cancelled")
+        for entry in self.ledger:
+            if entry.streamed is not None and entry.streamed.published and entry.cancelled:
+                # streaming: its KV released above, the request aborted
+                self._forget_streamed(entry, "cancelled")
 
 
 def _decode_job(

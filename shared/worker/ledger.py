@@ -2,7 +2,8 @@
 is taken until the worker is done with the request.
 
 An entry holds the job, its JetStream message until the message is settled (acked or terminated), the phase
-the request is in here, and its spans. Ledger and entries are generic over the job kind (messages.Job): a role
+the request is in here, its spans and, for a layer-streamed prefill, the state of its hand-on: everything the
+worker keeps of a request, in one record. Ledger and entries are generic over the job kind (messages.Job): a role
 takes one kind only. Settling a message and forgetting an entry are separate: a streaming
 worker acks its job once the request is in the engine, and keeps the entry until the last token.
 
@@ -45,6 +46,20 @@ class Phase(Enum):
 
 
 @dataclass(eq=False)
+class StreamedHandOn:
+    """Prefill, a layer-streamed job (services/prefill/worker.py): handed on as its last chunk starts, before its
+    first token exists. Two halves end it, in either order: the decode job published (a task) and the first
+    token come (the engine's output); whichever ends last forgets the entry."""
+
+    published: bool = False
+    first_token_came: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.published and self.first_token_came
+
+
+@dataclass(eq=False)
 class Entry(Generic[Job]):
     job: Job
     msg: JobMessage | None  # until settled (acked or terminated)
@@ -54,6 +69,7 @@ class Entry(Generic[Job]):
     cancelled: bool = False  # a cancel covered it while a task owned it: the task drops it at its next step
     # Another choice of a group job (worker/choices.py): the entry of the group's key owns the message and span.
     group_key: str | None = None
+    streamed: StreamedHandOn | None = None  # prefill: the job's KV streams layer by layer (set before it is added)
 
     @property
     def key(self) -> str:

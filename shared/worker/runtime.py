@@ -261,6 +261,17 @@ class Worker(Generic[Job]):
             self.emit(job.reply_subject, announce_event(job, worker_id))
         return entry
 
+    async def take_choices(self, msg: Msg, kind: type[Job], phase: Phase) -> list[Entry[Job]]:
+        """`take`, then the job's choices split: the one place a worker splits a job of n choices (choices.py).
+        → the job's own entry (its job now its own choice alone) and the other choices' entries (`adopt`), in
+        choice order; empty when there is nothing to do."""
+        entry = await self.take(msg, kind, phase)
+        if entry is None:
+            return []
+        own, *others = choice_jobs(entry.job)
+        entry.job = own
+        return [entry, *self.adopt(entry, others, phase)]
+
     def adopt(self, group: Entry[Job], jobs: list[Job], phase: Phase) -> list[Entry[Job]]:
         """The entries of a group job's other choices (worker/choices.py), registered in `phase` and announced to
         the gateway; a choice already cancelled is left out."""

@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import msgspec
 import pytest
 from opentelemetry.trace import INVALID_SPAN, Span
 
 from services.mixed.worker import MixedWorker
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
-from shared.messages import Cancel, FailedEvent, PrefillJob, Sampling, TakenEvent, TokenEvent, encode
+from shared.messages import Cancel, FailedEvent, PrefillJob, Sampling, Sibling, TakenEvent, TokenEvent, encode
 from shared.settings import WorkerSettings
 from shared.worker import JobLedger, Phase, sampling_params
 from shared.worker.cancels import CancelMemory
@@ -271,5 +272,25 @@ def test_a_job_the_engine_refuses_is_answered_and_terminated(worker, error, stat
             assert str(error) in last.error
         finally:
             await worker.engine.stop()
+
+    run(scenario())
+
+
+def test_a_job_of_n_choices_is_split_once_as_it_is_taken(worker):
+    """Worker.take_choices: one entry per choice, the job's own first (its job that choice alone), the others
+    holding no message and sharing its span; a choice cancelled before it came is left out; each is announced."""
+
+    async def scenario():
+        worker.cancels.remember(Cancel("r_c2"))
+        siblings = [Sibling(f"r_c{i}", f"pd.tokens.g.r_c{i}", i) for i in (1, 2, 3)]
+        msg = FakeMsg(msgspec.structs.replace(job(), siblings=siblings))
+        entries = await worker.take_choices(msg, PrefillJob, Phase.PREFILLING)  # pyright: ignore[reportArgumentType]
+        assert [e.key for e in entries] == ["r", "r_c1", "r_c3"]
+        head, *others = entries
+        assert head.job.siblings == [] and head.msg is msg and head.group_key is None
+        assert all(e.msg is None and e.span is head.span and e.group_key == "r" for e in others)
+        assert [e.job.sampling.seed for e in others] == [1, 3]
+        assert [e.request_id for e in _events(worker)] == ["r", "r_c1", "r_c3"]  # announced, in choice order
+        assert await worker.take_choices(FakeMsg(job("r")), PrefillJob, Phase.PREFILLING) == []  # pyright: ignore[reportArgumentType]
 
     run(scenario())
