@@ -26,7 +26,7 @@ Transports are measured one after another (every length over one, then the next,
 machine a load change between passes shows as a transport difference, so this table gives each transport's
 cost against prefill, not transports against each other; `kv_transfer_bench.py` interleaves them. The
 shared-memory send is one gather with the prefill process's torch threads (`--threads`, default 1), while a
-gloo pull over loopback needs none (docs/benchmarks.md, "Why kv_transfer_bench and kv_link_bench disagreed").
+gloo pull over loopback needs none (docs/journal/benchmarks.md, "Why kv_transfer_bench and kv_link_bench disagreed").
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ class EngineConfig:
     the same bits either way; on `threads` intra-op threads)
     instead of the BLAS path; where it cannot be built or run, the torch path, with a log line. False = the torch
     path (the kernel's reference). On by default at any thread count: it was faster at 1 and 2 threads
-    (docs/benchmarks.md, "the expert kernel threaded")."""
+    (docs/journal/benchmarks.md, "the expert kernel threaded")."""
     cpu_attention_kernel: bool = True
     """On CPU with the torch kernels, a float32 model's decode attention runs the C kernel
     (shared/model/kernels/cpu_attention.c, built with gcc at first use; AVX-512 or AVX2 + FMA; on `threads`

@@ -23,8 +23,8 @@ from shared.model.linear import pack
 from shared.model.tensor_parallel import TensorShard
 
 # With the CPU expert kernel on, every batch takes it, prefill included (it runs on every intra-op thread, and
-# beats both torch paths at prefill sizes: docs/benchmarks.md, "the expert kernel for prefill too"), in slices of
-# at most this many tokens: its scratch (per calling thread, kept for the next call) is tokens x top-k x
+# beats both torch paths at prefill sizes: docs/journal/benchmarks.md, "The expert kernel for prefill too"), in
+# slices of at most this many tokens: its scratch (per calling thread, kept for the next call) is tokens x top-k x
 # (intermediate + hidden) floats, so a slice bounds it. Tokens are independent: slicing changes no bits.
 CPU_KERNEL_SLICE_TOKENS = 1024
 

@@ -2,7 +2,7 @@
 
 A send posted on the loop (`Pair.post_send`) is on the wire as soon as the puller posts its recvs; one handed
 to a send thread first waits for that thread to be scheduled, which on loaded cores costs milliseconds per
-pull (measured: docs/benchmarks.md, "Where a pull's milliseconds go"). Only sends whose pieces cost next to
+pull (measured: docs/journal/benchmarks.md, "Where a pull's milliseconds go"). Only sends whose pieces cost next to
 nothing to produce are posted there, since the loop also drives the engine's steps:
 
 - a `PoolKv` sent the direct way (views of the pool, no copy), the flat way (one gather under

@@ -8,7 +8,7 @@ pieces (see wire.pieces), piece i under tag first_tag + i; transfers in flight o
 by their tags. `send`, `recv`, `join` and `Posted.wait` block (callers run them in worker threads);
 `post_send` / `post_recv` only post (gloo operations are asynchronous) and hand back the transfer to wait
 for, so an event loop can start a transfer without first waking a thread: the bytes move while the waiting
-thread is being scheduled, and the hop leaves the critical path (docs/benchmarks.md, "Where a pull's
+thread is being scheduled, and the hop leaves the critical path (docs/journal/benchmarks.md, "Where a pull's
 milliseconds go").
 
 After a failed or timed-out operation gloo closes the connection: a pair that failed once is dropped by
@@ -220,7 +220,7 @@ class Posted:
             # Last first: a pair's operations complete in posting order (one TCP connection, written and read
             # in order), so once the last is done the others are too and their waits return without sleeping.
             # Waiting first to last instead wakes this thread once per piece, and on loaded cores each wake-up
-            # costs up to a scheduler slice (docs/benchmarks.md, "Where a pull's milliseconds go"). Every
+            # costs up to a scheduler slice (docs/journal/benchmarks.md, "Where a pull's milliseconds go"). Every
             # operation is still waited for, so nothing depends on that order being kept.
             while pending:
                 pending.pop().wait(timedelta(seconds=max(self._deadline - time.monotonic(), 0.001)))
