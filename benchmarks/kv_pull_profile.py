@@ -147,8 +147,16 @@ async def released(client: KvTransferClient) -> None:
     """Until a loan's release (scheduled on the loop by `recycle`) is written: before the next pull of the same id
     (a real decode worker never pulls one id twice; the server lends an id once at a time)."""
     await asyncio.sleep(0)
-    while client._releasing:
+    while any(_releasing(task) for task in client._connections.values()):
         await asyncio.sleep(0)
+
+
+def _releasing(connecting: asyncio.Task) -> bool:
+    """Whether a pair's borrowed-pool receiver still has a release message being written."""
+    if not connecting.done() or connecting.exception() is not None:
+        return False
+    borrowed = connecting.result().receiver("borrowed")
+    return bool(borrowed is not None and getattr(borrowed, "_releasing", None))
 
 
 async def pull_all(info: dict, sizes: list[int], repeats: int, mode: str) -> tuple[dict[str, dict[str, float]], dict]:

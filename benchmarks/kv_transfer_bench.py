@@ -321,7 +321,7 @@ async def fixed_cost(
         return seconds
 
     rpc, over_socket = await refused(client), await refused(local)
-    assert (await local._connection(address, layout)).local, "the same-host pair does not pull over its socket"
+    assert (await local._connection(address, layout)).link.local, "the same-host pair does not pull over its socket"
     # The same refused pull as one unary Pull call on the same pair, the way every pull went before PullStream.
     conn = await client._connection(address, layout)
     unary = []
