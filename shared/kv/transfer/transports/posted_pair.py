@@ -98,8 +98,9 @@ class PostedReceiver:
     def prepare(self, link: Link, pull: Pull) -> PostedOffer | None:
         """Post the receives of a pull of `num_tokens` tokens before its Pull, where the pair and layout allow."""
         num_tokens, layout = pull.num_tokens, pull.layout
-        # None when a shared region is offered (the segment's receiver comes first): the KV is meant to go there.
-        if pull.request.shm_capacity or not num_tokens or num_tokens < 1 or not can_post(layout):
+        # None when a shared region is offered or the KV is to be borrowed in place (those receivers come first):
+        # the KV is meant to go there, and receives left posted would cost the pair (withdraw drops it).
+        if pull.request.shm_capacity or pull.request.borrow or not num_tokens or num_tokens < 1 or not can_post(layout):
             return None
         shape = posted_shape(layout, self.block_size, num_tokens)
         cut = posted_cut(shape, layout.torch_dtype.itemsize)
