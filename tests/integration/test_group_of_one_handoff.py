@@ -36,6 +36,7 @@ from shared.kv.reslice import group_record
 from shared.parallel.group_engine import WorkerGroup, start_group
 from shared.settings import KvTransferSettings
 from shared.worker.kv_ranks import kv_ranks
+from tests.kv_locations import Registry
 
 pytestmark = pytest.mark.slow  # a worker group: its follower rank is spawned (make test-slow)
 
@@ -58,17 +59,6 @@ def _config(model_dir, **kw) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32),
     )
     return EngineConfig(**(base | kw))
-
-
-class Registry:
-    def __init__(self) -> None:
-        self.entries: dict[str, KvLocation] = {}
-
-    async def put(self, loc: KvLocation) -> None:
-        self.entries[loc.request_id] = loc
-
-    async def delete(self, request_id: str) -> None:
-        self.entries.pop(request_id, None)
 
 
 def _inline(engine: Engine) -> Callable[[Callable[[Engine], Any]], Any]:

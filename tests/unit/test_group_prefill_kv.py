@@ -25,6 +25,7 @@ from shared.kv.reslice import group_record
 from shared.ranklink.agents import GroupAgents, RankAgent, StagedKv
 from shared.settings import KvTransferSettings
 from shared.sharding.layout import kv_head_range
+from tests.kv_locations import Registry
 
 KVH, TP = 4, 2
 MODEL = KVLayout(2, KVH, 3, 4, "float32")
@@ -61,17 +62,6 @@ def _rank_held(agent: RankAgent) -> RankKv:
     agent.register("test.send", send)
     agent.register("test.keys", keys)
     return held
-
-
-class Registry:
-    def __init__(self) -> None:
-        self.entries: dict[str, KvLocation] = {}
-
-    async def put(self, loc: KvLocation) -> None:
-        self.entries[loc.request_id] = loc
-
-    async def delete(self, request_id: str) -> None:
-        self.entries.pop(request_id, None)
 
 
 class FakeEngine:

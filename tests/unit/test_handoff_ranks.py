@@ -27,21 +27,11 @@ from shared.kv.transfer.pool_kv import PoolKv
 from shared.kv.transfer.source import AlreadySending
 from shared.messages import Cancel
 from shared.sharding.layout import kv_head_range
+from tests.kv_locations import Registry
 
 KVH, BLOCKS, BLOCK_SIZE, TOKENS = 4, 16, 4, 10
 MODEL = KVLayout(2, KVH, 3, BLOCK_SIZE, "float32")
 LONG_S = 60.0
-
-
-class Registry:
-    def __init__(self) -> None:
-        self.entries: dict[str, KvLocation] = {}
-
-    async def put(self, loc: KvLocation) -> None:
-        self.entries[loc.request_id] = loc
-
-    async def delete(self, request_id: str) -> None:
-        self.entries.pop(request_id, None)
 
 
 class Worker:
