@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -36,9 +35,9 @@ from shared.messages import (
     TakenEvent,
     TokenEvent,
     TokensEvent,
-    encode,
 )
 from shared.settings import KvFallback, KvTransferSettings, WorkerRole, WorkerSettings
+from tests.job_msg import FakeMsg
 
 PROMPT = list(range(3, 30))
 MAX_TOKENS = 5
@@ -167,21 +166,6 @@ def test_only_a_job_handed_on_before_its_first_token_owes_it():
 
 
 # ---- the whole pipeline on the tiny engine --------------------------------------------------------------------
-
-
-class FakeMsg:
-    def __init__(self, job: DecodeJob) -> None:
-        self.data, self.subject, self.headers, self.calls = encode(job), "pd.jobs.decode.demo", None, []
-        self.metadata = SimpleNamespace(num_delivered=1)
-
-    async def ack(self) -> None:
-        self.calls.append("ack")
-
-    async def term(self) -> None:
-        self.calls.append("term")
-
-    async def in_progress(self) -> None:
-        self.calls.append("in_progress")
 
 
 def _engine_config(model_dir) -> EngineConfig:

@@ -25,30 +25,14 @@ from shared.kv.held import HeldKv
 from shared.kv.registry import KvLocation
 from shared.kv.transfer import EngineKvBlocks, FailureReason, KvTransferError
 from shared.kv.transfer.layer_stream import StreamedKv
-from shared.messages import DecodeJob, FinishedEvent, PrefillJob, Sampling, TokenEvent, TokensEvent, decode, encode
+from shared.messages import DecodeJob, FinishedEvent, PrefillJob, Sampling, TokenEvent, TokensEvent, decode
 from shared.settings import KvTransferSettings, WorkerRole, WorkerSettings
+from tests.job_msg import FakeMsg
 
 MAX_TOKENS = 6
 PROMPT = list(range(3, 40))
 SECRET = "s" * 16
 TIMEOUT_S = 60.0
-
-
-class FakeMsg:
-    """A JetStream job message: records how it was settled."""
-
-    def __init__(self, job: PrefillJob | DecodeJob, subject: str) -> None:
-        self.data, self.subject, self.headers, self.calls = encode(job), subject, None, []
-        self.metadata = SimpleNamespace(num_delivered=1)
-
-    async def ack(self) -> None:
-        self.calls.append("ack")
-
-    async def term(self) -> None:
-        self.calls.append("term")
-
-    async def in_progress(self) -> None:
-        self.calls.append("in_progress")
 
 
 class Published:

@@ -14,30 +14,11 @@ from opentelemetry.trace import INVALID_SPAN, Span
 from services.mixed.worker import MixedWorker
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine
-from shared.messages import Cancel, FailedEvent, PrefillJob, Sampling, Sibling, TakenEvent, TokenEvent, encode
+from shared.messages import Cancel, FailedEvent, PrefillJob, Sampling, Sibling, TakenEvent, TokenEvent
 from shared.settings import WorkerSettings
 from shared.worker import JobLedger, Phase, sampling_params
 from shared.worker.cancels import CancelMemory
-
-
-class FakeMsg:
-    """A job message: records how it was settled."""
-
-    def __init__(self, job: PrefillJob | None = None) -> None:
-        self.calls: list[str] = []
-        self.data = encode(job) if job is not None else b""
-        self.subject = "pd.jobs.prefill.demo"
-        self.headers = None
-        self.metadata = dataclasses.make_dataclass("Meta", [("num_delivered", int)])(1)
-
-    async def ack(self) -> None:
-        self.calls.append("ack")
-
-    async def term(self) -> None:
-        self.calls.append("term")
-
-    async def in_progress(self) -> None:
-        self.calls.append("in_progress")
+from tests.job_msg import FakeMsg
 
 
 def job(rid: str = "r", attempt: int = 0, prompt: tuple[int, ...] = (1, 2, 3), max_tokens: int = 50) -> PrefillJob:
