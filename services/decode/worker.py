@@ -10,7 +10,9 @@ keeps stepping the running batch:
 
 A stage that cannot have the KV says why (`Missing`); the request is then recomputed from its prompt and its
 tokens so far (kv_fallback `recompute`), or failed with a clear error (`fail`). A job with nothing to pull
-(moved here from a worker that died) and one with no room to import its KV are always recomputed.
+(moved here from a worker that died) and one with no room to import its KV are always recomputed. A job the
+gateway sent here before any prefill (`prefill_here`: the local prefill path, docs/architecture.md) takes the same
+road on purpose: its prompt is computed in this engine, which samples its first token and decodes on.
 
 A job of n choices is split once, as it is taken (Worker.take_choices): one ledger entry per choice, the KV
 pulled once and imported once, the other choices forked from it. A request's entry: PULLING (owned by the
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from nats.aio.msg import Msg
 
@@ -123,14 +126,20 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
                 await self._give_up(kv)
 
     async def _fetch(self, job: DecodeJob) -> KVExport | Missing:
-        """Locate, then pull: the job's KV here, or why not."""
+        """Locate, then pull: the job's KV here, or why not. A completed pull (not layer-streamed: that one waits
+        for the prefill's forward) is a sample of this worker's transfer cost (shared/worker/calibration.py)."""
         assert self.registry is not None  # set up (setup) before any job is taken
+        if job.prefill_here:  # the local prefill path: nothing was prefilled or held for it
+            return Missing("the gateway sent it to be prefilled here", may_fail=False)
         loc = await locate(self.registry, job)
         if isinstance(loc, Missing):
             return loc
+        started = time.perf_counter()
         kv, failure = await self.kv.pull(kv_key(job), loc, streamed=job.kv_streamed)
         if kv is None:
             return Missing(failure or "the pull brought no KV")
+        if not job.kv_streamed:
+            self.pull_costs.observe(kv.nbytes, time.perf_counter() - started)
         if owes_first_token(job) and not isinstance(kv, StreamedKv):  # no first token came with it
             await self._give_up(kv)
             return Missing("the streamed KV came without its first token")
@@ -159,9 +168,9 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
         kv: KVExport | None,
     ) -> str | None:
         """The choices into the engine: `kv` imported and the other choices forked from it, or, without it or
-        without room for it, the prompt recomputed. Owns `kv` (imported or given back). → the KV outcome
-        ("pulled" | "recompute"), or None when the request was answered with an error instead (a loan revoked
-        under kv_fallback `fail`)."""
+        without room for it, the prompt recomputed (or, on the local path, computed here for the first time). Owns
+        `kv` (imported or given back). → the KV outcome ("pulled" | "recompute" | "local"), or None when the request
+        was answered with an error instead (a loan revoked under kv_fallback `fail`)."""
         head = entries[0]
         if kv is not None:
             try:
@@ -182,7 +191,7 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
                 return "pulled"
         await recompute_choices(self.engine, prompt, choices)
         metrics.PROMPT_TOKENS.labels(*self.labels).inc(len(prompt) * len(choices))  # computed here, each
-        return "recompute"
+        return "local" if head.job.prefill_here else "recompute"
 
     def _fail_unpulled(self, entries: list[Entry[DecodeJob]], failure: str, head: Entry[DecodeJob]) -> None:
         """kv_fallback 'fail': answer the choices with an error, since their KV could not be had."""

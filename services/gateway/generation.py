@@ -78,12 +78,19 @@ class Generation:
         if self.log_prompts:
             log_prompt(self.job.request_id, self._tokenizer, self.job.prompt_token_ids)
         self._stream = await self.backend.open(self.job)
+        self._dispatched(self._stream)
 
     def attach(self, stream: RequestStream) -> None:
         """Take a stream dispatched with others instead of opening one (the choices of a request: choices.py)."""
         if self.log_prompts:
             log_prompt(self.job.request_id, self._tokenizer, self.job.prompt_token_ids)
         self._stream = stream
+        self._dispatched(stream)
+
+    def _dispatched(self, stream: RequestStream) -> None:
+        """Tell the observer the prefill path the request took (a backend that chooses none leaves it unset)."""
+        if self.observer is not None:
+            self.observer.dispatched(getattr(stream, "prefill_path", None))
 
     def fail(self, message: str, status: int) -> GenerationError:
         """Record why the request failed (for close() to report); returns the error to raise."""
