@@ -16,7 +16,8 @@ road on purpose: its prompt is computed in this engine, which samples its first 
 
 A job of n choices is split once, as it is taken (Worker.take_choices): one ledger entry per choice, the KV
 pulled once and imported once, the other choices forked from it. A request's entry: PULLING (owned by the
-admission task) → RUNNING (in the engine) → forgotten with its last token.
+admission task) → RUNNING (in the engine) → forgotten with its last token; a job prefilled here is PREFILLING in the
+engine until its first token (its prefill recorded then, as the mixed worker records one).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from services.decode.into_engine import import_choices, recompute_choices
 from services.decode.locate import Missing, kv_key, locate
 from shared.engine.block_manager import NoFreeBlocksError
 from shared.engine.borrowed_kv import BorrowRevoked
+from shared.engine.engine import RequestOutput
 from shared.engine.fork import Choice
 from shared.engine.kv_export import KVExport
 from shared.kv.decode_kv import DecodeKv
@@ -110,9 +112,12 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
                     head.span.set_attribute(tracing.KV_OUTCOME, "pulled")
                     return
             choices = engine_choices(jobs, [sampling_params(j.sampling) for j in jobs])
-            for e in entries:  # running before the engine sees them: their first outputs may come before we resume
-                e.phase = Phase.RUNNING
-                self.start_decode_span(e, head.span)
+            for e in entries:  # in the engine before it sees them: their first outputs may come before we resume
+                if head.job.prefill_here:  # computed here: prefilling until its first token (on_output)
+                    e.phase = Phase.PREFILLING
+                else:
+                    e.phase = Phase.RUNNING
+                    self.start_decode_span(e, head.span)
             owned, kv = kv, None  # the next stage owns it
             outcome = await self._into_engine(entries, head.job.prompt_token_ids, choices, owned)
             if outcome is not None:
@@ -190,8 +195,17 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
                 self.handle_outputs(done)
                 return "pulled"
         await recompute_choices(self.engine, prompt, choices)
+        if head.job.prefill_here:  # its prefill is recorded (spans, metrics) at its first token: on_output
+            return "local"
         metrics.PROMPT_TOKENS.labels(*self.labels).inc(len(prompt) * len(choices))  # computed here, each
-        return "local" if head.job.prefill_here else "recompute"
+        return "recompute"
+
+    def on_output(self, entry: Entry[DecodeJob], out: RequestOutput) -> None:
+        if entry.phase is Phase.PREFILLING:  # a job prefilled here (the local path): its first output
+            entry.phase = Phase.RUNNING
+            if entry.group_key is None:  # a group's prompt is computed once, by its first choice
+                spans.record_prefill(entry.job, out, entry.span, self.labels)
+            self.start_decode_span(entry, entry.span, time.time())
 
     def _fail_unpulled(self, entries: list[Entry[DecodeJob]], failure: str, head: Entry[DecodeJob]) -> None:
         """kv_fallback 'fail': answer the choices with an error, since their KV could not be had."""
