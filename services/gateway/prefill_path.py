@@ -20,8 +20,10 @@ The rule (auto), in order; the first that fails answers "remote" and names itsel
        one step's worth even when chunked prefill would spread it (erring towards remote), and it is applied with
        an empty batch too (requests that arrive meanwhile wait behind it; the gateway cannot see them coming);
     3. TTFT: local TTFT <= ttft_slo, or < the remote TTFT ("ttft");
-    4. sooner: local ready < remote ready — the request decodes sooner without the hand-off ("slower").
-       Ties go remote.
+    4. sooner, all requests counted: remote ready - local ready > batch · decode slowdown — what the request gains
+       by skipping the hand-off exceeds what its prompt costs the decode worker's running requests, each of whose
+       next token waits the slowdown (on the remote path the prompt is computed elsewhere) ("slower"). With an
+       empty batch: local is ready first. Ties go remote.
 
 `remote` and `local` settings answer their path whatever the predictions ("setting"), local only while a decode
 worker is live.
@@ -146,6 +148,7 @@ def choose_path(
         return answer(PrefillPath.REMOTE, "tpot")
     if local.ttft_s > slos.ttft_s and local.ttft_s >= remote.ttft_s:
         return answer(PrefillPath.REMOTE, "ttft")
-    if local.ready_s >= remote.ready_s:
+    batch = next(w.batch for w in decode if w.worker_id == local.worker_id)
+    if remote.ready_s - local.ready_s <= batch * slowdown:
         return answer(PrefillPath.REMOTE, "slower")
     return answer(PrefillPath.LOCAL, "sooner")

@@ -88,6 +88,15 @@ def test_a_queued_prefill_worker_puts_remote_far_behind_local():
     assert choice.remote is not None and choice.remote.ttft_s > 4.0 > choice.local.ttft_s  # pyright: ignore
 
 
+def test_a_busy_decode_batch_takes_a_short_prompt_only_when_the_hand_off_costs_more_than_it_delays_them():
+    busy_decode = [FRESH[0], _beat(Role.DECODE, "d", running=8, kv_bytes_per_token=512)]
+    choice = _choose(busy_decode, SHORT)  # saves ~2 ms for one request, delays 8 next tokens by ~13 ms each
+    assert (choice.path, choice.reason) == (PrefillPath.REMOTE, "slower")
+    assert choice.decode_slowdown_s == pytest.approx(SHORT / DEFAULT_PREFILL_TOKENS_PER_S)
+    queued = [_beat(Role.PREFILL, "p", queued_prompt_tokens=5000), busy_decode[1]]
+    assert _choose(queued, SHORT).path is PrefillPath.LOCAL  # the queue it skips is worth more than the delay
+
+
 def test_the_tpot_rule_holds_even_against_a_queued_prefill_worker():
     busy = [_beat(Role.PREFILL, "p", queued_prompt_tokens=50_000), FRESH[1]]
     choice = _choose(busy, LONG)  # remote's TTFT ~40 s, but the prompt would stall the decode batch 0.4 s
@@ -112,7 +121,7 @@ def test_live_coefficients_move_the_threshold_and_are_ignored_when_live_calibrat
     pulls = {"kv_transfer_ms_per_mb": 1.0, "kv_pull_overhead_ms": 1.5}
     fast = [
         _beat(Role.PREFILL, "p", prefill_step_ms=2.0, **rates),
-        _beat(Role.DECODE, "d", running=3, decode_step_ms=2.0, **rates, **pulls),
+        _beat(Role.DECODE, "d", decode_step_ms=2.0, **rates, **pulls),
     ]
     assert _choose(fast, LONG).path is PrefillPath.LOCAL  # 2 + 25.6 ms fits a 100 ms step
     assert _choose(fast, LONG, live=False).reason == "tpot"  # the defaults: 8 + 414 ms does not
