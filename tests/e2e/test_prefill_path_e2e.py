@@ -13,6 +13,7 @@ import pytest
 
 from services.local.infra import free_port
 from services.local.stack import StackSpec
+from services.trace.timeline import load_trace, missing_operations, render_text, summarize
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.model.tokenizer import Tokenizer
@@ -78,6 +79,13 @@ def test_a_short_prompt_is_prefilled_locally_and_a_long_one_remotely_with_the_en
         assert attributes["pdserve.prefill_path.predicted_ttft_s"] > 0  # beside the actual one
         assert attributes["gen_ai.server.time_to_first_token"] > 0
 
+    # `pdserve trace`: the local request's timeline is whole (its prefill recorded by the decode worker)
+    local_trace = _whole_trace(span_file, short["id"])
+    assert summarize(local_trace).prefill_path == "local"
+    prefill_spans = [s for s in local_trace if s["name"] == "prefill demo"]
+    assert [s["service"] for s in prefill_spans] == ["pdserve-decode"]
+    assert "prefill path local (sooner): TTFT predicted" in render_text(local_trace)
+
     # the workers measured their coefficients (the gateway ignores them here: live calibration is off)
     beats = {b.role: b.path_calibration for b in heartbeats(stack.nats_url).values()}
     assert beats["prefill"] is not None and beats["prefill"].prefill_tokens_per_s is not None
@@ -93,3 +101,14 @@ def _gateway_roots(span_file, n: int) -> list[dict]:
             return roots
         time.sleep(0.1)
     raise AssertionError(f"fewer than {n} request spans reached {span_file}")
+
+
+def _whole_trace(span_file, request_id: str) -> list[dict]:
+    """The request's trace once nothing is missing from it (each service flushes on its own schedule)."""
+    spans: list[dict] = []
+    for _ in range(200):
+        spans = load_trace(span_file, request_id=request_id)
+        if spans and not missing_operations(spans):
+            return spans
+        time.sleep(0.1)
+    raise AssertionError(f"the trace of {request_id} stayed incomplete: {missing_operations(spans)}")
