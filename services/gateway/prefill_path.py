@@ -13,8 +13,8 @@ The predictions (seconds; P prompt tokens, C of them cached on the worker that c
 
 The rule (auto), in order; the first that fails answers "remote" and names itself as the reason:
 
-    1. a decode worker is live to take it (else: "no decode worker"); no live prefill worker → local ("no prefill
-       worker": the remote path is not there to compare with);
+    1. a decode worker and a prefill worker are live (else: "no decode worker" / "no prefill worker": the prefill
+       queue's taker is then a mixed worker, which computes the prompt where it decodes it anyway);
     2. TPOT: decode_step + decode slowdown <= tpot_slo. Disaggregation exists to keep prompts out of decode steps;
        a prompt is let in only where the step it lengthens still meets the TPOT target ("tpot"). It is counted as
        one step's worth even when chunked prefill would spread it (erring towards remote), and it is applied with
@@ -142,7 +142,7 @@ def choose_path(
     if mode is not PrefillPath.AUTO:
         return answer(mode, "setting")
     if remote is None:
-        return answer(PrefillPath.LOCAL, "no prefill worker")
+        return answer(PrefillPath.REMOTE, "no prefill worker")
     step_s = next(w.step_s for w in decode if w.worker_id == local.worker_id)
     if step_s + slowdown > slos.tpot_s:
         return answer(PrefillPath.REMOTE, "tpot")

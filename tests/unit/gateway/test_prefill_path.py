@@ -73,12 +73,14 @@ def test_the_settings_remote_and_local_answer_their_path():
     assert (forced.path, forced.reason) == (PrefillPath.LOCAL, "setting")
 
 
-def test_without_a_decode_worker_it_is_remote_and_without_a_prefill_worker_local():
+def test_without_a_decode_or_a_prefill_worker_it_is_remote_a_mixed_worker_computes_it_where_it_decodes():
     mixed_only = [_beat(Role.MIXED, "m")]
     assert _choose(mixed_only, SHORT).reason == "no decode worker"
     assert _choose(mixed_only, SHORT, mode=PrefillPath.LOCAL).path is PrefillPath.REMOTE  # nobody to take it
     decode_and_mixed = [_beat(Role.MIXED, "m"), _beat(Role.DECODE, "d")]
-    assert _choose(decode_and_mixed, SHORT).reason == "no prefill worker"
+    choice = _choose(decode_and_mixed, SHORT)
+    assert (choice.path, choice.reason) == (PrefillPath.REMOTE, "no prefill worker")
+    assert _choose(decode_and_mixed, SHORT, mode=PrefillPath.LOCAL).path is PrefillPath.LOCAL
 
 
 def test_a_queued_prefill_worker_puts_remote_far_behind_local():
