@@ -189,7 +189,9 @@ def test_its_children_exit_when_it_is_killed(launch):
     assert len(up.seen) >= 4, up.seen
     os.kill(up.pid, signal.SIGKILL)
     assert up.exit_status(10) == 128 + signal.SIGKILL
-    assert_all_gone(up, STOP_BOUND_S)
+    # the services end themselves by DRAIN_S + 5 s (lifecycle.exit_by) whatever holds them; the slack is for
+    # a loaded CI host, where the interpreter's own start of the exit and the /proc reads lag
+    assert_all_gone(up, STOP_BOUND_S + 4.0)
 
 
 @pytest.fixture(scope="module")
