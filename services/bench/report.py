@@ -77,6 +77,7 @@ def _kv_pulls(summary: dict) -> list[str]:
         _row("Mean KV pull (ms):", value("mean_kv_pull_ms")),
         _row("KV pull / TTFT (%, means):", value("kv_pull_share_of_ttft", 100.0)),
         _row("KV pull / E2EL (%, totals):", value("kv_pull_share_of_e2el", 100.0)),
+        _row("KV bytes pulled per request:", value("kv_bytes_per_request")),
     ]
 
 
