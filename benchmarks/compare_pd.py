@@ -18,7 +18,8 @@ Modes (real stacks started by `pdserve up`'s launcher: nats-server, redis-server
 - disaggregated: one prefill worker (1 thread, first core) + one decode worker (1 thread, second core); the gateway
   sends every prompt through the prefill worker (PDSERVE_PREFILL_PATH=remote);
 - disaggregated-auto: the same workers, the gateway choosing the path per request (PDSERVE_PREFILL_PATH=auto): a
-  prompt may be prefilled on the decode worker itself ("local", no KV hand-off) when that is cheaper.
+  prompt may be prefilled on the decode worker itself ("local", no KV hand-off) when that is cheaper; its cost
+  model gets this run's SLOs (PDSERVE_TTFT_SLO_MS, PDSERVE_TPOT_SLO_MS).
 Workers are pinned with StackSpec.cpu_affinity (checked afterwards on every thread of every worker); the gateway,
 nats-server, redis-server and this process (the load generator) are not pinned: they float over both cores in
 every mode alike. All stacks are started up front when memory allows (else one at a time).
@@ -235,8 +236,10 @@ def prepare_model(model_dir: str | None, size: str) -> Path:
     return ensure_demo_checkpoint(REPO / "models" / f"demo-{size}-qwen3_moe", size=size)
 
 
-def mode_spec(mode: str, model: Path, cores: tuple[int, int], chunk_budget: int, max_len: int, trace: Path | None):
-    """The StackSpec of one mode; both colocated modes get both cores, disaggregated one core per worker."""
+def mode_spec(mode: str, model: Path, cores: tuple[int, int], chunk_budget: int, max_len: int, trace: Path | None,
+              slos: dict[str, float] | None = None):  # fmt: skip
+    """The StackSpec of one mode; both colocated modes get both cores, disaggregated one core per worker. The
+    auto path's cost model is given the benchmark's goodput SLOs (`slos`), the ones it must choose within."""
     common = dict(model=str(model), port=free_port(), trace_file=str(trace) if trace else None)
     if mode == "colocated":  # a whole prompt per step: the budget must hold the longest prompt
         args = ("--no-chunked-prefill", "--max-num-batched-tokens", str(max_len))
@@ -248,9 +251,11 @@ def mode_spec(mode: str, model: Path, cores: tuple[int, int], chunk_budget: int,
                          worker_args=args, **common)  # fmt: skip
     if mode in PREFILL_PATH:
         args = ("--max-num-batched-tokens", str(chunk_budget))
+        env = {"PDSERVE_PREFILL_PATH": PREFILL_PATH[mode]}
+        if PREFILL_PATH[mode] == "auto" and slos:
+            env |= {"PDSERVE_TTFT_SLO_MS": f"{slos['ttft']:g}", "PDSERVE_TPOT_SLO_MS": f"{slos['tpot']:g}"}
         return StackSpec(prefill=1, decode=1, threads={"prefill": 1, "decode": 1}, worker_args=args,
-                         cpu_affinity={"prefill": cores[:1], "decode": cores[1:]},
-                         env={"PDSERVE_PREFILL_PATH": PREFILL_PATH[mode]}, **common)  # fmt: skip
+                         cpu_affinity={"prefill": cores[:1], "decode": cores[1:]}, env=env, **common)  # fmt: skip
     raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
 
 
@@ -786,7 +791,7 @@ def main(argv: list[str] | None = None) -> int:
     stacks = {}
     for m in args.modes:
         trace = out / f"spans-{m}.jsonl" if args.trace else None
-        stacks[m] = ModeStack(m, mode_spec(m, model, args.cores, args.chunk_budget, max_len, trace))
+        stacks[m] = ModeStack(m, mode_spec(m, model, args.cores, args.chunk_budget, max_len, trace, slos))
     workers = sum((s.spec.mixed or s.spec.prefill + s.spec.decode) for s in stacks.values())
     need, have = workers * estimate_worker_mb(model), available_mb()
     together = not args.one_stack_at_a_time and need * 1.3 < have

@@ -36,8 +36,15 @@ def test_next_rate_goes_on_until_every_mode_is_past_its_knee_or_the_cap():
 
 
 def test_disaggregated_modes_pin_the_prefill_path():
-    specs = {m: mode_spec(m, Path("/m"), (0, 1), 512, 4096, None) for m in ("disaggregated", "disaggregated-auto")}
+    slos = {"ttft": 2000.0, "tpot": 80.5}
+    specs = {
+        m: mode_spec(m, Path("/m"), (0, 1), 512, 4096, None, slos) for m in ("disaggregated", "disaggregated-auto")
+    }
     assert specs["disaggregated"].env == {"PDSERVE_PREFILL_PATH": "remote"}
-    assert specs["disaggregated-auto"].env == {"PDSERVE_PREFILL_PATH": "auto"}
+    assert specs["disaggregated-auto"].env == {
+        "PDSERVE_PREFILL_PATH": "auto",
+        "PDSERVE_TTFT_SLO_MS": "2000",
+        "PDSERVE_TPOT_SLO_MS": "80.5",
+    }  # the cost model aims at the run's SLOs
     assert all((s.prefill, s.decode, s.mixed) == (1, 1, 0) for s in specs.values())
     assert mode_spec("colocated", Path("/m"), (0, 1), 512, 4096, None).env == {}
