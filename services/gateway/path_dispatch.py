@@ -55,5 +55,6 @@ def local_job(job: PrefillJob) -> DecodeJob:
         attempt=job.attempt,
         created_at=job.created_at,
         siblings=[Sibling(s.request_id, s.reply_subject, s.seed) for s in job.siblings],
+        cache_salt=job.cache_salt,
         prefill_here=True,
     )

@@ -161,7 +161,7 @@ def test_the_best_worker_of_each_side_is_the_one_assumed():
 
 def _prefill_job() -> PrefillJob:
     return PrefillJob("r", "demo", [5, 6, 7], Sampling(max_tokens=4, seed=3), "pd.tokens.g.r", created_at=12.0,
-                      siblings=[Sibling("r_c1", "pd.tokens.g.r_c1", 4)])  # fmt: skip
+                      siblings=[Sibling("r_c1", "pd.tokens.g.r_c1", 4)], cache_salt="tenant-a")  # fmt: skip
 
 
 def test_a_local_request_is_a_decode_job_to_be_prefilled_where_it_is_taken():
@@ -171,6 +171,7 @@ def test_a_local_request_is_a_decode_job_to_be_prefilled_where_it_is_taken():
     assert message == local_job(job)
     assert message.prefill_here and message.prefill_worker is None and message.output_token_ids == []
     assert (message.prompt_token_ids, message.sampling, message.created_at) == ([5, 6, 7], job.sampling, 12.0)
+    assert message.cache_salt == "tenant-a"  # its prefix-cache hashes salted as on the remote path
     assert [(s.request_id, s.seed, s.output_token_ids) for s in message.siblings] == [("r_c1", 4, [])]
     assert decode(encode(message), DecodeJob) == message
     subject, same = dispatch(_choose(FRESH, LONG), job)
