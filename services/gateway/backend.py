@@ -42,6 +42,9 @@ class GenerationJob:
     sampling: Sampling
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent of the request's span
     n: int = 1  # choices of the prompt (open_choices): each a request of its own on the wire, seeded seed + i
+    cache_key: str | None = None  # OpenAI's prompt_cache_key: requests with one key go to one worker (kv_router.py)
+    # the salt of the prompt's prefix-cache block hashes: shared/prefix_hash.request_salt(tenant, cache_salt)
+    prefix_salt: str = ""
 
 
 @dataclass(frozen=True)
