@@ -6,7 +6,7 @@ a gateway's index (kv_sync.py) fed those messages ends up holding exactly what t
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.gateway.kv_index import PrefixIndex
 from services.gateway.kv_sync import IndexSync
@@ -20,39 +20,7 @@ from shared.messages import (
     kv_snapshot_subject,
 )
 from shared.worker.block_announcer import BlockAnnouncer, announces_blocks
-
-
-@dataclass
-class Events:
-    stored: list[int]
-    removed: list[int]
-    overflowed: bool
-
-
-@dataclass
-class FakePrefixEngine:
-    """The prefix-cache side of Engine: what it holds, and the changes since the last prefix_cache_events()."""
-
-    held: set[int] = field(default_factory=set)
-    stored: list[int] = field(default_factory=list)
-    removed: list[int] = field(default_factory=list)
-    overflowed: bool = False
-
-    def cache(self, *hashes: int) -> None:
-        self.held.update(hashes)
-        self.stored += hashes
-
-    def evict(self, *hashes: int) -> None:
-        self.held.difference_update(hashes)
-        self.removed += hashes
-
-    def prefix_cache_events(self) -> Events:
-        events = Events(self.stored, self.removed, self.overflowed)
-        self.stored, self.removed, self.overflowed = [], [], False
-        return events
-
-    def prefix_cache_hashes(self) -> list[int]:
-        return sorted(self.held)
+from tests.prefix_engine import FakePrefixEngine
 
 
 @dataclass
