@@ -9,6 +9,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable
 
+import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
@@ -61,3 +62,26 @@ class JobFeed:
             for msg in in_hand():
                 with contextlib.suppress(Exception):
                     await msg.in_progress()
+
+    async def hand_back(self, to_subject: str) -> None:
+        """Forever (a draining worker's own queue): move every job waiting here to the queue `to_subject`, where
+        another worker takes it (its TakenEvent makes that worker the holder: the request does not wait for this
+        one to die). Each is published there before it is acked here: a failure leaves it here, for the
+        gateway to move once this worker is gone."""
+        while self._consumer is None:  # a drain that began before the queue was bound
+            await asyncio.sleep(0.1)
+        while True:
+            try:
+                msgs = await self._consumer.fetch(batch=16, timeout=0.5)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            except Exception as exc:
+                log.warning("handing back routed jobs failed (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                try:
+                    await self._js.publish(to_subject, msg.data, headers=msg.headers or None)
+                    await msg.ack()
+                except Exception as exc:
+                    log.warning("could not hand back a routed job (%s); the gateway moves it", exc)

@@ -98,6 +98,7 @@ class Worker(Generic[Job]):
         self.ledger: JobLedger[Job] = JobLedger(self.cancels)
         self._integrity: str | None = None  # the engine's last integrity verdict (refreshed off the beat)
         self.blocks_announcer: BlockAnnouncer | None = None  # prefix-cache blocks out to the gateways, if any
+        self._own_feed: JobFeed | None = None  # the queue of jobs routed to this worker alone, once bound
 
     @property
     def conn(self) -> Connections:
@@ -235,6 +236,8 @@ class Worker(Generic[Job]):
     async def _drain(self) -> None:
         timeout = self.settings.drain_timeout_s
         log.info("draining: taking no new jobs, finishing what is in flight (at most %g s)", timeout)
+        if self._own_feed is not None:  # jobs routed here and not taken yet go to the shared queue
+            self._tasks.append(asyncio.create_task(self._own_feed.hand_back(self.job_subject())))
         started = time.monotonic()
         deadline = started + timeout
         while not self.idle() and time.monotonic() < deadline:
@@ -360,7 +363,8 @@ class Worker(Generic[Job]):
         ack_wait = self.settings.job_ack_wait_s
         feeds = [JobFeed(self.conn.js, self.job_subject(), ack_wait)]
         if (own := self.own_job_subject()) is not None:
-            feeds.insert(0, JobFeed(self.conn.js, own, ack_wait, inactive_threshold_s=bus.OWN_QUEUE_INACTIVE_S))
+            self._own_feed = JobFeed(self.conn.js, own, ack_wait, inactive_threshold_s=bus.OWN_QUEUE_INACTIVE_S)
+            feeds.insert(0, self._own_feed)
         consumers = [await feed.bind() for feed in feeds]
         shortest = min(feeds, key=lambda f: f.ack_wait_s)  # progress reports cover every job in hand
         self._tasks.append(asyncio.create_task(shortest.report_progress(self.ledger.in_progress)))

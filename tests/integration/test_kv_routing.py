@@ -10,6 +10,7 @@ runtime does, and answer each with its prompt echoed back."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import nats
@@ -21,6 +22,7 @@ from services.gateway.nats_backend import NatsBackend
 from services.local.infra import start_nats
 from shared import bus
 from shared.messages import (
+    JOBS_STREAM,
     FinishedEvent,
     FinishReason,
     Heartbeat,
@@ -39,6 +41,7 @@ from shared.prefix_hash import block_hashes, root_hash
 from shared.settings import GatewaySettings
 from shared.telemetry import metrics
 from shared.worker.block_announcer import BlockAnnouncer
+from shared.worker.job_feed import JobFeed
 from tests.prefix_engine import FakePrefixEngine
 
 BS = 4
@@ -128,9 +131,7 @@ class RoutedWorker:
 
 
 async def gateway(nats_url: str, model: str, gateway_id: str) -> NatsBackend:
-    backend = NatsBackend(
-        GatewaySettings(model_name=model, nats_url=nats_url, gateway_id=gateway_id, worker_ttl_s=1.0)
-    )
+    backend = NatsBackend(GatewaySettings(model_name=model, nats_url=nats_url, gateway_id=gateway_id, worker_ttl_s=1.0))
     await backend.start()
     await until(lambda: backend._nc is not None)
     return backend
@@ -251,3 +252,37 @@ def test_a_dead_worker_leaves_the_index_and_the_job_routed_to_it_moves(nats_url)
                 await gw.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_draining_worker_hands_its_routed_jobs_back_to_the_shared_queue(nats_url):
+    model = "kvr-drain"
+
+    async def scenario() -> None:
+        nc = await nats.connect(nats_url)
+        try:
+            js = nc.jetstream()
+            await bus.ensure_streams(js)
+            own = JobFeed(js, routed_prefill_subject(model, "p1"), 30.0, bus.OWN_QUEUE_INACTIVE_S)
+            await own.bind()
+            shared = await bus.job_consumer(js, prefill_subject(model))
+            for rid in ("r1", "r2"):
+                job = PrefillJob(rid, model, [1, 2, 3], Sampling(max_tokens=4), f"pd.tokens.gw.{rid}")
+                await js.publish(routed_prefill_subject(model, "p1"), encode(job), headers={"traceparent": rid})
+            handing_back = asyncio.create_task(own.hand_back(prefill_subject(model)))
+            try:
+                moved = []
+                while len(moved) < 2:
+                    with contextlib.suppress(TimeoutError, nats.errors.TimeoutError):
+                        for msg in await shared.fetch(batch=1, timeout=0.5):
+                            job = decode(msg.data, PrefillJob)
+                            moved.append((job.request_id, msg.headers["traceparent"]))
+                            await msg.ack()
+                assert sorted(moved) == [("r1", "r1"), ("r2", "r2")]  # the trace context goes along
+                info = await js.consumer_info(JOBS_STREAM, routed_prefill_subject(model, "p1").replace(".", "-"))
+                assert info.num_pending == 0 and info.num_ack_pending == 0  # nothing left in its own queue
+            finally:
+                handing_back.cancel()
+        finally:
+            await nc.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
