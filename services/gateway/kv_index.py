@@ -8,7 +8,7 @@ updates: nothing in it is this gateway's own.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 
 class PrefixIndex:
@@ -67,21 +67,18 @@ class PrefixIndex:
         """Distinct blocks held by some worker."""
         return len(self._holders)
 
-    def prefix_blocks(self, hashes: Sequence[int], workers: Iterable[str]) -> dict[str, int]:
+    def prefix_blocks(self, hashes: Iterable[int], workers: Iterable[str]) -> dict[str, int]:
         """For each of `workers`: how many of the prompt's leading blocks (`hashes`, in order, at that worker's
         block size) it holds in a row. A block past a missing one is no use: its K/V depends on every token
-        before it, so the engine can only reuse a leading run."""
+        before it, so the engine can only reuse a leading run. `hashes` is read only as far as some worker
+        holds every block so far (a lazy iterable saves hashing the rest)."""
         counts = dict.fromkeys(workers, 0)
         still = set(counts)  # workers that hold every block so far
-        for i, h in enumerate(hashes):
-            holders = self._holders.get(h)
-            keep = still & holders if holders else set()
-            for gone in still - keep:
-                counts[gone] = i
-            still = keep
+        for h in hashes:
             if not still:
                 break
-        else:
+            holders = self._holders.get(h)
+            still = still & holders if holders else set()
             for w in still:
-                counts[w] = len(hashes)
+                counts[w] += 1
         return counts

@@ -14,7 +14,7 @@ so a routed job whose worker dies moves like any other (nats_backend.py `_move`)
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -35,7 +35,7 @@ from shared.messages import (
     routed_prefill_subject,
     subject_token,
 )
-from shared.prefix_hash import block_hashes, root_hash
+from shared.prefix_hash import block_hash, root_hash
 from shared.settings import GatewaySettings
 from shared.telemetry import metrics
 
@@ -124,7 +124,7 @@ class KvRouting(SharedQueue):
                 by_size.setdefault(size, []).append(b.worker_id)
         cached: dict[str, int] = {}
         for size, workers in by_size.items():
-            blocks = self.index.prefix_blocks(block_hashes(prompt, size, root), workers)
+            blocks = self.index.prefix_blocks(_lazy_block_hashes(prompt, size, root), workers)
             # the engine computes the prompt's last token whatever it holds
             cached.update({w: min(n * size, max(len(prompt) - 1, 0)) for w, n in blocks.items()})
         candidates = []
@@ -133,6 +133,15 @@ class KvRouting(SharedQueue):
             overloaded = load >= self.max_queued_tokens
             candidates.append(Candidate(b.worker_id, cached.get(b.worker_id, 0), load, b.running, overloaded))
         return candidates
+
+
+def _lazy_block_hashes(tokens: list[int], block_size: int, root: int) -> Iterator[int]:
+    """shared.prefix_hash.block_hashes, one block at a time: the index stops reading at the first block nobody
+    holds, so a prompt no worker holds costs one hash, not one per block."""
+    h = root
+    for i in range(len(tokens) // block_size):
+        h = block_hash(h, tokens[i * block_size : (i + 1) * block_size])
+        yield h
 
 
 def prefill_routing(settings: GatewaySettings) -> SharedQueue:

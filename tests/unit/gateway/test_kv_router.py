@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from services.gateway.backend import GenerationJob
 from services.gateway.kv_router import SHARED, Candidate, How, Route, affinity_worker, choose
-from services.gateway.kv_routing import KvRouting, SharedQueue, prefill_routing, route_subject
+from services.gateway.kv_routing import KvRouting, SharedQueue, _lazy_block_hashes, prefill_routing, route_subject
 from shared.messages import Heartbeat, KvBlockEvents, Role, Sampling
 from shared.prefix_hash import block_hashes, request_salt, root_hash
 from shared.settings import GatewaySettings
@@ -148,3 +148,9 @@ def test_routing_off_sends_everything_to_the_shared_queue():
     assert type(r) is SharedQueue
     assert r.route(gen_job(list(range(40)), cache_key="k"), [beat("p1")], {}) == SHARED
     assert route_subject(MODEL, SHARED) == "pd.jobs.prefill.m"
+
+
+def test_the_lazy_hashes_are_the_shared_definition():
+    prompt = list(range(1000, 1037))  # 9 full blocks and a partial one
+    root = root_hash(MODEL, request_salt("t", "s"))
+    assert list(_lazy_block_hashes(prompt, BS, root)) == block_hashes(prompt, BS, root)
