@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping
+from typing import Protocol
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -44,6 +45,24 @@ log = logging.getLogger(__name__)
 _TAKES_PREFILL = (Role.PREFILL, Role.MIXED)
 
 
+class PrefillRouting(Protocol):
+    """What NatsBackend asks of prefill routing."""
+
+    async def start(self, nc: NATS) -> None:
+        """Subscribe to what it listens to (once connected)."""
+
+    def on_heartbeat(self, beat: Heartbeat) -> None:
+        """Every worker heartbeat the gateway receives."""
+
+    async def tick(self, serving: list[Heartbeat], now: float) -> None:
+        """Every watchdog round while connected: `serving`, the live and not draining workers of the model."""
+
+    def route(self, job: GenerationJob, serving: list[Heartbeat], queued: Mapping[str, int]) -> Route:
+        """Where a fresh prompt's job goes (counted in the routing metrics), among `serving`; `queued`: the
+        prompt tokens this gateway routed to each worker and it has not taken yet."""
+        ...
+
+
 class SharedQueue:
     """kv_aware_routing off: the shared queue for every job, nothing listened to."""
 
@@ -64,9 +83,9 @@ class SharedQueue:
         return SHARED
 
 
-class KvRouting(SharedQueue):
+class KvRouting:
     def __init__(self, settings: GatewaySettings) -> None:
-        super().__init__(settings)
+        self.model = settings.served_model_name
         self.max_queued_tokens = settings.kv_routing_max_queued_tokens
         self.index = PrefixIndex()
         self.sync = IndexSync(self.index)
@@ -106,8 +125,6 @@ class KvRouting(SharedQueue):
                 log.warning("could not ask for prefix-cache snapshots: %s", exc)
 
     def route(self, job: GenerationJob, serving: list[Heartbeat], queued: Mapping[str, int]) -> Route:
-        """Where the job goes, among `serving` (live, not draining) prefill and mixed workers; `queued`: the prompt
-        tokens this gateway routed to each worker and it has not taken yet."""
         beats = [b for b in serving if b.role in _TAKES_PREFILL]
         candidates = self._candidates(job, beats, queued)
         route = choose(len(job.prompt_token_ids), candidates, job.cache_key)
@@ -144,7 +161,7 @@ def _lazy_block_hashes(tokens: list[int], block_size: int, root: int) -> Iterato
         yield h
 
 
-def prefill_routing(settings: GatewaySettings) -> SharedQueue:
+def prefill_routing(settings: GatewaySettings) -> PrefillRouting:
     return KvRouting(settings) if settings.kv_aware_routing else SharedQueue(settings)
 
 

@@ -69,16 +69,21 @@ def take_all(engine: PrefixCacheEngine) -> tuple[PrefixCacheEvents, list[int]]:
     return engine.prefix_cache_events(), engine.prefix_cache_hashes()
 
 
+class EngineCall(Protocol):
+    """Runs a function on the engine thread and returns its result (AsyncEngine.call)."""
+
+    def __call__(self, fn: Callable[[Any], T], /) -> Awaitable[T]: ...
+
+
 class BlockAnnouncer:
     def __init__(
         self,
         nc: NATS,
-        call: Callable[[Callable[[Any], T]], Awaitable[T]],
+        call: EngineCall,
         model: str,
         worker_id: str,
         block_size: int,
     ) -> None:
-        """call: runs a function on the engine thread (AsyncEngine.call)."""
         self.nc, self.call = nc, call
         self.model, self.worker_id, self.block_size = model, worker_id, block_size
         self.epoch = uuid.uuid4().hex[:12]  # this incarnation: a restart numbers its updates from 1 again
