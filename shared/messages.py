@@ -204,6 +204,10 @@ class Sibling(msgspec.Struct, frozen=True):
     output_token_ids: list[int] = []
 
 
+# A request's prefix-cache salt: its tenant's id and its own cache_salt (bounded at the gateway), joined.
+CacheSalt = Annotated[str, msgspec.Meta(max_length=1024)]
+
+
 class PrefillJob(msgspec.Struct, frozen=True):
     request_id: str
     model: str
@@ -217,6 +221,7 @@ class PrefillJob(msgspec.Struct, frozen=True):
     output_token_ids: list[int] = []
     # The other choices of a fresh request with n > 1 (never on a moved one: each choice moves on its own).
     siblings: list[Sibling] = []
+    cache_salt: CacheSalt = ""  # the prefix-cache salt: tenant and request (shared/prefix_hash.py request_salt)
 
     @property
     def key(self) -> str:
@@ -239,6 +244,7 @@ class DecodeJob(msgspec.Struct, frozen=True):
     # published before the first token existed (layer-streamed KV, docs/kv_transfer.md): output_token_ids stop
     # before it; the decode worker takes it from the pull's trailer (or samples it when it recomputes) and emits it
     kv_streamed: bool = False
+    cache_salt: CacheSalt = ""  # as PrefillJob.cache_salt: a recompute or a cache lookup here uses the same
 
     @property
     def key(self) -> str:
@@ -311,6 +317,7 @@ class _Output(_Event, frozen=True):
     prompt_tokens: _Count = 0
     logprobs: list[Logprob] = []  # one per token_ids entry when the request asked (Sampling.logprobs)
     prompt_logprobs: list[Logprob] = []  # prompt positions 1.., on the first event of the worker that computed them
+    cached_tokens: _Count = 0  # prompt tokens from the prefix cache, on the first event of the worker computing it
 
     def __post_init__(self) -> None:
         if self.logprobs and len(self.logprobs) != len(self.token_ids):

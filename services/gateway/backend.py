@@ -42,9 +42,10 @@ class GenerationJob:
     sampling: Sampling
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent of the request's span
     n: int = 1  # choices of the prompt (open_choices): each a request of its own on the wire, seeded seed + i
-    cache_key: str | None = None  # OpenAI's prompt_cache_key: requests with one key go to one worker (kv_router.py)
-    # the salt of the prompt's prefix-cache block hashes: shared/prefix_hash.request_salt(tenant, cache_salt)
-    prefix_salt: str = ""
+    # what the prompt's prefix-cache hashes are rooted in besides the model: tenant and request salt
+    # (shared/prefix_hash.py request_salt); requests with different salts share no cached blocks
+    cache_salt: str = ""
+    cache_key: str | None = None  # prompt_cache_key: requests with one key prefer one prefill worker
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class Update:
     status: int = 500
     logprobs: list[Logprob] = field(default_factory=list)  # one per token_ids entry when the request asked
     prompt_logprobs: list[Logprob] = field(default_factory=list)  # prompt positions 1.., on one update at most
+    cached_tokens: int = 0  # prompt tokens served from a worker's prefix cache (the first update says)
 
     @property
     def finished(self) -> bool:

@@ -62,6 +62,7 @@ class Generation:
         self.token_ids: list[int] = []  # delivered, up to a stop string's match
         self.logprobs: list[Logprob] = []  # theirs, when the request asked
         self.prompt_logprobs: list[Logprob] = []  # prompt positions 1.., when the request asked
+        self.cached_tokens = 0  # of the prompt, served from the prefix cache of the worker that computed it
         self.finish_reason: str | None = None
         self._stream: RequestStream | None = None
         self._first: Update | None = None
@@ -115,6 +116,7 @@ class Generation:
     def _pieces_of(self, update: Update) -> list[Piece]:
         self._worker_finished = update.finished  # the worker let go of the request: nothing to cancel
         self.prompt_logprobs = self.prompt_logprobs or update.prompt_logprobs
+        self.cached_tokens = self.cached_tokens or update.cached_tokens  # a moved request's recompute does not count
         pieces = []
         for i, token_id in enumerate(update.token_ids):
             self.completion_tokens += 1

@@ -133,7 +133,7 @@ class KvRouting:
 
     def _candidates(self, job: GenerationJob, beats: list[Heartbeat], queued: Mapping[str, int]) -> list[Candidate]:
         prompt = job.prompt_token_ids
-        root = root_hash(job.model, job.prefix_salt)
+        root = root_hash(job.model, job.cache_salt)
         by_size: dict[int, list[str]] = {}  # block size → the workers that hash at it
         for b in beats:
             size = self.index.block_size(b.worker_id)

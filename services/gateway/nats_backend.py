@@ -202,6 +202,7 @@ class NatsBackend:
                 sampling=s.sampling,
                 reply_subject=token_subject(self.settings.gateway_id, s.request_id),
                 created_at=created_at,
+                cache_salt=s.cache_salt,
             )
             for s in singles
         ]

@@ -82,7 +82,7 @@ def beat(worker: str, waiting_tokens: int = 0, role: Role = Role.PREFILL, draini
 
 
 def gen_job(prompt: list[int], cache_key: str | None = None, salt: str = "") -> GenerationJob:
-    return GenerationJob("r", MODEL, prompt, Sampling(max_tokens=4), cache_key=cache_key, prefix_salt=salt)
+    return GenerationJob("r", MODEL, prompt, Sampling(max_tokens=4), cache_key=cache_key, cache_salt=salt)
 
 
 def routing(**overrides) -> KvRouting:
