@@ -58,6 +58,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 TEARDOWN_TIMEOUT_S = 30.0
 IDLE_POLL_S = 0.005  # how often a worker without room looks again
+# A draining worker's own queue is handed back at least this long: until the gateways have its `draining` beat,
+# they may still route jobs to it
+HAND_BACK_S = 2 * HEARTBEAT_S
 
 
 class Worker(Generic[Job]):
@@ -236,11 +239,13 @@ class Worker(Generic[Job]):
     async def _drain(self) -> None:
         timeout = self.settings.drain_timeout_s
         log.info("draining: taking no new jobs, finishing what is in flight (at most %g s)", timeout)
-        if self._own_feed is not None:  # jobs routed here and not taken yet go to the shared queue
-            self._tasks.append(asyncio.create_task(self._own_feed.hand_back(self.job_subject())))
         started = time.monotonic()
         deadline = started + timeout
-        while not self.idle() and time.monotonic() < deadline:
+        handing_back_until = started  # a worker with its own queue hands its jobs back for HAND_BACK_S at least
+        if self._own_feed is not None:  # jobs routed here and not taken yet go to the shared queue
+            self._tasks.append(asyncio.create_task(self._own_feed.hand_back(self.job_subject())))
+            handing_back_until = min(started + HAND_BACK_S, deadline)
+        while (not self.idle() or time.monotonic() < handing_back_until) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if not self.idle():
             log.warning("drain timed out after %g s with work in hand; stopping anyway", timeout)
