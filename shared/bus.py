@@ -3,7 +3,8 @@
 Jobs go through one JetStream stream with work-queue retention: each message is delivered to one
 consumer and deleted once acked. Every worker of a role shares one durable pull consumer per model, so
 workers fetch jobs only when they have room (capacity-gated load balancing), and a job whose worker
-dies unacked is redelivered after `ack_wait`.
+dies unacked is redelivered after `ack_wait`. A prefill (or mixed) worker also has its own consumer, of the
+jobs the gateway routed to it (KV-aware routing): those only it takes, and the gateway moves them when it dies.
 """
 
 from __future__ import annotations
@@ -203,10 +204,18 @@ async def ensure_streams(js: JetStreamContext) -> None:
     await ensure_cancels_stream(js)
 
 
+OWN_QUEUE_INACTIVE_S = 3600.0  # a worker's own consumer outlives its worker by this long (JetStream deletes it)
+
+
 async def job_consumer(
-    js: JetStreamContext, subject: str, ack_wait_s: float = 30.0, max_deliver: int = 5
+    js: JetStreamContext,
+    subject: str,
+    ack_wait_s: float = 30.0,
+    max_deliver: int = 5,
+    inactive_threshold_s: float | None = None,
 ) -> JetStreamContext.PullSubscription:
-    """The shared durable pull consumer for `subject` (one per role and model)."""
+    """The durable pull consumer for `subject`: the shared one of a role and model, or a worker's own (its routed
+    prefill jobs: `inactive_threshold_s` lets JetStream delete it once its worker is gone)."""
     durable = subject.replace(".", "-")
     config = ConsumerConfig(
         durable_name=durable,
@@ -214,5 +223,6 @@ async def job_consumer(
         ack_wait=ack_wait_s,
         max_deliver=max_deliver,
         filter_subject=subject,
+        inactive_threshold=inactive_threshold_s,
     )
     return await js.pull_subscribe(subject, durable=durable, stream=JOBS_STREAM, config=config)

@@ -5,11 +5,16 @@ as lists of ints; KV tensors never travel on NATS (they move over the KV transfe
 
 Subjects:
     pd.jobs.prefill.<model>           JetStream work queue: prompts waiting for a prefill worker
+    pd.jobs.prefill.<model>.<worker>  JetStream work queue: prompts the gateway routed to one prefill (or mixed)
+                                      worker for the prefix it holds (docs/architecture.md, KV-aware routing)
     pd.jobs.decode.<model>            JetStream work queue: prefilled requests waiting for a decode worker
     pd.tokens.<gateway>.<request>     core NATS: token events for one request, to the gateway that owns it
     pd.cancel.<request>               JetStream (stream PD_CANCELS, kept CANCEL_RETENTION_S): stop a request
                                       everywhere (client went away, request moved on)
     pd.hb.<role>.<worker>             core NATS: worker heartbeats (readiness, load)
+    pd.kv.blocks.<model>.<worker>     core NATS: the prefix-cache blocks a worker stored / removed (KvBlockUpdate)
+    pd.kv.snapshot.<model>            core NATS request: every worker named answers, to the reply subject, with
+                                      its whole list of held blocks (KvBlockSnapshot parts)
 """
 
 from __future__ import annotations
@@ -88,6 +93,9 @@ DECODE_JOBS = Subject("pd.jobs.decode.{model}")
 TOKENS = Subject("pd.tokens.{gateway}.{request}")
 CANCELS = Subject("pd.cancel.{request}")
 HEARTBEATS = Subject("pd.hb.{role}.{worker}")
+ROUTED_PREFILL_JOBS = Subject("pd.jobs.prefill.{model}.{worker}")
+KV_BLOCKS = Subject("pd.kv.blocks.{model}.{worker}")
+KV_SNAPSHOT_REQUESTS = Subject("pd.kv.snapshot.{model}")
 
 JOBS_SUBJECTS = "pd.jobs.>"  # the jobs stream holds both queues
 CANCEL_WILDCARD = CANCELS.wildcard()
@@ -100,6 +108,24 @@ def prefill_subject(model: str) -> str:
 
 def decode_subject(model: str) -> str:
     return DECODE_JOBS.make(model=model)
+
+
+def routed_prefill_subject(model: str, worker_id: str) -> str:
+    """The prefill queue of one worker: jobs routed to it for its cached prefix (its own durable consumer)."""
+    return ROUTED_PREFILL_JOBS.make(model=model, worker=worker_id)
+
+
+def kv_blocks_subject(model: str, worker_id: str) -> str:
+    return KV_BLOCKS.make(model=model, worker=worker_id)
+
+
+def kv_blocks_wildcard(model: str) -> str:
+    """Every worker's block updates for one model (a gateway subscribes once)."""
+    return KV_BLOCKS.wildcard(model=model)
+
+
+def kv_snapshot_subject(model: str) -> str:
+    return KV_SNAPSHOT_REQUESTS.make(model=model)
 
 
 def token_subject(gateway_id: str, request_id: str) -> str:
@@ -392,6 +418,53 @@ class Heartbeat(msgspec.Struct, frozen=True):
     # the prefill path's cost model (services/gateway/prefill_path.py): what this worker measured; None from a worker
     # that predates it
     path_calibration: PathCalibration | None = None
+    waiting_tokens: int = 0  # prompt tokens queued in the engine, not computed yet (KV-aware routing's load)
+    # the worker's prefix-cache block updates (KvBlockUpdate): the incarnation and the last sequence number sent,
+    # so a gateway notices updates it lost at the end of a burst; "" = the worker announces no blocks
+    kv_blocks_epoch: str = ""
+    kv_blocks_seq: int = 0
+
+
+# Prefix-cache block announcements (KV-aware routing): what a prefill (or mixed) worker holds, as block hashes
+# (shared/prefix_hash.py). Every update of one worker incarnation (`epoch`) is numbered 1, 2, ... so a reader
+# notices a gap; a snapshot says "after update `seq`, the worker holds exactly these" and may come in parts.
+KV_HASHES_PER_MESSAGE = 4096  # the most hashes one message carries (~80 KB of JSON): longer lists are split
+_BlockHash = Annotated[int, msgspec.Meta(ge=0)]  # 64-bit, unsigned (shared/prefix_hash.py)
+
+
+class _KvBlockMessage(msgspec.Struct, frozen=True, tag_field="kind"):
+    worker_id: str
+    epoch: str  # one incarnation of the worker: a restart starts its numbering again
+    seq: _Count
+    block_size: Annotated[int, msgspec.Meta(ge=1)]  # tokens per hashed block
+
+
+class KvBlockEvents(_KvBlockMessage, frozen=True, tag="events"):
+    """Blocks removed, then blocks stored, since update seq - 1 (a hash is in one list at most)."""
+
+    removed: list[_BlockHash] = []
+    stored: list[_BlockHash] = []
+
+
+class KvBlockSnapshot(_KvBlockMessage, frozen=True, tag="snapshot", kw_only=True):
+    """Part `part` (0-based) of `parts` of every block the worker held after update `seq`. Published on the
+    blocks subject (in the numbering: after its event log overflowed) or sent to one gateway that asked."""
+
+    part: _Count = 0
+    parts: Annotated[int, msgspec.Meta(ge=1)] = 1
+    hashes: list[_BlockHash] = []
+
+
+KvBlockUpdate = KvBlockEvents | KvBlockSnapshot
+
+
+class KvSnapshotRequest(msgspec.Struct, frozen=True):
+    """A gateway asks for snapshots (it started late, or lost updates): the workers named, every one if empty."""
+
+    workers: list[str] = []
+
+    def names(self, worker_id: str) -> bool:
+        return not self.workers or worker_id in self.workers
 
 
 _encoder = msgspec.json.Encoder()
@@ -411,6 +484,7 @@ def decode(data: bytes, kind: type[_S]) -> _S:
 
 
 _event_decoder: msgspec.json.Decoder[TokenEvent] = msgspec.json.Decoder(TokenEvent)
+_kv_block_decoder: msgspec.json.Decoder[KvBlockUpdate] = msgspec.json.Decoder(KvBlockUpdate)
 
 
 def decode_event(data: bytes) -> TokenEvent:
@@ -424,6 +498,11 @@ def _guarded(decoding: Callable[[], _T]) -> _T:
         return decoding()
     except RecursionError as exc:  # msgspec's guard against arrays / objects nested thousands deep
         raise msgspec.DecodeError("JSON is nested too deeply") from exc
+
+
+def decode_kv_blocks_or_drop(data: bytes, subject: str) -> KvBlockUpdate | None:
+    """A block update of whichever kind its tag says, or None after logging why (as decode_or_drop)."""
+    return _or_drop(lambda: _guarded(lambda: _kv_block_decoder.decode(data)), "KvBlockUpdate", subject)
 
 
 def decode_or_drop(data: bytes, kind: type[_S], subject: str) -> _S | None:

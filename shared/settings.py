@@ -153,6 +153,12 @@ class GatewaySettings(CommonSettings):
     """The most choices (`n`) one request may ask for; more is a 400. Each choice is a sequence of its own in the
     workers' engines (its prompt KV shared) and counts as one request for admission."""
     path: PrefillPathSettings = section(PrefillPathSettings)
+    kv_aware_routing: bool = True
+    """Send a prompt to the prefill (or mixed) worker whose prefix cache holds most of it, from the blocks the
+    workers announce (docs/architecture.md); false: every prompt goes to the shared queue."""
+    kv_routing_max_queued_tokens: int = 8192
+    """KV-aware routing: a worker with this many prompt tokens queued (its heartbeat's, plus those this gateway
+    routed to it and it has not taken yet) is overloaded: prompts go elsewhere, whatever it holds."""
 
     @property
     def served_model_name(self) -> str:
@@ -170,6 +176,8 @@ class GatewaySettings(CommonSettings):
                 raise ValueError(f"{name} must be positive")
         if self.max_n < 1:
             raise ValueError("max_n must be >= 1")
+        if self.kv_routing_max_queued_tokens < 1:
+            raise ValueError("kv_routing_max_queued_tokens must be >= 1")
         if self.max_migrations < 0 or self.max_pending_requests < 1:
             raise ValueError("max_migrations must be >= 0 and max_pending_requests >= 1")
 

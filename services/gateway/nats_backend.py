@@ -4,6 +4,8 @@ One listener (`pd.tokens.<gateway>.>`) serves every request: it decodes each Tok
 by request id to that request's RequestUpdates (request_stream.py: order, deadlines).
 A request's stream is registered before its job is published, so no event can arrive unclaimed.
 Heartbeats (`pd.hb.>`) feed the live-worker table behind readiness and the 503 on dispatch.
+A fresh prompt's job goes where prefill routing says (kv_routing.py): the shared prefill queue, or with KV-aware
+routing the own queue of the worker holding its prefix, which then holds the request until it takes it.
 
 A watchdog moves requests whose worker died or stalled (request_stream.RequestUpdates.why_move): it cancels
 the old attempt (`Cancel.up_to_attempt`) and dispatches the next one to the prefill queue, carrying every
@@ -27,6 +29,7 @@ from nats.js import JetStreamContext
 
 from services.gateway.admission import Admission
 from services.gateway.backend import BackendUnavailable, GenerationJob, Update, choice_requests
+from services.gateway.kv_routing import prefill_routing, route_subject
 from services.gateway.liveness import WorkerTable
 from services.gateway.path_dispatch import PathChooser, dispatch
 from services.gateway.request_stream import Deadlines, RequestUpdates
@@ -46,7 +49,7 @@ from shared.messages import (
     token_wildcard,
 )
 from shared.redis_client import explain_redis_error, redis_client
-from shared.settings import GatewaySettings
+from shared.settings import GatewaySettings, PrefillPath
 from shared.telemetry import metrics, tracing
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,7 @@ class NatsBackend:
         self.workers = WorkerTable(settings.worker_ttl_s)
         self.admission = Admission(settings.max_pending_requests, settings.kv_overcommit)
         self.paths = PathChooser(settings.path)  # remote (prefill worker + hand-off) or local, per request
+        self.routing = prefill_routing(settings)  # where fresh prompts go: the shared queue, or a worker's own
         self._streams: dict[str, RequestUpdates] = {}  # request id → its stream, while the gateway listens
         self._nc: NATS | None = None  # set once connected and subscribed
         self._js: JetStreamContext | None = None
@@ -97,6 +101,7 @@ class NatsBackend:
                 await asyncio.sleep(SETUP_RETRY_S)
         await nc.subscribe(token_wildcard(self.settings.gateway_id), cb=self._on_token)
         await nc.subscribe(HEARTBEAT_WILDCARD, cb=self._on_heartbeat)
+        await self.routing.start(nc)
         self._nc, self._js = nc, js
         self._watchdog = asyncio.create_task(self._watch(), name="gateway-watchdog")
         log.info("gateway %s connected to NATS", self.settings.gateway_id)
@@ -114,6 +119,7 @@ class NatsBackend:
                 continue
             if away:
                 away, reconnected_at = False, now
+            await self.routing.tick(self.workers.serving(self.settings.served_model_name, now), now)
             if now < judge_from:
                 continue
             for stream in list(self._streams.values()):
@@ -169,6 +175,7 @@ class NatsBackend:
         if beat is None:
             return
         self.workers.record(beat, time.monotonic())
+        self.routing.on_heartbeat(beat)
 
     def _connected(self) -> NATS | None:
         return self._nc if self._nc is not None and self._nc.is_connected else None
@@ -211,6 +218,12 @@ class NatsBackend:
         group = msgspec.structs.replace(prefills[0], siblings=siblings)
         choice = self.paths.choose(self.workers, job.model, len(job.prompt_token_ids), time.monotonic())
         subject, message = dispatch(choice, group)
+        if choice.path is PrefillPath.REMOTE:  # which prefill worker: the shared queue, or one whose cache helps
+            route = self.routing.route(job, self.workers.serving(job.model, time.monotonic()), self._routed_backlog())
+            subject = route_subject(job.model, route)
+            if route.worker_id is not None:  # before the publish: the worker may take it before the ack is back
+                for stream in streams:
+                    stream.routed(route.worker_id)
         token = tracing.attach(tracing.extract(job.trace_context))  # the publish span joins the request's trace
         try:
             with tracing.producer_span(subject, job.request_id):
@@ -227,6 +240,15 @@ class NatsBackend:
         finally:
             tracing.detach(token)
         return streams
+
+    def _routed_backlog(self) -> dict[str, int]:
+        """Prompt tokens this gateway routed to each worker's own queue that the worker has not taken yet (its
+        heartbeat cannot count them)."""
+        backlog: dict[str, int] = {}
+        for stream in self._streams.values():
+            if stream.queued_for is not None:
+                backlog[stream.queued_for] = backlog.get(stream.queued_for, 0) + stream.prompt_tokens
+        return backlog
 
     async def cancel(self, request_id: str) -> None:
         """Publish the cancel in the background: its JetStream ack may take up to PUBLISH_TIMEOUT_S (or never come

@@ -2,7 +2,9 @@
 who holds the request now, and the deadlines that keep a lost worker or a lost event from hanging the client.
 
 Holder: the worker responsible for the request's next event (TokenEvent: a worker announces a job it takes with
-a TakenEvent; every event makes its worker the holder, until a QueuedEvent hands the request to a job queue).
+a TakenEvent; every event makes its worker the holder, until a QueuedEvent hands the request to a job queue). A
+job routed to one worker's own queue (KV-aware routing, kv_routing.py) is held by that worker from dispatch:
+nothing else would take it, so if that worker dies before taking it, the request moves as if it had.
 NatsBackend's watchdog asks `why_move` and, when the holder died or stalled, moves the request on to a
 new attempt (`move_on`): prompt + tokens so far go to another worker, the old attempt's events are stale.
 
@@ -50,6 +52,7 @@ class RequestUpdates:
         self.job = job  # as first dispatched (attempt 0): what a move re-sends
         self.prompt_tokens = len(job.prompt_token_ids) if job is not None else 0
         self.holder: str | None = None  # worker id, or None while the request waits in a job queue
+        self.queued_for: str | None = None  # the worker whose own queue holds the job, until an event arrives
         self.migrations = 0
         self.trace_headers: dict[str, str] = {}  # NATS headers carrying the request's trace context
         self.prefill_path: PathChoice | None = None  # the path its first dispatch took, and why (prefill_path.py)
@@ -101,6 +104,7 @@ class RequestUpdates:
             self._progress_at = now
             self._tokens_at = now
         if event.attempt == self._order.attempt and event.worker_id:
+            self.queued_for = None  # taken (or answered): no longer waiting in a worker's own queue
             queued = isinstance(event, QueuedEvent)
             if not queued and event.worker_id != self.holder:
                 self.holder, self._held_since = event.worker_id, now
@@ -126,6 +130,10 @@ class RequestUpdates:
                 self._duplicates.add(who)
                 return True
         return False
+
+    def routed(self, worker_id: str) -> None:
+        """The job was published to `worker_id`'s own queue: that worker holds the request from now."""
+        self.holder, self._held_since, self.queued_for = worker_id, self._clock(), worker_id
 
     def put(self, update: Update) -> None:
         """An update from the gateway itself (shutdown)."""
@@ -172,7 +180,7 @@ class RequestUpdates:
         self._order.move_on(attempt)
         self.migrations += 1
         self.holder, self._held_since, self._tokens_at = None, self._clock(), None
-        self._gap_since = None
+        self._gap_since, self.queued_for = None, None
         self._wakeup.set()
         return attempt
 

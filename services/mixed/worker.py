@@ -11,7 +11,7 @@ import time
 from nats.aio.msg import Msg
 
 from shared.engine.engine import RequestOutput
-from shared.messages import PrefillJob, Role, prefill_subject
+from shared.messages import PrefillJob, Role, prefill_subject, routed_prefill_subject
 from shared.worker import Entry, Phase, StreamingWorker, sampling_params, spans
 from shared.worker.choices import engine_choices
 
@@ -21,6 +21,9 @@ class MixedWorker(StreamingWorker[PrefillJob]):
 
     def job_subject(self) -> str:
         return prefill_subject(self.model_name)
+
+    def own_job_subject(self) -> str:
+        return routed_prefill_subject(self.model_name, self.settings.worker_id)
 
     async def handle_job(self, msg: Msg) -> None:
         # Registered before the engine sees it: its first outputs may reach the loop before this resumes.

@@ -32,7 +32,17 @@ from shared.engine.request import FinishReason
 from shared.kv.prefill_kv import PrefillKv
 from shared.kv.registry import KvLocation, KvRegistry
 from shared.kv.transfer.source import EngineKvBlocks
-from shared.messages import Cancel, DecodeJob, PrefillJob, Role, Sibling, decode_subject, encode, prefill_subject
+from shared.messages import (
+    Cancel,
+    DecodeJob,
+    PrefillJob,
+    Role,
+    Sibling,
+    decode_subject,
+    encode,
+    prefill_subject,
+    routed_prefill_subject,
+)
 from shared.telemetry import metrics, tracing
 from shared.worker import Entry, Phase, Worker, sampling_params, spans
 from shared.worker.choices import engine_choices
@@ -55,6 +65,9 @@ class PrefillWorker(Worker[PrefillJob]):
 
     def job_subject(self) -> str:
         return prefill_subject(self.model_name)
+
+    def own_job_subject(self) -> str:
+        return routed_prefill_subject(self.model_name, self.settings.worker_id)
 
     def held_kv_count(self) -> int:
         return 0 if self.held is None else self.held.count()

@@ -6,7 +6,8 @@ Who records what:
                  e2e_request_latency (as the client sees them) and request_success by finished_reason, each
                  also labelled with the request's prefill `path` (remote | local | none), prompt/generation
                  tokens returned, num_requests_running (in flight),
-                 requests_rejected by reason (admission, draining)
+                 requests_rejected by reason (admission, draining), prefill_routes by how (KV-aware routing:
+                 prefix | affinity | shared) and routed_prefix_hit_tokens (the cached tokens it predicted)
     workers      request_queue_time (created at the gateway → first scheduled), prompt/generation tokens
                  the engine computed and sampled, num_requests_running|waiting, kv_cache_usage_perc,
                  kv_cache_group_usage_perc|free_blocks|num_blocks (every KV cache group, label `group`),
@@ -81,6 +82,17 @@ REQUESTS_REJECTED = Counter(
     f"{PREFIX}requests_rejected",
     "Requests the gateway refused before dispatch: queue | kv (admission bounds, 429), draining (503).",
     (*LABELS, "reason"),
+)
+PREFILL_ROUTES = Counter(
+    f"{PREFIX}prefill_routes",
+    "Prefill jobs by where the gateway sent them: prefix (the worker holding the prompt's prefix), affinity (its "
+    "prompt_cache_key's worker), shared (the shared queue: nothing cached helps, routing off, no index yet).",
+    (*LABELS, "how"),
+)
+ROUTED_PREFIX_HIT_TOKENS = Counter(
+    f"{PREFIX}routed_prefix_hit_tokens",
+    "Prompt tokens the gateway predicted the chosen worker holds in its prefix cache (KV-aware routing).",
+    LABELS,
 )
 REQUESTS_RUNNING = Gauge(f"{PREFIX}num_requests_running", "Requests being computed (gateway: in flight).", LABELS)
 REQUESTS_WAITING = Gauge(f"{PREFIX}num_requests_waiting", "Requests queued in the engine.", LABELS)

@@ -13,6 +13,7 @@ from shared.engine.engine import Engine
 from shared.messages import Heartbeat, PathCalibration, Role, encode
 from shared.model.expert_parallel import RankLoad
 from shared.model.expert_shards import take_rank_load
+from shared.worker.block_announcer import BlockAnnouncer
 from shared.worker.engine_load import EngineLoad
 
 HEARTBEAT_S = 1.0
@@ -31,7 +32,9 @@ def build_heartbeat(
     parallel: str = "",
     rank_pids: tuple[int, ...] = (),
     path_calibration: PathCalibration | None = None,
+    blocks: BlockAnnouncer | None = None,
 ) -> Heartbeat:
+    """blocks: the worker's prefix-cache announcer, if any: its incarnation and last update number go along."""
     return Heartbeat(
         worker_id=worker_id,
         role=role,
@@ -52,6 +55,9 @@ def build_heartbeat(
         kv_group_free_blocks=load.group_free_blocks,
         kv_group_total_blocks=load.group_total_blocks,
         path_calibration=path_calibration,
+        waiting_tokens=load.waiting_tokens,
+        kv_blocks_epoch=blocks.epoch if blocks is not None else "",
+        kv_blocks_seq=blocks.seq if blocks is not None else 0,
     )
 
 

@@ -1,5 +1,6 @@
-"""A worker's side of its job queue: the durable pull consumer it binds to, the ack_wait in force on it, and
-the progress reports that keep JetStream from redelivering the jobs in hand while the worker is alive."""
+"""A worker's side of a job queue: the durable pull consumer it binds to, the ack_wait in force on it, and
+the progress reports that keep JetStream from redelivering the jobs in hand while the worker is alive. A worker
+has one per queue it takes from: the shared queue of its role, and a prefill (or mixed) worker its own too."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable
 
+import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
@@ -18,15 +20,20 @@ log = logging.getLogger(__name__)
 
 
 class JobFeed:
-    def __init__(self, js: JetStreamContext, subject: str, ack_wait_s: float) -> None:
+    def __init__(
+        self, js: JetStreamContext, subject: str, ack_wait_s: float, inactive_threshold_s: float | None = None
+    ) -> None:
         self._js, self._subject = js, subject
+        self._inactive_threshold_s = inactive_threshold_s  # a worker's own queue: deleted once it is long gone
         self.wanted_ack_wait_s = ack_wait_s  # job_ack_wait_s: what a consumer created by this worker gets
         self.ack_wait_s = ack_wait_s  # the consumer's, once bound (it may have been created with another)
         self._consumer: JetStreamContext.PullSubscription | None = None
 
     async def bind(self) -> JetStreamContext.PullSubscription:
         """Bind to the queue's shared durable consumer (creating it if needed) and learn its ack_wait."""
-        self._consumer = await bus.job_consumer(self._js, self._subject, ack_wait_s=self.wanted_ack_wait_s)
+        self._consumer = await bus.job_consumer(
+            self._js, self._subject, ack_wait_s=self.wanted_ack_wait_s, inactive_threshold_s=self._inactive_threshold_s
+        )
         await self._learn_ack_wait(self._consumer)
         return self._consumer
 
@@ -55,3 +62,26 @@ class JobFeed:
             for msg in in_hand():
                 with contextlib.suppress(Exception):
                     await msg.in_progress()
+
+    async def hand_back(self, to_subject: str) -> None:
+        """Forever (a draining worker's own queue): move every job waiting here to the queue `to_subject`, where
+        another worker takes it (its TakenEvent makes that worker the holder: the request does not wait for this
+        one to die). Each is published there before it is acked here: a failure leaves it here, for the
+        gateway to move once this worker is gone."""
+        while self._consumer is None:  # a drain that began before the queue was bound
+            await asyncio.sleep(0.1)
+        while True:
+            try:
+                msgs = await self._consumer.fetch(batch=16, timeout=0.5)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            except Exception as exc:
+                log.warning("handing back routed jobs failed (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                try:
+                    await self._js.publish(to_subject, msg.data, headers=msg.headers or None)
+                    await msg.ack()
+                except Exception as exc:
+                    log.warning("could not hand back a routed job (%s); the gateway moves it", exc)

@@ -39,6 +39,7 @@ from shared.redis_client import redis_client
 from shared.settings import WorkerSettings
 from shared.telemetry import metrics
 from shared.worker import gauges, spans
+from shared.worker.block_announcer import BlockAnnouncer, announces_blocks
 from shared.worker.calibration import PullCalibration, StepCalibration, path_calibration
 from shared.worker.cancel_feed import CancelFeed
 from shared.worker.cancels import CancelMemory
@@ -58,6 +59,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 TEARDOWN_TIMEOUT_S = 30.0
 IDLE_POLL_S = 0.005  # how often a worker without room looks again
+# A draining worker's own queue is handed back at least this long: until the gateways have its `draining` beat,
+# they may still route jobs to it
+HAND_BACK_S = 2 * HEARTBEAT_S
 
 
 class Worker(Generic[Job]):
@@ -102,6 +106,8 @@ class Worker(Generic[Job]):
         self.cancels = CancelMemory()
         self.ledger: JobLedger[Job] = JobLedger(self.cancels)
         self._integrity: str | None = None  # the engine's last integrity verdict (refreshed off the beat)
+        self.blocks_announcer: BlockAnnouncer | None = None  # prefix-cache blocks out to the gateways, if any
+        self._own_feed: JobFeed | None = None  # the queue of jobs routed to this worker alone, once bound
 
     @property
     def conn(self) -> Connections:
@@ -114,6 +120,10 @@ class Worker(Generic[Job]):
 
     def job_subject(self) -> str:
         raise NotImplementedError
+
+    def own_job_subject(self) -> str | None:
+        """The queue of jobs routed to this worker alone (prefill and mixed: KV-aware routing); None: no such."""
+        return None
 
     async def handle_job(self, msg: Msg) -> None:
         """Take one job message; ack it when the job is safely handed on."""
@@ -170,7 +180,9 @@ class Worker(Generic[Job]):
             await self.setup()
             cancels = CancelFeed(self.conn.nc, self._cancel_received)
             await cancels.start()
+            announcing = await self._start_announcing_blocks()
             self._tasks = [
+                *announcing,
                 asyncio.create_task(cancels.run()),
                 asyncio.create_task(self._heartbeats()),
                 asyncio.create_task(self._engine_facts()),
@@ -237,7 +249,11 @@ class Worker(Generic[Job]):
         log.info("draining: taking no new jobs, finishing what is in flight (at most %g s)", timeout)
         started = time.monotonic()
         deadline = started + timeout
-        while not self.idle() and time.monotonic() < deadline:
+        handing_back_until = started  # a worker with its own queue hands its jobs back for HAND_BACK_S at least
+        if self._own_feed is not None:  # jobs routed here and not taken yet go to the shared queue
+            self._tasks.append(asyncio.create_task(self._own_feed.hand_back(self.job_subject())))
+            handing_back_until = min(started + HAND_BACK_S, deadline)
+        while (not self.idle() or time.monotonic() < handing_back_until) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if not self.idle():
             log.warning("drain timed out after %g s with work in hand; stopping anyway", timeout)
@@ -357,35 +373,59 @@ class Worker(Generic[Job]):
             await self.on_cancel(cancel)
 
     async def _job_loop(self) -> None:
-        feed = JobFeed(self.conn.js, self.job_subject(), self.settings.job_ack_wait_s)
-        consumer = await feed.bind()
-        self._tasks.append(asyncio.create_task(feed.report_progress(self.ledger.in_progress)))
-        await self.fetch_jobs(consumer)
+        ack_wait = self.settings.job_ack_wait_s
+        feeds = [JobFeed(self.conn.js, self.job_subject(), ack_wait)]
+        if (own := self.own_job_subject()) is not None:
+            self._own_feed = JobFeed(self.conn.js, own, ack_wait, inactive_threshold_s=bus.OWN_QUEUE_INACTIVE_S)
+            feeds.insert(0, self._own_feed)
+        consumers = [await feed.bind() for feed in feeds]
+        shortest = min(feeds, key=lambda f: f.ack_wait_s)  # progress reports cover every job in hand
+        self._tasks.append(asyncio.create_task(shortest.report_progress(self.ledger.in_progress)))
+        await self.fetch_jobs(*consumers)
 
-    async def fetch_jobs(self, consumer) -> None:
-        """Until stopping: fetch one job whenever there is room (and not draining), and handle it."""
-        while not self.stopping.is_set():
-            if self.draining or not self.has_room():
-                await asyncio.sleep(IDLE_POLL_S)
-                continue
+    async def fetch_jobs(self, *consumers) -> None:
+        """Until stopping: whenever there is room (and not draining), fetch one job from each consumer at once —
+        its own queue's first, the shared one's — and handle what comes, its own first. A fetch started with room
+        may bring its job after the room is gone: at most one job per consumer beyond it."""
+        fetching: dict[int, asyncio.Task] = {}  # consumer's index → its fetch in flight
+        try:
+            while not self.stopping.is_set():
+                room = not self.draining and self.has_room()
+                if room:
+                    for i, consumer in enumerate(consumers):
+                        if i not in fetching:
+                            fetching[i] = asyncio.ensure_future(consumer.fetch(batch=1, timeout=1.0))
+                if not fetching:
+                    await asyncio.sleep(IDLE_POLL_S)
+                    continue
+                await asyncio.wait(
+                    fetching.values(), timeout=None if room else IDLE_POLL_S, return_when=asyncio.FIRST_COMPLETED
+                )
+                for i in sorted(i for i, task in fetching.items() if task.done()):
+                    await self._handle_fetched(fetching.pop(i))
+        finally:
+            for task in fetching.values():
+                task.cancel()
+
+    async def _handle_fetched(self, fetch: asyncio.Task) -> None:
+        try:
+            msgs = fetch.result()
+        except (TimeoutError, nats.errors.TimeoutError):
+            return
+        except Exception as exc:  # NATS restarting: wait and retry, never die
+            log.warning("fetching jobs failed (%s); retrying", exc)
+            await asyncio.sleep(0.5)
+            return
+        for msg in msgs:
             try:
-                msgs = await consumer.fetch(batch=1, timeout=1.0)
-            except (TimeoutError, nats.errors.TimeoutError):
-                continue
-            except Exception as exc:  # NATS restarting: wait and retry, never die
-                log.warning("fetching jobs failed (%s); retrying", exc)
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                try:
-                    await self.handle_job(msg)
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    log.error("dropping malformed job on %s: %s", msg.subject, exc)
-                    await settle(msg.term())
-                except Exception:  # a bug on one job must not end the loop that takes every later one
-                    log.exception("handling a job on %s failed; dropping it", msg.subject)
-                    self.ledger.forget_message(msg)
-                    await settle(msg.term())
+                await self.handle_job(msg)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.error("dropping malformed job on %s: %s", msg.subject, exc)
+                await settle(msg.term())
+            except Exception:  # a bug on one job must not end the loop that takes every later one
+                log.exception("handling a job on %s failed; dropping it", msg.subject)
+                self.ledger.forget_message(msg)
+                await settle(msg.term())
 
     # ---- token events -----------------------------------------------------------------------------------
 
@@ -399,7 +439,20 @@ class Worker(Generic[Job]):
         """Queue a token event for publishing (callable from the loop without awaiting)."""
         self.outbox.emit(subject, event)
 
-    # ---- heartbeats -------------------------------------------------------------------------------------
+    # ---- heartbeats and block announcements --------------------------------------------------------------
+
+    async def _start_announcing_blocks(self) -> list[asyncio.Task]:
+        """A worker with its own queue (prefill, mixed) tells the gateways which prefix-cache blocks it holds, when
+        its engine has a prefix cache (block_announcer.py); its task, or none."""
+        engine = self.engine.engine
+        if self.own_job_subject() is None or not announces_blocks(engine):
+            return []
+        announcer = BlockAnnouncer(
+            self.conn.nc, self.engine.call, self.model_name, self.settings.worker_id, self.load.block_size
+        )
+        await announcer.start()
+        self.blocks_announcer = announcer
+        return [asyncio.create_task(announcer.run())]
 
     async def _engine_facts(self) -> None:
         """Integrity and expert load from the engine thread, between its steps (a long step delays this,
@@ -426,6 +479,7 @@ class Worker(Generic[Job]):
             path_calibration=path_calibration(
                 self.step_costs.costs, self.pull_costs, load.waiting_tokens, self._kv_bytes_per_token
             ),
+            blocks=self.blocks_announcer,
             **self._group_facts,
         )
 

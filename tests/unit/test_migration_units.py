@@ -113,6 +113,22 @@ def test_why_move_judges_the_holder_by_heartbeat_then_by_stall():
     assert s.why_move(beats.get, TTL, STALL) is None  # finished: nothing to move
 
 
+def test_a_job_routed_to_a_worker_is_held_by_it_until_taken_and_moves_when_it_dies():
+    clock = Clock()
+    s = updates(clock)
+    beats = {"p1": clock.now, "p2": clock.now}
+    s.routed("p1")  # published to p1's own queue: nobody else would take it
+    assert s.holder == "p1" and s.queued_for == "p1"
+    clock.now += TTL + 0.1  # p1 died before taking it
+    assert "p1 sent no heartbeat" in s.why_move(beats.get, TTL, STALL)
+    s.move_on()
+    assert s.holder is None and s.queued_for is None  # the next attempt waits in the shared queue
+    s2 = updates(clock)
+    s2.routed("p1")
+    s2.push(ev(0, [], worker="p2"))  # handed back by a draining p1: p2 took it
+    assert s2.holder == "p2" and s2.queued_for is None
+
+
 def test_a_stream_silent_since_nats_came_back_moves_after_a_ttl():
     clock = Clock()
     s = updates(clock)

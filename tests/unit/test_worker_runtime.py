@@ -207,6 +207,50 @@ def test_a_worker_with_no_room_fetches_no_job(worker):
     run(scenario())
 
 
+class ScriptedConsumer:
+    """A consumer whose fetches return the given batches in turn, then nothing (each after `delay_s`)."""
+
+    def __init__(self, *batches: list, delay_s: float = 0.01) -> None:
+        self.batches, self.delay_s, self.fetches = list(batches), delay_s, 0
+
+    async def fetch(self, batch: int, timeout: float) -> list:
+        self.fetches += 1
+        await asyncio.sleep(self.delay_s)
+        return self.batches.pop(0) if self.batches else []
+
+
+def test_a_worker_fetches_its_own_queue_and_the_shared_one_at_once_its_own_first(worker):
+    async def scenario():
+        handled = []
+
+        async def handle(msg) -> None:
+            handled.append(msg.subject)
+
+        worker.handle_job = handle
+        own = ScriptedConsumer([FakeMsg(job("a"), subject="pd.jobs.prefill.demo.w")])
+        shared = ScriptedConsumer([FakeMsg(job("b"))])  # both come back in the same round
+        loop = asyncio.create_task(worker.fetch_jobs(own, shared))
+        for _ in range(200):
+            if len(handled) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert handled == ["pd.jobs.prefill.demo.w", "pd.jobs.prefill.demo"]
+        # a slow shared fetch does not hold up the own queue's: a fetch is in flight on each
+        worker.stopping.set()
+        await asyncio.wait_for(loop, 5)
+        worker.stopping.clear()
+        handled.clear()
+        slow = ScriptedConsumer(delay_s=0.5)
+        own.batches = [[FakeMsg(job("c"), subject="pd.jobs.prefill.demo.w")]]
+        loop = asyncio.create_task(worker.fetch_jobs(own, slow))
+        await asyncio.sleep(0.2)
+        assert handled == ["pd.jobs.prefill.demo.w"] and slow.fetches == 1
+        worker.stopping.set()
+        await asyncio.wait_for(loop, 5)
+
+    run(scenario())
+
+
 def _events(worker) -> list[TokenEvent]:
     events = []
     while not worker.outbox.empty():
