@@ -278,8 +278,14 @@ def test_a_draining_worker_hands_its_routed_jobs_back_to_the_shared_queue(nats_u
                             moved.append((job.request_id, msg.headers["traceparent"]))
                             await msg.ack()
                 assert sorted(moved) == [("r1", "r1"), ("r2", "r2")]  # the trace context goes along
-                info = await js.consumer_info(JOBS_STREAM, routed_prefill_subject(model, "p1").replace(".", "-"))
-                assert info.num_pending == 0 and info.num_ack_pending == 0  # nothing left in its own queue
+                # nothing left in its own queue, once the hand-back's acks (sent after each re-publish) are in
+                name = routed_prefill_subject(model, "p1").replace(".", "-")
+                for _ in range(100):
+                    info = await js.consumer_info(JOBS_STREAM, name)
+                    if info.num_pending == 0 and info.num_ack_pending == 0:
+                        break
+                    await asyncio.sleep(0.05)
+                assert info.num_pending == 0 and info.num_ack_pending == 0, info
             finally:
                 handing_back.cancel()
         finally:
