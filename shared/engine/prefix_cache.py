@@ -140,7 +140,8 @@ class PrefixCache:
     def check(self, refs: list[int]) -> set[int]:
         """Raise AssertionError where the maps, the LRU and the reference counts `refs` disagree (module doc);
         → the evictable blocks."""
-        if len(self._block_of) != len(self._hash_of) or any(self._hash_of.get(b) != h for h, b in self._block_of.items()):
+        inverse = all(self._hash_of.get(b) == h for h, b in self._block_of.items())
+        if len(self._block_of) != len(self._hash_of) or not inverse:
             raise AssertionError("the prefix cache's hash → block and block → hash maps disagree")
         evictable = set(self._evictable)
         if not evictable <= self._hash_of.keys():

@@ -210,7 +210,9 @@ class Scheduler:
     def release(self, req: Request) -> None:
         """Give back every group's blocks of `req` (one reference each) and empty its tables."""
         for (blocks, _), table in zip(self.groups(), self.tables(req), strict=True):
-            blocks.free(table.blocks)
+            # last block first: cached blocks become evictable in this order, so a prefix loses its tail before
+            # its head (a hit needs the head)
+            blocks.free(table.blocks[::-1])
             table.blocks, table.freed = [], 0
         req.blocks_offered = 0
 
