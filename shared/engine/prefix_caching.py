@@ -62,14 +62,16 @@ class PrefixCaching:
         if req.params.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt_token_ids) - 1:
             limit = min(limit, len(req.prompt_logprobs))  # logprobs of positions 1..limit are collected
         m = self._longest(req, groups, limit // block_size)
+        if m == 0:
+            return 0
         for (blocks, window), table in zip(groups, tables, strict=True):
-            if m == 0:
-                break
             assert blocks.cache is not None and not table.blocks
             lo = _first_needed(m * block_size, window, block_size)
             ids = [blocks.cache.block_of(h) for h in req.block_hashes[lo:m]]
-            blocks.take_cached(ids)  # type: ignore[arg-type]  # _longest found every one
-            table.blocks, table.freed = [FREED] * lo + ids, lo  # type: ignore[operator]
+            taken = [b for b in ids if b is not None]
+            assert len(taken) == len(ids)  # _longest found every one
+            blocks.take_cached(taken)
+            table.blocks, table.freed = [FREED] * lo + taken, lo
         return m * block_size
 
     def admitted(self, req: Request, hit: int) -> None:
