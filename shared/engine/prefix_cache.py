@@ -87,7 +87,8 @@ class PrefixCache:
         self.events = events  # None: no one routes by this cache (a window group's)
         self.evictions = 0  # blocks evicted so far
 
-    def __len__(self) -> int:
+    @property
+    def num_cached(self) -> int:
         """Cached blocks, referenced or evictable."""
         return len(self._hash_of)
 

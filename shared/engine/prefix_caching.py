@@ -134,7 +134,7 @@ class PrefixCaching:
         return self.routed.events.take()
 
     def stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self.queried_tokens, self.hit_tokens, len(self.routed), self.routed.evictions)
+        return PrefixCacheStats(self.queried_tokens, self.hit_tokens, self.routed.num_cached, self.routed.evictions)
 
 
 def _first_needed(hit: int, window: int | None, block_size: int) -> int:
