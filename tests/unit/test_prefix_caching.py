@@ -106,6 +106,14 @@ def test_a_chunked_rest_after_a_hit(checkpoint, model):
     assert engine.stats.prefill_tokens == 100 + 30  # b computed only its own 30 tokens (two chunks)
 
 
+def test_without_chunked_prefill_a_hit_shortens_the_whole_prompt_step(checkpoint, model):
+    scheduler = SchedulerConfig(max_num_batched_tokens=160, enable_chunked_prefill=False)
+    waves = [[("a", P)], [("b", P + _tokens(6, 16)), ("c", _tokens(12, 17))]]
+    engine, _, cached = on_and_off(checkpoint, model, waves, scheduler=scheduler)
+    assert cached == {"a": 0, "b": 36, "c": 0}
+    assert engine.stats.prefill_tokens == len(P) + (len(P) + 6 - 36) + 12
+
+
 def test_a_prefix_evicted_under_pressure_is_recomputed(checkpoint, model):
     # 24 blocks of 4: each 37-token request takes 11 at its end; b and c together evict a's cached blocks
     waves = [[("a", P)], [("b", _tokens(37, 6)), ("c", _tokens(37, 7))], [("a2", P)]]
@@ -300,3 +308,22 @@ def test_a_worker_exports_the_prefix_cache_metrics_and_names_blocks_by_its_serve
     assert sample("prefix_cache_hits_total") - base["prefix_cache_hits_total"] == 36
     expected = block_hashes(P + tokens["a"][:-1], B, root_hash("served-name"))
     assert set(expected) <= set(engine.prefix_cache_hashes())  # what the gateway computes for that model name
+
+
+def test_a_continued_request_hits_its_prompt_and_the_output_it_carries(checkpoint, model):
+    """A request moved with its tokens so far (output_token_ids) recomputes prompt + output: cached blocks of
+    both are taken, and it samples on as without the cache."""
+    got = []
+    for caching in (False, True):
+        engine = engine_for(checkpoint, model, caching=caching)
+        tokens, _ = serve(engine, [[("a", P)]])
+        engine.add_request("moved", P, GREEDY, output_token_ids=tokens["a"][:5])
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+            engine.check_integrity()
+        got.append(([t for o in outs for t in o.new_token_ids], outs[0].num_cached_tokens, engine.stats.prefill_tokens))
+    (off_tokens, off_cached, off_computed), (on_tokens, on_cached, on_computed) = got
+    assert on_tokens == off_tokens and off_cached == 0
+    assert on_cached == len(P)  # every prompt token came from the cache
+    assert off_computed - on_computed == 40  # 10 blocks of prompt + carried output were not recomputed
