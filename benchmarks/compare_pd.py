@@ -1,7 +1,8 @@
 """Colocated vs disaggregated serving on the same cores, the same model and the same workload, in one run.
 
     .venv/bin/python benchmarks/compare_pd.py [--quick] [--rates 0.5,1,1.5,2] [--duration 60] [--out DIR]
-        [--slo-ttft-ms MS] [--slo-tpot-ms MS] [--chunk-budget 512] [--modes colocated,colocated-chunked,disaggregated]
+        [--slo-ttft-ms MS] [--slo-tpot-ms MS] [--chunk-budget 512] [--no-find-knee] [--knee-factor 1.5]
+        [--max-rate 16] [--modes colocated,colocated-chunked,disaggregated,disaggregated-auto]
     .venv/bin/python benchmarks/compare_pd.py --replot benchmarks/results/compare_pd/compare_pd.json
 
 The claim under test: separating prefill from decode removes their interference. A long prompt no longer stalls
@@ -14,7 +15,11 @@ Modes (real stacks started by `pdserve up`'s launcher: nats-server, redis-server
   step), 2 torch threads, pinned to both cores (--cores, default 0,1);
 - colocated-chunked: one mixed worker, chunked prefill on (--chunk-budget tokens per step, default 512, the
   worker's default), 2 threads, both cores;
-- disaggregated: one prefill worker (1 thread, first core) + one decode worker (1 thread, second core).
+- disaggregated: one prefill worker (1 thread, first core) + one decode worker (1 thread, second core); the gateway
+  sends every prompt through the prefill worker (PDSERVE_PREFILL_PATH=remote);
+- disaggregated-auto: the same workers, the gateway choosing the path per request (PDSERVE_PREFILL_PATH=auto): a
+  prompt may be prefilled on the decode worker itself ("local", no KV hand-off) when that is cheaper; its cost
+  model gets this run's SLOs (PDSERVE_TTFT_SLO_MS, PDSERVE_TPOT_SLO_MS).
 Workers are pinned with StackSpec.cpu_affinity (checked afterwards on every thread of every worker); the gateway,
 nats-server, redis-server and this process (the load generator) are not pinned: they float over both cores in
 every mode alike. All stacks are started up front when memory allows (else one at a time).
@@ -35,10 +40,17 @@ Per run the CPU time of every process this script started and of the whole machi
 machine, before each run the script waits (at most --quiet-wait s) until those use under 10% of it, and a run during
 which they used more than --retry-above (25%) is repeated once (--retries), keeping the quieter attempt.
 
+The rates: the --rates ladder, then (unless --no-find-knee) the last rate times --knee-factor, again and again,
+until every mode has passed its knee — a step of the rate that raised its goodput by no more than KNEE_GAIN (5%) over
+its best so far — or --max-rate is reached. The comparison then shows each mode's goodput past its knee, where
+the modes differ; the rates actually run are the ones in the JSON and the tables. Each extra rate costs
+--duration s per mode, and more past the knee (the tail after the last send grows).
+
 Defaults, from calibration runs on the development machine (2-core AMD EPYC VM, small demo model, float32):
 - rates 0.5,1,1.5,2 stream req/s (+0.25 long/s): colocated keeps up to about 1.5 (its output throughput levels
   off near 170 tok/s; at 2 it completes ~1.5 req/s and the tail after the last send grows), so the top rate is
-  just past its ceiling. ~16 min in all on a quiet machine (--quick: rates 1,2, 12 s each, ~3 min).
+  just past its ceiling. The ladder alone takes ~16 min with three modes on a quiet machine (--quick: rates 1,2,
+  12 s each, ~3 min), a third more with disaggregated-auto, plus the knee search's rates.
 - stream 128 in / 128 out: decode-heavy, each stream lives through one or two long prompts; long 1024 in / 8 out
   every 4 s: its prefill alone takes ~1 s on one core (~0.6 s on two threads), a quarter of the interval.
 - The long prompts' output is short on purpose. pdserve's decode attention pads every sequence of a batch to the
@@ -83,15 +95,18 @@ from services.local.stack import Stack, StackSpec  # noqa: E402
 from shared.engine.kv_budget import CPU_KV_CACHE_BYTES  # noqa: E402
 from shared.model.tokenizer import Tokenizer  # noqa: E402
 
-MODES = ("colocated", "colocated-chunked", "disaggregated")
+MODES = ("colocated", "colocated-chunked", "disaggregated", "disaggregated-auto")
+# How the gateway picks each request's prefill path in the disaggregated modes (PDSERVE_PREFILL_PATH).
+PREFILL_PATH = {"disaggregated": "remote", "disaggregated-auto": "auto"}
+KNEE_GAIN = 0.05  # a rate step that raises goodput by no more than this (relative to the best so far) is past the knee
 BASELINE = "colocated"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 KV_CACHE_BYTES = CPU_KV_CACHE_BYTES  # a CPU worker's default KV pool, for the memory estimate
 OTHER_CPU_WARN = 0.10  # warn when other processes used more than this share of the machine during a run
 QUIET_WINDOW_S = 3.0  # how long the machine is watched before a run to call it quiet
 
-DEFAULTS = dict(rates="0.5,1,1.5,2", duration=60.0, probes=3)
-QUICK = dict(rates="1,2", duration=12.0, probes=1)
+DEFAULTS = dict(rates="0.5,1,1.5,2", duration=60.0, probes=3, max_rate=16.0)
+QUICK = dict(rates="1,2", duration=12.0, probes=1, max_rate=4.0)
 
 
 # ---- pure helpers: ratios and tables ----------------------------------------------------------------------
@@ -113,6 +128,22 @@ def kind_summary(summary: dict, kind: str | None) -> dict:
     if kind is None:
         return summary
     return summary.get("per_kind", {}).get(kind, summary)
+
+
+def knee_passed(goodputs: list[float | None], min_gain: float = KNEE_GAIN) -> bool:
+    """True once the last rate step raised goodput (req/s, in rate order) by no more than min_gain over the best
+    before it (flat at 0 included): the mode is at or past its knee. A run without a goodput (None) counts as 0."""
+    values = [g or 0.0 for g in goodputs]
+    return len(values) >= 2 and values[-1] <= max(values[:-1]) * (1 + min_gain)
+
+
+def next_rate(rates: list[float], factor: float, max_rate: float, goodputs: dict[str, list[float | None]]) -> float:
+    """The rate to run next when searching for the knee, or 0 when done: every mode past its knee, or the next
+    step (the last rate × factor) over max_rate."""
+    if all(knee_passed(g) for g in goodputs.values()):
+        return 0.0
+    step = round(rates[-1] * factor, 3)
+    return step if step <= max_rate else 0.0
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -205,8 +236,10 @@ def prepare_model(model_dir: str | None, size: str) -> Path:
     return ensure_demo_checkpoint(REPO / "models" / f"demo-{size}-qwen3_moe", size=size)
 
 
-def mode_spec(mode: str, model: Path, cores: tuple[int, int], chunk_budget: int, max_len: int, trace: Path | None):
-    """The StackSpec of one mode; both colocated modes get both cores, disaggregated one core per worker."""
+def mode_spec(mode: str, model: Path, cores: tuple[int, int], chunk_budget: int, max_len: int, trace: Path | None,
+              slos: dict[str, float] | None = None):  # fmt: skip
+    """The StackSpec of one mode; both colocated modes get both cores, disaggregated one core per worker. The
+    auto path's cost model is given the benchmark's goodput SLOs (`slos`), the ones it must choose within."""
     common = dict(model=str(model), port=free_port(), trace_file=str(trace) if trace else None)
     if mode == "colocated":  # a whole prompt per step: the budget must hold the longest prompt
         args = ("--no-chunked-prefill", "--max-num-batched-tokens", str(max_len))
@@ -216,10 +249,13 @@ def mode_spec(mode: str, model: Path, cores: tuple[int, int], chunk_budget: int,
         args = ("--max-num-batched-tokens", str(chunk_budget))
         return StackSpec(mixed=1, prefill=0, decode=0, threads={"mixed": 2}, cpu_affinity={"mixed": cores},
                          worker_args=args, **common)  # fmt: skip
-    if mode == "disaggregated":
+    if mode in PREFILL_PATH:
         args = ("--max-num-batched-tokens", str(chunk_budget))
+        env = {"PDSERVE_PREFILL_PATH": PREFILL_PATH[mode]}
+        if PREFILL_PATH[mode] == "auto" and slos:
+            env |= {"PDSERVE_TTFT_SLO_MS": f"{slos['ttft']:g}", "PDSERVE_TPOT_SLO_MS": f"{slos['tpot']:g}"}
         return StackSpec(prefill=1, decode=1, threads={"prefill": 1, "decode": 1}, worker_args=args,
-                         cpu_affinity={"prefill": cores[:1], "decode": cores[1:]}, **common)  # fmt: skip
+                         cpu_affinity={"prefill": cores[:1], "decode": cores[1:]}, env=env, **common)  # fmt: skip
     raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
 
 
@@ -472,7 +508,8 @@ def measure(ms: ModeStack, stacks: list[ModeStack], tok: Tokenizer, model_name: 
 
 # ---- plots ------------------------------------------------------------------------------------------------
 
-COLORS = {"colocated": "tab:red", "colocated-chunked": "tab:orange", "disaggregated": "tab:blue"}
+COLORS = {"colocated": "tab:red", "colocated-chunked": "tab:orange", "disaggregated": "tab:blue",
+          "disaggregated-auto": "tab:green"}  # fmt: skip
 
 
 def _plain_log_ticks(axis) -> None:
@@ -648,6 +685,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help=f"a short try: {QUICK}")
     p.add_argument("--rates", help=f"stream rates, req/s (default {DEFAULTS['rates']}; quick {QUICK['rates']})")
     p.add_argument("--duration", type=float, help=f"s per run (default {DEFAULTS['duration']:g})")
+    p.add_argument("--no-find-knee", dest="find_knee", action="store_false",
+                   help="run the --rates ladder only (default: go on stepping the rate until every mode's goodput "
+                   "has stopped rising)")  # fmt: skip
+    p.add_argument("--knee-factor", type=float, default=1.5, help="each rate past the ladder: the last × this")
+    p.add_argument("--max-rate", type=float, help="the knee search stops before going over this (default "
+                   f"{DEFAULTS['max_rate']:g}; quick {QUICK['max_rate']:g})")  # fmt: skip
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--model", help="checkpoint directory (default: the small demo model, written if missing)")
     p.add_argument("--size", default="small", choices=["tiny", "small"])
@@ -684,6 +727,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     preset = QUICK if args.quick else DEFAULTS
     args.rates = [float(x) for x in (args.rates or preset["rates"]).split(",")]
+    args.max_rate = args.max_rate or preset["max_rate"]
+    if args.knee_factor <= 1:
+        p.error("--knee-factor must be above 1")
     args.duration = args.duration or preset["duration"]
     args.probes = args.probes or preset["probes"]
     args.modes = [m.strip() for m in args.modes.split(",")]
@@ -745,7 +791,7 @@ def main(argv: list[str] | None = None) -> int:
     stacks = {}
     for m in args.modes:
         trace = out / f"spans-{m}.jsonl" if args.trace else None
-        stacks[m] = ModeStack(m, mode_spec(m, model, args.cores, args.chunk_budget, max_len, trace))
+        stacks[m] = ModeStack(m, mode_spec(m, model, args.cores, args.chunk_budget, max_len, trace, slos))
     workers = sum((s.spec.mixed or s.spec.prefill + s.spec.decode) for s in stacks.values())
     need, have = workers * estimate_worker_mb(model), available_mb()
     together = not args.one_stack_at_a_time and need * 1.3 < have
@@ -785,7 +831,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{p['other_share']:.0%})", flush=True)  # fmt: skip
             if not together:
                 ms.stop()
-        for i, rate in enumerate(args.rates):
+        goodputs: dict[str, list[float | None]] = {m: [] for m in args.modes}
+        i = 0
+        while i < len(args.rates):  # args.rates (also data["config"]["rates"]) grows while the knee is searched
+            rate = args.rates[i]
             order = args.modes[i % len(args.modes) :] + args.modes[: i % len(args.modes)]
             for mode in order:
                 ms = stacks[mode]
@@ -817,6 +866,13 @@ def main(argv: list[str] | None = None) -> int:
                       f"{st['p99_tpot_ms']:.1f} ms, ITL p99 {st['p99_itl_ms']:.0f} ms, other CPU "
                       f"{res['cpu']['other_share']:.0%}{flag}", flush=True)  # fmt: skip
                 (out / "compare_pd.json").write_text(json.dumps(data))  # partial results survive a crash
+                goodputs[mode].append(s["request_goodput"])
+            i += 1
+            if i == len(args.rates) and args.find_knee:
+                if more := next_rate(args.rates, args.knee_factor, args.max_rate, goodputs):
+                    print(f"  goodput still rising in {[m for m, g in goodputs.items() if not knee_passed(g)]}: "
+                          f"next rate {more:g}", flush=True)  # fmt: skip
+                    args.rates.append(more)
     finally:
         for ms in stacks.values():
             ms.stop()

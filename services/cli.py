@@ -286,7 +286,7 @@ def _worker(args: argparse.Namespace) -> int:
     import signal
 
     from shared.settings import WorkerSettings, from_args
-    from shared.telemetry.lifecycle import exit_now, observe
+    from shared.telemetry.lifecycle import EXIT_GRACE_S, exit_by, exit_now, observe
 
     settings = from_args(WorkerSettings, args)  # the role: the subcommand's default
     observe(args.role, settings.worker_id, args.log_level, settings.trace_file)
@@ -295,8 +295,13 @@ def _worker(args: argparse.Namespace) -> int:
     async def serve() -> bool:
         worker = worker_cls(settings)
         loop = asyncio.get_running_loop()
+
+        def stop() -> None:  # drains; and ends this process by the supervisor's bound, supervisor or not
+            exit_by(settings.drain_timeout_s + EXIT_GRACE_S)
+            worker.stop()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, worker.stop)
+            loop.add_signal_handler(sig, stop)
         try:
             await worker.run()
         finally:

@@ -178,6 +178,10 @@ class Sibling(msgspec.Struct, frozen=True):
     output_token_ids: list[int] = []
 
 
+# A request's prefix-cache salt: its tenant's id and its own cache_salt (bounded at the gateway), joined.
+CacheSalt = Annotated[str, msgspec.Meta(max_length=1024)]
+
+
 class PrefillJob(msgspec.Struct, frozen=True):
     request_id: str
     model: str
@@ -191,6 +195,7 @@ class PrefillJob(msgspec.Struct, frozen=True):
     output_token_ids: list[int] = []
     # The other choices of a fresh request with n > 1 (never on a moved one: each choice moves on its own).
     siblings: list[Sibling] = []
+    cache_salt: CacheSalt = ""  # the prefix-cache salt: tenant and request (shared/prefix_hash.py request_salt)
 
     @property
     def key(self) -> str:
@@ -213,6 +218,11 @@ class DecodeJob(msgspec.Struct, frozen=True):
     # published before the first token existed (layer-streamed KV, docs/kv_transfer.md): output_token_ids stop
     # before it; the decode worker takes it from the pull's trailer (or samples it when it recomputes) and emits it
     kv_streamed: bool = False
+    cache_salt: CacheSalt = ""  # as PrefillJob.cache_salt: a recompute or a cache lookup here uses the same
+    # the gateway sent it here before any prefill (the local prefill path, services/gateway/prefill_path.py): the
+    # decode worker computes the prompt in its own engine, samples the first token and decodes on; nothing to pull
+    # (prefill_worker None, output_token_ids empty)
+    prefill_here: bool = False
 
     @property
     def key(self) -> str:
@@ -285,6 +295,7 @@ class _Output(_Event, frozen=True):
     prompt_tokens: _Count = 0
     logprobs: list[Logprob] = []  # one per token_ids entry when the request asked (Sampling.logprobs)
     prompt_logprobs: list[Logprob] = []  # prompt positions 1.., on the first event of the worker that computed them
+    cached_tokens: _Count = 0  # prompt tokens from the prefix cache, on the first event of the worker computing it
 
     def __post_init__(self) -> None:
         if self.logprobs and len(self.logprobs) != len(self.token_ids):
@@ -340,6 +351,20 @@ class Cancel(msgspec.Struct, frozen=True):
         return self.up_to_attempt is None or attempt <= self.up_to_attempt
 
 
+class PathCalibration(msgspec.Struct, frozen=True):
+    """A worker's live cost coefficients (shared/worker/calibration.py), in its heartbeat: what the gateway's choice
+    between prefilling remotely (prefill worker + KV hand-off) and locally (on the decode worker) is computed from.
+    Each coefficient is None until the worker has measured it (the gateway then uses its documented default)."""
+
+    queued_prompt_tokens: int = 0  # prompt tokens waiting in this engine to be computed
+    prefill_tokens_per_s: float | None = None  # steps that computed prompt tokens: the tokens' marginal rate
+    prefill_step_ms: float | None = None  # ... and what such a step costs before its prompt tokens
+    decode_step_ms: float | None = None  # a step that only decoded (its batch: the heartbeat's `running`)
+    kv_transfer_ms_per_mb: float | None = None  # decode workers: KV pulls' marginal cost per MB (10^6 bytes)
+    kv_pull_overhead_ms: float | None = None  # ... and a pull's fixed cost
+    kv_bytes_per_token: int | None = None  # what a hand-off moves per prompt token (the engine's KV layout)
+
+
 class Heartbeat(msgspec.Struct, frozen=True):
     worker_id: str
     role: Role
@@ -364,6 +389,9 @@ class Heartbeat(msgspec.Struct, frozen=True):
     # from a worker that predates them
     kv_group_free_blocks: tuple[int, ...] = ()
     kv_group_total_blocks: tuple[int, ...] = ()
+    # the prefill path's cost model (services/gateway/prefill_path.py): what this worker measured; None from a worker
+    # that predates it
+    path_calibration: PathCalibration | None = None
 
 
 _encoder = msgspec.json.Encoder()

@@ -23,6 +23,8 @@ __all__ = [
     "KvBackend",
     "KvFallback",
     "KvTransferSettings",
+    "PrefillPath",
+    "PrefillPathSettings",
     "WorkerRole",
     "WorkerSettings",
     "from_args",
@@ -85,6 +87,36 @@ class ToolCallParser(StrEnum):
     LLAMA3_JSON = "llama3_json"
 
 
+class PrefillPath(StrEnum):
+    """Where a request's prompt is computed (services/gateway/prefill_path.py, docs/architecture.md)."""
+
+    AUTO = "auto"  # per request, by the cost model
+    REMOTE = "remote"  # on a prefill worker, its KV handed off to a decode worker (every request, as before it)
+    LOCAL = "local"  # on the decode worker that decodes it (no hand-off), whenever a decode worker is live
+
+
+@dataclass(frozen=True)
+class PrefillPathSettings:
+    """The gateway's choice of prefill path per request (services/gateway/prefill_path.py)."""
+
+    prefill_path: PrefillPath = PrefillPath.AUTO
+    """auto: per request, the path the cost model predicts to start decoding sooner within the SLOs; remote: every
+    prompt on a prefill worker, its KV handed off (disaggregated throughout); local: every prompt on the decode
+    worker that decodes it, when a decode worker is live."""
+    ttft_slo_ms: float = 2500.0
+    """Target time to first token: the local path is taken only where it meets it (or beats the remote path's)."""
+    tpot_slo_ms: float = 100.0
+    """Target time per output token: the local path is taken only where a decode step with the prompt's compute
+    added stays within it (the decode batch's protection)."""
+    prefill_path_live_calibration: bool = True
+    """Predict from the coefficients the workers measure and report in their heartbeats; false: from the documented
+    defaults only (reproducible choices, e.g. for tests and benchmarks)."""
+
+    def __post_init__(self) -> None:
+        if self.ttft_slo_ms <= 0 or self.tpot_slo_ms <= 0:
+            raise ValueError("ttft_slo_ms and tpot_slo_ms must be positive")
+
+
 @dataclass(frozen=True)
 class GatewaySettings(CommonSettings):
     model: str = DEFAULT_MODEL
@@ -120,6 +152,7 @@ class GatewaySettings(CommonSettings):
     max_n: int = 16
     """The most choices (`n`) one request may ask for; more is a 400. Each choice is a sequence of its own in the
     workers' engines (its prompt KV shared) and counts as one request for admission."""
+    path: PrefillPathSettings = section(PrefillPathSettings)
 
     @property
     def served_model_name(self) -> str:

@@ -22,6 +22,12 @@ from shared.model.tokenizer import Tokenizer
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The suite's stacks test the disaggregated hand-off (KV pulled, transfer metrics and spans, which worker emits which
+# token) with short prompts, which the gateway's default prefill path (auto) would compute on the decode worker: their
+# gateways take every prompt down the remote path, as before the per-request choice existed. The prefill path's own
+# tests set PDSERVE_PREFILL_PATH in their stack's environment (StackSpec.env wins over this one).
+os.environ.setdefault("PDSERVE_PREFILL_PATH", "remote")
+
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:

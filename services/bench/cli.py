@@ -18,10 +18,16 @@ import httpx
 from services.bench.client import api_root
 from services.bench.datasets import BenchRequest, interference_requests, random_requests, sharegpt_requests
 from services.bench.metrics import LATENCY_METRICS, SLO_KEYS, check_slos
+from services.bench.prefix_workloads import (
+    Conversation,
+    multi_turn_conversations,
+    prompt_share,
+    shared_prefix_requests,
+)
 from services.bench.report import format_table
-from services.bench.runner import BenchConfig, BenchResult, run
+from services.bench.runner import BenchConfig, BenchResult, Workload, run
 
-DATASETS = ("random", "sharegpt", "interference")
+DATASETS = ("random", "sharegpt", "interference", "shared-prefix", "multi-turn")
 MAX_ERRORS_SHOWN = 5
 
 
@@ -47,7 +53,8 @@ def add_bench_command(subparsers) -> argparse.ArgumentParser:
     data = p.add_argument_group("workload")
     data.add_argument("--dataset-name", choices=DATASETS, default="random")
     data.add_argument("--dataset-path", help="the ShareGPT JSON file (sharegpt only)")
-    data.add_argument("--num-prompts", type=int, default=1000, help="requests to send (random, sharegpt)")
+    data.add_argument("--num-prompts", type=int, default=1000,
+                      help="requests to send (random, sharegpt, shared-prefix: spread over the groups)")  # fmt: skip
     data.add_argument("--random-input-len", type=int, default=1024)
     data.add_argument("--random-output-len", type=int, default=128)
     data.add_argument("--random-range-ratio", type=float, default=0.0,
@@ -61,6 +68,19 @@ def add_bench_command(subparsers) -> argparse.ArgumentParser:
     data.add_argument("--long-interval", type=float, default=10.0, help="interference: seconds between long prompts")
     data.add_argument("--long-input-len", type=int, default=1536)
     data.add_argument("--long-output-len", type=int, default=16)
+    data.add_argument("--shared-prefix-groups", type=int, default=8, help="shared-prefix: distinct shared prefixes")
+    data.add_argument("--shared-prefix-len", type=int, default=1024, help="shared-prefix: tokens of each prefix")
+    data.add_argument("--shared-prefix-suffix-len", type=int, default=128,
+                      help="shared-prefix: tokens after the prefix, each request its own")  # fmt: skip
+    data.add_argument("--shared-prefix-output-len", type=int, default=128)
+    data.add_argument("--multi-turn-conversations", type=int, default=32,
+                      help="multi-turn: conversations, arriving at --request-rate")  # fmt: skip
+    data.add_argument("--multi-turn-turns", type=int, default=4, help="multi-turn: turns per conversation")
+    data.add_argument("--multi-turn-input-len", type=int, default=128,
+                      help="multi-turn: tokens of each turn's new user message")  # fmt: skip
+    data.add_argument("--multi-turn-output-len", type=int, default=128)
+    data.add_argument("--multi-turn-think-time", type=float, default=0.0,
+                      help="multi-turn: seconds between an answer's end and the next turn")  # fmt: skip
 
     load = p.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=math.inf, help="requests/s; inf sends all at once")
@@ -133,7 +153,8 @@ def _bench(args: argparse.Namespace) -> int:
     sys.stdout.write(format_table(result.summary, percentiles, sections))
     if args.result_file:
         path = Path(args.result_file)
-        doc = {"dataset_name": args.dataset_name, "workload": _workload(args)} | result.to_json(args.save_detailed)
+        workload = _workload(args, requests)
+        doc = {"dataset_name": args.dataset_name, "workload": workload} | result.to_json(args.save_detailed)
         path.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {path}")
     return _report_failures(result)
@@ -197,8 +218,8 @@ def _load_tokenizer(model_dir: str):
     return Tokenizer(model_dir)
 
 
-def build_requests(args: argparse.Namespace, tokenizer) -> list[BenchRequest]:
-    """The workload the --dataset-* flags describe."""
+def build_requests(args: argparse.Namespace, tokenizer) -> Workload:
+    """The workload the --dataset-* flags describe: requests, or conversations for multi-turn."""
     if args.dataset_path and args.dataset_name != "sharegpt":
         raise ValueError(f"--dataset-path is for --dataset-name sharegpt, not {args.dataset_name}")
     if args.dataset_name == "random":
@@ -208,6 +229,15 @@ def build_requests(args: argparse.Namespace, tokenizer) -> list[BenchRequest]:
         if not args.dataset_path:
             raise ValueError("--dataset-name sharegpt needs --dataset-path FILE.json")
         return sharegpt_requests(args.dataset_path, tokenizer, args.num_prompts, args.seed, args.sharegpt_output_len)
+    if args.dataset_name == "shared-prefix":
+        return shared_prefix_requests(
+            tokenizer, args.shared_prefix_groups, args.num_prompts, args.shared_prefix_len,
+            args.shared_prefix_suffix_len, args.shared_prefix_output_len, args.seed,
+        )  # fmt: skip
+    if args.dataset_name == "multi-turn":
+        return multi_turn_conversations(tokenizer, args.multi_turn_conversations, args.multi_turn_turns,
+                                        args.multi_turn_input_len, args.multi_turn_output_len,
+                                        args.multi_turn_think_time, args.seed)  # fmt: skip
     return interference_requests(tokenizer, args.duration, _stream_rate(args), args.stream_input_len,
                                  args.stream_output_len, args.long_interval, args.long_input_len, args.long_output_len,
                                  args.seed, args.burstiness)  # fmt: skip
@@ -220,30 +250,45 @@ def _stream_rate(args: argparse.Namespace) -> float:
     return rate
 
 
-def _workload(args: argparse.Namespace) -> dict:
-    """The dataset flags worth keeping beside the results, under their flag names."""
+def _workload(args: argparse.Namespace, requests: Workload) -> dict:
+    """The dataset flags worth keeping beside the results, under their flag names (shared-prefix adds the
+    prompt share its prefixes make up, as the tokenizer counted it)."""
     names = {
         "random": ("num_prompts", "random_input_len", "random_output_len", "random_range_ratio"),
         "sharegpt": ("num_prompts", "dataset_path", "sharegpt_output_len"),
         "interference": ("duration", "stream_rate", "stream_input_len", "stream_output_len", "long_interval",
                          "long_input_len", "long_output_len"),
+        "shared-prefix": ("num_prompts", "shared_prefix_groups", "shared_prefix_len", "shared_prefix_suffix_len",
+                          "shared_prefix_output_len"),
+        "multi-turn": ("multi_turn_conversations", "multi_turn_turns", "multi_turn_input_len",
+                       "multi_turn_output_len", "multi_turn_think_time"),
     }[args.dataset_name]  # fmt: skip
     values = {name: getattr(args, name) for name in names}
     if args.dataset_name == "interference":
         values["stream_rate"] = _stream_rate(args)
+    if args.dataset_name == "shared-prefix":
+        values["prompt_share"] = prompt_share([r for r in requests if isinstance(r, BenchRequest)])
     return values
 
 
-def _preamble(config: BenchConfig, args: argparse.Namespace, requests: list[BenchRequest]) -> str:
+def _preamble(config: BenchConfig, args: argparse.Namespace, requests: Workload) -> str:
     kinds: dict[str, int] = {}
-    for r in requests:
-        kinds[r.kind] = kinds.get(r.kind, 0) + 1
+    for item in requests:
+        for r in item.turns if isinstance(item, Conversation) else (item,):
+            kinds[r.kind] = kinds.get(r.kind, 0) + 1
     process = "Poisson process" if config.burstiness == 1.0 else "Gamma distribution"
     counts = ", ".join(f"{n}" if k == "default" else f"{n} {k}" for k, n in kinds.items())
     lines = [
         f"Model: {config.model} at {api_root(config.base_url)} ({config.endpoint})",
         f"Workload: {args.dataset_name}, {counts} requests",
     ]
+    if args.dataset_name == "shared-prefix":
+        share = prompt_share([r for r in requests if isinstance(r, BenchRequest)]) or 0.0
+        lines.append(f"Shared prefixes: {args.shared_prefix_groups} of {args.shared_prefix_len} tokens, "
+                     f"{args.shared_prefix_suffix_len}-token suffixes: prompt share {share:.1%}")  # fmt: skip
+    if args.dataset_name == "multi-turn":
+        lines.append(f"Conversations: {len(requests)} of {args.multi_turn_turns} turns, think time "
+                     f"{args.multi_turn_think_time:g} s; the request rate is conversations/s")  # fmt: skip
     if args.dataset_name == "interference":
         lines.append("Arrivals: fixed by the workload (--stream-rate, --long-interval)")
     else:

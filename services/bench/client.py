@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import httpx
 
@@ -28,16 +28,29 @@ def api_root(base_url: str) -> str:
     return root.removesuffix("/v1")
 
 
-def request_body(model: str, endpoint: str, req: BenchRequest, extra_body: dict | None = None) -> dict:
+def request_body(
+    model: str,
+    endpoint: str,
+    req: BenchRequest,
+    extra_body: dict | None = None,
+    history: Sequence[tuple[str, str]] = (),
+) -> dict:
     """The JSON body: greedy, streamed with a usage chunk, exactly req.output_len tokens (ignore_eos).
-    extra_body keys override these."""
+    history: the (user message, answer) pairs of a conversation's earlier turns, sent before req.prompt — chat as
+    alternating user/assistant messages, completions as their texts run together (req.prefix first in both: the
+    system message in chat). extra_body keys override these."""
     if endpoint not in ENDPOINT_PATHS:
         raise ValueError(f"endpoint must be one of {', '.join(ENDPOINT_PATHS)}, got {endpoint!r}")
     body: dict = {"model": model}
     if endpoint == "chat":
-        body |= {"messages": [{"role": "user", "content": req.prompt}], "max_completion_tokens": req.output_len}
+        messages = [{"role": "system", "content": req.prefix}] if req.prefix else []
+        for user, answer in history:
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+        messages.append({"role": "user", "content": req.prompt})
+        body |= {"messages": messages, "max_completion_tokens": req.output_len}
     else:
-        body |= {"prompt": req.prompt, "max_tokens": req.output_len}
+        prompt = req.prefix + "".join(user + answer for user, answer in history) + req.prompt
+        body |= {"prompt": prompt, "max_tokens": req.output_len}
     body |= {
         "temperature": 0,
         "ignore_eos": True,
@@ -56,12 +69,14 @@ async def send(
     api_key: str | None,
     start_ref: float,
     extra_body: dict | None = None,
+    history: Sequence[tuple[str, str]] = (),
 ) -> RequestRecord:
-    """POST one streamed request and time it with time.perf_counter(); start_s is relative to start_ref (a
-    perf_counter value). Never raises for what the server or the network does: a non-200 (status and body), an
-    error event, a malformed event, a stream cut before [DONE] or a transport error is a failed record."""
+    """POST one streamed request (after `history`, see request_body) and time it with time.perf_counter();
+    start_s is relative to start_ref (a perf_counter value). The streamed text is kept in the record's
+    generated_text. Never raises for what the server or the network does: a non-200 (status and body), an error
+    event, a malformed event, a stream cut before [DONE] or a transport error is a failed record."""
     url = api_root(base_url) + ENDPOINT_PATHS.get(endpoint, "")
-    body = request_body(model, endpoint, req, extra_body)
+    body = request_body(model, endpoint, req, extra_body, history)
     headers = {"X-Request-Id": f"bench-{uuid.uuid4().hex}"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -102,7 +117,8 @@ async def _read_stream(lines: AsyncIterator[str], record: RequestRecord, sent: f
         if event.get("error") is not None:
             record.error = f"error event: {_error_text(json.dumps(event))}"
             return
-        if event.get("choices"):
+        if choices := event.get("choices"):
+            record.generated_text += _choice_text(choices[0])
             if chunks == 0:
                 record.ttft_s = now - sent
             else:
@@ -116,6 +132,9 @@ async def _read_stream(lines: AsyncIterator[str], record: RequestRecord, sent: f
             if isinstance(usage.get("prompt_tokens"), int):
                 # The server's count wins (as in vLLM): for chat it includes the chat template.
                 record.prompt_len = usage["prompt_tokens"]
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                record.cached_tokens = details["cached_tokens"]
     else:
         record.error = "the stream ended before data: [DONE]"
         return
@@ -124,6 +143,15 @@ async def _read_stream(lines: AsyncIterator[str], record: RequestRecord, sent: f
         return
     record.output_tokens = usage_tokens if usage_tokens is not None else chunks
     record.success = True
+
+
+def _choice_text(choice: object) -> str:
+    """The text one streamed choice adds: `text` (completions) or `delta.content` (chat); "" when it has none."""
+    if not isinstance(choice, dict):
+        return ""
+    delta = choice.get("delta")
+    text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+    return text if isinstance(text, str) else ""
 
 
 async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[str]:

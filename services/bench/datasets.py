@@ -34,19 +34,24 @@ NOT_ANSWERS = HUMAN_ROLES | {"system"}
 @dataclass(frozen=True)
 class BenchRequest:
     """One request to send. For the chat endpoint `prompt` becomes one user message (the chat template then adds
-    tokens: the server's count, from its usage chunk, is what the results report)."""
+    tokens: the server's count, from its usage chunk, is what the results report). A request with a shared
+    `prefix` sends it before `prompt`: prepended to the completions prompt, or as the chat system message."""
 
     prompt: str
-    prompt_len: int  # tokens, as counted by the tokenizer used to build it
+    prompt_len: int  # tokens, as counted by the tokenizer used to build it (prefix included)
     output_len: int  # max_tokens asked for; sent with ignore_eos so the server produces exactly this many
     kind: str = "default"  # workload class ("stream" / "long" in the interference mix), reported separately
     at_s: float | None = None  # fixed send time, s from the run's start; None: the arrival process decides
+    prefix: str = ""  # text shared with other requests (services.bench.prefix_workloads)
+    prefix_len: int = 0  # its tokens, part of prompt_len
 
     def __post_init__(self) -> None:
         if self.output_len < 1:
             raise ValueError(f"output_len must be >= 1, got {self.output_len}")
         if self.at_s is not None and not self.at_s >= 0:
             raise ValueError(f"at_s must be >= 0, got {self.at_s}")
+        if not 0 <= self.prefix_len <= self.prompt_len:
+            raise ValueError(f"prefix_len must be within [0, prompt_len], got {self.prefix_len}")
 
 
 def length_range(length: int, range_ratio: float) -> tuple[int, int]:

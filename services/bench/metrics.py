@@ -7,6 +7,8 @@ Pure arithmetic, no I/O. Definitions (times are client-side, from the request's 
 - E2EL: send → end of the stream.
 - goodput: completed requests meeting every SLO given (ttft / tpot / e2el, in ms, each "≤"), per second of run.
   A request with one output token has TPOT 0 for this purpose (as in vLLM).
+- prefix cache hit rate: usage.prompt_tokens_details.cached_tokens / prompt tokens, summed over the successful
+  requests whose server sent cached_tokens (None when none did).
 Statistics use numpy: mean, median, population std, percentiles with linear interpolation; an empty list reports 0.
 Failed requests count in `failed` and nowhere else.
 """
@@ -37,6 +39,10 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)  # gaps between successive token chunks
     latency_s: float = 0.0  # send → end of the stream ([DONE])
     output_tokens: int = 0  # from the usage chunk when the server sends one, else the number of token chunks
+    # usage.prompt_tokens_details.cached_tokens: prompt tokens the server's prefix cache served; None when not sent
+    cached_tokens: int | None = None
+    turn: int | None = None  # 1-based turn of a multi-turn conversation; None for a request on its own
+    generated_text: str = ""  # the streamed answer (a conversation's next turn sends it back)
 
     @property
     def tpot_s(self) -> float:
@@ -107,8 +113,10 @@ def summarize(
     """The summary dict, keyed as vLLM's result JSON: duration, completed, failed, total_input_tokens,
     total_output_tokens, request_throughput, request_goodput (None without SLOs, as vLLM writes it),
     output_throughput, total_token_throughput, {mean,median,std,pX}_{ttft,tpot,itl,e2el}_ms,
-    max_output_tokens_per_s, max_concurrent_requests; plus per_kind {kind: the same over that kind} when the
-    records have more than one kind. Token totals and latencies count successful requests only."""
+    max_output_tokens_per_s, max_concurrent_requests, total_cached_tokens, prefix_cache_hit_rate; plus per_kind
+    {kind: the same over that kind} when the records have more than one kind, and per_turn {"1": the same over
+    first turns, ...} when they are conversation turns. Token totals and latencies count successful requests
+    only."""
     if not duration_s > 0:
         raise ValueError(f"duration_s must be positive, got {duration_s}")
     slos = dict(goodput_slos or {})
@@ -122,7 +130,21 @@ def summarize(
         summary["per_kind"] = {
             kind: _summary([r for r in records if r.kind == kind], duration_s, slos, percentiles) for kind in kinds
         }
+    turns = sorted({r.turn for r in records if r.turn is not None})
+    if turns:
+        summary["per_turn"] = {
+            str(turn): _summary([r for r in records if r.turn == turn], duration_s, slos, percentiles) for turn in turns
+        }
     return summary
+
+
+def cache_hits(records: Sequence[RequestRecord]) -> tuple[int, float | None]:
+    """(cached prompt tokens, their share of the prompt tokens) over the records whose server reported
+    cached_tokens; the share is None when none did (or they had no prompt token)."""
+    reported = [r for r in records if r.cached_tokens is not None]
+    cached = sum(r.cached_tokens or 0 for r in reported)
+    prompt = sum(r.prompt_len for r in reported)
+    return cached, (cached / prompt if reported and prompt > 0 else None)
 
 
 def _summary(
@@ -132,6 +154,7 @@ def _summary(
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_tokens for r in ok)
     max_tok_s, max_concurrent = peak_output_rate(ok)
+    cached, hit_rate = cache_hits(ok)
     summary: dict = {
         "duration": duration_s,
         "completed": len(ok),
@@ -144,6 +167,8 @@ def _summary(
         "total_token_throughput": (total_in + total_out) / duration_s,
         "max_output_tokens_per_s": max_tok_s,
         "max_concurrent_requests": max_concurrent,
+        "total_cached_tokens": cached,
+        "prefix_cache_hit_rate": hit_rate,
     }
     per_metric = {
         "ttft": [r.ttft_s for r in ok],

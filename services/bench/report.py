@@ -45,6 +45,8 @@ def format_table(summary: dict, percentiles: Sequence[float], metrics: Sequence[
     lines.append(_row("Peak output token throughput (tok/s):", summary["max_output_tokens_per_s"]))
     lines.append(_row("Peak concurrent requests:", float(summary["max_concurrent_requests"])))
     lines.append(_row("Total Token throughput (tok/s):", summary["total_token_throughput"]))
+    lines.append(_row("Cached prompt tokens:", summary["total_cached_tokens"]))
+    lines.append(_row("Prefix cache hit rate (%):", _percent(summary["prefix_cache_hit_rate"])))
     for name in metrics:
         short, header = HEADERS[name]
         lines.append(_rule(header, "-"))
@@ -57,6 +59,8 @@ def format_table(summary: dict, percentiles: Sequence[float], metrics: Sequence[
         lines += _kv_pulls(summary)
     if "per_kind" in summary:
         lines += _per_kind(summary["per_kind"], percentiles)
+    if "per_turn" in summary:
+        lines += _per_turn(summary["per_turn"], percentiles)
     lines.append("=" * WIDTH)
     return "\n".join(lines) + "\n"
 
@@ -73,6 +77,7 @@ def _kv_pulls(summary: dict) -> list[str]:
         _row("Mean KV pull (ms):", value("mean_kv_pull_ms")),
         _row("KV pull / TTFT (%, means):", value("kv_pull_share_of_ttft", 100.0)),
         _row("KV pull / E2EL (%, totals):", value("kv_pull_share_of_e2el", 100.0)),
+        _row("KV bytes pulled per request:", value("kv_bytes_per_request")),
     ]
 
 
@@ -85,4 +90,23 @@ def _per_kind(per_kind: dict[str, dict], percentiles: Sequence[float]) -> list[s
     for kind, s in per_kind.items():
         values = "".join(f"{s[f'{stat}_{name}_ms']:>10.2f}" for _, name, stat in cols)
         lines.append(f"{kind:<10}{s['completed']:>5}{s['failed']:>5}{values}")
+    return lines
+
+
+def _percent(share: float | None) -> object:
+    """A share as a percentage, "n/a" when the server did not report what it is made of."""
+    return "n/a" if share is None else share * 100.0
+
+
+def _per_turn(per_turn: dict[str, dict], percentiles: Sequence[float]) -> list[str]:
+    """One line per conversation turn: how its prompt grows, how much the cache served, what TTFT did."""
+    high = percentile_key(max(percentiles))
+    heads = ["prompt tok", "cached %", "TTFT p50", f"TTFT p{high}"]
+    lines = [_rule("Per turn (ms)", "-"), f"{'turn':<6}{'ok':>5}{'fail':>5}" + "".join(f"{h:>11}" for h in heads)]
+    for turn, s in per_turn.items():
+        mean_prompt = s["total_input_tokens"] / s["completed"] if s["completed"] else 0.0
+        cached = _percent(s["prefix_cache_hit_rate"])
+        cached_text = cached if isinstance(cached, str) else f"{cached:.1f}"
+        values = [f"{mean_prompt:.0f}", cached_text, f"{s['median_ttft_ms']:.2f}", f"{s[f'p{high}_ttft_ms']:.2f}"]
+        lines.append(f"{turn:<6}{s['completed']:>5}{s['failed']:>5}" + "".join(f"{v:>11}" for v in values))
     return lines

@@ -5,6 +5,12 @@ Schedule: a request with at_s is sent at that offset from the start; the others 
 caps requests in flight with a semaphore: a request due while the cap is reached waits, so it is sent after its
 scheduled time (as in vLLM, whose numbers then describe the capped load, not the rate asked for). Warm-up requests
 go first, one at a time, before the clock starts, and are not recorded.
+
+A Conversation (services.bench.prefix_workloads) arrives like one request: its first turn is sent at its offset,
+and each later turn think_s after the previous turn's stream ended, with the earlier user messages and the
+streamed answers as history. Its turns hold the concurrency cap only while in flight, not while thinking. A turn
+that fails ends its conversation: the turns left are recorded as failed without being sent. A lone request is a
+conversation of one turn that is not numbered (its record's turn stays None).
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import asyncio
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 import httpx
@@ -23,6 +30,7 @@ from services.bench.arrivals import arrival_offsets, check_rate
 from services.bench.client import ENDPOINT_PATHS, send
 from services.bench.datasets import BenchRequest
 from services.bench.metrics import RequestRecord, check_slos, summarize
+from services.bench.prefix_workloads import Conversation
 from services.bench.transfer import scrape_pulls, transfer_share
 
 BACKENDS = {"completions": "openai", "chat": "openai-chat"}  # vLLM's names for the same endpoints
@@ -68,13 +76,14 @@ class BenchConfig:
 @dataclass
 class BenchResult:
     config: BenchConfig
-    records: list[RequestRecord]  # in the order of the requests given
+    records: list[RequestRecord]  # in the order of the requests given (a conversation's turns in turn order)
     duration_s: float  # clock start (after warm-ups) → last request finished
     summary: dict  # summarize(...) plus the run's settings (request_rate, burstiness, ..., date)
 
     def to_json(self, detailed: bool = False) -> dict:
         """A JSON-ready dict shaped like vLLM's result file. detailed adds per-request lists (vLLM's
-        --save-detailed): input_lens, output_lens, ttfts, itls, latencies, start_times (s), kinds, errors."""
+        --save-detailed): input_lens, output_lens, ttfts, itls, latencies, start_times (s), kinds, errors,
+        cached_tokens (None where the server sent none), turns (None outside conversations)."""
         out = dict(self.summary)
         if detailed:
             recs = self.records
@@ -87,20 +96,30 @@ class BenchResult:
                 "start_times": [r.start_s for r in recs],
                 "kinds": [r.kind for r in recs],
                 "errors": [r.error for r in recs],
+                "cached_tokens": [r.cached_tokens for r in recs],
+                "turns": [r.turn for r in recs],
             }
         return out
 
 
-def schedule(requests: list[BenchRequest], rate: float, burstiness: float, seed: int) -> list[float]:
-    """Send offset (s) of each request, in list order: at_s where set, else the next arrival of the process."""
-    free = [i for i, r in enumerate(requests) if r.at_s is None]
+Workload = Sequence[BenchRequest] | Sequence[Conversation]
+
+
+def schedule(items: Workload, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Send offset (s) of each request or conversation's first turn, in list order: at_s where set, else the next
+    arrival of the process."""
+    free = [i for i, r in enumerate(items) if r.at_s is None]
     process = iter(arrival_offsets(len(free), rate, burstiness, seed))
-    return [r.at_s if r.at_s is not None else next(process) for r in requests]
+    return [r.at_s if r.at_s is not None else next(process) for r in items]
 
 
-async def run_benchmark(config: BenchConfig, requests: list[BenchRequest]) -> BenchResult:
-    """Warm up, then send every request on schedule through one shared HTTP/1.1 client and wait for all.
-    Each request's failure is recorded, never raised."""
+def _turns(item: BenchRequest | Conversation) -> tuple[BenchRequest, ...]:
+    return item.turns if isinstance(item, Conversation) else (item,)
+
+
+async def run_benchmark(config: BenchConfig, requests: Workload) -> BenchResult:
+    """Warm up, then send every request (or conversation) on schedule through one shared HTTP/1.1 client and
+    wait for all. Each request's failure is recorded, never raised."""
     if not requests:
         raise ValueError("no requests to send")
     offsets = schedule(requests, config.request_rate, config.burstiness, config.seed)
@@ -110,27 +129,46 @@ async def run_benchmark(config: BenchConfig, requests: list[BenchRequest]) -> Be
     timeout = httpx.Timeout(config.timeout_s)
     async with httpx.AsyncClient(limits=limits, timeout=timeout, http2=False) as http:
 
-        async def one(req: BenchRequest, start_ref: float) -> RequestRecord:
-            return await send(
-                http, config.base_url, config.model, config.endpoint, req, config.api_key, start_ref, config.extra_body
-            )
+        async def one(req: BenchRequest, start_ref: float, history: Sequence[tuple[str, str]] = ()) -> RequestRecord:
+            return await send(http, config.base_url, config.model, config.endpoint, req, config.api_key, start_ref,
+                              config.extra_body, history)  # fmt: skip
 
-        for i in range(config.num_warmups):
-            await one(requests[i % len(requests)], time.perf_counter())
+        for i in range(config.num_warmups):  # a conversation warms up with its first turn alone
+            await one(_turns(requests[i % len(requests)])[0], time.perf_counter())
         pulls_before = await scrape_pulls(http, config.kv_metrics_urls)  # after the warm-ups: theirs do not count
 
         cap = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else contextlib.nullcontext()
-        bar = tqdm(total=len(requests), disable=not config.progress, unit="req")
+        bar = tqdm(total=sum(len(_turns(r)) for r in requests), disable=not config.progress, unit="req")
         start = time.perf_counter()
 
-        async def scheduled(req: BenchRequest, offset: float) -> RequestRecord:
+        async def scheduled(item: BenchRequest | Conversation, offset: float) -> list[RequestRecord]:
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            async with cap:
-                record = await one(req, start)
-            bar.update(1)
-            return record
+            if isinstance(item, Conversation):
+                return await converse(item.turns, item.think_s, numbered=True)
+            return await converse((item,), 0.0, numbered=False)
+
+        async def converse(turns: tuple[BenchRequest, ...], think_s: float, numbered: bool) -> list[RequestRecord]:
+            records: list[RequestRecord] = []
+            history: list[tuple[str, str]] = []
+            for k, turn in enumerate(turns):
+                if records and not records[-1].success:
+                    records.append(_not_sent(turn, k + 1, time.perf_counter() - start))
+                    bar.update(1)
+                    continue
+                if k > 0 and think_s > 0:
+                    await asyncio.sleep(think_s)
+                if records:  # the client's own estimate of the prompt, in case the server sends no usage
+                    prev = records[-1]
+                    turn = replace(turn, prompt_len=prev.prompt_len + prev.output_tokens + turn.prompt_len)
+                async with cap:
+                    record = await one(turn, start, history)
+                record.turn = k + 1 if numbered else None
+                records.append(record)
+                history.append((turn.prompt, record.generated_text))
+                bar.update(1)
+            return records
 
         # Tasks are created in send order, so requests waiting on the cap get it first-come first-served.
         order = sorted(range(len(requests)), key=offsets.__getitem__)
@@ -141,11 +179,17 @@ async def run_benchmark(config: BenchConfig, requests: list[BenchRequest]) -> Be
             bar.close()
         duration = time.perf_counter() - start
         pulls_after = await scrape_pulls(http, config.kv_metrics_urls)
-    records = [tasks[i].result() for i in range(len(requests))]
+    records = [rec for i in range(len(requests)) for rec in tasks[i].result()]
     summary = summarize(records, duration, config.goodput_slos, config.percentiles)
     if config.kv_metrics_urls:
         summary |= transfer_share(pulls_before, pulls_after, summary)
-    return BenchResult(config, records, duration, _settings(config, len(requests)) | summary)
+    return BenchResult(config, records, duration, _settings(config, len(records)) | summary)
+
+
+def _not_sent(turn: BenchRequest, number: int, at_s: float) -> RequestRecord:
+    """The record of a turn left unsent because an earlier turn of its conversation failed."""
+    return RequestRecord(turn.kind, turn.prompt_len, turn.output_len, at_s, success=False, turn=number,
+                         error=f"not sent: turn {number - 1} of its conversation failed")  # fmt: skip
 
 
 def _settings(config: BenchConfig, num_prompts: int) -> dict:
@@ -167,6 +211,6 @@ def _settings(config: BenchConfig, num_prompts: int) -> dict:
     }
 
 
-def run(config: BenchConfig, requests: list[BenchRequest]) -> BenchResult:
+def run(config: BenchConfig, requests: Workload) -> BenchResult:
     """run_benchmark in a fresh event loop (asyncio.run)."""
     return asyncio.run(run_benchmark(config, requests))

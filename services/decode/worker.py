@@ -10,17 +10,21 @@ keeps stepping the running batch:
 
 A stage that cannot have the KV says why (`Missing`); the request is then recomputed from its prompt and its
 tokens so far (kv_fallback `recompute`), or failed with a clear error (`fail`). A job with nothing to pull
-(moved here from a worker that died) and one with no room to import its KV are always recomputed.
+(moved here from a worker that died) and one with no room to import its KV are always recomputed. A job the
+gateway sent here before any prefill (`prefill_here`: the local prefill path, docs/architecture.md) takes the same
+road on purpose: its prompt is computed in this engine, which samples its first token and decodes on.
 
 A job of n choices is split once, as it is taken (Worker.take_choices): one ledger entry per choice, the KV
 pulled once and imported once, the other choices forked from it. A request's entry: PULLING (owned by the
-admission task) → RUNNING (in the engine) → forgotten with its last token.
+admission task) → RUNNING (in the engine) → forgotten with its last token; a job prefilled here is PREFILLING in the
+engine until its first token (its prefill recorded then, as the mixed worker records one).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from nats.aio.msg import Msg
 
@@ -29,6 +33,7 @@ from services.decode.into_engine import import_choices, recompute_choices
 from services.decode.locate import Missing, kv_key, locate
 from shared.engine.block_manager import NoFreeBlocksError
 from shared.engine.borrowed_kv import BorrowRevoked
+from shared.engine.engine import RequestOutput
 from shared.engine.fork import Choice
 from shared.engine.kv_export import KVExport
 from shared.kv.decode_kv import DecodeKv
@@ -107,9 +112,12 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
                     head.span.set_attribute(tracing.KV_OUTCOME, "pulled")
                     return
             choices = engine_choices(jobs, [sampling_params(j.sampling) for j in jobs])
-            for e in entries:  # running before the engine sees them: their first outputs may come before we resume
-                e.phase = Phase.RUNNING
-                self.start_decode_span(e, head.span)
+            for e in entries:  # in the engine before it sees them: their first outputs may come before we resume
+                if head.job.prefill_here:  # computed here: prefilling until its first token (on_output)
+                    e.phase = Phase.PREFILLING
+                else:
+                    e.phase = Phase.RUNNING
+                    self.start_decode_span(e, head.span)
             owned, kv = kv, None  # the next stage owns it
             outcome = await self._into_engine(entries, head.job.prompt_token_ids, choices, owned)
             if outcome is not None:
@@ -123,14 +131,20 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
                 await self._give_up(kv)
 
     async def _fetch(self, job: DecodeJob) -> KVExport | Missing:
-        """Locate, then pull: the job's KV here, or why not."""
+        """Locate, then pull: the job's KV here, or why not. A completed pull (not layer-streamed: that one waits
+        for the prefill's forward) is a sample of this worker's transfer cost (shared/worker/calibration.py)."""
         assert self.registry is not None  # set up (setup) before any job is taken
+        if job.prefill_here:  # the local prefill path: nothing was prefilled or held for it
+            return Missing("the gateway sent it to be prefilled here", may_fail=False)
         loc = await locate(self.registry, job)
         if isinstance(loc, Missing):
             return loc
+        started = time.perf_counter()
         kv, failure = await self.kv.pull(kv_key(job), loc, streamed=job.kv_streamed)
         if kv is None:
             return Missing(failure or "the pull brought no KV")
+        if not job.kv_streamed:
+            self.pull_costs.observe(kv.nbytes, time.perf_counter() - started)
         if owes_first_token(job) and not isinstance(kv, StreamedKv):  # no first token came with it
             await self._give_up(kv)
             return Missing("the streamed KV came without its first token")
@@ -159,9 +173,9 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
         kv: KVExport | None,
     ) -> str | None:
         """The choices into the engine: `kv` imported and the other choices forked from it, or, without it or
-        without room for it, the prompt recomputed. Owns `kv` (imported or given back). → the KV outcome
-        ("pulled" | "recompute"), or None when the request was answered with an error instead (a loan revoked
-        under kv_fallback `fail`)."""
+        without room for it, the prompt recomputed (or, on the local path, computed here for the first time). Owns
+        `kv` (imported or given back). → the KV outcome ("pulled" | "recompute" | "local"), or None when the request
+        was answered with an error instead (a loan revoked under kv_fallback `fail`)."""
         head = entries[0]
         if kv is not None:
             try:
@@ -181,8 +195,17 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
                 self.handle_outputs(done)
                 return "pulled"
         await recompute_choices(self.engine, prompt, choices)
+        if head.job.prefill_here:  # its prefill is recorded (spans, metrics) at its first token: on_output
+            return "local"
         metrics.PROMPT_TOKENS.labels(*self.labels).inc(len(prompt) * len(choices))  # computed here, each
         return "recompute"
+
+    def on_output(self, entry: Entry[DecodeJob], out: RequestOutput) -> None:
+        if entry.phase is Phase.PREFILLING:  # a job prefilled here (the local path): its first output
+            entry.phase = Phase.RUNNING
+            if entry.group_key is None:  # a group's prompt is computed once, by its first choice
+                spans.record_prefill(entry.job, out, entry.span, self.labels)
+            self.start_decode_span(entry, entry.span, time.time())
 
     def _fail_unpulled(self, entries: list[Entry[DecodeJob]], failure: str, head: Entry[DecodeJob]) -> None:
         """kv_fallback 'fail': answer the choices with an error, since their KV could not be had."""

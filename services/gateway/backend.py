@@ -42,6 +42,10 @@ class GenerationJob:
     sampling: Sampling
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent of the request's span
     n: int = 1  # choices of the prompt (open_choices): each a request of its own on the wire, seeded seed + i
+    # what the prompt's prefix-cache hashes are rooted in besides the model: tenant and request salt
+    # (shared/prefix_hash.py request_salt); requests with different salts share no cached blocks
+    cache_salt: str = ""
+    cache_key: str | None = None  # prompt_cache_key: requests with one key prefer one prefill worker
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class Update:
     status: int = 500
     logprobs: list[Logprob] = field(default_factory=list)  # one per token_ids entry when the request asked
     prompt_logprobs: list[Logprob] = field(default_factory=list)  # prompt positions 1.., on one update at most
+    cached_tokens: int = 0  # prompt tokens served from a worker's prefix cache (the first update says)
 
     @property
     def finished(self) -> bool:

@@ -45,6 +45,10 @@ class ChoiceSet:
         return len(self.job.prompt_token_ids)
 
     @property
+    def cached_tokens(self) -> int:
+        return self.gens[0].cached_tokens  # one prefill computed the prompt for every choice
+
+    @property
     def completion_tokens(self) -> int:
         return sum(g.completion_tokens for g in self.gens)
 

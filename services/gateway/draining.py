@@ -26,6 +26,8 @@ from types import FrameType
 
 import uvicorn
 
+from shared.telemetry.lifecycle import exit_by
+
 log = logging.getLogger(__name__)
 
 
@@ -78,9 +80,12 @@ class Drain:
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose first SIGTERM / SIGINT starts a drain instead of an immediate shutdown."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+    def __init__(self, config: uvicorn.Config, drain: Drain, exit_deadline_s: float | None = None) -> None:
+        """`exit_deadline_s`: once a drain begins, the process ends itself if still running this long after
+        (shared/telemetry/lifecycle.py exit_by); None in a process that is not the gateway's own."""
         super().__init__(config)
         self.drain = drain
+        self.exit_deadline_s = exit_deadline_s
         self._last_report = -1.0
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -92,6 +97,8 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = self.force_exit = True
 
     async def on_tick(self, counter: int) -> bool:
+        if self.drain.draining and self.exit_deadline_s is not None:  # here, not in the handler: it starts a thread
+            exit_by(self.exit_deadline_s)
         if self.drain.draining and not self.should_exit:
             await self._drain_tick(time.monotonic())
         return await super().on_tick(counter)

@@ -62,6 +62,7 @@ class Generation:
         self.token_ids: list[int] = []  # delivered, up to a stop string's match
         self.logprobs: list[Logprob] = []  # theirs, when the request asked
         self.prompt_logprobs: list[Logprob] = []  # prompt positions 1.., when the request asked
+        self.cached_tokens = 0  # of the prompt, served from the prefix cache of the worker that computed it
         self.finish_reason: str | None = None
         self._stream: RequestStream | None = None
         self._first: Update | None = None
@@ -78,12 +79,19 @@ class Generation:
         if self.log_prompts:
             log_prompt(self.job.request_id, self._tokenizer, self.job.prompt_token_ids)
         self._stream = await self.backend.open(self.job)
+        self._dispatched(self._stream)
 
     def attach(self, stream: RequestStream) -> None:
         """Take a stream dispatched with others instead of opening one (the choices of a request: choices.py)."""
         if self.log_prompts:
             log_prompt(self.job.request_id, self._tokenizer, self.job.prompt_token_ids)
         self._stream = stream
+        self._dispatched(stream)
+
+    def _dispatched(self, stream: RequestStream) -> None:
+        """Tell the observer the prefill path the request took (a backend that chooses none leaves it unset)."""
+        if self.observer is not None:
+            self.observer.dispatched(getattr(stream, "prefill_path", None))
 
     def fail(self, message: str, status: int) -> GenerationError:
         """Record why the request failed (for close() to report); returns the error to raise."""
@@ -115,6 +123,7 @@ class Generation:
     def _pieces_of(self, update: Update) -> list[Piece]:
         self._worker_finished = update.finished  # the worker let go of the request: nothing to cancel
         self.prompt_logprobs = self.prompt_logprobs or update.prompt_logprobs
+        self.cached_tokens = self.cached_tokens or update.cached_tokens  # a moved request's recompute does not count
         pieces = []
         for i, token_id in enumerate(update.token_ids):
             self.completion_tokens += 1

@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from services.gateway.app import create_app
     from services.gateway.draining import Drain, DrainingServer
     from shared.settings import from_args
-    from shared.telemetry.lifecycle import exit_now, observe
+    from shared.telemetry.lifecycle import EXIT_GRACE_S, exit_now, observe
 
     settings = from_args(GatewaySettings, args)
     observe("gateway", settings.gateway_id, args.log_level, settings.trace_file)
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         log_level="warning",
         timeout_graceful_shutdown=settings.drain_timeout_s,
     )
-    DrainingServer(config, drain).run()
+    DrainingServer(config, drain, exit_deadline_s=settings.drain_timeout_s + EXIT_GRACE_S).run()
     return exit_now(0)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import uuid
 from typing import Any
@@ -14,6 +15,18 @@ from litestar.types import Guard, Message, Scope
 from services.gateway.errors import APIError
 
 REQUEST_ID_HEADER = "x-request-id"
+TENANT_STATE = "pdserve_tenant"  # connection state: the caller's tenant id (tenant_of), set by the API key guard
+
+
+def tenant_of(key: bytes) -> str:
+    """An API key's tenant id: each key is a tenant. A digest, so that the id can travel to the workers (in the
+    prefix-cache salt) and into logs without the key itself."""
+    return "key-" + hashlib.sha256(key).hexdigest()[:24]
+
+
+def tenant(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
+    """The tenant the API key guard admitted the request as; None when the gateway has no API keys."""
+    return connection.scope.get("state", {}).get(TENANT_STATE)
 
 
 def api_key_guard(keys: tuple[str, ...]) -> Guard:
@@ -25,8 +38,10 @@ def api_key_guard(keys: tuple[str, ...]) -> Guard:
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
             raise APIError(401, "missing API key: send the header `Authorization: Bearer <key>`")
-        if not any(secrets.compare_digest(token.encode(), key) for key in accepted):
+        matched = [key for key in accepted if secrets.compare_digest(token.encode(), key)]
+        if not matched:
             raise APIError(401, "invalid API key")
+        connection.scope.setdefault("state", {})[TENANT_STATE] = tenant_of(matched[0])
 
     return guard
 

@@ -28,6 +28,7 @@ from nats.js import JetStreamContext
 from services.gateway.admission import Admission
 from services.gateway.backend import BackendUnavailable, GenerationJob, Update, choice_requests
 from services.gateway.liveness import WorkerTable
+from services.gateway.path_dispatch import PathChooser, dispatch
 from services.gateway.request_stream import Deadlines, RequestUpdates
 from shared import bus
 from shared.messages import (
@@ -64,6 +65,7 @@ class NatsBackend:
         bus.tls_context(settings)  # unreadable TLS files stop the gateway at start, not in the background task
         self.workers = WorkerTable(settings.worker_ttl_s)
         self.admission = Admission(settings.max_pending_requests, settings.kv_overcommit)
+        self.paths = PathChooser(settings.path)  # remote (prefill worker + hand-off) or local, per request
         self._streams: dict[str, RequestUpdates] = {}  # request id → its stream, while the gateway listens
         self._nc: NATS | None = None  # set once connected and subscribed
         self._js: JetStreamContext | None = None
@@ -176,7 +178,9 @@ class NatsBackend:
 
     async def open_group(self, job: GenerationJob) -> list[RequestUpdates]:
         """One stream per choice (each a request of its own: its holder, order, deadlines and moves), all
-        registered, then one prefill job carrying the other choices as siblings: the prompt is computed once."""
+        registered, then one job carrying the other choices as siblings: the prompt is computed once. The job goes
+        down the prefill path chosen for it (path_dispatch.py): to the prefill queue, or to the decode queue to be
+        prefilled there."""
         if self._connected() is None or self._js is None:
             raise BackendUnavailable("not connected to NATS")
         ok, reason = self.workers.can_serve(job.model, time.monotonic())
@@ -195,6 +199,7 @@ class NatsBackend:
                 sampling=s.sampling,
                 reply_subject=token_subject(self.settings.gateway_id, s.request_id),
                 created_at=created_at,
+                cache_salt=s.cache_salt,
             )
             for s in singles
         ]
@@ -204,14 +209,16 @@ class NatsBackend:
             self._streams[stream.request_id] = stream  # subscribe before dispatch
         siblings = [Sibling(p.request_id, p.reply_subject, p.sampling.seed) for p in prefills[1:]]
         group = msgspec.structs.replace(prefills[0], siblings=siblings)
-        subject = prefill_subject(job.model)
+        choice = self.paths.choose(self.workers, job.model, len(job.prompt_token_ids), time.monotonic())
+        subject, message = dispatch(choice, group)
         token = tracing.attach(tracing.extract(job.trace_context))  # the publish span joins the request's trace
         try:
             with tracing.producer_span(subject, job.request_id):
                 headers = tracing.carrier() or None
                 for stream in streams:
                     stream.trace_headers = headers or {}  # a moved request's jobs continue the same trace
-                await self._js.publish(subject, encode(group), timeout=PUBLISH_TIMEOUT_S, headers=headers)
+                    stream.prefill_path = choice
+                await self._js.publish(subject, encode(message), timeout=PUBLISH_TIMEOUT_S, headers=headers)
         except Exception as exc:
             for stream in streams:
                 self._streams.pop(stream.request_id, None)

@@ -2,7 +2,8 @@
 the client's `traceparent`) and the client-side latency metrics — TTFT, inter-token latency, TPOT, e2e —
 plus the token counters, all measured from when the handler took the request.
 
-Life: `RequestObserver(...)` when the request is valid → `tokens(n)` per update as its tokens are
+Life: `RequestObserver(...)` when the request is valid → `dispatched(choice)` once its job is sent down its prefill
+path (the metrics' `path` label, the path's attributes on the span) → `tokens(n)` per update as its tokens are
 handed to the client → `end(...)` exactly once (later calls are ignored).
 """
 
@@ -14,9 +15,11 @@ from collections.abc import Mapping
 from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
+from services.gateway.prefill_path import PathChoice
 from shared.telemetry import metrics, tracing
 
 ROLE = "gateway"
+NOT_DISPATCHED = "none"  # the path label of a request that never left the gateway
 
 
 class RequestObserver:
@@ -31,6 +34,7 @@ class RequestObserver:
         prompt_tokens: int,
     ) -> None:
         self.labels = (model, ROLE)
+        self.path = NOT_DISPATCHED
         self.prompt_tokens = prompt_tokens
         self._arrived = arrived[1]
         self._first: float | None = None
@@ -57,6 +61,13 @@ class RequestObserver:
         """The carrier that makes the job's publish span a child of this request's span."""
         return tracing.carrier(trace.set_span_in_context(self.span))
 
+    def dispatched(self, choice: PathChoice | None) -> None:
+        """The request's job left down `choice`'s path (None: a backend that does not choose one)."""
+        if choice is None:
+            return
+        self.path = choice.path.value
+        self.span.set_attributes(path_attributes(choice))
+
     def tokens(self, n: int) -> None:
         """`n` more tokens reach the client now."""
         if n <= 0:
@@ -64,12 +75,12 @@ class RequestObserver:
         now = time.perf_counter()
         if self._first is None:
             self._first = now
-            metrics.TIME_TO_FIRST_TOKEN.labels(*self.labels).observe(now - self._arrived)
+            metrics.TIME_TO_FIRST_TOKEN.labels(*self.labels, self.path).observe(now - self._arrived)
             self.span.add_event("first_token")
         else:
-            metrics.INTER_TOKEN_LATENCY.labels(*self.labels).observe(now - self._last)
+            metrics.INTER_TOKEN_LATENCY.labels(*self.labels, self.path).observe(now - self._last)
         for _ in range(n - 1):  # tokens that arrived together: no gap between them
-            metrics.INTER_TOKEN_LATENCY.labels(*self.labels).observe(0.0)
+            metrics.INTER_TOKEN_LATENCY.labels(*self.labels, self.path).observe(0.0)
         self._last = now
 
     def end(self, finish_reason: str, completion_tokens: int, error: str | None = None, status: int = 200) -> None:
@@ -79,7 +90,7 @@ class RequestObserver:
         self._ended = True
         m = metrics
         m.REQUESTS_RUNNING.labels(*self.labels).dec()
-        m.REQUEST_SUCCESS.labels(*self.labels, finish_reason).inc()
+        m.REQUEST_SUCCESS.labels(*self.labels, self.path, finish_reason).inc()
         m.GENERATION_TOKENS.labels(*self.labels).inc(completion_tokens)
         attributes: dict[str, AttributeValue] = {
             tracing.GEN_AI_USAGE_OUTPUT_TOKENS: completion_tokens,
@@ -89,12 +100,32 @@ class RequestObserver:
         if self._first is not None:  # e2e ends at the last token (TPOT = (e2e - TTFT) / (tokens - 1))
             e2e = self._last - self._arrived
             m.PROMPT_TOKENS.labels(*self.labels).inc(self.prompt_tokens)
-            m.E2E_LATENCY.labels(*self.labels).observe(e2e)
+            m.E2E_LATENCY.labels(*self.labels, self.path).observe(e2e)
             attributes[tracing.E2E_TIME] = e2e
             attributes[tracing.GEN_AI_TTFT] = self._first - self._arrived
             if completion_tokens > 1:
                 tpot = (self._last - self._first) / (completion_tokens - 1)
-                m.TIME_PER_OUTPUT_TOKEN.labels(*self.labels).observe(tpot)
+                m.TIME_PER_OUTPUT_TOKEN.labels(*self.labels, self.path).observe(tpot)
                 attributes[tracing.GEN_AI_TPOT] = tpot
         self.span.set_attributes(attributes)
         tracing.end_span(self.span, error=error)
+
+
+def path_attributes(choice: PathChoice) -> dict[str, AttributeValue]:
+    """The span attributes of a prefill path choice: the path, why, and each path's predictions (the actual TTFT
+    is the span's gen_ai.server.time_to_first_token)."""
+    attributes: dict[str, AttributeValue] = {
+        tracing.PREFILL_PATH: choice.path.value,
+        tracing.PREFILL_PATH_REASON: choice.reason,
+    }
+    predicted = choice.predicted_ttft_s
+    if predicted is not None:
+        attributes[tracing.PREFILL_PATH_PREDICTED_TTFT] = predicted
+    if choice.remote is not None:
+        attributes[tracing.PREFILL_PATH_REMOTE_TTFT] = choice.remote.ttft_s
+        attributes[tracing.PREFILL_PATH_REMOTE_READY] = choice.remote.ready_s
+    if choice.local is not None:
+        attributes[tracing.PREFILL_PATH_LOCAL_TTFT] = choice.local.ttft_s
+    if choice.decode_slowdown_s is not None:
+        attributes[tracing.PREFILL_PATH_DECODE_SLOWDOWN] = choice.decode_slowdown_s
+    return attributes

@@ -90,7 +90,13 @@ class TokenOrder:
         if reason is not None:
             self.finished = True
             self._early.clear()
-        return Update(list(fresh), reason, logprobs=list(logprobs), prompt_logprobs=self._prompt_logprobs(event))
+        return Update(
+            list(fresh),
+            reason,
+            logprobs=list(logprobs),
+            prompt_logprobs=self._prompt_logprobs(event),
+            cached_tokens=event.cached_tokens,
+        )
 
     def _prompt_logprobs(self, event: TokensEvent | FinishedEvent) -> list[Logprob]:
         """The prompt's logprobs, the first time an event brings them (a re-dispatched attempt computes them again)."""

@@ -50,6 +50,8 @@ class Prepared:
     scoring: Scoring = Scoring()  # logprobs and echo
     tool_parser: ToolParser | None = None  # chat with tools: the output is read back into tool_calls
     n: int = 1  # choices: the prompt is computed once, choice i seeded seed + i (shared/choices.py)
+    cache_salt: str | None = None  # the request's own prefix-cache salt (the tenant's is added at dispatch)
+    cache_key: str | None = None  # prompt_cache_key: an affinity hint for routing
 
 
 def prepare_chat(req: ChatCompletionRequest, model: ServedModel) -> Prepared:
@@ -266,6 +268,8 @@ def _prepared(
         include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
         n=_choices(req.n, model),
         scoring=scoring,
+        cache_salt=req.cache_salt,
+        cache_key=req.prompt_cache_key,
     )
 
 

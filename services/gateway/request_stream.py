@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from services.gateway.backend import Update
 from services.gateway.ordering import TokenOrder
+from services.gateway.prefill_path import PathChoice
 from shared.messages import PrefillJob, QueuedEvent, TakenEvent, TokenEvent
 
 
@@ -51,6 +52,7 @@ class RequestUpdates:
         self.holder: str | None = None  # worker id, or None while the request waits in a job queue
         self.migrations = 0
         self.trace_headers: dict[str, str] = {}  # NATS headers carrying the request's trace context
+        self.prefill_path: PathChoice | None = None  # the path its first dispatch took, and why (prefill_path.py)
         self.deadlines = deadlines
         self._cancel = cancel
         self._forget = forget

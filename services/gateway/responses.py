@@ -26,6 +26,7 @@ from services.gateway.schemas import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    PromptTokensDetails,
     Usage,
 )
 from services.gateway.tools.output import ToolDeltas, tool_message
@@ -40,8 +41,10 @@ def new_request_id(chat: bool) -> str:
 
 
 def usage_of(gen: Generation | ChoiceSet) -> Usage:
-    """As OpenAI counts: the prompt once, the completion tokens of every choice."""
-    return Usage(gen.prompt_tokens, gen.completion_tokens, gen.prompt_tokens + gen.completion_tokens)
+    """As OpenAI counts: the prompt once, the completion tokens of every choice; of the prompt, the tokens the
+    prefix cache served."""
+    total = gen.prompt_tokens + gen.completion_tokens
+    return Usage(gen.prompt_tokens, gen.completion_tokens, total, PromptTokensDetails(gen.cached_tokens))
 
 
 class ResponseWriter:

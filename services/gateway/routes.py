@@ -26,6 +26,7 @@ from services.gateway.disconnect import until_disconnect
 from services.gateway.draining import Drain
 from services.gateway.errors import APIError, ErrorBody, error_response, error_responses
 from services.gateway.generation import Generation, GenerationError
+from services.gateway.middleware import tenant
 from services.gateway.observe import RequestObserver
 from services.gateway.prepare import Prepared, prepare_chat, prepare_completion
 from services.gateway.responses import ResponseWriter, new_request_id
@@ -42,6 +43,7 @@ from services.gateway.schemas import (
     responses,
 )
 from services.gateway.served_model import ServedModel
+from shared.prefix_hash import request_salt
 from shared.telemetry import metrics, tracing
 
 AnyRequest = Request[Any, Any, Any]
@@ -110,7 +112,14 @@ async def _complete(
         operation, model.name, request_id, request.headers, arrived, prepared.sampling.max_tokens, prompt_tokens
     )
     job = GenerationJob(
-        request_id, model.name, prepared.prompt_token_ids, prepared.sampling, observer.trace_context(), prepared.n
+        request_id,
+        model.name,
+        prepared.prompt_token_ids,
+        prepared.sampling,
+        observer.trace_context(),
+        prepared.n,
+        cache_salt=request_salt(tenant(request), prepared.cache_salt),
+        cache_key=prepared.cache_key,
     )
     kind = ChoiceSet if prepared.n > 1 else Generation  # n choices: one dispatch, the prompt computed once
     gen = kind(backend, job, model.tokenizer, prepared.stop, observer, log_prompts=model.log_prompts)

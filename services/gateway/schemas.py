@@ -38,6 +38,7 @@ from shared.messages import range_meta
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # per stop string: the held-back check costs its length squared per generated token
 MAX_STOP_TOKEN_IDS = 256
+MAX_CACHE_FIELD_CHARS = 256  # cache_salt, prompt_cache_key: names, not content
 
 
 def _documented(**schema: Any) -> Meta:
@@ -167,6 +168,10 @@ class _Common(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
     user: str | None = None
+    # the prefix cache (docs/security.md): requests with different salts never share cached blocks, and a key
+    # keeps requests that share a prefix on one worker when no worker holds more of it
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_FIELD_CHARS)] | None = None
+    prompt_cache_key: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_FIELD_CHARS)] | None = None
     presence_penalty: PresencePenalty | None = None
     frequency_penalty: FrequencyPenalty | None = None
     repetition_penalty: RepetitionPenalty | None = None
@@ -202,10 +207,15 @@ class CompletionRequest(_Common, kw_only=True):
     response_format: Annotated[dict[str, Any] | None, _documented(properties={"type": {"enum": _FORMATS}})] = None
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int  # of prompt_tokens, served from the prefix cache instead of computed
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class AssistantMessage(msgspec.Struct, omit_defaults=True):

@@ -61,7 +61,6 @@ _CHAT_BOOKKEEPING = {
     "user": "an end-user id for OpenAI's abuse monitoring",
     "safety_identifier": "an end-user id for OpenAI's abuse monitoring",
     "metadata": "tags for stored completions (none are stored)",
-    "prompt_cache_key": "a routing hint for OpenAI's prompt cache",
     "prompt_cache_retention": "how long OpenAI keeps a cached prompt",
     "prompt_cache_options": "breakpoints and lifetime of OpenAI's prompt cache",
 }

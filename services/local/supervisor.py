@@ -29,8 +29,9 @@ from prometheus_client import CollectorRegistry, Counter, disable_created_metric
 from services.local.infra import ServerProcess
 from services.local.restarts import RestartPolicy, RestartRecord
 from services.local.stack import Stack
+from shared.telemetry.lifecycle import EXIT_GRACE_S
 
-STOP_GRACE_S = 5.0  # past the services' drain time: their last flush and exit before SIGKILL
+STOP_GRACE_S = EXIT_GRACE_S  # past the services' drain time: their last flush and exit before SIGKILL
 TICK_S = 0.2
 
 

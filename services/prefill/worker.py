@@ -289,4 +289,5 @@ def _decode_job(
         siblings=siblings,
         kv_key=None if head.key == kv_key else kv_key,
         kv_streamed=streamed,
+        cache_salt=head.cache_salt,
     )

@@ -65,6 +65,9 @@ from shared.telemetry.tracing import (
     KV_DURATION,
     KV_OUTCOME,
     PREFILL,
+    PREFILL_PATH,
+    PREFILL_PATH_PREDICTED_TTFT,
+    PREFILL_PATH_REASON,
     PROCESS,
     PUBLISH,
     PULL_KV,
@@ -114,6 +117,10 @@ class Summary:
     kv_transfer_s: float | None
     kv_outcome: str | None
     ttft_estimated: bool = False  # no TTFT attribute: prefill end − request start
+    # the gateway's prefill path choice (remote | local), the rule that decided, and the TTFT it predicted
+    prefill_path: str | None = None
+    prefill_path_reason: str | None = None
+    predicted_ttft_s: float | None = None
 
     @property
     def kv_gbps(self) -> float | None:
@@ -305,13 +312,22 @@ def _pick(spans: Sequence[dict], op: str, before_ns: int | None = None) -> dict 
     return max(found, key=lambda s: s["start_ns"]) if found else None
 
 
+def prefill_path_of(spans: Iterable[dict]) -> str | None:
+    """The prefill path the gateway chose for the request (remote | local), if its root span says."""
+    root = gateway_root(spans)
+    path = None if root is None else root["attributes"].get(PREFILL_PATH)
+    return None if path is None else str(path)
+
+
 def _key_spans(spans: Sequence[dict]) -> dict[str, dict | None]:
     pull = _pick(spans, PULL_KV)
     decode = _pick(spans, DECODE)
     # A decode worker that recomputes the prompt may run a prefill span of its own: the prefill phase is the
     # one that came before the transfer.
     prefill = _pick(spans, PREFILL, pull["start_ns"] if pull else None) or _pick(spans, PREFILL)
-    publish = _pick(spans, f"{PUBLISH} {PREFILL}", prefill["start_ns"] if prefill else None)
+    # the local prefill path: the gateway published the job straight to the decode queue
+    queue = DECODE if prefill_path_of(spans) == "local" else PREFILL
+    publish = _pick(spans, f"{PUBLISH} {queue}", prefill["start_ns"] if prefill else None)
     return {
         "root": gateway_root(spans),
         "publish": publish,
@@ -400,13 +416,22 @@ def summarize(spans: Sequence[dict]) -> Summary:
         kv_transfer_s=kv_s,
         kv_outcome=None if outcome is None else str(outcome),
         ttft_estimated=ttft_estimated,
+        prefill_path=prefill_path_of(spans),
+        prefill_path_reason=None if root is None else _text(root["attributes"].get(PREFILL_PATH_REASON)),
+        predicted_ttft_s=_number(attr(PREFILL_PATH_PREDICTED_TTFT, root)),
     )
+
+
+def _text(value) -> str | None:
+    return None if value is None else str(value)
 
 
 def missing_operations(spans: Sequence[dict]) -> list[str]:
     """The operations a complete request has that this trace lacks (P/D or mixed, as far as can be told)."""
     ops = {operation(s) for s in spans}
     services = {s.get("service") for s in spans}
+    if prefill_path_of(spans) == "local":  # its root is there; straight to a decode worker, which prefilled it
+        return [op for op in (f"{PUBLISH} {DECODE}", f"{PROCESS} {DECODE}", PREFILL, DECODE) if op not in ops]
     expected = [CHAT, f"{PUBLISH} {PREFILL}", f"{PROCESS} {PREFILL}", PREFILL]
     mixed = f"{SERVICE_PREFIX}mixed" in services
     disaggregated = bool(
@@ -523,6 +548,14 @@ def render_text(spans: Sequence[dict], width: int = BAR_WIDTH) -> str:
         facts.append(f"queue {fmt_ms(summary.queue_s * 1e3)} ms")
     if facts:
         lines.append("  ".join(facts))
+    if summary.prefill_path is not None:
+        path = f"prefill path {summary.prefill_path}"
+        if summary.prefill_path_reason is not None:
+            path += f" ({summary.prefill_path_reason})"
+        if summary.predicted_ttft_s is not None:
+            actual = "?" if summary.ttft_s is None else f"{fmt_ms(summary.ttft_s * 1e3)} ms"
+            path += f": TTFT predicted {fmt_ms(summary.predicted_ttft_s * 1e3)} ms, actual {actual}"
+        lines.append(path)
     facts = []
     if summary.input_tokens is not None or summary.output_tokens is not None:
         inp = "?" if summary.input_tokens is None else summary.input_tokens

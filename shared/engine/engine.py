@@ -20,6 +20,7 @@ and `group_blocks` all of them. Single-rank engines only: on a worker group a hy
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,7 @@ class EngineStats:
     decode_tokens: int = 0  # single tokens fed back while decoding
     preemptions: int = 0
     steps: int = 0
+    step_s: float = 0.0  # wall seconds inside steps that ran a batch (schedule, forward, sampling, update)
 
 
 class Engine:
@@ -202,6 +204,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return the new token of every request that produced one."""
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
         if not plan.seqs:
@@ -235,6 +238,7 @@ class Engine:
             if req.request_id in self.forker.pending:  # a group's parent sampled its first token
                 outputs += self.forker.at_first_token(req, out.logits[req.request_id])
         self.layer_streams.end(out.sampled)  # last: a stream's sender may free the request once it ends
+        self.stats.step_s += time.perf_counter() - started
         return outputs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

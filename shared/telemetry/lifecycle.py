@@ -7,9 +7,17 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from typing import NoReturn
 
 from shared.telemetry import tracing
+
+# Past a service's drain time: its last flush, the close of its connections and its exit. The supervisor
+# SIGKILLs a service still running this long after its drain time (services/local/supervisor.py); a service
+# also ends itself then (`exit_by`), for when no supervisor is left to do it.
+EXIT_GRACE_S = 5.0
+
+_exit_deadline: threading.Timer | None = None
 
 
 def observe(service: str, instance: str, level: str, trace_file: str | None) -> None:
@@ -30,3 +38,22 @@ def exit_now(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def exit_by(seconds: float) -> None:
+    """A service that has begun to stop ends itself if it is still running `seconds` from now (exit code 1;
+    armed once, later calls keep the first deadline). The supervisor gives the same bound with SIGKILL; this one
+    holds where it cannot: an orphan whose launcher was killed gets SIGTERM from the kernel (parent-death
+    signal, services/local/children.py), and with its NATS and Redis gone too, closing them or a slow exit on a
+    loaded host must not keep it, and the ports it holds, alive for long."""
+    global _exit_deadline
+    if _exit_deadline is not None:
+        return
+
+    def overdue() -> None:
+        print(f"still running {seconds:g} s after the stop began: exiting now", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    _exit_deadline = threading.Timer(seconds, overdue)
+    _exit_deadline.daemon = True
+    _exit_deadline.start()

@@ -3,8 +3,9 @@
 
 Who records what:
     gateway      time_to_first_token, inter_token_latency, request_time_per_output_token,
-                 e2e_request_latency (as the client sees them), prompt/generation tokens returned,
-                 request_success by finished_reason, num_requests_running (in flight),
+                 e2e_request_latency (as the client sees them) and request_success by finished_reason, each
+                 also labelled with the request's prefill `path` (remote | local | none), prompt/generation
+                 tokens returned, num_requests_running (in flight),
                  requests_rejected by reason (admission, draining)
     workers      request_queue_time (created at the gateway → first scheduled), prompt/generation tokens
                  the engine computed and sampled, num_requests_running|waiting, kv_cache_usage_perc,
@@ -16,7 +17,8 @@ Who records what:
     transfers    kv_transfer_seconds / bytes / failures: decode side (pull) and prefill side (send)
 
 Summed over the workers of a P/D stack, generation tokens equal the gateway's: a worker counts the tokens it
-emits (the prefill worker each request's first token, the decode worker the rest; a layer-streamed request's
+emits (the prefill worker each request's first token, the decode worker the rest, or all of them for a request
+on the local prefill path; a layer-streamed request's
 first token is emitted and counted by the decode worker, whether it came in the pull's trailer or was sampled
 there after a failed pull). Metrics live in the process-wide default
 registry; the gateway serves them at /metrics, a worker on its own port (`serve_metrics`).
@@ -40,20 +42,31 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                   0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
 
+# the gateway's request metrics also carry the prefill path the request took: remote | local (none: never dispatched)
+REQUEST_LABELS = (*LABELS, "path")
 TIME_TO_FIRST_TOKEN = Histogram(
-    f"{PREFIX}time_to_first_token_seconds", "Request received → first token sent.", LABELS, buckets=_LATENCY_BUCKETS
+    f"{PREFIX}time_to_first_token_seconds",
+    "Request received → first token sent.",
+    REQUEST_LABELS,
+    buckets=_LATENCY_BUCKETS,
 )
 INTER_TOKEN_LATENCY = Histogram(
-    f"{PREFIX}inter_token_latency_seconds", "Gap between consecutive output tokens.", LABELS, buckets=_TOKEN_BUCKETS
+    f"{PREFIX}inter_token_latency_seconds",
+    "Gap between consecutive output tokens.",
+    REQUEST_LABELS,
+    buckets=_TOKEN_BUCKETS,
 )
 TIME_PER_OUTPUT_TOKEN = Histogram(
     f"{PREFIX}request_time_per_output_token_seconds",
     "Per request: (e2e - TTFT) / (output tokens - 1).",
-    LABELS,
+    REQUEST_LABELS,
     buckets=_TOKEN_BUCKETS,
 )
 E2E_LATENCY = Histogram(
-    f"{PREFIX}e2e_request_latency_seconds", "Request received → last token sent.", LABELS, buckets=_LATENCY_BUCKETS
+    f"{PREFIX}e2e_request_latency_seconds",
+    "Request received → last token sent.",
+    REQUEST_LABELS,
+    buckets=_LATENCY_BUCKETS,
 )
 QUEUE_TIME = Histogram(
     f"{PREFIX}request_queue_time_seconds",
@@ -64,7 +77,7 @@ QUEUE_TIME = Histogram(
 PROMPT_TOKENS = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens (gateway: of answered requests).", LABELS)
 GENERATION_TOKENS = Counter(f"{PREFIX}generation_tokens", "Generated tokens (gateway: returned to clients).", LABELS)
 REQUEST_SUCCESS = Counter(
-    f"{PREFIX}request_success", "Finished requests by finish reason.", (*LABELS, "finished_reason")
+    f"{PREFIX}request_success", "Finished requests by finish reason.", (*REQUEST_LABELS, "finished_reason")
 )
 REQUESTS_REJECTED = Counter(
     f"{PREFIX}requests_rejected",

@@ -73,8 +73,16 @@ KV_BYTES = "pdserve.kv.bytes"
 KV_TOKENS = "pdserve.kv.tokens"
 KV_DURATION = "pdserve.kv.duration_s"
 KV_EXPORT_TIME = "pdserve.kv.export_s"
-KV_OUTCOME = "pdserve.kv.outcome"  # pulled | recompute
+KV_OUTCOME = "pdserve.kv.outcome"  # pulled | recompute | local (prefilled on the decode worker by choice)
 KV_PEER = "pdserve.kv.peer"
+# the gateway's prefill path choice (services/gateway/prefill_path.py), on the request's span; seconds
+PREFILL_PATH = "pdserve.prefill_path"  # remote | local
+PREFILL_PATH_REASON = "pdserve.prefill_path.reason"  # the rule that decided
+PREFILL_PATH_PREDICTED_TTFT = "pdserve.prefill_path.predicted_ttft_s"  # the chosen path's
+PREFILL_PATH_REMOTE_TTFT = "pdserve.prefill_path.remote_ttft_s"
+PREFILL_PATH_REMOTE_READY = "pdserve.prefill_path.remote_ready_s"  # remote TTFT + the KV hand-off
+PREFILL_PATH_LOCAL_TTFT = "pdserve.prefill_path.local_ttft_s"
+PREFILL_PATH_DECODE_SLOWDOWN = "pdserve.prefill_path.decode_slowdown_s"  # local: added to the decode batch's step
 
 _installed = None  # the SDK provider this process installed, if any
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from nats.aio.client import Client as NATS
 
 from shared.engine.engine import Engine
-from shared.messages import Heartbeat, Role, encode
+from shared.messages import Heartbeat, PathCalibration, Role, encode
 from shared.model.expert_parallel import RankLoad
 from shared.model.expert_shards import take_rank_load
 from shared.worker.engine_load import EngineLoad
@@ -30,6 +30,7 @@ def build_heartbeat(
     draining: bool,
     parallel: str = "",
     rank_pids: tuple[int, ...] = (),
+    path_calibration: PathCalibration | None = None,
 ) -> Heartbeat:
     return Heartbeat(
         worker_id=worker_id,
@@ -50,6 +51,7 @@ def build_heartbeat(
         rank_pids=rank_pids,
         kv_group_free_blocks=load.group_free_blocks,
         kv_group_total_blocks=load.group_total_blocks,
+        path_calibration=path_calibration,
     )
 
 

@@ -39,6 +39,7 @@ from shared.redis_client import redis_client
 from shared.settings import WorkerSettings
 from shared.telemetry import metrics
 from shared.worker import gauges, spans
+from shared.worker.calibration import PullCalibration, StepCalibration, path_calibration
 from shared.worker.cancel_feed import CancelFeed
 from shared.worker.cancels import CancelMemory
 from shared.worker.choices import choice_jobs
@@ -85,6 +86,11 @@ class Worker(Generic[Job]):
         self.group = group  # a worker group's leader: its layout and ranks go in every heartbeat
         self._group_facts = {} if group is None else {"parallel": str(group.layout), "rank_pids": tuple(group.pids)}
         self.load = EngineLoad.of(engine)  # replaced by the engine thread after every command and step
+        # the live cost coefficients every heartbeat carries (calibration.py): steps fitted on the engine thread,
+        # KV pulls (decode workers) on the loop
+        self.step_costs = StepCalibration()
+        self.pull_costs = PullCalibration()
+        self._kv_bytes_per_token = engine.layout.bytes_per_token
         self.engine = AsyncEngine(engine, self._outputs_ready, self._engine_failed, on_state=self._observe)
         self.failure: BaseException | None = None  # why the engine thread died; the worker then exits non-zero
         self.stopping = asyncio.Event()
@@ -129,7 +135,9 @@ class Worker(Generic[Job]):
     # ---- capacity ---------------------------------------------------------------------------------------
 
     def _observe(self, engine: Engine) -> None:
-        """On the engine thread: publish a fresh snapshot (one reference assignment: atomic for the loop)."""
+        """On the engine thread: publish a fresh snapshot (one reference assignment: atomic for the loop), and the
+        step coefficients refitted after a step."""
+        self.step_costs.observe(engine.stats)
         self.load = EngineLoad.of(engine)
 
     def has_room(self) -> bool:
@@ -415,6 +423,9 @@ class Worker(Generic[Job]):
             held_kv=self.held_kv_count(),
             integrity_error=self._integrity,
             draining=self.draining,
+            path_calibration=path_calibration(
+                self.step_costs.costs, self.pull_costs, load.waiting_tokens, self._kv_bytes_per_token
+            ),
             **self._group_facts,
         )
 

@@ -23,7 +23,7 @@ def process_span(msg: Msg, request_id: str, worker_id: str) -> Span:
     return tracing.consumer_span(msg.subject, msg.headers, request_id, worker_id, delivered)
 
 
-def record_prefill(job: PrefillJob, out: RequestOutput, parent: Span, labels: tuple[str, str]) -> None:
+def record_prefill(job: PrefillJob | DecodeJob, out: RequestOutput, parent: Span, labels: tuple[str, str]) -> None:
     """A request's first output (its prompt is computed): the `prefill` span, from its first scheduling
     to now, and the queue-time and prompt-token metrics."""
     now = time.time()

@@ -205,7 +205,29 @@ def test_decode_worker_dies_mid_stream(stack_1p2d, reference, sig):
     stop, moves each of its requests (prompt + tokens so far) to the other decode worker, and every client's
     stream goes on with no position repeated or missing. A hung worker that wakes up later is stale: its
     events are dropped and its work cancelled."""
-    stack = stack_1p2d
+    scenario = f"decode worker {'killed' if sig is signal.SIGKILL else 'hung'} mid-stream"
+    _decode_dies_mid_stream(stack_1p2d, reference, sig, scenario)
+
+
+@pytest.fixture(scope="module")
+def stack_1p2d_local(model_dir):
+    """Every prompt down the local prefill path (docs/architecture.md): computed by the decode worker taking it."""
+    stack = start(model_dir, prefill=1, decode=2, env={"PDSERVE_PREFILL_PATH": "local"})
+    yield stack
+    stack.stop()
+
+
+def test_a_decode_worker_that_prefilled_its_requests_dies_mid_stream(stack_1p2d_local, reference):
+    """The requests a decode worker prefilled itself (the local path) move as any decode worker's: back to the
+    prefill queue with their tokens so far, then handed off to the other decode worker; no position repeated or
+    missing."""
+    local_before = gateway_metric(stack_1p2d_local, "pdserve:time_to_first_token_seconds_count", path="local")
+    _decode_dies_mid_stream(stack_1p2d_local, reference, signal.SIGKILL, "decode worker (local prefill) killed")
+    local = gateway_metric(stack_1p2d_local, "pdserve:time_to_first_token_seconds_count", path="local")
+    assert local - local_before == N  # every request was prefilled by a decode worker
+
+
+def _decode_dies_mid_stream(stack: Stack, reference, sig: signal.Signals, scenario: str) -> None:
     moved = moves(stack)
     watch = EventWatch(stack.nats_url)
     try:
@@ -216,7 +238,6 @@ def test_decode_worker_dies_mid_stream(stack_1p2d, reference, sig):
         outcomes = load.results()
     finally:
         watch.close()
-    scenario = f"decode worker {'killed' if sig is signal.SIGKILL else 'hung'} mid-stream"
     now_moved = moves(stack)
     check(outcomes, reference, scenario, now_moved - moved)
     assert now_moved > moved

@@ -148,10 +148,24 @@ def launch(tmp_path, model_dir):
         up.kill_all()
 
 
+def described(pids: list[int]) -> str:
+    """`pid command line` of each, for a failure message that says which process lingered."""
+    lines = []
+    for pid in pids:
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            args = "(gone)"
+        lines.append(f"{pid} {args[:200]}")
+    return "\n".join(lines)
+
+
 def assert_all_gone(up: Up, timeout_s: float) -> None:
-    wait_until(lambda: not any(running(pid) for pid in up.seen | {up.pid}), timeout_s, "every process gone")
-    left = [pid for pid in up.seen if running(pid)]
-    assert not left
+    start = time.monotonic()
+    while left := [pid for pid in up.seen | {up.pid} if running(pid)]:
+        if time.monotonic() - start > timeout_s:
+            pytest.fail(f"still running {timeout_s:g} s on:\n{described(left)}\n{up.output()[-2000:]}")
+        time.sleep(0.1)
     assert port_free(up.port)
 
 
@@ -175,7 +189,9 @@ def test_its_children_exit_when_it_is_killed(launch):
     assert len(up.seen) >= 4, up.seen
     os.kill(up.pid, signal.SIGKILL)
     assert up.exit_status(10) == 128 + signal.SIGKILL
-    assert_all_gone(up, STOP_BOUND_S)
+    # the services end themselves by DRAIN_S + 5 s (lifecycle.exit_by) whatever holds them; the slack is for
+    # a loaded CI host, where the interpreter's own start of the exit and the /proc reads lag
+    assert_all_gone(up, STOP_BOUND_S + 4.0)
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,12 @@ the workers' histogram, the share against hand-computed values, the empty cases,
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from services.bench.metrics import RequestRecord, summarize
 from services.bench.report import format_table
 from services.bench.transfer import PullTotals, parse_pulls, transfer_share
-from shared.telemetry.metrics import KV_TRANSFER_SECONDS
+from shared.telemetry.metrics import KV_TRANSFER_BYTES, KV_TRANSFER_SECONDS
 
 
 def exposition(decode: list[float], prefill: list[float], model: str = "m") -> str:
@@ -27,6 +27,19 @@ def test_parse_counts_decode_pulls_only():
     assert parse_pulls(text) == PullTotals(count=2, seconds=0.75)
     assert parse_pulls("") == PullTotals()
     assert parse_pulls(exposition([], [1.0])) == PullTotals()
+
+
+def test_parse_adds_the_decode_side_bytes():
+    registry = CollectorRegistry()
+    counter = Counter(KV_TRANSFER_BYTES._name, "x", ("model_name", "role"), registry=registry)
+    counter.labels("m", "decode").inc(4096)
+    counter.labels("m", "prefill").inc(9999)  # the sender's count of the same bytes must not add up twice
+    text = generate_latest(registry).decode() + exposition([0.5], [])
+    assert parse_pulls(text) == PullTotals(count=1, seconds=0.5, bytes=4096)
+    share = transfer_share(PullTotals(bytes=1000), PullTotals(count=2, seconds=0.2, bytes=9192),
+                           {"mean_ttft_ms": 10.0, "mean_e2el_ms": 20.0, "completed": 4})  # fmt: skip
+    assert share["kv_bytes_pulled"] == 8192 and share["kv_bytes_per_request"] == 2048
+    assert "KV bytes pulled per request:" in format_table(summarize([], 1.0) | share, (50,))
 
 
 def test_totals_of_several_workers_and_models_add_up():
@@ -48,7 +61,7 @@ def test_nothing_to_divide_reports_none():
     summary = {"mean_ttft_ms": 0.0, "mean_e2el_ms": 0.0, "completed": 0}
     share = transfer_share(PullTotals(1, 1.0), PullTotals(1, 1.0), summary)
     assert share == {"kv_pulls": 0, "mean_kv_pull_ms": None, "kv_pull_share_of_ttft": None,
-                     "kv_pull_share_of_e2el": None}  # fmt: skip
+                     "kv_pull_share_of_e2el": None, "kv_bytes_pulled": 0, "kv_bytes_per_request": None}  # fmt: skip
     one = transfer_share(PullTotals(), PullTotals(1, 0.01), summary)  # a pull but no successful request
     assert one["mean_kv_pull_ms"] == pytest.approx(10.0) and one["kv_pull_share_of_ttft"] is None
 

@@ -325,3 +325,48 @@ def test_a_job_cancelled_during_its_pull_gives_the_kv_back_and_ends_there(model_
             await worker.engine.stop()
 
     asyncio.run(scenario())
+
+
+# ---- the local prefill path: a job the gateway sent to be prefilled here --------------------------------------
+
+
+def _local_job(siblings=()) -> DecodeJob:
+    s = Sampling(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return DecodeJob("r", "demo", PROMPT, [], s, "pd.tokens.g.r", siblings=list(siblings), prefill_here=True)
+
+
+def _in_order(tokens: dict[int, list[int]]) -> list[int]:
+    return [t for seq in sorted(tokens) for t in tokens[seq]]
+
+
+def test_a_job_to_prefill_here_is_computed_here_from_token_0_and_never_pulled(model_dir):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    (reference,) = Engine.from_dir(str(model_dir), max_model_len=256).generate([PROMPT], params)
+    # kv_fallback fail: a job prefilled here by choice is no lost KV
+    worker, msg, client, events = asyncio.run(_admit(model_dir, _local_job(), None, KvFallback.FAIL))
+    tokens = _by_request(events)["r"]
+    assert min(tokens) == 0 and _in_order(tokens) == reference  # token 0 sampled here, greedy as one engine
+    assert not client.pulls and worker.registry.read == []  # pyright: ignore[reportAttributeAccessIssue]
+    assert worker.load.prefill_tokens == len(PROMPT) and msg.calls[-1] == "ack"
+    assert not [e for e in events if isinstance(e, FailedEvent)]
+    costs = worker.step_costs.costs  # its own prefill step measured its rate on prompts
+    assert costs.prefill_tokens_per_s is not None and costs.decode_step_ms is not None
+
+
+def test_n_choices_prefilled_here_compute_the_prompt_once(model_dir):
+    siblings = [Sibling("r_c1", "pd.tokens.g.r_c1", 1), Sibling("r_c2", "pd.tokens.g.r_c2", 2)]
+    worker, msg, _, events = asyncio.run(_admit(model_dir, _local_job(siblings), None))
+    tokens = _by_request(events)
+    assert sorted(tokens) == ["r", "r_c1", "r_c2"]
+    assert {rid: len(_in_order(t)) for rid, t in tokens.items()} == dict.fromkeys(tokens, MAX_TOKENS)
+    assert _in_order(tokens["r_c1"]) == _in_order(tokens["r"])  # greedy: every choice the same
+    assert worker.load.prefill_tokens == len(PROMPT) and msg.calls.count("ack") == 1
+
+
+def test_a_pull_is_a_sample_of_the_transfer_cost(model_dir):
+    kv, _ = _prefilled(model_dir, streamed=False)
+    worker, _, _, _ = asyncio.run(_admit(model_dir, _job(), kv))
+    per_mb, overhead = worker.pull_costs.fitted()
+    assert per_mb is not None and per_mb > 0 and overhead == 0.0  # one pull: the line through the origin
+    calibration = worker.heartbeat().path_calibration
+    assert calibration is not None and calibration.kv_transfer_ms_per_mb == per_mb

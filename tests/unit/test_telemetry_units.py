@@ -12,6 +12,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.gateway.observe import RequestObserver
+from services.gateway.prefill_path import PathChoice, Prediction
+from shared.settings import PrefillPath
 from shared.telemetry import metrics, tracing
 from shared.telemetry.spanfile import JsonLinesSpanExporter, read_spans
 
@@ -117,6 +119,8 @@ def test_request_observer_metrics_and_span(spans):
     labels = {"model_name": model, "role": "gateway"}
     observer = RequestObserver(tracing.CHAT, model, "chatcmpl-1", {}, (1.0, 0.0), max_tokens=5, prompt_tokens=9)
     assert _sample("pdserve:num_requests_running", **labels) == 1
+    local = Prediction("d", ttft_s=0.02, ready_s=0.02)
+    observer.dispatched(PathChoice(PrefillPath.LOCAL, "sooner", Prediction("p", 0.019, 0.023), local, 0.012))
     observer.tokens(1)
     observer.tokens(3)  # three tokens in one update: one gap, then two zero gaps
     observer.end("length", completion_tokens=4)
@@ -124,14 +128,19 @@ def test_request_observer_metrics_and_span(spans):
     assert _sample("pdserve:num_requests_running", **labels) == 0
     assert _sample("pdserve:generation_tokens_total", **labels) == 4
     assert _sample("pdserve:prompt_tokens_total", **labels) == 9
-    assert _sample("pdserve:time_to_first_token_seconds_count", **labels) == 1
-    assert _sample("pdserve:inter_token_latency_seconds_count", **labels) == 3
-    assert _sample("pdserve:request_success_total", finished_reason="length", **labels) == 1
+    assert _sample("pdserve:time_to_first_token_seconds_count", path="local", **labels) == 1  # the request's path
+    assert _sample("pdserve:inter_token_latency_seconds_count", path="local", **labels) == 3
+    assert _sample("pdserve:request_success_total", finished_reason="length", path="local", **labels) == 1
     (span,) = spans.get_finished_spans()
     assert span.name == "chat observer-unit" and span.kind is trace.SpanKind.SERVER
     assert span.attributes["gen_ai.usage.output_tokens"] == 4
     assert span.attributes["gen_ai.response.finish_reasons"] == ("length",)
     assert span.attributes["gen_ai.server.time_to_first_token"] > 0
+    assert span.attributes["pdserve.prefill_path"] == "local"  # and what it was predicted to take
+    assert span.attributes["pdserve.prefill_path.reason"] == "sooner"
+    assert span.attributes["pdserve.prefill_path.predicted_ttft_s"] == 0.02
+    assert span.attributes["pdserve.prefill_path.remote_ready_s"] == 0.023
+    assert span.attributes["pdserve.prefill_path.decode_slowdown_s"] == 0.012
 
 
 def test_failed_request_counts_no_latency(spans):
@@ -139,8 +148,8 @@ def test_failed_request_counts_no_latency(spans):
     labels = {"model_name": model, "role": "gateway"}
     observer = RequestObserver(tracing.CHAT, model, "chatcmpl-2", {}, (1.0, 0.0), max_tokens=5, prompt_tokens=3)
     observer.end("error", 0, "no worker", 503)
-    assert _sample("pdserve:request_success_total", finished_reason="error", **labels) == 1
-    assert _sample("pdserve:time_to_first_token_seconds_count", **labels) == 0
+    assert _sample("pdserve:request_success_total", finished_reason="error", path="none", **labels) == 1
+    assert _sample("pdserve:time_to_first_token_seconds_count", path="none", **labels) == 0
     assert _sample("pdserve:prompt_tokens_total", **labels) == 0
     (span,) = spans.get_finished_spans()
     assert span.status.status_code is trace.StatusCode.ERROR

@@ -374,3 +374,28 @@ def test_cli_errors(span_file, tmp_path, capsys):
     assert rc == 2 and err.startswith("pdserve: error: no span file")
     with pytest.raises(SystemExit):  # one or the other
         run_cli(["trace", str(span_file), "--request-id", "a", "--trace-id", "b"], capsys)
+
+
+def test_a_request_on_the_local_prefill_path_shows_its_path_and_predicted_ttft(tmp_path):
+    """chat 0→100 ms (the local path, 18 ms TTFT predicted); publish decode 1→2; process decode 3→99 on the decode
+    worker (prefill 4→20, decode 21→98): no hand-off, nothing missing."""
+    path = tmp_path / "spans.jsonl"
+    gateway, decode = Service("pdserve-gateway", path), Service("pdserve-decode", path)
+    path_attrs = {"pdserve.prefill_path": "local", "pdserve.prefill_path.reason": "sooner",
+                  "pdserve.prefill_path.predicted_ttft_s": 0.018}  # fmt: skip
+    attrs = root_attributes("chatcmpl-local", 0.021, 0.005, 12) | path_attrs
+    root = gateway.span("chat tiny", SpanKind.SERVER, T0, 0, 100, None, attrs)
+    pub = gateway.span("publish pd.jobs.decode.tiny", SpanKind.PRODUCER, T0, 1, 2, root)
+    proc = decode.span("process pd.jobs.decode.tiny", SpanKind.CONSUMER, T0, 3, 99, pub)
+    pre = decode.span("prefill tiny", SpanKind.INTERNAL, T0, 4, 20, proc, {"pdserve.queue_time_s": 0.003})
+    dec = decode.span("decode tiny", SpanKind.INTERNAL, T0, 21, 98, proc)
+    close(pub, pre, dec, proc, root)
+    spans = load_trace(path, request_id="chatcmpl-local")
+    summary = summarize(spans)
+    assert (summary.prefill_path, summary.prefill_path_reason) == ("local", "sooner")
+    assert summary.predicted_ttft_s == pytest.approx(0.018)
+    assert [p.name for p in phases(spans)] == ["queue", "prefill", "decode"]  # queued on the decode queue
+    assert timeline.missing_operations(spans) == []
+    text = render_text(spans)
+    assert "prefill path local (sooner): TTFT predicted 18.0 ms, actual 21.0 ms" in text
+    assert "not in the file" not in text

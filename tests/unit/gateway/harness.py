@@ -67,6 +67,7 @@ class FakeBackend:
         self.fail: Update | None = None
         self.fail_after = 0
         self.unavailable: str | None = None
+        self.cached_tokens = 0  # what the first update says the prefix cache served
         self.ready = (True, "1 prefill, 1 decode")
         self.jobs: list[GenerationJob] = []
         self.cancelled: list[str] = []
@@ -94,11 +95,15 @@ class FakeBackend:
         lps = [[fake_logprob(t, k) for t in g] if k is not None else [] for g in groups]
         k = job.sampling.prompt_logprobs
         prompt = [fake_logprob(t, k) for t in job.prompt_token_ids[1:]] if k is not None else []
+        cached = self.cached_tokens
         yield from (
-            Update(g, logprobs=lp, prompt_logprobs=prompt if i == 0 else [])
+            Update(g, logprobs=lp, prompt_logprobs=prompt if i == 0 else [], cached_tokens=cached if i == 0 else 0)
             for i, (g, lp) in enumerate(zip(groups[:-1], lps, strict=False))
         )
-        yield Update(groups[-1], reason, logprobs=lps[-1], prompt_logprobs=prompt if len(groups) == 1 else [])
+        first = len(groups) == 1
+        yield Update(
+            groups[-1], reason, logprobs=lps[-1], prompt_logprobs=prompt if first else [], cached_tokens=cached * first
+        )
 
     async def open(self, job: GenerationJob) -> FakeStream:
         if self.unavailable:

@@ -55,6 +55,7 @@ def test_completion_choices_are_indexed_and_usage_counts_the_prompt_once(client,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     rid = fake.jobs[0].request_id
     assert [(j.request_id, j.sampling.seed) for j in fake.jobs] == [

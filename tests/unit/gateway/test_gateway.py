@@ -47,6 +47,7 @@ def test_chat_completion(client, fake, tokenizer):
         "prompt_tokens": len(prompt),
         "completion_tokens": completion,
         "total_tokens": len(prompt) + completion,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     (job,) = fake.jobs
     assert job.request_id == body["id"] and job.model == MODEL and job.prompt_token_ids == prompt
@@ -117,7 +118,12 @@ def test_stream_usage_chunk_only_when_asked(client, fake):
     body = {"prompt": "hi", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
     chunks = stream_chunks(client.post(COMPLETIONS, json=body).text)
     *content, usage = chunks
-    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+    assert usage["choices"] == [] and usage["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 5,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert len(content) == 5 and all(c["object"] == "text_completion" and "usage" not in c for c in content)
     assert "".join(c["choices"][0]["text"] for c in content) == "héll"  # 5 tokens: h, é (2), l, l
     assert content[-1]["choices"][0]["finish_reason"] == "length"

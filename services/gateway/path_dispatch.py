@@ -1,0 +1,60 @@
+"""The prefill path at dispatch: choose it for a job (prefill_path.py on path_signals.py's signals) and say where
+the job goes.
+
+- remote: the prefill job onto the prefill queue, as ever (a prefill or mixed worker takes it);
+- local: the same request as a decode job with `prefill_here` onto the decode queue: the decode worker that takes it
+  computes the prompt in its own engine and decodes on (services/decode/worker.py), no KV to pull.
+
+Whichever path a request came by, a move (the watchdog's, nats_backend.py) sends it back to the prefill queue with its
+tokens so far, as every moved request.
+"""
+
+from __future__ import annotations
+
+from services.gateway.liveness import WorkerTable
+from services.gateway.path_signals import PathSignals
+from services.gateway.prefill_path import PathChoice, Slos, choose_path
+from shared.messages import DecodeJob, PrefillJob, Sibling, decode_subject, prefill_subject
+from shared.settings import PrefillPath, PrefillPathSettings
+
+
+class PathChooser:
+    def __init__(self, settings: PrefillPathSettings) -> None:
+        self.settings = settings
+        self.slos = Slos(settings.ttft_slo_ms / 1e3, settings.tpot_slo_ms / 1e3)
+
+    def choose(self, workers: WorkerTable, model: str, prompt_tokens: int, now: float) -> PathChoice:
+        """The path of a request of `prompt_tokens` for `model`, from the workers live at `now`."""
+        signals = PathSignals(workers.serving(model, now), self.settings.prefill_path_live_calibration)
+        return choose_path(
+            prompt_tokens,
+            signals.prefill(),
+            signals.decode(),
+            signals.transfer(),
+            self.slos,
+            self.settings.prefill_path,
+        )
+
+
+def dispatch(choice: PathChoice, job: PrefillJob) -> tuple[str, PrefillJob | DecodeJob]:
+    """(subject, message) that sends `job` (a fresh request, its other choices as siblings) down the chosen path."""
+    if choice.path is PrefillPath.REMOTE:
+        return prefill_subject(job.model), job
+    return decode_subject(job.model), local_job(job)
+
+
+def local_job(job: PrefillJob) -> DecodeJob:
+    """The prefill job as a decode job to be prefilled where it is taken: nothing sampled yet, nothing to pull."""
+    return DecodeJob(
+        request_id=job.request_id,
+        model=job.model,
+        prompt_token_ids=job.prompt_token_ids,
+        output_token_ids=list(job.output_token_ids),
+        sampling=job.sampling,
+        reply_subject=job.reply_subject,
+        attempt=job.attempt,
+        created_at=job.created_at,
+        siblings=[Sibling(s.request_id, s.reply_subject, s.seed) for s in job.siblings],
+        cache_salt=job.cache_salt,
+        prefill_here=True,
+    )

@@ -1,0 +1,91 @@
+"""The prefill path's signals (prefill_path.py) from the live workers' heartbeats: each worker's load and the cost
+coefficients it measured (`Heartbeat.path_calibration`, shared/worker/calibration.py), and the documented defaults
+wherever a worker has not measured one yet, or where live calibration is off (`prefill_path_live_calibration`).
+
+The defaults were measured on the project's 2-core AMD EPYC host with the `small` demo model (Qwen3-MoE, 106M
+parameters, float32, 8 KiB of KV per token); docs/benchmarks.md and its journal:
+
+    prefill 1236 tokens/s     engine_bench, 512-token prompts, batch 1, 2 threads (journal, "Result: packed and
+                              plain side by side", 2026-12-01)
+    prefill step 8 ms         a step's cost before its prompt tokens: taken as a one-sequence decode step (below)
+    decode step 8 ms          engine_bench, decode at 1 sequence: 7.6-9.1 ms ("Issue 36 architecture pass")
+    pull 2 ms + 0.6 ms/MB     "the fixed cost of a pull is 1-4 ms on every transport"; 4096 tokens (33.55 MB) over
+                              the same-host segment in 22.0 ms ("Break-even: KV transfer against prefill")
+    8192 KV bytes per token   the small model's; every worker reports its own (a fact of its model, not a measure)
+
+A decode worker that has computed no prompt yet is assumed as fast at prompts as the prefill workers measured (the
+same model, on hardware of the same kind), else the default; a transfer coefficient is the mean of what the decode
+workers measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from statistics import fmean
+
+from services.gateway.prefill_path import DecodeSide, PrefillSide, Transfer
+from shared.messages import Heartbeat, PathCalibration, Role
+
+DEFAULT_PREFILL_TOKENS_PER_S = 1236.0
+DEFAULT_PREFILL_STEP_MS = 8.0
+DEFAULT_DECODE_STEP_MS = 8.0
+DEFAULT_KV_TRANSFER_MS_PER_MB = 0.6
+DEFAULT_KV_PULL_OVERHEAD_MS = 2.0
+DEFAULT_KV_BYTES_PER_TOKEN = 8192
+
+
+def _measured(beats: Sequence[Heartbeat], read: Callable[[PathCalibration], float | None]) -> list[float]:
+    """Every positive value `read` finds in the beats' calibrations."""
+    values = (read(b.path_calibration) for b in beats if b.path_calibration is not None)
+    return [v for v in values if v is not None and v > 0]
+
+
+def _pick(own: float | None, fallback: float, live: bool) -> float:
+    return own if live and own is not None and own > 0 else fallback
+
+
+class PathSignals:
+    """The signals of one choice (see the module)."""
+
+    def __init__(self, beats: Sequence[Heartbeat], live: bool) -> None:
+        """beats: the live, non-draining workers of the model; live: use what they measured."""
+        self.live = live
+        self._prefill_beats = [b for b in beats if b.role is Role.PREFILL]
+        self._decode_beats = [b for b in beats if b.role is Role.DECODE]
+
+    def prefill(self) -> list[PrefillSide]:
+        return [self._prefill_side(b) for b in self._prefill_beats]
+
+    def decode(self) -> list[DecodeSide]:
+        measured = _measured(self._prefill_beats, lambda c: c.prefill_tokens_per_s) if self.live else []
+        prior = fmean(measured) if measured else DEFAULT_PREFILL_TOKENS_PER_S
+        return [self._decode_side(b, prior) for b in self._decode_beats]
+
+    def transfer(self) -> Transfer:
+        beats = self._decode_beats
+        per_mb = _measured(beats, lambda c: c.kv_transfer_ms_per_mb) if self.live else []
+        overhead = _measured(beats, lambda c: c.kv_pull_overhead_ms) if self.live else []
+        per_token = _measured(beats + self._prefill_beats, lambda c: c.kv_bytes_per_token)
+        return Transfer(
+            s_per_byte=(fmean(per_mb) if per_mb else DEFAULT_KV_TRANSFER_MS_PER_MB) / 1e3 / 1e6,
+            overhead_s=(fmean(overhead) if overhead else DEFAULT_KV_PULL_OVERHEAD_MS) / 1e3,
+            bytes_per_token=int(max(per_token)) if per_token else DEFAULT_KV_BYTES_PER_TOKEN,
+        )
+
+    def _prefill_side(self, beat: Heartbeat) -> PrefillSide:
+        c = beat.path_calibration or PathCalibration()
+        return PrefillSide(
+            worker_id=beat.worker_id,
+            queued_tokens=c.queued_prompt_tokens,  # load, not a coefficient: read whether live or not
+            tokens_per_s=_pick(c.prefill_tokens_per_s, DEFAULT_PREFILL_TOKENS_PER_S, self.live),
+            step_s=_pick(c.prefill_step_ms, DEFAULT_PREFILL_STEP_MS, self.live) / 1e3,
+        )
+
+    def _decode_side(self, beat: Heartbeat, prefill_prior: float) -> DecodeSide:
+        c = beat.path_calibration or PathCalibration()
+        return DecodeSide(
+            worker_id=beat.worker_id,
+            batch=beat.running,
+            step_s=_pick(c.decode_step_ms, DEFAULT_DECODE_STEP_MS, self.live) / 1e3,
+            prefill_tokens_per_s=_pick(c.prefill_tokens_per_s, prefill_prior, self.live),
+        )

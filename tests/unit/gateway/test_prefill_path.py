@@ -1,0 +1,189 @@
+"""The prefill path's rule (services/gateway/prefill_path.py) on recorded signals: heartbeats as workers send them,
+read by path_signals.py with the documented defaults where nothing was measured, and the dispatch of each path."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gateway.liveness import WorkerTable
+from services.gateway.path_dispatch import PathChooser, dispatch, local_job
+from services.gateway.path_signals import (
+    DEFAULT_DECODE_STEP_MS,
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    PathSignals,
+)
+from services.gateway.prefill_path import DecodeSide, PrefillSide, Slos, Transfer, choose_path
+from shared.messages import (
+    DecodeJob,
+    Heartbeat,
+    PathCalibration,
+    PrefillJob,
+    Role,
+    Sampling,
+    Sibling,
+    decode,
+    decode_subject,
+    encode,
+    prefill_subject,
+)
+from shared.settings import PrefillPath, PrefillPathSettings
+
+SLOS = Slos(ttft_s=2.5, tpot_s=0.1)  # the settings' defaults
+SHORT, LONG = 16, 512
+
+
+def _beat(role: Role, worker_id: str, running: int = 0, **measured) -> Heartbeat:
+    calibration = PathCalibration(**measured) if measured else None
+    return Heartbeat(worker_id, role, "demo", "p:1" if role is Role.PREFILL else None, running=running,
+                     block_size=16, total_blocks=64, free_blocks=64, path_calibration=calibration)  # fmt: skip
+
+
+# what an idle 1 prefill + 1 decode stack sends before it has computed anything (kv bytes: the tiny model's)
+FRESH = [_beat(Role.PREFILL, "p", kv_bytes_per_token=512), _beat(Role.DECODE, "d", kv_bytes_per_token=512)]
+
+
+def _choose(beats, prompt_tokens: int, live: bool = True, mode=PrefillPath.AUTO, slos=SLOS):
+    s = PathSignals(beats, live)
+    return choose_path(prompt_tokens, s.prefill(), s.decode(), s.transfer(), slos, mode)
+
+
+def test_under_the_default_calibration_a_short_prompt_goes_local_and_a_long_one_remote():
+    short = _choose(FRESH, SHORT)
+    assert (short.path, short.reason) == (PrefillPath.LOCAL, "sooner")
+    assert short.local is not None and short.remote is not None
+    assert short.local.ready_s < short.remote.ready_s  # no hand-off
+    assert short.predicted_ttft_s == short.local.ttft_s
+    long = _choose(FRESH, LONG)
+    assert (long.path, long.reason) == (PrefillPath.REMOTE, "tpot")
+    assert long.decode_slowdown_s == pytest.approx(LONG / DEFAULT_PREFILL_TOKENS_PER_S)
+    assert long.predicted_ttft_s == long.remote.ttft_s  # pyright: ignore[reportOptionalMemberAccess]
+
+
+def test_the_default_threshold_is_where_the_prompt_no_longer_fits_a_tpot_step():
+    # decode step 8 ms + P / 1236 tokens/s <= 100 ms  ⇔  P <= 113.7
+    edge = int((SLOS.tpot_s - DEFAULT_DECODE_STEP_MS / 1e3) * DEFAULT_PREFILL_TOKENS_PER_S)
+    assert edge == 113
+    assert _choose(FRESH, edge).path is PrefillPath.LOCAL
+    assert _choose(FRESH, edge + 1).reason == "tpot"
+
+
+def test_the_settings_remote_and_local_answer_their_path():
+    assert _choose(FRESH, SHORT, mode=PrefillPath.REMOTE).path is PrefillPath.REMOTE
+    forced = _choose(FRESH, LONG, mode=PrefillPath.LOCAL)
+    assert (forced.path, forced.reason) == (PrefillPath.LOCAL, "setting")
+
+
+def test_without_a_decode_or_a_prefill_worker_it_is_remote_a_mixed_worker_computes_it_where_it_decodes():
+    mixed_only = [_beat(Role.MIXED, "m")]
+    assert _choose(mixed_only, SHORT).reason == "no decode worker"
+    assert _choose(mixed_only, SHORT, mode=PrefillPath.LOCAL).path is PrefillPath.REMOTE  # nobody to take it
+    decode_and_mixed = [_beat(Role.MIXED, "m"), _beat(Role.DECODE, "d")]
+    choice = _choose(decode_and_mixed, SHORT)
+    assert (choice.path, choice.reason) == (PrefillPath.REMOTE, "no prefill worker")
+    assert _choose(decode_and_mixed, SHORT, mode=PrefillPath.LOCAL).path is PrefillPath.LOCAL
+
+
+def test_a_queued_prefill_worker_puts_remote_far_behind_local():
+    busy = [_beat(Role.PREFILL, "p", queued_prompt_tokens=5000), FRESH[1]]
+    choice = _choose(busy, 100)  # fits a TPOT step (8 + 81 ms); remote's first token waits 5000 queued tokens
+    assert choice.path is PrefillPath.LOCAL
+    assert choice.remote is not None and choice.remote.ttft_s > 4.0 > choice.local.ttft_s  # pyright: ignore
+
+
+def test_a_busy_decode_batch_takes_a_short_prompt_only_when_the_hand_off_costs_more_than_it_delays_them():
+    busy_decode = [FRESH[0], _beat(Role.DECODE, "d", running=8, kv_bytes_per_token=512)]
+    choice = _choose(busy_decode, SHORT)  # saves ~2 ms for one request, delays 8 next tokens by ~13 ms each
+    assert (choice.path, choice.reason) == (PrefillPath.REMOTE, "slower")
+    assert choice.decode_slowdown_s == pytest.approx(SHORT / DEFAULT_PREFILL_TOKENS_PER_S)
+    queued = [_beat(Role.PREFILL, "p", queued_prompt_tokens=5000), busy_decode[1]]
+    assert _choose(queued, SHORT).path is PrefillPath.LOCAL  # the queue it skips is worth more than the delay
+
+
+def test_the_tpot_rule_holds_even_against_a_queued_prefill_worker():
+    busy = [_beat(Role.PREFILL, "p", queued_prompt_tokens=50_000), FRESH[1]]
+    choice = _choose(busy, LONG)  # remote's TTFT ~40 s, but the prompt would stall the decode batch 0.4 s
+    assert (choice.path, choice.reason) == (PrefillPath.REMOTE, "tpot")
+
+
+def test_the_ttft_rule_keeps_a_slow_local_first_token_remote_where_remote_is_not_slower():
+    slos = Slos(ttft_s=0.05, tpot_s=10.0)  # TPOT out of the way
+    choice = _choose(FRESH, 200, slos=slos)  # equal rates: local TTFT 170 ms > 50 ms and >= remote's
+    assert (choice.path, choice.reason) == (PrefillPath.REMOTE, "ttft")
+
+
+def test_a_decode_worker_slower_at_prompts_loses_to_the_hand_off():
+    slow_decode = [FRESH[0], _beat(Role.DECODE, "d", prefill_tokens_per_s=100.0, kv_bytes_per_token=512)]
+    choice = _choose(slow_decode, 8, slos=Slos(ttft_s=10.0, tpot_s=10.0))
+    assert (choice.path, choice.reason) == (PrefillPath.REMOTE, "slower")
+
+
+def test_live_coefficients_move_the_threshold_and_are_ignored_when_live_calibration_is_off():
+    # the tiny model as workers measure it: prompts at 20k tokens/s, 2 ms decode steps
+    rates = {"prefill_tokens_per_s": 20_000.0, "kv_bytes_per_token": 512}
+    pulls = {"kv_transfer_ms_per_mb": 1.0, "kv_pull_overhead_ms": 1.5}
+    fast = [
+        _beat(Role.PREFILL, "p", prefill_step_ms=2.0, **rates),
+        _beat(Role.DECODE, "d", decode_step_ms=2.0, **rates, **pulls),
+    ]
+    assert _choose(fast, LONG).path is PrefillPath.LOCAL  # 2 + 25.6 ms fits a 100 ms step
+    assert _choose(fast, LONG, live=False).reason == "tpot"  # the defaults: 8 + 414 ms does not
+
+
+def test_a_decode_worker_that_never_prefilled_borrows_the_prefill_workers_rate():
+    beats = [_beat(Role.PREFILL, "p", prefill_tokens_per_s=10_000.0), _beat(Role.DECODE, "d", decode_step_ms=3.0)]
+    (side,) = PathSignals(beats, live=True).decode()
+    assert side.prefill_tokens_per_s == 10_000.0 and side.step_s == pytest.approx(0.003)
+    (default,) = PathSignals(beats, live=False).decode()
+    assert default.prefill_tokens_per_s == DEFAULT_PREFILL_TOKENS_PER_S
+
+
+def test_the_transfer_is_what_the_decode_workers_measured_and_moves_every_prompt_token():
+    beats = [_beat(Role.PREFILL, "p"), _beat(Role.DECODE, "d", kv_transfer_ms_per_mb=2.0, kv_pull_overhead_ms=1.0,
+                                            kv_bytes_per_token=1000)]  # fmt: skip
+    transfer = PathSignals(beats, live=True).transfer()
+    assert transfer == Transfer(s_per_byte=pytest.approx(2e-9), overhead_s=pytest.approx(1e-3), bytes_per_token=1000)
+    sides = [PrefillSide("p", 0, 1000.0, 0.0, cached_tokens=900)]
+    choice = choose_path(1000, sides, [DecodeSide("d", 0, 0.001, 1000.0)], transfer, SLOS)
+    assert choice.remote is not None
+    assert choice.remote.ttft_s == pytest.approx(0.1)  # 100 uncached tokens
+    assert choice.remote.ready_s - choice.remote.ttft_s == pytest.approx(1e-3 + 1000 * 1000 * 2e-9)  # all 1000 move
+
+
+def test_the_best_worker_of_each_side_is_the_one_assumed():
+    prefill = [PrefillSide("busy", 10_000, 1000.0, 0.0), PrefillSide("idle", 0, 1000.0, 0.0)]
+    decode = [DecodeSide("slow", 0, 0.05, 1000.0), DecodeSide("quick", 0, 0.001, 1000.0)]
+    choice = choose_path(10, prefill, decode, Transfer(0.0, 0.0, 0), SLOS)
+    assert choice.remote.worker_id == "idle" and choice.local.worker_id == "quick"  # pyright: ignore
+
+
+# ---- dispatch -------------------------------------------------------------------------------------------------
+
+
+def _prefill_job() -> PrefillJob:
+    return PrefillJob("r", "demo", [5, 6, 7], Sampling(max_tokens=4, seed=3), "pd.tokens.g.r", created_at=12.0,
+                      siblings=[Sibling("r_c1", "pd.tokens.g.r_c1", 4)], cache_salt="tenant-a")  # fmt: skip
+
+
+def test_a_local_request_is_a_decode_job_to_be_prefilled_where_it_is_taken():
+    job = _prefill_job()
+    subject, message = dispatch(_choose(FRESH, 3), job)
+    assert subject == decode_subject("demo") and isinstance(message, DecodeJob)
+    assert message == local_job(job)
+    assert message.prefill_here and message.prefill_worker is None and message.output_token_ids == []
+    assert (message.prompt_token_ids, message.sampling, message.created_at) == ([5, 6, 7], job.sampling, 12.0)
+    assert message.cache_salt == "tenant-a"  # its prefix-cache hashes salted as on the remote path
+    assert [(s.request_id, s.seed, s.output_token_ids) for s in message.siblings] == [("r_c1", 4, [])]
+    assert decode(encode(message), DecodeJob) == message
+    subject, same = dispatch(_choose(FRESH, LONG), job)
+    assert (subject, same) == (prefill_subject("demo"), job)
+
+
+def test_the_chooser_reads_the_live_workers_of_the_model():
+    table = WorkerTable(ttl_s=5.0)
+    for beat in FRESH:
+        table.record(beat, now=100.0)
+    chooser = PathChooser(PrefillPathSettings())
+    assert chooser.choose(table, "demo", SHORT, now=101.0).path is PrefillPath.LOCAL
+    assert chooser.choose(table, "demo", SHORT, now=106.0).reason == "no decode worker"  # both beats expired
+    remote = PathChooser(PrefillPathSettings(prefill_path=PrefillPath.REMOTE))
+    assert remote.choose(table, "demo", SHORT, now=101.0).path is PrefillPath.REMOTE
