@@ -17,23 +17,29 @@ from shared.engine.fork import Choice
 from shared.engine.kv_export import KVExport
 
 
-def import_and_fork(engine: Engine, prompt: list[int], kv: KVExport, choices: list[Choice]) -> list[RequestOutput]:
+def import_and_fork(
+    engine: Engine, prompt: list[int], kv: KVExport, choices: list[Choice], cache_salt: str = ""
+) -> list[RequestOutput]:
     """On the engine thread: import the pulled prompt KV as `choices[0]` (without prompt logprobs: the prefill
     worker reported them), then fork `choices[1:]` from it. Raises NoFreeBlocksError (nothing taken) or
-    BorrowRevoked as import_kv does; returns the outputs of forked choices that had ended already."""
+    BorrowRevoked as import_kv does; returns the outputs of forked choices that had ended already. `cache_salt`:
+    the job's (its blocks join this engine's prefix cache under it)."""
     head = choices[0]
     params = dataclasses.replace(head.params, prompt_logprobs=None)
-    engine.import_kv(head.request_id, prompt, list(head.output_token_ids), params, kv)
+    engine.import_kv(head.request_id, prompt, list(head.output_token_ids), params, kv, cache_salt=cache_salt)
     return engine.fork(head.request_id, choices[1:]) if len(choices) > 1 else []
 
 
 async def import_choices(
-    engine: AsyncEngine, prompt: list[int], kv: KVExport, choices: list[Choice]
+    engine: AsyncEngine, prompt: list[int], kv: KVExport, choices: list[Choice], cache_salt: str = ""
 ) -> list[RequestOutput]:
     """import_and_fork, called on the engine thread."""
-    return await engine.call(lambda e: import_and_fork(e, prompt, kv, choices))
+    return await engine.call(lambda e: import_and_fork(e, prompt, kv, choices, cache_salt))
 
 
-async def recompute_choices(engine: AsyncEngine, prompt: list[int], choices: list[Choice]) -> None:
-    """No KV here: the prompt (and each choice's tokens so far) computed in this engine, choices forked there."""
-    await engine.call(lambda e: e.add_group(prompt, choices))
+async def recompute_choices(
+    engine: AsyncEngine, prompt: list[int], choices: list[Choice], cache_salt: str = ""
+) -> None:
+    """No KV here: the prompt (and each choice's tokens so far) computed in this engine (less what its prefix
+    cache holds under `cache_salt`), choices forked there."""
+    await engine.call(lambda e: e.add_group(prompt, choices, cache_salt=cache_salt))

@@ -179,7 +179,7 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
         head = entries[0]
         if kv is not None:
             try:
-                done = await import_choices(self.engine, prompt, kv, choices)
+                done = await import_choices(self.engine, prompt, kv, choices, head.job.cache_salt)
             except (NoFreeBlocksError, BorrowRevoked) as exc:
                 await self._give_up(kv)  # given back (a revoked loan: to a connection that is over already)
                 if isinstance(exc, BorrowRevoked):  # the prefill worker took the blocks back: a failed pull
@@ -194,7 +194,7 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
                 self.kv.recycle(kv)  # imported: its receive buffer serves the next pull
                 self.handle_outputs(done)
                 return "pulled"
-        await recompute_choices(self.engine, prompt, choices)
+        await recompute_choices(self.engine, prompt, choices, head.job.cache_salt)
         if head.job.prefill_here:  # its prefill is recorded (spans, metrics) at its first token: on_output
             return "local"
         metrics.PROMPT_TOKENS.labels(*self.labels).inc(len(prompt) * len(choices))  # computed here, each

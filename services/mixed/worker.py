@@ -35,7 +35,7 @@ class MixedWorker(StreamingWorker[PrefillJob]):
         try:
             # a request moved here mid-stream resumes after its tokens so far (each job's output_token_ids)
             choices = engine_choices(live, [sampling_params(j.sampling) for j in live])
-            await self.engine.call(lambda e: e.add_group(job.prompt_token_ids, choices))
+            await self.engine.call(lambda e: e.add_group(job.prompt_token_ids, choices, cache_salt=job.cache_salt))
         except Exception as exc:  # ValueError: refused (the gateway validates; a last line of defence); else a bug
             for e in entries:
                 await self.fail(e, exc)

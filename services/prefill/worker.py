@@ -104,10 +104,15 @@ class PrefillWorker(Worker[PrefillJob]):
                 loop, key = asyncio.get_running_loop(), job.key
                 announce = lambda _start: loop.call_soon_threadsafe(self._stream_started, key)  # noqa: E731
                 await self.engine.call(
-                    lambda e: (e.add_group(job.prompt_token_ids, choices, hold_kv=True), self._watch(e, key, announce))
+                    lambda e: (
+                        e.add_group(job.prompt_token_ids, choices, hold_kv=True, cache_salt=job.cache_salt),
+                        self._watch(e, key, announce),
+                    )
                 )
             else:
-                await self.engine.call(lambda e: e.add_group(job.prompt_token_ids, choices, hold_kv=True))
+                await self.engine.call(
+                    lambda e: e.add_group(job.prompt_token_ids, choices, hold_kv=True, cache_salt=job.cache_salt)
+                )
         except Exception as exc:  # ValueError: the engine refused the job; anything else: a bug, answered as such
             for e in entries:
                 await self.fail(e, exc)

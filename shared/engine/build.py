@@ -24,6 +24,7 @@ from shared.engine.kv_cache import KvCache, plan_kv_cache
 from shared.engine.kv_handoff import KvHandoff
 from shared.engine.kv_measure import outside_torch
 from shared.engine.layer_streams import LayerStreams
+from shared.engine.prefix_caching import PrefixCaching
 from shared.engine.request import PromptLimits, Request
 from shared.engine.runner import ModelRunner
 from shared.engine.sampling import Sampler
@@ -85,6 +86,8 @@ def build_parts(
         max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         backend, why_not = graph_backend(config, device, kernels, model, group.world, graph_backend_override)
         kv = plan_kv_cache(config, model, device, group, max_model_len, non_torch_at_start, backend is not None)
+    routed = kv.blocks[0].cache  # None unless config.enable_prefix_caching
+    prefix = None if routed is None else PrefixCaching(config.prefix_cache_namespace, config.block_size, routed)
     scheduler = Scheduler(
         config.scheduler,
         kv.blocks[0],
@@ -96,6 +99,7 @@ def build_parts(
             for b, g in zip(kv.blocks[1:], kv.groups[1:], strict=True)
             if g.window is not None  # every group after the first has one (kv_groups.py)
         ],
+        prefix=prefix,
     )
     structured = StructuredDecoding(lambda: Grammars.from_model_dir(config.model, mc.vocab_size, mc.eos_token_ids))
     graphs, capture = capture_graphs(model, kv, config, max_model_len, backend, why_not)

@@ -114,6 +114,13 @@ class EngineConfig:
     group_timeout_s: float = 30.0
     """A worker group's collectives (and its ranks' start) fail after this long instead of waiting forever on
     a dead or hung rank; a follower idle between steps waits for its leader without limit."""
+    enable_prefix_caching: bool = True
+    """Keep the KV blocks of computed prompt prefixes after their requests end (evicted least recently used first
+    when the pool runs out) and let a later request with the same prefix and cache salt reuse them instead of
+    computing them (shared/engine/prefix_caching.py). --no-prefix-caching turns it off."""
+    prefix_cache_namespace: str = field(default="", metadata={"flag": False})
+    """The root of the prefix-cache hashes (shared/prefix_hash.py): a worker sets it to the model name it serves,
+    the name the gateway hashes prompts with; not a setting of its own."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:

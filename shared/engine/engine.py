@@ -36,12 +36,14 @@ from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVPool
 from shared.engine.layer_streams import OnStart
 from shared.engine.outputs import RequestOutput, request_output
+from shared.engine.prefix_cache import PrefixCacheEvents
+from shared.engine.prefix_caching import PrefixCacheStats
 from shared.engine.request import Request
 from shared.engine.sampling import SamplingParams
 from shared.model.transformer import CausalLM
 from shared.sharding.group import RankGroup
 
-__all__ = ["Engine", "EngineStats", "RequestOutput"]
+__all__ = ["Engine", "EngineStats", "PrefixCacheEvents", "PrefixCacheStats", "RequestOutput"]
 
 
 @dataclass
@@ -118,23 +120,29 @@ class Engine:
         params: SamplingParams,
         hold_kv: bool = False,
         output_token_ids: list[int] | None = None,
+        cache_salt: str = "",
     ) -> None:
         """Queue a request. Raises ValueError for an empty, too long or out-of-vocabulary prompt, or a
         duplicate id. With hold_kv the blocks outlive the request until `release_kv`. `output_token_ids`
-        continues a request started elsewhere: prompt and those tokens are recomputed, then it samples on."""
+        continues a request started elsewhere: prompt and those tokens are recomputed (less any cached prefix),
+        then it samples on. `cache_salt`: its prefix-cache salt (shared/prefix_hash.py request_salt): it reuses
+        and leaves cached blocks only among requests of the same salt."""
         self.limits.check(self.requests, request_id, prompt_token_ids + (output_token_ids or []))
-        req = Request(request_id, list(prompt_token_ids), params, hold_kv=hold_kv)
+        req = Request(request_id, list(prompt_token_ids), params, hold_kv=hold_kv, cache_salt=cache_salt)
         req.output_token_ids = list(output_token_ids or [])
         self.structured.add(request_id, params.structured, req.output_token_ids)  # replays the output so far
         self.requests[request_id] = req
         self.scheduler.add(req)
 
-    def add_group(self, prompt_token_ids: list[int], choices: list[Choice], hold_kv: bool = False) -> None:
+    def add_group(
+        self, prompt_token_ids: list[int], choices: list[Choice], hold_kv: bool = False, cache_salt: str = ""
+    ) -> None:
         """Queue n choices of one prompt (shared/engine/fork.py). Fresh choices (no tokens yet): the first
         computes the prompt once, and at its first token the others are forked from its KV, each sampling its
         first token from the same logits with its own parameters. Choices that carry tokens (a migrated group:
         each has its own tokens after the prompt) are queued as separate requests. Raises ValueError as
-        add_request does, or for a group that mixes fresh and continued choices; nothing is queued then."""
+        add_request does, or for a group that mixes fresh and continued choices; nothing is queued then.
+        `cache_salt`: every choice's (add_request)."""
         fresh = [not c.output_token_ids for c in choices]
         if any(fresh) and not all(fresh):
             raise ValueError("a group's choices are either all fresh or all continued")
@@ -145,11 +153,13 @@ class Engine:
             self.limits.check(self.requests, c.request_id, prompt_token_ids + list(c.output_token_ids))
         if not all(fresh) or len(choices) == 1:
             for c in choices:
-                self.add_request(c.request_id, prompt_token_ids, c.params, hold_kv, list(c.output_token_ids))
+                self.add_request(
+                    c.request_id, prompt_token_ids, c.params, hold_kv, list(c.output_token_ids), cache_salt
+                )
             return
         parent, *children = choices
         # the parent holds its blocks past its own end until the children are forked from them
-        self.add_request(parent.request_id, prompt_token_ids, parent.params, hold_kv=True)
+        self.add_request(parent.request_id, prompt_token_ids, parent.params, hold_kv=True, cache_salt=cache_salt)
         self.forker.pending.add(parent.request_id, children, hold_kv)
 
     def fork(self, parent_id: str, children: list[Choice]) -> list[RequestOutput]:
@@ -172,7 +182,7 @@ class Engine:
         pending = self.forker.pending.pop(request_id)
         if pending is not None and pending.children:  # a parent before its first token: the next choice takes over
             heir, *rest = pending.children
-            self.add_group(req.prompt_token_ids, [heir, *rest], hold_kv=pending.parent_holds_kv)
+            self.add_group(req.prompt_token_ids, [heir, *rest], pending.parent_holds_kv, req.cache_salt)
         return True
 
     def has_unfinished(self) -> bool:
@@ -269,10 +279,12 @@ class Engine:
         output_token_ids: list[int],
         params: SamplingParams,
         kv: KVExport,
+        cache_salt: str = "",
     ) -> None:
         """Continue a request from KV computed elsewhere (KvHandoff.import_): NoFreeBlocksError, nothing taken,
-        when the pool is full."""
-        self.handoff.import_(request_id, prompt_token_ids, output_token_ids, params, kv)
+        when the pool is full. `cache_salt`: as add_request's (its imported full blocks are offered to the prefix
+        cache under it)."""
+        self.handoff.import_(request_id, prompt_token_ids, output_token_ids, params, kv, cache_salt)
 
     def can_stream_kv(self) -> bool:
         """Whether this engine can stream a request's KV layer by layer (KvHandoff.can_stream)."""
@@ -282,12 +294,30 @@ class Engine:
         """Watch a fresh prefill holding its KV; `on_start` when its last chunk starts (KvHandoff.stream)."""
         self.handoff.stream(request_id, on_start)
 
+    # ---- prefix cache (prefix_caching.py) ---------------------------------------------------------------
+
+    def prefix_cache_events(self) -> PrefixCacheEvents:
+        """The hashes of KV cache group 0's blocks that became cached and that were evicted since the last call
+        (netted out; `overflowed`: too many to keep, take `prefix_cache_hashes` instead). Empty when off."""
+        prefix = self.scheduler.prefix
+        return PrefixCacheEvents() if prefix is None else prefix.events()
+
+    def prefix_cache_hashes(self) -> list[int]:
+        """Every hash group 0 holds now (cached blocks, referenced or evictable): the snapshot. Empty when off."""
+        prefix = self.scheduler.prefix
+        return [] if prefix is None else prefix.routed.hashes()
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prompt tokens looked up and found cached, cached blocks, evictions (zeros when off)."""
+        prefix = self.scheduler.prefix
+        return PrefixCacheStats() if prefix is None else prefix.stats()
+
     # ---- integrity -------------------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
         """Block manager invariants, plus: every block's reference count is the number of live requests whose
         tables hold it (forked choices share prompt blocks), so no block is free while held, nor held by
-        nobody. In every KV cache group."""
+        nobody; cached blocks nobody holds are evictable (BlockManager.check_integrity). In every KV cache group."""
         for g, blocks in enumerate(self.group_blocks):
             blocks.check_integrity()
             holders = [0] * blocks.num_blocks

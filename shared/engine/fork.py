@@ -129,8 +129,9 @@ def fork_children(
     for c in children:
         if not c.output_token_ids:
             raise ValueError(f"choice {c.request_id!r} has no sampled token to continue from")
-        req = Request(c.request_id, parent.prompt_token_ids, c.params, hold_kv=hold_kv)
+        req = Request(c.request_id, parent.prompt_token_ids, c.params, hold_kv=hold_kv, cache_salt=parent.cache_salt)
         req.output_token_ids = list(c.output_token_ids)
+        req.num_cached_tokens = parent.num_cached_tokens  # the prompt it shares was found cached as far
         made.append(req)
         reason = scheduler.finish_reason(req, c.output_token_ids[-1])
         if reason is not None:

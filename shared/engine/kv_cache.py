@@ -20,6 +20,7 @@ from shared.engine.kv_budget import GroupNeed, KvPlan, grouped_summary, split_pl
 from shared.engine.kv_groups import KVGroup, kv_groups, window_live_blocks
 from shared.engine.kv_measure import plan_kv_pool
 from shared.engine.kv_pool import KVLayout, KVPool
+from shared.engine.prefix_cache import CacheEvents, PrefixCache
 from shared.model.transformer import CausalLM
 from shared.sharding.group import RankGroup
 from shared.sharding.layout import kv_head_range
@@ -89,8 +90,17 @@ def plan_kv_cache(
         KVPool(g.layout(layout), p.num_blocks + scratch_block, device, shared)
         for g, p in zip(groups, plans, strict=True)
     ]
-    blocks = [BlockManager(p.num_blocks, config.block_size) for p in plans]
+    blocks = [
+        BlockManager(p.num_blocks, config.block_size, _prefix_cache(config, routed=g == 0)) for g, p in enumerate(plans)
+    ]
     return KvCache(layout, groups, plans, pools, blocks)
+
+
+def _prefix_cache(config: EngineConfig, routed: bool) -> PrefixCache | None:
+    """A group's prefix cache when caching is on; group 0's (`routed`) records events for the router."""
+    if not config.enable_prefix_caching:
+        return None
+    return PrefixCache(CacheEvents() if routed else None)
 
 
 def _split_groups(

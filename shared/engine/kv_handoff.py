@@ -129,9 +129,11 @@ class KvHandoff:
         output_token_ids: list[int],
         params: SamplingParams,
         kv: KVExport,
+        cache_salt: str = "",
     ) -> None:
         """Continue a request from KV computed elsewhere. The KV must cover every token but the last
-        sampled one. Raises NoFreeBlocksError (nothing taken) when the pool is full: retry later."""
+        sampled one. Raises NoFreeBlocksError (nothing taken) when the pool is full: retry later. Its full
+        blocks are offered to the prefix cache under `cache_salt` after its first step."""
         self.limits.check(self.requests, request_id, prompt_token_ids)
         self._check_import(prompt_token_ids, output_token_ids, kv)
         tables = self._allocate(kv)
@@ -146,7 +148,9 @@ class KvHandoff:
             self.structured.remove(request_id)
             self._free(tables)
             raise
-        req = Request(request_id, list(prompt_token_ids), params, output_token_ids=list(output_token_ids))
+        req = Request(
+            request_id, list(prompt_token_ids), params, cache_salt=cache_salt, output_token_ids=list(output_token_ids)
+        )
         req.group_tables = tables
         req.num_computed_tokens = kv.num_tokens
         self.requests[request_id] = req

@@ -19,6 +19,7 @@ class RequestOutput:
     scheduled_at: float | None = None  # wall clock of the request's first scheduling (end of its queue wait)
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when params.logprobs asked
     prompt_logprobs: list[TokenLogprobs] | None = None  # positions 1.. of the prompt, on the request's first output
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed (usage's cached_tokens)
 
 
 def request_output(req: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None) -> RequestOutput:
@@ -41,4 +42,5 @@ def request_output(req: Request, tokens: list[int], logprobs: list[TokenLogprobs
         req.scheduled_at,
         token_logprobs,
         prompt_lp,
+        req.num_cached_tokens,
     )

@@ -40,6 +40,8 @@ class Request:
     # Keep the KV blocks when the request finishes, until the engine is told to release them
     # (a prefill worker holds them for the decode worker's pull).
     hold_kv: bool = False
+    # Salt of its prefix-cache hashes (shared/prefix_hash.py request_salt): it only hits blocks of the same salt.
+    cache_salt: str = ""
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -56,6 +58,12 @@ class Request:
     # an output carried them yet
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # Prefix caching (shared/engine/prefix_caching.py): prompt tokens found cached when first admitted (0: a miss,
+    # or caching off); the prefix hashes of its leading full blocks, computed as far as needed; and how many of
+    # its leading blocks were offered to the cache (0 again when its blocks are released).
+    num_cached_tokens: int = 0
+    block_hashes: list[int] = field(default_factory=list)
+    blocks_offered: int = 0
 
     @property
     def block_table(self) -> list[int]:

@@ -17,6 +17,10 @@ Policy (continuous batching):
   group 0's (the full layers: nothing freed), `window_groups` the others, each with its own block manager and
   a table per request (Request.group_tables) freed behind its window as above. A request grows in every
   group or in none; preemption and finishing free every group's table.
+- Prefix caching (`prefix`, shared/engine/prefix_caching.py): a request admitted from the queue (fresh, or
+  preempted) first takes the cached blocks of its longest usable prefix and is admitted with those tokens
+  computed; after every step the full blocks a request computed are offered to the cache. Released blocks that
+  are cached stay in the pool (evictable) until an allocation needs them.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 
 from shared.engine.block_manager import FREED, BlockManager
 from shared.engine.config import SchedulerConfig
+from shared.engine.prefix_caching import PrefixCaching
 from shared.engine.request import FinishReason, GroupTable, Request, RequestStatus
 
 
@@ -68,11 +73,13 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] = (),
         window: int | None = None,
         window_groups: Sequence[tuple[BlockManager, int]] = (),
+        prefix: PrefixCaching | None = None,
     ) -> None:
         """`max_model_len`: prompt + output tokens of one request (the engine resolves it from the model).
         `window`: every layer of `blocks`' group slides within this (ModelConfig.freeable_window for a one-group
         model): blocks behind it are freed; None = every block is kept while the request runs.
-        `window_groups`: the other KV cache groups' block managers and windows (kv_groups.py), in group order."""
+        `window_groups`: the other KV cache groups' block managers and windows (kv_groups.py), in group order.
+        `prefix`: prefix caching (None: off); every group's block manager then has a PrefixCache."""
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 "without chunked prefill a whole prompt must fit in one step: "
@@ -87,6 +94,7 @@ class Scheduler:
         self.window = window
         self.window_groups = list(window_groups)
         self.freed_behind_window = 0  # blocks given back behind the window so far (a counter for stats/tests)
+        self.prefix = prefix
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -153,16 +161,20 @@ class Scheduler:
         """Admit queued requests in order while budget, sequence slots and blocks allow."""
         admitted = False
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            n = req.num_tokens - req.num_computed_tokens
-            if n > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
+            req = self.waiting[0]  # nothing computed, no blocks
+            hit = self.prefix.take_hit(req, self.groups(), self.tables(req)) if self.prefix is not None else 0
+            req.num_computed_tokens = hit
+            n = req.num_tokens - hit
+            if n > budget and self.config.enable_chunked_prefill:
                 n = budget
-            if not self._grow(req, req.num_computed_tokens + n):
+            if n > budget or not self._grow(req, hit + n):
+                self.release(req)  # the hit's blocks go back (still cached)
+                req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            if req.scheduled_at is None and self.prefix is not None:  # its first admission
+                self.prefix.admitted(req, hit)
             req.scheduled_at = req.scheduled_at or time.time()
             self.running.append(req)
             plan.seqs.append(ScheduledSeq(req, n))
@@ -198,8 +210,11 @@ class Scheduler:
     def release(self, req: Request) -> None:
         """Give back every group's blocks of `req` (one reference each) and empty its tables."""
         for (blocks, _), table in zip(self.groups(), self.tables(req), strict=True):
-            blocks.free(table.blocks)
+            # last block first: cached blocks become evictable in this order, so a prefix loses its tail before
+            # its head (a hit needs the head)
+            blocks.free(table.blocks[::-1])
             table.blocks, table.freed = [], 0
+        req.blocks_offered = 0
 
     def _is_decoding(self, req: Request) -> bool:
         return req.num_computed_tokens == req.num_tokens - 1
@@ -246,6 +261,8 @@ class Scheduler:
                 continue  # aborted while the step ran
             samples = seq.samples
             req.num_computed_tokens += seq.num_tokens
+            if self.prefix is not None:  # before a finish releases them
+                self.prefix.offer(req, self.groups(), self.tables(req))
             if not samples:
                 continue
             token = sampled[req.request_id]

@@ -11,6 +11,8 @@ Who records what:
     workers      request_queue_time (created at the gateway → first scheduled), prompt/generation tokens
                  the engine computed and sampled, num_requests_running|waiting, kv_cache_usage_perc,
                  kv_cache_group_usage_perc|free_blocks|num_blocks (every KV cache group, label `group`),
+                 prefix_cache_queries|hits (prompt tokens looked up | found cached), prefix_cache_hit_rate,
+                 prefix_cache_blocks (cached now), prefix_cache_evictions (KV cache group 0's),
                  moe_expert_tokens (routed tokens per layer and expert); with expert parallelism
                  moe_rank_tokens (pairs each EP rank computed) and moe_rank_imbalance (busiest rank / mean)
     transfers    kv_transfer_seconds / bytes / failures: decode side (pull) and prefill side (send)
@@ -109,6 +111,23 @@ KV_CACHE_GROUP_FREE_BLOCKS = Gauge(
 KV_CACHE_GROUP_BLOCKS = Gauge(
     f"{PREFIX}kv_cache_group_num_blocks", "KV blocks of a KV cache group.", (*LABELS, "group")
 )
+# Prefix caching (shared/engine/prefix_caching.py): the engine's cumulative stats, advanced at each heartbeat
+PREFIX_CACHE_QUERIES = Counter(
+    f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix cache (at first admission).", LABELS
+)
+PREFIX_CACHE_HITS = Counter(
+    f"{PREFIX}prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).", LABELS
+)
+PREFIX_CACHE_HIT_RATE = Gauge(
+    f"{PREFIX}prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries since the engine started.", LABELS
+)
+PREFIX_CACHE_BLOCKS = Gauge(
+    f"{PREFIX}prefix_cache_blocks", "KV blocks held in the prefix cache now (referenced or evictable).", LABELS
+)
+PREFIX_CACHE_EVICTIONS = Counter(
+    f"{PREFIX}prefix_cache_evictions", "Cached KV blocks evicted to make room (least recently used first).", LABELS
+)
+_prefix_seen: dict[tuple[str, str], tuple[int, int, int]] = {}  # labels → the totals last recorded
 KV_TRANSFER_SECONDS = Histogram(
     f"{PREFIX}kv_transfer_seconds",
     "One KV transfer: pull (decode) or export + send (prefill).",
@@ -211,3 +230,19 @@ def record_rank_load(model_name: str, role: str, per_rank: list[int], imbalance:
     if sum(per_rank):
         MOE_RANK_IMBALANCE.labels(model_name, role).set(imbalance)
         MOE_RANK_IMBALANCE_HIST.labels(model_name, role).observe(imbalance)
+
+
+def record_prefix_cache(
+    model_name: str, role: str, queried: int, hits: int, evictions: int, blocks: int, hit_rate: float
+) -> None:
+    """Advance the prefix-cache counters to the engine's totals (an engine started afresh in this process counts
+    from zero again) and set the gauges."""
+    labels = (model_name, role)
+    seen = _prefix_seen.get(labels, (0, 0, 0))
+    totals = (queried, hits, evictions)
+    counters = (PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREFIX_CACHE_EVICTIONS)
+    for counter, now, before in zip(counters, totals, seen, strict=True):
+        counter.labels(*labels).inc(now - before if now >= before else now)
+    _prefix_seen[labels] = totals
+    PREFIX_CACHE_HIT_RATE.labels(*labels).set(hit_rate)
+    PREFIX_CACHE_BLOCKS.labels(*labels).set(blocks)

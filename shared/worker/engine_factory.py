@@ -30,7 +30,8 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, WorkerGroup | None]:
     """The worker's engine, and with --tp/--ep > 1 the worker group it leads (else None): the group's other
     ranks this process spawns (they die with it; one that dies takes this process down: shared/parallel/watch.py).
     The engine knows nothing of its group: the worker keeps both."""
-    config = settings.engine
+    # the gateway hashes prompts under the model name it serves: the engine's cache must name blocks alike
+    config = dataclasses.replace(settings.engine, prefix_cache_namespace=settings.served_model_name)
     if settings.role is WorkerRole.PREFILL and settings.kv.share_pool and settings.kv.shm_bytes:
         config = dataclasses.replace(config, kv_shared_memory=True)  # same-host decode workers borrow its blocks
     if max(config.tp, config.ep) == 1:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.engine.engine import Engine
+from shared.engine.prefix_caching import PrefixCacheStats
 
 # Fetch no job once this share of the KV blocks is in use: what remains is for the running requests to grow.
 MAX_BLOCK_USAGE = 0.9
@@ -31,6 +32,7 @@ class EngineLoad:
     # per sliding window); a one-group model: (free_blocks,) and (total_blocks,)
     group_free_blocks: tuple[int, ...] = ()
     group_total_blocks: tuple[int, ...] = ()
+    prefix_cache: PrefixCacheStats = PrefixCacheStats()  # cumulative; zeros with prefix caching off
 
     @classmethod
     def of(cls, engine: Engine) -> EngineLoad:
@@ -52,6 +54,7 @@ class EngineLoad:
             vocab_size=engine.model.config.vocab_size,
             group_free_blocks=tuple(b.num_free for b in engine.group_blocks),
             group_total_blocks=tuple(b.num_blocks for b in engine.group_blocks),
+            prefix_cache=engine.prefix_cache_stats(),
         )
 
     @property

@@ -12,8 +12,8 @@ if TYPE_CHECKING:  # torch-free at import, like the rest of this module
 
 
 def record_load(labels: tuple[str, str], load: EngineLoad) -> None:
-    """Requests running and waiting, and the KV cache's usage (group 0's, and every group's by its index),
-    labelled (model_name, role)."""
+    """Requests running and waiting, the KV cache's usage (group 0's, and every group's by its index) and the
+    prefix cache's counts, labelled (model_name, role)."""
     metrics.REQUESTS_RUNNING.labels(*labels).set(load.running)
     metrics.REQUESTS_WAITING.labels(*labels).set(load.waiting)
     metrics.KV_CACHE_USAGE.labels(*labels).set(load.usage)
@@ -23,6 +23,8 @@ def record_load(labels: tuple[str, str], load: EngineLoad) -> None:
         metrics.KV_CACHE_GROUP_USAGE.labels(*labels, str(group)).set(usage)
         metrics.KV_CACHE_GROUP_FREE_BLOCKS.labels(*labels, str(group)).set(free)
         metrics.KV_CACHE_GROUP_BLOCKS.labels(*labels, str(group)).set(total)
+    p = load.prefix_cache
+    metrics.record_prefix_cache(*labels, p.queried_tokens, p.hit_tokens, p.evictions, p.cached_blocks, p.hit_rate)
 
 
 def record_expert_load(labels: tuple[str, str], expert_load: dict[int, list[int]]) -> None:

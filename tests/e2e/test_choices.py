@@ -117,7 +117,9 @@ def test_the_prompt_is_prefilled_once_and_pulled_once(stack):
     client = _client(stack)
     before = {b.role: b for b in _settled(stack).values()}
     pulls_before = _decode_pulls(stack)
-    done = client.completions.create(prompt=PROMPT, n=N, seed=SEED, **SAMPLED)
+    # a salt of its own: the prefix cache (on by default) would serve the prompt the earlier tests computed
+    salted = SAMPLED | {"extra_body": SAMPLED["extra_body"] | {"cache_salt": "prefilled-once"}}
+    done = client.completions.create(prompt=PROMPT, n=N, seed=SEED, **salted)
     after = {b.role: b for b in _settled(stack).values()}
     assert after["prefill"].prefill_tokens - before["prefill"].prefill_tokens == done.usage.prompt_tokens
     assert after["decode"].prefill_tokens == before["decode"].prefill_tokens  # nothing recomputed on decode

@@ -126,6 +126,37 @@ def test_group_matches_single_engine_and_pools_stay_identical(model_dir, group: 
     assert group.ops.cost.steps == group.engine.stats.steps and group.ops.cost.bytes > 0
 
 
+def test_prefix_cache_hits_on_the_leader_are_what_the_follower_computes(model_dir, group: WorkerGroup) -> None:
+    """The leader's scheduler decides the hits for both ranks: a follower is sent only the uncached positions
+    (its pool holds the cached blocks, written by earlier steps), so tokens and pools still agree."""
+    g = torch.Generator().manual_seed(8)
+    base = torch.randint(5, 200, (30,), generator=g).tolist()
+    waves = [[("pa", base)], [("pb", base[:-1] + [4]), ("pc", base + [9, 9, 9, 9, 9])], [("pd", base[:13])]]
+
+    def serve(engine: Engine) -> tuple[dict[str, list[int]], int]:
+        out: dict[str, list[int]] = {}
+        before = engine.stats.prefill_tokens
+        for wave in waves:
+            for rid, prompt in wave:
+                engine.add_request(rid, prompt, GREEDY, cache_salt="group-test")
+            while engine.has_unfinished():
+                for o in engine.step():
+                    out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return out, engine.stats.prefill_tokens - before
+
+    expected, computed_off = serve(Engine.build(_config(model_dir, enable_prefix_caching=False)))
+    hits_before = group.engine.prefix_cache_stats().hit_tokens
+    got, computed = serve(group.engine)
+    hits = group.engine.prefix_cache_stats().hit_tokens - hits_before
+    assert got == expected
+    assert hits == 28 + 28 + 12  # whole blocks of 4, the last token of each prompt computed
+    assert computed == computed_off - hits  # the steps sent to the follower held only the uncached tokens
+    group.engine.check_integrity()
+    group.ops.sync()
+    digests = asyncio.run(group.agents.call_all("pool_digest", {0: None, 1: None}))
+    assert digests[0] == digests[1]
+
+
 def test_agent_errors_and_unknown_handlers(group: WorkerGroup) -> None:
     from shared.ranklink.agents import AgentError
 

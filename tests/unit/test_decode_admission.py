@@ -140,7 +140,7 @@ class Recorder:
     def __init__(self) -> None:
         self.calls = []
 
-    def import_kv(self, key, prompt, outputs, params, kv) -> None:
+    def import_kv(self, key, prompt, outputs, params, kv, cache_salt="") -> None:
         self.calls.append(("import", key, outputs, params.prompt_logprobs))
 
     def fork(self, parent, children) -> list:
@@ -370,3 +370,19 @@ def test_a_pull_is_a_sample_of_the_transfer_cost(model_dir):
     assert per_mb is not None and per_mb > 0 and overhead == 0.0  # one pull: the line through the origin
     calibration = worker.heartbeat().path_calibration
     assert calibration is not None and calibration.kv_transfer_ms_per_mb == per_mb
+
+
+@pytest.mark.parametrize("pulled", [True, False])
+def test_the_jobs_cache_salt_names_the_blocks_it_leaves_in_the_prefix_cache(model_dir, pulled):
+    """Imported or recomputed, a request's blocks join the engine's prefix cache under its job's salt (and the
+    served model's name), never unsalted: another tenant's prompt cannot hit them."""
+    from shared.prefix_hash import block_hashes, root_hash
+
+    kv = _prefilled(model_dir, streamed=False)[0] if pulled else None
+    job = msgspec.structs.replace(_job(holder="p" if pulled else None), cache_salt="tenant-a")
+    worker, *_ = asyncio.run(_admit(model_dir, job, kv))
+    engine = worker.engine.engine
+    held, size = set(engine.prefix_cache_hashes()), engine.config.block_size
+    salted = block_hashes(PROMPT, size, root_hash("demo", "tenant-a"))
+    assert salted and set(salted) <= held
+    assert not set(block_hashes(PROMPT, size, root_hash("demo"))) & held

@@ -17,12 +17,13 @@ PROMPT = [3, 17, 42, 5, 9, 11, 23, 8, 2, 31]  # 10 tokens: two full blocks of 4 
 SAMPLED = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
 
 
-def make_engine(model_dir, num_blocks: int = 64, **scheduler) -> Engine:
+def make_engine(model_dir, num_blocks: int = 64, prefix_caching: bool = True, **scheduler) -> Engine:
     return Engine.from_dir(
         model_dir,
         block_size=BLOCK,
         num_kv_blocks=num_blocks,
         max_model_len=min(128, num_blocks * BLOCK),
+        enable_prefix_caching=prefix_caching,
         scheduler=SchedulerConfig(**scheduler),
     )
 
@@ -174,13 +175,17 @@ def test_preemption_keeps_integrity_and_every_choice_correct(model_dir):
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
-def test_a_child_without_a_sequence_slot_waits_and_recomputes(model_dir):
-    engine = make_engine(model_dir, max_num_seqs=2)  # the parent and g/1 run; g/2 waits for a slot
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_child_without_a_sequence_slot_waits_and_recomputes(model_dir, prefix_caching):
+    # the parent and g/1 run; g/2 waits for a slot
+    engine = make_engine(model_dir, max_num_seqs=2, prefix_caching=prefix_caching)
     engine.add_group(PROMPT, group(SAMPLED, 3))
     first = {o.request_id: o.new_token_ids for o in engine.step()}
     assert [r.request_id for r in engine.scheduler.waiting] == ["g/2"]
     got = {rid: first[rid] + tokens for rid, tokens in run(engine).items()}
-    assert engine.stats.prefill_tokens == 2 * len(PROMPT) + 1  # g/2 recomputed prompt + its first token
+    # g/2 recomputes prompt + its first token, less the prompt's two full blocks when they are cached
+    cached = 2 * BLOCK if prefix_caching else 0
+    assert engine.stats.prefill_tokens == 2 * len(PROMPT) + 1 - cached
     assert [got[f"g/{i}"] for i in range(3)] == [single(model_dir, choice_params(SAMPLED, i)) for i in range(3)]
     assert engine.blocks.num_free == engine.blocks.num_blocks
 

@@ -261,3 +261,13 @@ def test_worker_help_shows_the_docstrings(capsys):
     assert "Prefill workers free a request's KV if no decode worker pulled it within this time." in out
     assert "PDSERVE_KV_LEASE_S" in out and "--kv-fallback {recompute,fail}" in out
     assert "--role" not in out  # the subcommand is the role
+
+
+def test_prefix_caching_is_on_by_default_and_one_flag_or_variable_turns_it_off(monkeypatch):
+    monkeypatch.setattr("os.environ", {})
+    assert from_env(WorkerSettings, {}).engine.enable_prefix_caching is True
+    assert from_env(WorkerSettings, {"PDSERVE_ENABLE_PREFIX_CACHING": "0"}).engine.enable_prefix_caching is False
+    s = from_args(WorkerSettings, _parsed(monkeypatch, ["mixed", "--model", "/m", "--no-prefix-caching"]))
+    assert s.engine.enable_prefix_caching is False
+    with pytest.raises(SystemExit):  # the hash root is the served model name (engine_factory.py), no flag
+        _parsed(monkeypatch, ["mixed", "--model", "/m", "--prefix-cache-namespace", "x"])
