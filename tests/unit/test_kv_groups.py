@@ -28,13 +28,16 @@ def checkpoint(tmp_path_factory):
     return write_demo_checkpoint(tmp_path_factory.mktemp("gpt-oss-groups"), arch="gpt_oss", size="tiny")
 
 
-def _engine(checkpoint, num_blocks: int = 64, block_size: int = BLOCK, budget: int = 32, max_len: int = 256) -> Engine:
+def _engine(
+    checkpoint, num_blocks: int = 64, block_size: int = BLOCK, budget: int = 32, max_len: int = 256, caching=True
+) -> Engine:
     return Engine.from_dir(
         checkpoint,
         scheduler=SchedulerConfig(max_num_batched_tokens=budget),
         num_kv_blocks=num_blocks,
         block_size=block_size,
         max_model_len=max_len,
+        enable_prefix_caching=caching,
     )
 
 
@@ -83,20 +86,22 @@ def test_each_group_has_its_own_pool_of_its_layers(checkpoint):
     assert engine.runner._caches[1].data_ptr() == engine.pools[0].tensor[0].data_ptr()
 
 
-def test_the_window_group_frees_blocks_that_leave_the_window_and_never_reads_them(checkpoint):
-    keep_all = _engine(checkpoint)
+@pytest.mark.parametrize("caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_the_window_group_frees_blocks_that_leave_the_window_and_never_reads_them(checkpoint, caching):
+    keep_all = _engine(checkpoint, caching=False)
     keep_all.scheduler.window_groups = [(b, None) for b, _ in keep_all.scheduler.window_groups]  # type: ignore[misc]
     expected = keep_all.generate(PROMPTS, _params())
     assert keep_all.scheduler.freed_behind_window == 0
 
-    engine = _engine(checkpoint)
+    engine = _engine(checkpoint, caching=caching)
     window_blocks, window_pool = engine.group_blocks[1], engine.pools[1]
     free = window_blocks.free
 
     def poisoning_free(blocks: list[int]) -> None:
         free(blocks)
-        for b in blocks:
-            if b != FREED and window_blocks.ref_count(b) == 0:
+        cache = window_blocks.cache
+        for b in blocks:  # truly free: a block the prefix cache still names may be hit later, its K/V intact
+            if b != FREED and window_blocks.ref_count(b) == 0 and (cache is None or cache.hash_of(b) is None):
                 window_pool.tensor[:, :, b] = 1e4
 
     window_blocks.free = poisoning_free
