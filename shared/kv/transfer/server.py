@@ -41,6 +41,7 @@ from shared.kv.transfer import pull_stream
 from shared.kv.transfer.call_checks import MAX_ID_CHARS, CallChecks
 from shared.kv.transfer.channel_tls import KvTls
 from shared.kv.transfer.heads import HeadsRefused, begin_send
+from shared.kv.transfer.skip import skip_cached
 from shared.kv.transfer.local_stream import LocalListener
 from shared.kv.transfer.pair import PREFILL_RANK, Pair, TransferBackend, check_backend, store_client
 from shared.kv.transfer.pair_proof import PairProofs, PairRefused
@@ -299,6 +300,7 @@ class KvTransferServer:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except HeadsRefused as e:  # heads this source does not hold, or one that serves whole KV only
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        kv = skip_cached(kv, request.skip_tokens)  # a partial pull: the decode side holds the first tokens
         span.set_attributes(
             {
                 tracing.KV_EXPORT_TIME: time.perf_counter() - started,
