@@ -41,13 +41,13 @@ from shared.kv.transfer import pull_stream
 from shared.kv.transfer.call_checks import MAX_ID_CHARS, CallChecks
 from shared.kv.transfer.channel_tls import KvTls
 from shared.kv.transfer.heads import HeadsRefused, begin_send
-from shared.kv.transfer.skip import skip_cached
 from shared.kv.transfer.local_stream import LocalListener
 from shared.kv.transfer.pair import PREFILL_RANK, Pair, TransferBackend, check_backend, store_client
 from shared.kv.transfer.pair_proof import PairProofs, PairRefused
 from shared.kv.transfer.rpc_calls import MAX_MESSAGE_BYTES, Unreadable, handler
 from shared.kv.transfer.send_stream import SendStream
 from shared.kv.transfer.shm import host_identity, sweep_stale
+from shared.kv.transfer.skip import skip_cached
 from shared.kv.transfer.slots import Slot
 from shared.kv.transfer.source import AlreadySending, KvSource
 from shared.kv.transfer.transports.base import Sender, Transport
