@@ -32,7 +32,9 @@ def import_and_fork(
     pinned for a partial pull (Engine.pin_prefix): the pulled rest goes behind them."""
     head = choices[0]
     params = dataclasses.replace(head.params, prompt_logprobs=None)
-    engine.import_kv(head.request_id, prompt, list(head.output_token_ids), params, kv, cache_salt, pinned)
+    engine.import_kv(
+        head.request_id, prompt, list(head.output_token_ids), params, kv, cache_salt=cache_salt, pinned=pinned
+    )
     return engine.fork(head.request_id, choices[1:]) if len(choices) > 1 else []
 
 
