@@ -22,8 +22,16 @@ def may_reuse(job: DecodeJob, single_rank: bool) -> bool:
 
 
 async def pin(engine: AsyncEngine, key: str, job: DecodeJob) -> int:
-    """Pin the job's cached prompt blocks under `key`; → the tokens they hold (0: none, nothing pinned)."""
-    return await engine.call(lambda e: e.pin_prefix(key, job.prompt_token_ids, job.cache_salt))
+    """Pin the job's cached prompt blocks under `key`; → the tokens they hold (0: none, nothing pinned; also when
+    `key` is pinned already: another admission of the same attempt owns that pin, this one pulls whole)."""
+
+    def pin_it(e) -> int:
+        try:
+            return e.pin_prefix(key, job.prompt_token_ids, job.cache_salt)
+        except ValueError:
+            return 0
+
+    return await engine.call(pin_it)
 
 
 async def unpin(engine: AsyncEngine, key: str) -> None:
