@@ -111,7 +111,7 @@ class RequestUpdates:
                 self.holder, self._held_since = event.worker_id, now
             elif queued and event.worker_id == self.holder:  # a later stage's taker may have spoken first
                 # a job in a worker's own queue (a routed decode job) is that worker's: it moves if it dies
-                self.holder, self._held_since = event.routed_to, now
+                self.holder, self._held_since, self.queued_for = event.routed_to, now, event.routed_to
         for update in updates:
             self._queue.put_nowait(update)
         gap = self._order.gap()
@@ -167,8 +167,8 @@ class RequestUpdates:
         heard = max(last_beat(self.holder) or 0.0, self._held_since)
         if now - heard > worker_ttl_s:
             return f"worker {self.holder} sent no heartbeat for {now - heard:.1f} s"
-        if self._tokens_at is None:
-            return None
+        if self._tokens_at is None or self.queued_for is not None:  # waiting in its holder's own queue: a busy
+            return None  # worker takes it when it has room (as from the shared queue); only its death moves it
         last = max(self._tokens_at, self._held_since)
         if now - last > stall_s:
             return f"worker {self.holder} produced no token for {stall_s:g} s"
