@@ -10,12 +10,14 @@ import random
 import pytest
 import torch
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.kv_export import KVExport, KVPart
 from shared.engine.sampling import SamplingParams
 from shared.kv.transfer.pool_kv import PoolKv
 from shared.kv.transfer.skip import skip_cached
+from shared.model.loader import load_model
 
 B = 4
 SALT = "conversation-1"
@@ -132,9 +134,33 @@ def test_an_import_that_fails_gives_the_pin_back(checkpoint, model, conversation
     decode.check_integrity()
 
 
-def test_engines_that_do_not_pin(checkpoint, model):
+def test_a_latent_cache_follow_up(tmp_path_factory):
+    """MLA's latent cache (one plane): the same cut and import behind the pinned blocks."""
+    path = write_demo_checkpoint(tmp_path_factory.mktemp("mla"), arch="deepseek_v3", size="tiny")
+    mla = load_model(path)
+    prefill, decode = _engine(path, mla), _engine(path, mla)
+    turn1 = _tokens(30, 3)
+    first, kv = _prefill(prefill, "t1", turn1)
+    decode.import_kv("t1", turn1, [first], GREEDY, kv, cache_salt=SALT)
+    turn2 = turn1 + [first] + _decode(decode, "t1") + _tokens(9, 4)
+    cached = decode.pin_prefix("t2", turn2, SALT)
+    assert cached > 0
+    first, whole = _prefill(prefill, "t2", turn2)
+    decode.import_kv("t2", turn2, [first], GREEDY, skip_cached(whole, cached), cache_salt=SALT, pinned="t2")
+    assert [first] + _decode(decode, "t2") == _reference(path, mla, turn2)
+
+
+def test_engines_that_do_not_pin(checkpoint, model, tmp_path_factory):
+    """Prefix caching off; a hybrid model's full and sliding groups (its window group needs the window's blocks
+    too): nothing pinned, the KV is pulled whole."""
     off = _engine(checkpoint, model, caching=False)
     assert off.pin_prefix("k", _tokens(30, 1)) == 0 and not off.unpin_prefix("k")
+    path = write_demo_checkpoint(tmp_path_factory.mktemp("hybrid"), arch="gpt_oss", size="tiny")
+    hybrid = _engine(path, load_model(path))
+    prompt = _tokens(30, 1)
+    hybrid.generate([prompt], GREEDY)
+    assert hybrid.prefix_cache_hashes()  # cached, but not pinned
+    assert hybrid.pin_prefix("k", prompt + [7]) == 0
 
 
 # ---- the source's cut ------------------------------------------------------------------------------------
