@@ -63,8 +63,8 @@ class PrefillRouting(Protocol):
         """Every watchdog round while connected: `serving`, the live and not draining workers of the model."""
 
     def route(self, job: GenerationJob, serving: list[Heartbeat], queued: Mapping[str, int]) -> Route:
-        """Where a fresh prompt's job goes (counted in the routing metrics), among `serving`; `queued`: the
-        prompt tokens this gateway routed to each worker and it has not taken yet."""
+        """Where a fresh prompt's job would go among `serving` if it takes the remote path (`count_route` once
+        it does); `queued`: the prompt tokens this gateway routed to each worker and it has not taken yet."""
         ...
 
     def route_decode(self, job: GenerationJob, serving: list[Heartbeat]) -> str | None:
@@ -88,7 +88,6 @@ class SharedQueue:
         pass
 
     def route(self, job: GenerationJob, serving: list[Heartbeat], queued: Mapping[str, int]) -> Route:
-        _count(self.model, SHARED)
         return SHARED
 
     def route_decode(self, job: GenerationJob, serving: list[Heartbeat]) -> str | None:
@@ -140,9 +139,7 @@ class KvRouting:
     def route(self, job: GenerationJob, serving: list[Heartbeat], queued: Mapping[str, int]) -> Route:
         beats = [b for b in serving if b.role in _TAKES_PREFILL]
         candidates = self._candidates(job, beats, queued)
-        route = choose(len(job.prompt_token_ids), candidates, job.cache_key)
-        _count(self.model, route)
-        return route
+        return choose(len(job.prompt_token_ids), candidates, job.cache_key)
 
     def route_decode(self, job: GenerationJob, serving: list[Heartbeat]) -> str | None:
         if not self.decode_kv_reuse:
@@ -203,7 +200,8 @@ def route_subject(model: str, route: Route) -> str:
     return prefill_subject(model) if route.worker_id is None else routed_prefill_subject(model, route.worker_id)
 
 
-def _count(model: str, route: Route) -> None:
+def count_route(model: str, route: Route) -> None:
+    """The routing metrics of a job published as `route` says."""
     metrics.PREFILL_ROUTES.labels(model, "gateway", route.how.value).inc()
     if route.hit_tokens:
         metrics.ROUTED_PREFIX_HIT_TOKENS.labels(model, "gateway").inc(route.hit_tokens)

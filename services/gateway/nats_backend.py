@@ -29,7 +29,7 @@ from nats.js import JetStreamContext
 
 from services.gateway.admission import Admission
 from services.gateway.backend import BackendUnavailable, GenerationJob, Update, choice_requests
-from services.gateway.kv_routing import prefill_routing, route_subject
+from services.gateway.kv_routing import count_route, prefill_routing, route_subject
 from services.gateway.liveness import WorkerTable
 from services.gateway.path_dispatch import PathChooser, dispatch
 from services.gateway.request_stream import Deadlines, RequestUpdates
@@ -217,11 +217,15 @@ class NatsBackend:
             self._streams[stream.request_id] = stream  # subscribe before dispatch
         siblings = [Sibling(p.request_id, p.reply_subject, p.sampling.seed) for p in prefills[1:]]
         group = msgspec.structs.replace(prefills[0], siblings=siblings)
-        choice = self.paths.choose(self.workers, job.model, len(job.prompt_token_ids), time.monotonic())
+        # the prefill worker it would go to (the shared queue, or one whose cache helps), whose expected hit the
+        # path's cost model counts; then the path
+        serving = self.workers.serving(job.model, time.monotonic())
+        route = self.routing.route(job, serving, self._routed_backlog())
+        hit = {route.worker_id: route.hit_tokens} if route.worker_id is not None else {}
+        choice = self.paths.choose(self.workers, job.model, len(job.prompt_token_ids), time.monotonic(), hit)
         subject, message = dispatch(choice, group)
-        if choice.path is PrefillPath.REMOTE:  # which prefill worker: the shared queue, or one whose cache helps
-            serving = self.workers.serving(job.model, time.monotonic())
-            route = self.routing.route(job, serving, self._routed_backlog())
+        if choice.path is PrefillPath.REMOTE:
+            count_route(job.model, route)
             subject = route_subject(job.model, route)
             if route.worker_id is not None:  # before the publish: the worker may take it before the ack is back
                 for stream in streams:

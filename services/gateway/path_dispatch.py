@@ -11,6 +11,8 @@ tokens so far, as every moved request.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from services.gateway.liveness import WorkerTable
 from services.gateway.path_signals import PathSignals
 from services.gateway.prefill_path import PathChoice, Slos, choose_path
@@ -23,9 +25,13 @@ class PathChooser:
         self.settings = settings
         self.slos = Slos(settings.ttft_slo_ms / 1e3, settings.tpot_slo_ms / 1e3)
 
-    def choose(self, workers: WorkerTable, model: str, prompt_tokens: int, now: float) -> PathChoice:
-        """The path of a request of `prompt_tokens` for `model`, from the workers live at `now`."""
-        signals = PathSignals(workers.serving(model, now), self.settings.prefill_path_live_calibration)
+    def choose(
+        self, workers: WorkerTable, model: str, prompt_tokens: int, now: float, prefill_cached: Mapping[str, int] | None = None
+    ) -> PathChoice:
+        """The path of a request of `prompt_tokens` for `model`, from the workers live at `now`; `prefill_cached`:
+        the prompt tokens a prefill worker is expected to find in its prefix cache, by worker id."""
+        live = self.settings.prefill_path_live_calibration
+        signals = PathSignals(workers.serving(model, now), live, prefill_cached)
         return choose_path(
             prompt_tokens,
             signals.prefill(),

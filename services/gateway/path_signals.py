@@ -20,7 +20,7 @@ workers measured.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from statistics import fmean
 
 from services.gateway.prefill_path import DecodeSide, PrefillSide, Transfer
@@ -47,9 +47,11 @@ def _pick(own: float | None, fallback: float, live: bool) -> float:
 class PathSignals:
     """The signals of one choice (see the module)."""
 
-    def __init__(self, beats: Sequence[Heartbeat], live: bool) -> None:
-        """beats: the live, non-draining workers of the model; live: use what they measured."""
+    def __init__(self, beats: Sequence[Heartbeat], live: bool, prefill_cached: Mapping[str, int] | None = None) -> None:
+        """beats: the live, non-draining workers of the model; live: use what they measured; prefill_cached: the
+        prompt's tokens a prefill worker's prefix cache is expected to hold (KV-aware routing's index), by id."""
         self.live = live
+        self._prefill_cached = dict(prefill_cached or {})
         self._prefill_beats = [b for b in beats if b.role is Role.PREFILL]
         self._decode_beats = [b for b in beats if b.role is Role.DECODE]
 
@@ -79,6 +81,7 @@ class PathSignals:
             queued_tokens=c.queued_prompt_tokens,  # load, not a coefficient: read whether live or not
             tokens_per_s=_pick(c.prefill_tokens_per_s, DEFAULT_PREFILL_TOKENS_PER_S, self.live),
             step_s=_pick(c.prefill_step_ms, DEFAULT_PREFILL_STEP_MS, self.live) / 1e3,
+            cached_tokens=self._prefill_cached.get(beat.worker_id, 0),
         )
 
     def _decode_side(self, beat: Heartbeat, prefill_prior: float) -> DecodeSide:

@@ -38,10 +38,18 @@ def token_event(request_id: str, attempt: int, out: RequestOutput, worker_id: st
         out.num_prompt_tokens,
     )
     lps, prompt_lps = wire_logprobs(out.logprobs), wire_logprobs(out.prompt_logprobs)
-    output = (request_id, attempt, seq, tokens, worker_id, prompt_tokens, lps, prompt_lps)
+    cached = _cached_tokens(seq, out)
+    output = (request_id, attempt, seq, tokens, worker_id, prompt_tokens, lps, prompt_lps, cached)
     if out.finished:
         return FinishedEvent(*output, finish_reason=wire_finish_reason(out.finish_reason))
     return TokensEvent(*output)
+
+
+def _cached_tokens(seq: int, out: RequestOutput) -> int:
+    """The prompt tokens the engine's prefix cache supplied, on the event of output position 0 only: the worker
+    that computed the prompt for the client's first token says it (usage.prompt_tokens_details); a decode worker
+    importing the KV, or a moved request's recompute, does not."""
+    return out.num_cached_tokens if seq == 0 else 0
 
 
 def error_event(job: PrefillJob | DecodeJob, message: str, worker_id: str, status: int = 400) -> FailedEvent:
@@ -70,7 +78,8 @@ def first_token_event(
     request's end too when that token finished it."""
     seq, tokens = len(job.output_token_ids), out.new_token_ids[:1]
     lps, prompt_lps = wire_logprobs(out.logprobs), wire_logprobs(out.prompt_logprobs)
-    output = (job.request_id, job.attempt, seq, tokens, worker_id, out.num_prompt_tokens, lps, prompt_lps)
+    cached = _cached_tokens(seq, out)
+    output = (job.request_id, job.attempt, seq, tokens, worker_id, out.num_prompt_tokens, lps, prompt_lps, cached)
     if finished:
         return FinishedEvent(*output, finish_reason=wire_finish_reason(reason))
     return TokensEvent(*output)

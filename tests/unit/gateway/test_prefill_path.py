@@ -187,3 +187,18 @@ def test_the_chooser_reads_the_live_workers_of_the_model():
     assert chooser.choose(table, "demo", SHORT, now=106.0).reason == "no decode worker"  # both beats expired
     remote = PathChooser(PrefillPathSettings(prefill_path=PrefillPath.REMOTE))
     assert remote.choose(table, "demo", SHORT, now=101.0).path is PrefillPath.REMOTE
+
+
+def test_a_prompt_cached_on_the_routed_prefill_worker_goes_remote_where_it_would_compute_locally():
+    """KV-aware routing's expected hit on the prefill worker it chose is the remote side's `cached_tokens`: a
+    cache-hot short prompt is ready sooner remote (its uncached tail and the hand-off) than computed whole on the
+    decode worker, which holds none of it."""
+    prompt = 96
+    cold = _choose(FRESH, prompt)
+    assert cold.path is PrefillPath.LOCAL
+    s = PathSignals(FRESH, live=True, prefill_cached={"p": 80})
+    hot = choose_path(prompt, s.prefill(), s.decode(), s.transfer(), SLOS, PrefillPath.AUTO)
+    assert hot.path is PrefillPath.REMOTE and hot.remote is not None and cold.remote is not None
+    assert hot.remote.ttft_s < cold.remote.ttft_s
+    unrelated = PathSignals(FRESH, live=True, prefill_cached={"another": 80}).prefill()
+    assert [w.cached_tokens for w in unrelated] == [0]
