@@ -8,6 +8,8 @@ Subjects:
     pd.jobs.prefill.<model>.<worker>  JetStream work queue: prompts the gateway routed to one prefill (or mixed)
                                       worker for the prefix it holds (docs/architecture.md, KV-aware routing)
     pd.jobs.decode.<model>            JetStream work queue: prefilled requests waiting for a decode worker
+    pd.jobs.decode.<model>.<worker>   JetStream work queue: prefilled requests the gateway routed to one decode
+                                      worker for the prompt it holds (docs/architecture.md, decode-side reuse)
     pd.tokens.<gateway>.<request>     core NATS: token events for one request, to the gateway that owns it
     pd.cancel.<request>               JetStream (stream PD_CANCELS, kept CANCEL_RETENTION_S): stop a request
                                       everywhere (client went away, request moved on)
@@ -94,6 +96,7 @@ TOKENS = Subject("pd.tokens.{gateway}.{request}")
 CANCELS = Subject("pd.cancel.{request}")
 HEARTBEATS = Subject("pd.hb.{role}.{worker}")
 ROUTED_PREFILL_JOBS = Subject("pd.jobs.prefill.{model}.{worker}")
+ROUTED_DECODE_JOBS = Subject("pd.jobs.decode.{model}.{worker}")
 KV_BLOCKS = Subject("pd.kv.blocks.{model}.{worker}")
 KV_SNAPSHOT_REQUESTS = Subject("pd.kv.snapshot.{model}")
 
@@ -113,6 +116,16 @@ def decode_subject(model: str) -> str:
 def routed_prefill_subject(model: str, worker_id: str) -> str:
     """The prefill queue of one worker: jobs routed to it for its cached prefix (its own durable consumer)."""
     return ROUTED_PREFILL_JOBS.make(model=model, worker=worker_id)
+
+
+def routed_decode_subject(model: str, worker_id: str) -> str:
+    """The decode queue of one worker: prefilled requests routed to it for the prompt its cache holds."""
+    return ROUTED_DECODE_JOBS.make(model=model, worker=worker_id)
+
+
+def handed_on_subject(model: str, decode_worker: str | None) -> str:
+    """Where a prefill worker publishes a decode job: the routed decode worker's own queue, or the shared one."""
+    return decode_subject(model) if decode_worker is None else routed_decode_subject(model, decode_worker)
 
 
 def kv_blocks_subject(model: str, worker_id: str) -> str:
@@ -222,6 +235,11 @@ class PrefillJob(msgspec.Struct, frozen=True):
     # The other choices of a fresh request with n > 1 (never on a moved one: each choice moves on its own).
     siblings: list[Sibling] = []
     cache_salt: CacheSalt = ""  # the prefix-cache salt: tenant and request (shared/prefix_hash.py request_salt)
+    # decode-side reuse (docs/architecture.md): the decode worker whose cache holds most of the prompt, whose own
+    # queue the decode job goes to (None: the shared decode queue); and whether the decode side may pull only
+    # what its cache lacks (the gateway's decode_kv_reuse setting; carried on as DecodeJob.kv_reuse)
+    decode_worker: str | None = None
+    decode_kv_reuse: bool = True
 
     @property
     def key(self) -> str:
@@ -249,6 +267,9 @@ class DecodeJob(msgspec.Struct, frozen=True):
     # decode worker computes the prompt in its own engine, samples the first token and decodes on; nothing to pull
     # (prefill_worker None, output_token_ids empty)
     prefill_here: bool = False
+    # decode-side reuse (docs/architecture.md): this worker may take the prompt's first blocks from its own prefix
+    # cache and pull only the rest (the gateway's decode_kv_reuse setting; off: the whole KV is pulled)
+    kv_reuse: bool = True
 
     @property
     def key(self) -> str:
@@ -305,10 +326,12 @@ class TakenEvent(_Event, frozen=True, tag="taken"):
 
 
 class QueuedEvent(_Event, frozen=True, tag="queued"):
-    """No worker holds the request any more: it waits in a job queue for its next stage, from position `seq`."""
+    """No worker holds the request any more: it waits in a job queue for its next stage, from position `seq`.
+    `routed_to`: the queue is that worker's own (a decode job routed for its cache): it holds the request now."""
 
     seq: _Count
     worker_id: str
+    routed_to: str | None = None
 
 
 class _Output(_Event, frozen=True):

@@ -159,6 +159,10 @@ class GatewaySettings(CommonSettings):
     kv_routing_max_queued_tokens: int = 8192
     """KV-aware routing: a worker with this many prompt tokens queued (its heartbeat's, plus those this gateway
     routed to it and it has not taken yet) is overloaded: prompts go elsewhere, whatever it holds."""
+    decode_kv_reuse: bool = True
+    """Decode-side reuse (docs/architecture.md): a prefilled request goes to the decode worker whose prefix cache
+    holds most of its prompt (with kv_aware_routing: from the blocks decode workers announce), and a decode
+    worker pulls only the KV blocks its cache lacks; false: the shared decode queue and whole pulls."""
 
     @property
     def served_model_name(self) -> str:

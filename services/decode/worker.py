@@ -3,7 +3,8 @@
 Admission is a pipeline, one stage a module, run per job as a task on the event loop while the engine thread
 keeps stepping the running batch:
 
-    locate (locate.py: the Redis record) → pull (DecodeKv, shared/kv/decode_kv.py: ONE call into the KV
+    locate (locate.py: the Redis record) → the cached prefix (cached_prefix.py: this engine's own prefix cache
+    pins what it holds of the prompt, decode-side reuse) → pull (DecodeKv, shared/kv/decode_kv.py: ONE call into the KV
     plane, for this worker's R ranks, any transport) → token 0 (first_token.py: a layer-streamed job's, from
     the pull's trailer) → into the engine with the fork for n choices (into_engine.py) → ack; then every token
     streams back (StreamingWorker).
@@ -28,6 +29,7 @@ import time
 
 from nats.aio.msg import Msg
 
+from services.decode import cached_prefix
 from services.decode.first_token import first_token_end, owes_first_token, with_first_token
 from services.decode.into_engine import import_choices, recompute_choices
 from services.decode.locate import Missing, kv_key, locate
@@ -39,7 +41,7 @@ from shared.engine.kv_export import KVExport
 from shared.kv.decode_kv import DecodeKv
 from shared.kv.registry import KvRegistry
 from shared.kv.transfer.layer_stream import StreamedKv
-from shared.messages import DecodeJob, Role, decode_subject
+from shared.messages import DecodeJob, Role, decode_subject, routed_decode_subject
 from shared.telemetry import metrics, tracing
 from shared.worker import Entry, Phase, StreamingWorker, error_event, sampling_params, spans
 from shared.worker.choices import engine_choices
@@ -65,6 +67,11 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
 
     def job_subject(self) -> str:
         return decode_subject(self.model_name)
+
+    def own_job_subject(self) -> str:
+        """Decode jobs routed here for the prompt this worker's cache holds (decode-side reuse): fetched beside the
+        shared queue's, handed back to it on a drain (runtime.py); its blocks are announced like a prefill's."""
+        return routed_decode_subject(self.model_name, self.settings.worker_id)
 
     async def setup(self) -> None:
         self.registry = KvRegistry(self.conn.redis, self.settings.kv.lease_s)
@@ -93,8 +100,11 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
         engine refusing the job: ValueError) and fails every choice still in hand."""
         head = entries[0]
         kv: KVExport | None = None  # pulled and not yet in the engine: given up on the way out
+        key, cached = kv_key(head.job), 0  # cached: prompt tokens pinned in this engine (a partial pull)
         try:
-            got = await self._fetch(head.job)
+            if cached_prefix.may_reuse(head.job, self.kv.ranks is None):
+                cached = await cached_prefix.pin(self.engine, key, head.job)
+            got = await self._fetch(head.job, cached)
             kv = None if isinstance(got, Missing) else got
             entries = self._in_hand(entries)
             if head.cancelled:  # during the pull (the gateway cancels a group's choices together)
@@ -119,7 +129,8 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
                     e.phase = Phase.RUNNING
                     self.start_decode_span(e, head.span)
             owned, kv = kv, None  # the next stage owns it
-            outcome = await self._into_engine(entries, head.job.prompt_token_ids, choices, owned)
+            pinned = key if cached else None
+            outcome = await self._into_engine(entries, head.job.prompt_token_ids, choices, owned, pinned)
             if outcome is not None:
                 head.span.set_attribute(tracing.KV_OUTCOME, outcome)
                 await self.ledger.ack(head.key)
@@ -129,9 +140,12 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
         finally:
             if kv is not None:  # pulled, not imported: its buffer, loan or staged copies given back
                 await self._give_up(kv)
+            if cached:  # not imported behind its pinned prefix (the import takes the pin): given back
+                await cached_prefix.unpin(self.engine, key)
 
-    async def _fetch(self, job: DecodeJob) -> KVExport | Missing:
-        """Locate, then pull: the job's KV here, or why not. A completed pull (not layer-streamed: that one waits
+    async def _fetch(self, job: DecodeJob, cached: int = 0) -> KVExport | Missing:
+        """Locate, then pull (from token `cached` on: the rest of what this engine holds pinned): the job's KV here,
+        or why not. A completed pull (not layer-streamed: that one waits
         for the prefill's forward) is a sample of this worker's transfer cost (shared/worker/calibration.py)."""
         assert self.registry is not None  # set up (setup) before any job is taken
         if job.prefill_here:  # the local prefill path: nothing was prefilled or held for it
@@ -140,9 +154,12 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
         if isinstance(loc, Missing):
             return loc
         started = time.perf_counter()
-        kv, failure = await self.kv.pull(kv_key(job), loc, streamed=job.kv_streamed)
+        kv, failure = await self.kv.pull(kv_key(job), loc, streamed=job.kv_streamed, skip_tokens=cached)
         if kv is None:
             return Missing(failure or "the pull brought no KV")
+        if cached and not cached_prefix.fits_behind(kv, self.engine.engine.layout.block_size):
+            await self._give_up(kv)  # cut inside one of our blocks: recomputed, mostly from the cache
+            return Missing("the pulled KV starts inside a cached block", may_fail=False)
         if not job.kv_streamed:
             self.pull_costs.observe(kv.nbytes, time.perf_counter() - started)
         if owes_first_token(job) and not isinstance(kv, StreamedKv):  # no first token came with it
@@ -171,15 +188,17 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
         prompt: list[int],
         choices: list[Choice],
         kv: KVExport | None,
+        pinned: str | None = None,
     ) -> str | None:
         """The choices into the engine: `kv` imported and the other choices forked from it, or, without it or
         without room for it, the prompt recomputed (or, on the local path, computed here for the first time). Owns
         `kv` (imported or given back). → the KV outcome ("pulled" | "recompute" | "local"), or None when the request
-        was answered with an error instead (a loan revoked under kv_fallback `fail`)."""
+        was answered with an error instead (a loan revoked under kv_fallback `fail`). `pinned`: the key of the
+        prompt's cached blocks the pulled KV goes behind (cached_prefix.py)."""
         head = entries[0]
         if kv is not None:
             try:
-                done = await import_choices(self.engine, prompt, kv, choices, head.job.cache_salt)
+                done = await import_choices(self.engine, prompt, kv, choices, head.job.cache_salt, pinned)
             except (NoFreeBlocksError, BorrowRevoked) as exc:
                 await self._give_up(kv)  # given back (a revoked loan: to a connection that is over already)
                 if isinstance(exc, BorrowRevoked):  # the prefill worker took the blocks back: a failed pull
@@ -191,6 +210,9 @@ class DecodeWorker(StreamingWorker[DecodeJob]):
                 await self._give_up(kv)
                 raise
             else:
+                if pinned is not None:  # the blocks in front came from this worker's cache, not the wire
+                    skipped = cached_prefix.skipped_blocks(kv, self.engine.engine.layout.block_size)
+                    metrics.KV_SKIPPED_BLOCKS.labels(*self.labels).inc(skipped)
                 self.kv.recycle(kv)  # imported: its receive buffer serves the next pull
                 self.handle_outputs(done)
                 return "pulled"

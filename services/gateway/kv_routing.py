@@ -6,6 +6,9 @@ Two variants behind one interface, chosen once by `prefill_routing(settings)`:
     kv_sync.py into kv_index.py), asks for snapshots when out of step (`pd.kv.snapshot.<model>`, answered to
     one inbox of this gateway), and sends a job to the chosen worker's own queue
     (`pd.jobs.prefill.<model>.<worker>`) when kv_router.py picks one; the shared queue otherwise.
+Decode workers announce their blocks too (decode-side reuse): `route_decode` names the decode worker whose cache
+holds most of a prompt (decode_router.py), for the prefill worker to hand the decode job to its own queue
+(`pd.jobs.decode.<model>.<worker>`); None (decode_kv_reuse off, or no worker holds any of it): the shared queue.
 A worker that dies (liveness.py) or drains leaves the index at once; routing only ever considers the live,
 not draining ones. The NatsBackend marks a routed request as held by its worker until that worker takes it,
 so a routed job whose worker dies moves like any other (nats_backend.py `_move`).
@@ -21,6 +24,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.gateway.backend import GenerationJob
+from services.gateway.decode_router import DecodeCandidate, choose_decode
 from services.gateway.kv_index import PrefixIndex
 from services.gateway.kv_router import SHARED, Candidate, Route, choose
 from services.gateway.kv_sync import IndexSync
@@ -43,6 +47,7 @@ from shared.telemetry import metrics
 log = logging.getLogger(__name__)
 
 _TAKES_PREFILL = (Role.PREFILL, Role.MIXED)
+_ANNOUNCES = (*_TAKES_PREFILL, Role.DECODE)  # the roles whose prefix-cache blocks the index keeps
 
 
 class PrefillRouting(Protocol):
@@ -60,6 +65,10 @@ class PrefillRouting(Protocol):
     def route(self, job: GenerationJob, serving: list[Heartbeat], queued: Mapping[str, int]) -> Route:
         """Where a fresh prompt's job would go among `serving` if it takes the remote path (`count_route` once
         it does); `queued`: the prompt tokens this gateway routed to each worker and it has not taken yet."""
+        ...
+
+    def route_decode(self, job: GenerationJob, serving: list[Heartbeat]) -> str | None:
+        """The decode worker whose cache holds most of the prompt, for its decode job (None: the shared queue)."""
         ...
 
 
@@ -81,11 +90,15 @@ class SharedQueue:
     def route(self, job: GenerationJob, serving: list[Heartbeat], queued: Mapping[str, int]) -> Route:
         return SHARED
 
+    def route_decode(self, job: GenerationJob, serving: list[Heartbeat]) -> str | None:
+        return None
+
 
 class KvRouting:
     def __init__(self, settings: GatewaySettings) -> None:
         self.model = settings.served_model_name
         self.max_queued_tokens = settings.kv_routing_max_queued_tokens
+        self.decode_kv_reuse = settings.decode_kv_reuse
         self.index = PrefixIndex()
         self.sync = IndexSync(self.index)
         self._nc: NATS | None = None
@@ -103,7 +116,7 @@ class KvRouting:
             self.sync.on_update(update)
 
     def on_heartbeat(self, beat: Heartbeat) -> None:
-        if beat.role not in _TAKES_PREFILL or subject_token(beat.model) != subject_token(self.model):
+        if beat.role not in _ANNOUNCES or subject_token(beat.model) != subject_token(self.model):
             return
         if beat.draining:
             self.sync.drop(beat.worker_id)  # takes nothing new: out of the index at once
@@ -128,7 +141,23 @@ class KvRouting:
         candidates = self._candidates(job, beats, queued)
         return choose(len(job.prompt_token_ids), candidates, job.cache_key)
 
-    def _candidates(self, job: GenerationJob, beats: list[Heartbeat], queued: Mapping[str, int]) -> list[Candidate]:
+    def route_decode(self, job: GenerationJob, serving: list[Heartbeat]) -> str | None:
+        if not self.decode_kv_reuse:
+            return None
+        beats = [b for b in serving if b.role is Role.DECODE]
+        cached = self._cached(job, beats)
+        candidates = [
+            DecodeCandidate(b.worker_id, cached.get(b.worker_id, 0), b.free_blocks * b.block_size, b.running)
+            for b in beats
+        ]
+        chosen = choose_decode(len(job.prompt_token_ids), candidates)
+        if chosen is None:
+            return None
+        metrics.DECODE_ROUTES.labels(self.model, "gateway").inc()
+        return chosen.worker_id
+
+    def _cached(self, job: GenerationJob, beats: list[Heartbeat]) -> dict[str, int]:
+        """The prompt's leading tokens each worker's cache holds (whole blocks, at most the prompt less one)."""
         prompt = job.prompt_token_ids
         root = root_hash(job.model, job.cache_salt)
         by_size: dict[int, list[str]] = {}  # block size → the workers that hash at it
@@ -141,6 +170,10 @@ class KvRouting:
             blocks = self.index.prefix_blocks(_lazy_block_hashes(prompt, size, root), workers)
             # the engine computes the prompt's last token whatever it holds
             cached.update({w: min(n * size, max(len(prompt) - 1, 0)) for w, n in blocks.items()})
+        return cached
+
+    def _candidates(self, job: GenerationJob, beats: list[Heartbeat], queued: Mapping[str, int]) -> list[Candidate]:
+        cached = self._cached(job, beats)
         candidates = []
         for b in beats:
             load = b.waiting_tokens + queued.get(b.worker_id, 0)

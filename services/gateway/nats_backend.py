@@ -207,6 +207,7 @@ class NatsBackend:
                 reply_subject=token_subject(self.settings.gateway_id, s.request_id),
                 created_at=created_at,
                 cache_salt=s.cache_salt,
+                decode_kv_reuse=self.settings.decode_kv_reuse,
             )
             for s in singles
         ]
@@ -218,7 +219,8 @@ class NatsBackend:
         group = msgspec.structs.replace(prefills[0], siblings=siblings)
         # the prefill worker it would go to (the shared queue, or one whose cache helps), whose expected hit the
         # path's cost model counts; then the path
-        route = self.routing.route(job, self.workers.serving(job.model, time.monotonic()), self._routed_backlog())
+        serving = self.workers.serving(job.model, time.monotonic())
+        route = self.routing.route(job, serving, self._routed_backlog())
         hit = {route.worker_id: route.hit_tokens} if route.worker_id is not None else {}
         choice = self.paths.choose(self.workers, job.model, len(job.prompt_token_ids), time.monotonic(), hit)
         subject, message = dispatch(choice, group)
@@ -228,6 +230,9 @@ class NatsBackend:
             if route.worker_id is not None:  # before the publish: the worker may take it before the ack is back
                 for stream in streams:
                     stream.routed(route.worker_id)
+            # and the decode worker its decode job goes to: the one whose cache holds most of the prompt, or any
+            assert isinstance(message, PrefillJob)
+            message = msgspec.structs.replace(message, decode_worker=self.routing.route_decode(job, serving))
         token = tracing.attach(tracing.extract(job.trace_context))  # the publish span joins the request's trace
         try:
             with tracing.producer_span(subject, job.request_id):

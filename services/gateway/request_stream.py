@@ -3,8 +3,9 @@ who holds the request now, and the deadlines that keep a lost worker or a lost e
 
 Holder: the worker responsible for the request's next event (TokenEvent: a worker announces a job it takes with
 a TakenEvent; every event makes its worker the holder, until a QueuedEvent hands the request to a job queue). A
-job routed to one worker's own queue (KV-aware routing, kv_routing.py) is held by that worker from dispatch:
-nothing else would take it, so if that worker dies before taking it, the request moves as if it had.
+job routed to one worker's own queue (KV-aware routing, kv_routing.py) is held by that worker from dispatch, a
+decode job routed to a decode worker's own queue from its QueuedEvent (`routed_to`): nothing else would take
+it, so if that worker dies before taking it, the request moves as if it had.
 NatsBackend's watchdog asks `why_move` and, when the holder died or stalled, moves the request on to a
 new attempt (`move_on`): prompt + tokens so far go to another worker, the old attempt's events are stale.
 
@@ -109,7 +110,8 @@ class RequestUpdates:
             if not queued and event.worker_id != self.holder:
                 self.holder, self._held_since = event.worker_id, now
             elif queued and event.worker_id == self.holder:  # a later stage's taker may have spoken first
-                self.holder = None
+                # a job in a worker's own queue (a routed decode job) is that worker's: it moves if it dies
+                self.holder, self._held_since, self.queued_for = event.routed_to, now, event.routed_to
         for update in updates:
             self._queue.put_nowait(update)
         gap = self._order.gap()
@@ -165,8 +167,8 @@ class RequestUpdates:
         heard = max(last_beat(self.holder) or 0.0, self._held_since)
         if now - heard > worker_ttl_s:
             return f"worker {self.holder} sent no heartbeat for {now - heard:.1f} s"
-        if self._tokens_at is None:
-            return None
+        if self._tokens_at is None or self.queued_for is not None:  # waiting in its holder's own queue: a busy
+            return None  # worker takes it when it has room (as from the shared queue); only its death moves it
         last = max(self._tokens_at, self._held_since)
         if now - last > stall_s:
             return f"worker {self.holder} produced no token for {stall_s:g} s"

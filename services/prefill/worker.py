@@ -38,8 +38,8 @@ from shared.messages import (
     PrefillJob,
     Role,
     Sibling,
-    decode_subject,
     encode,
+    handed_on_subject,
     prefill_subject,
     routed_prefill_subject,
 )
@@ -162,7 +162,7 @@ class PrefillWorker(Worker[PrefillJob]):
                                       self.held.layout.fingerprint)  # fmt: skip
                 holder = worker_id if await self.held.hold(key, job.request_id, job.attempt, location) else None
                 decode_job = _decode_job([(job, None)], holder, key, streamed=True)
-                subject = decode_subject(self.model_name)
+                subject = handed_on_subject(self.model_name, job.decode_worker)
                 with tracing.producer_span(subject, job.request_id):
                     await self.conn.js.publish(subject, encode(decode_job), headers=tracing.carrier() or None)
                 self.emit(job.reply_subject, queued_event(job, worker_id, streamed=True))
@@ -267,7 +267,7 @@ class PrefillWorker(Worker[PrefillJob]):
         head = going_on[0][0].request_id
         holder = worker_id if await self.held.hold(key, head, job.attempt, location) else None
         decode_job = _decode_job(going_on, holder, key)
-        subject = decode_subject(self.model_name)
+        subject = handed_on_subject(self.model_name, job.decode_worker)
         with tracing.producer_span(subject, rid):
             await self.conn.js.publish(subject, encode(decode_job), headers=tracing.carrier() or None)
         for e, _ in group:
@@ -308,4 +308,5 @@ def _decode_job(
         kv_key=None if head.key == kv_key else kv_key,
         kv_streamed=streamed,
         cache_salt=head.cache_salt,
+        kv_reuse=head.decode_kv_reuse,
     )

@@ -280,11 +280,23 @@ class Engine:
         params: SamplingParams,
         kv: KVExport,
         cache_salt: str = "",
+        pinned: str | None = None,
     ) -> None:
         """Continue a request from KV computed elsewhere (KvHandoff.import_): NoFreeBlocksError, nothing taken,
         when the pool is full. `cache_salt`: as add_request's (its imported full blocks are offered to the prefix
-        cache under it)."""
-        self.handoff.import_(request_id, prompt_token_ids, output_token_ids, params, kv, cache_salt)
+        cache under it). `pinned`: the key of a `pin_prefix` whose blocks go in front of a partial pull's KV
+        (consumed either way)."""
+        self.handoff.import_(request_id, prompt_token_ids, output_token_ids, params, kv, cache_salt, pinned)
+
+    def pin_prefix(self, key: str, prompt_token_ids: list[int], cache_salt: str = "") -> int:
+        """Pin this engine's cached first blocks of a prompt under `key` until an import takes them (import_kv
+        `pinned=key`) or `unpin_prefix`: → the tokens they hold (0: none pinned; prefix caching off, several KV
+        cache groups, windows, a worker group). PrefixPins.pin."""
+        return self.handoff.pins.pin(key, prompt_token_ids, cache_salt)
+
+    def unpin_prefix(self, key: str) -> bool:
+        """Give back the blocks pinned under `key` (a pull that failed or was not imported); False if none."""
+        return self.handoff.pins.unpin(key)
 
     def can_stream_kv(self) -> bool:
         """Whether this engine can stream a request's KV layer by layer (KvHandoff.can_stream)."""
@@ -327,6 +339,9 @@ class Engine:
                         continue
                     if blocks.ref_count(b) == 0:
                         raise AssertionError(f"request {req.request_id} holds free block {b} of group {g}")
+                    holders[b] += 1
+            if g == 0:  # blocks pinned for imports on their way (prefix_pins.py) are held by their pins
+                for b in self.handoff.pins.pinned():
                     holders[b] += 1
             for b, n in enumerate(holders):
                 if blocks.ref_count(b) != n:

@@ -18,6 +18,7 @@ from shared.engine.block_manager import FREED, NoFreeBlocksError
 from shared.engine.kv_cache import KvCache
 from shared.engine.kv_export import KVExport, KVPart
 from shared.engine.layer_streams import LayerStreams, OnStart
+from shared.engine.prefix_pins import PrefixPins
 from shared.engine.request import GroupTable, PromptLimits, Request, RequestStatus
 from shared.engine.sampling import SamplingParams
 from shared.engine.scheduler import Scheduler
@@ -43,6 +44,9 @@ class KvHandoff:
         self.kv, self.scheduler, self.requests = kv, scheduler, requests
         self.structured, self.layer_streams, self.limits = structured, layer_streams, limits
         self.max_num_seqs, self.world = max_num_seqs, world
+        # cached prompt blocks held for imports on their way (partial pulls): one group, no window, one process
+        one_group = len(kv.pools) == 1 and not kv.layout.layer_windows and world == 1
+        self.pins = PrefixPins(kv.blocks[0], scheduler.prefix, can_pin=one_group)
 
     # ---- out --------------------------------------------------------------------------------------------
 
@@ -130,20 +134,30 @@ class KvHandoff:
         params: SamplingParams,
         kv: KVExport,
         cache_salt: str = "",
+        pinned: str | None = None,
     ) -> None:
         """Continue a request from KV computed elsewhere. The KV must cover every token but the last
         sampled one. Raises NoFreeBlocksError (nothing taken) when the pool is full: retry later. Its full
-        blocks are offered to the prefix cache under `cache_salt` after its first step."""
-        self.limits.check(self.requests, request_id, prompt_token_ids)
-        self._check_import(prompt_token_ids, output_token_ids, kv)
-        tables = self._allocate(kv)
+        blocks are offered to the prefix cache under `cache_salt` after its first step. `pinned`: the key of a
+        pin (prefix_pins.py) of the prompt's cached first blocks: a KV that starts right behind them (a partial
+        pull) is imported behind them; one that starts earlier is imported whole. The pin is consumed either way
+        (its references given back on any failure or when unused)."""
+        prefix = self.pins.take(pinned) if pinned is not None else []
+        try:
+            self.limits.check(self.requests, request_id, prompt_token_ids)
+            self._check_import(prompt_token_ids, output_token_ids, kv)
+            prefix = self._behind(kv, prefix)
+            tables = self._allocate(kv, prefix)
+        except BaseException:
+            self.kv.blocks[0].free(prefix)
+            raise
         try:  # the matcher replays the output so far (the prefill worker sampled the first token under it)
             self.structured.add(request_id, params.structured, output_token_ids)
         except ValueError:
             self._free(tables)
             raise
         try:
-            self._write(kv, tables)
+            self._write(kv, tables, len(prefix))
         except BaseException:  # e.g. a borrowed KV whose lender took it back mid-copy (BorrowRevoked): nothing kept
             self.structured.remove(request_id)
             self._free(tables)
@@ -155,6 +169,23 @@ class KvHandoff:
         req.num_computed_tokens = kv.num_tokens
         self.requests[request_id] = req
         self.scheduler.add_running(req)
+
+    def _behind(self, kv: KVExport, prefix: list[int]) -> list[int]:
+        """The pinned blocks the pulled KV goes behind: those before its first carried token (a source that cut
+        less than was pinned, or sent it whole, leaves the rest to the pulled copy: given back). ValueError (the pin
+        given back) for a KV that starts past the pin or inside one of this pool's blocks, and for a KV of a
+        full-attention model without its first blocks and no pin."""
+        if not prefix:
+            if kv.first_block and not self.kv.layout.layer_windows:  # only a window lets the first blocks go
+                raise ValueError(f"KV from block {kv.first_block} on, and no cached blocks in front of it")
+            return []
+        block_size = self.kv.layout.block_size
+        start = kv.first_block * kv.layout.block_size  # the first carried token (pins: one group, no window)
+        keep = start // block_size
+        if kv.parts or keep > len(prefix) or start % block_size:
+            raise ValueError(f"KV from token {start} on cannot go behind {len(prefix)} cached blocks of {block_size}")
+        self.kv.blocks[0].free(prefix[keep:])
+        return prefix[:keep]
 
     def _check_import(self, prompt_token_ids: list[int], output_token_ids: list[int], kv: KVExport) -> None:
         """ValueError for KV this engine cannot continue from; NoFreeBlocksError when no sequence slot is left."""
@@ -181,11 +212,15 @@ class KvHandoff:
                 "hybrid model's grouped KV goes to single-rank engines"
             )
 
-    def _allocate(self, kv: KVExport) -> list[GroupTable]:
+    def _allocate(self, kv: KVExport, prefix: list[int]) -> list[GroupTable]:
         """Every group's table for an imported request: FREED up to the group's first carried block (behind its
-        window), fresh blocks from there on. All or nothing: NoFreeBlocksError with nothing taken."""
+        window), fresh blocks from there on; with a cached `prefix` (one group, its references the request's
+        now), those blocks in front of fresh ones for the pulled rest. All or nothing: NoFreeBlocksError with
+        nothing taken (`prefix` left to the caller)."""
         managers, block_size = self.kv.blocks, self.kv.layout.block_size
         n = managers[0].blocks_for(kv.num_tokens)
+        if prefix:  # kv.first_block_at(block_size) == len(prefix): the KV starts right behind it
+            return [GroupTable(prefix + managers[0].allocate(n - len(prefix)), 0)]
         firsts = [kv.first_block_at(block_size, i if kv.parts else None) for i in range(len(self.kv.pools))]
         if not kv.parts and kv.first_block and len(self.kv.pools) > 1:
             raise ValueError("KV of one pool without its first blocks cannot fill a full-attention group")
@@ -194,11 +229,13 @@ class KvHandoff:
             raise NoFreeBlocksError(f"an import of {kv.num_tokens} tokens does not fit: free blocks per group {free}")
         return [GroupTable([FREED] * f + b.allocate(n - f), f) for b, f in zip(managers, firsts, strict=True)]
 
-    def _write(self, kv: KVExport, tables: list[GroupTable]) -> None:
-        """Write an imported request's KV into the blocks `_allocate` gave it, in every KV cache group."""
+    def _write(self, kv: KVExport, tables: list[GroupTable], cached: int = 0) -> None:
+        """Write an imported request's KV into the blocks `_allocate` gave it, in every KV cache group, past the
+        `cached` blocks in front (a partial pull's: they hold their K/V already)."""
         block_size = self.kv.layout.block_size
         if len(self.kv.pools) == 1:
-            self.kv.pool.write_export(tables[0].blocks[tables[0].freed :], kv)  # a worker group: on every rank
+            start = cached or tables[0].freed
+            self.kv.pool.write_export(tables[0].blocks[start:], kv)  # a worker group: on every rank
         elif not kv.parts:  # from one pool of every layer (a worker group's): each group takes its layers
             data = kv.reblock(block_size)
             for g, pool, table in zip(self.kv.groups, self.kv.pools, tables, strict=True):

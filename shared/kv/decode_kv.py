@@ -75,13 +75,15 @@ class DecodeKv:
         if self.ranks is not None:
             await self.ranks.agents.call_all("kv.stop", dict.fromkeys(range(self.ranks.tp)))
 
-    async def pull(self, key: str, loc: KvLocation, *, streamed: bool = False) -> Pulled:
+    async def pull(self, key: str, loc: KvLocation, *, streamed: bool = False, skip_tokens: int = 0) -> Pulled:
         """The KV held under `key` at `loc`, pulled into every rank. streamed: the job's KV is layer-streamed (its
-        trailer carries the first token: the receives are not posted ahead)."""
+        trailer carries the first token: the receives are not posted ahead). skip_tokens: a partial pull (this
+        worker's cache holds the prompt's first tokens, docs/kv_transfer.md): asked of a single prefill worker by a
+        worker of one rank; a group pulls whole (the result's first_block says what came)."""
         model = dataclasses.replace(self.layout, kv_heads=())
         record = loc.group or group_record(model, 1, [loc.rpc_address])
         if self.ranks is None:
-            return await self._pull_here(key, loc, record, streamed)
+            return await self._pull_here(key, loc, record, streamed, skip_tokens)
         try:
             check_compatible(record, model, self.ranks.tp)
         except (IncompatibleKv, LayoutError) as exc:
@@ -93,7 +95,7 @@ class DecodeKv:
             return Pulled(None, f"pulling it from {loc.worker_id} failed: {failure}")
         return Pulled(self.ranks.staged.ref(key), None)
 
-    async def _pull_here(self, key: str, loc: KvLocation, record: GroupKv, streamed: bool) -> Pulled:
+    async def _pull_here(self, key: str, loc: KvLocation, record: GroupKv, streamed: bool, skip: int) -> Pulled:
         """A worker of one rank: its own client pulls, the whole KV from a prefill worker of one rank (the
         location's token count lets the receives be posted before the Pull, posted.py; a streamed KV is not sent
         into them: its trailer follows the layers), or its heads rank by rank from a prefill group."""
@@ -101,7 +103,7 @@ class DecodeKv:
         try:
             if loc.group is None:
                 expected = None if streamed else loc.num_tokens
-                kv = await self.client.pull(loc.rpc_address, key, self.layout, num_tokens=expected)
+                kv = await self.client.pull(loc.rpc_address, key, self.layout, num_tokens=expected, skip_tokens=skip)
             else:
                 kv = await pull_rank_kv(self.client, record, key, self.layout, 1, 0)
             return Pulled(kv, None)

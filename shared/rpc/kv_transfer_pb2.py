@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cshared/rpc/kv_transfer.proto\x12\rpdserve.kv.v1\"\x90\x01\n\x0e\x43onnectRequest\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12\'\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x16.pdserve.kv.v1.Backend\x12\x1a\n\x12layout_fingerprint\x18\x03 \x01(\t\x12\x0e\n\x06ticket\x18\x04 \x01(\t\x12\x0f\n\x07host_id\x18\n \x01(\t\"\xea\x01\n\x0c\x43onnectReply\x12\x12\n\nstore_host\x18\x01 \x01(\t\x12\x12\n\nstore_port\x18\x02 \x01(\r\x12\x0f\n\x07pair_id\x18\x03 \x01(\t\x12\x10\n\x08shm_name\x18\n \x01(\t\x12\x11\n\tshm_bytes\x18\x0b \x01(\x04\x12\x14\n\x0cposted_pulls\x18\x0c \x01(\x08\x12\x12\n\nblock_size\x18\r \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x0e \x01(\x04\x12\x14\n\x0clocal_stream\x18\x0f \x01(\t\x12\'\n\x04pool\x18\x10 \x01(\x0b\x32\x19.pdserve.kv.v1.PoolMemory\"n\n\nPoolMemory\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\n\n\x02\x66\x64\x18\x02 \x01(\r\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\r\n\x05nonce\x18\x04 \x01(\x0c\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x14\n\x0cheader_bytes\x18\x06 \x01(\x04\"\xa0\x02\n\x0bPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\x12\x0f\n\x07pair_id\x18\x04 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x05 \x01(\t\x12\x15\n\rkv_head_start\x18\x06 \x01(\r\x12\x15\n\rkv_head_count\x18\x07 \x01(\r\x12\x13\n\x0bgroup_pulls\x18\x08 \x01(\r\x12\x12\n\nshm_offset\x18\n \x01(\x04\x12\x14\n\x0cshm_capacity\x18\x0b \x01(\x04\x12)\n\x06posted\x18\x0c \x01(\x0b\x32\x19.pdserve.kv.v1.PostedRecv\x12\x0e\n\x06\x62orrow\x18\r \x01(\x08\"h\n\nPostedRecv\x12\x0b\n\x03tag\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12%\n\x03\x63ut\x18\x04 \x01(\x0e\x32\x18.pdserve.kv.v1.PostedCut\"\x96\x02\n\tPullReply\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\r\n\x05shape\x18\x02 \x03(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x0b\n\x03tag\x18\x05 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\x04\x12\x13\n\x0b\x66irst_block\x18\x07 \x01(\r\x12\x0c\n\x04runs\x18\n \x03(\r\x12\x11\n\tshm_bytes\x18\x0b \x01(\x04\x12\x16\n\x0elayer_streamed\x18\x0c \x01(\x08\x12\x0e\n\x06posted\x18\r \x01(\x08\x12\x17\n\x0f\x62orrowed_blocks\x18\x0e \x03(\r\x12*\n\x06groups\x18\x14 \x03(\x0b\x32\x1a.pdserve.kv.v1.KvGroupSpan\"\xc5\x01\n\x11PullStreamRequest\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\x04pull\x18\x02 \x01(\x0b\x32\x1a.pdserve.kv.v1.PullRequest\x12:\n\x05trace\x18\x03 \x03(\x0b\x32+.pdserve.kv.v1.PullStreamRequest.TraceEntry\x12\x0f\n\x07release\x18\x04 \x01(\t\x1a,\n\nTraceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"f\n\x0fPullStreamReply\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\'\n\x05reply\x18\x02 \x01(\x0b\x32\x18.pdserve.kv.v1.PullReply\x12\x0c\n\x04\x63ode\x18\x03 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x04 \x01(\t\"J\n\x0bKvGroupSpan\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r*F\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x42\x41\x43KEND_GLOO\x10\x01\x12\x10\n\x0c\x42\x41\x43KEND_NCCL\x10\x02*8\n\tPostedCut\x12\x16\n\x12POSTED_CUT_ONE_RUN\x10\x00\x12\x13\n\x0fPOSTED_CUT_FLAT\x10\x01\x32\xe5\x01\n\nKvTransfer\x12\x45\n\x07\x43onnect\x12\x1d.pdserve.kv.v1.ConnectRequest\x1a\x1b.pdserve.kv.v1.ConnectReply\x12<\n\x04Pull\x12\x1a.pdserve.kv.v1.PullRequest\x1a\x18.pdserve.kv.v1.PullReply\x12R\n\nPullStream\x12 .pdserve.kv.v1.PullStreamRequest\x1a\x1e.pdserve.kv.v1.PullStreamReply(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cshared/rpc/kv_transfer.proto\x12\rpdserve.kv.v1\"\x90\x01\n\x0e\x43onnectRequest\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12\'\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x16.pdserve.kv.v1.Backend\x12\x1a\n\x12layout_fingerprint\x18\x03 \x01(\t\x12\x0e\n\x06ticket\x18\x04 \x01(\t\x12\x0f\n\x07host_id\x18\n \x01(\t\"\xea\x01\n\x0c\x43onnectReply\x12\x12\n\nstore_host\x18\x01 \x01(\t\x12\x12\n\nstore_port\x18\x02 \x01(\r\x12\x0f\n\x07pair_id\x18\x03 \x01(\t\x12\x10\n\x08shm_name\x18\n \x01(\t\x12\x11\n\tshm_bytes\x18\x0b \x01(\x04\x12\x14\n\x0cposted_pulls\x18\x0c \x01(\x08\x12\x12\n\nblock_size\x18\r \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x0e \x01(\x04\x12\x14\n\x0clocal_stream\x18\x0f \x01(\t\x12\'\n\x04pool\x18\x10 \x01(\x0b\x32\x19.pdserve.kv.v1.PoolMemory\"n\n\nPoolMemory\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\n\n\x02\x66\x64\x18\x02 \x01(\r\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\r\n\x05nonce\x18\x04 \x01(\x0c\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x14\n\x0cheader_bytes\x18\x06 \x01(\x04\"\xb5\x02\n\x0bPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\x12\x0f\n\x07pair_id\x18\x04 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x05 \x01(\t\x12\x15\n\rkv_head_start\x18\x06 \x01(\r\x12\x15\n\rkv_head_count\x18\x07 \x01(\r\x12\x13\n\x0bgroup_pulls\x18\x08 \x01(\r\x12\x12\n\nshm_offset\x18\n \x01(\x04\x12\x14\n\x0cshm_capacity\x18\x0b \x01(\x04\x12)\n\x06posted\x18\x0c \x01(\x0b\x32\x19.pdserve.kv.v1.PostedRecv\x12\x0e\n\x06\x62orrow\x18\r \x01(\x08\x12\x13\n\x0bskip_tokens\x18\x0e \x01(\r\"h\n\nPostedRecv\x12\x0b\n\x03tag\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12%\n\x03\x63ut\x18\x04 \x01(\x0e\x32\x18.pdserve.kv.v1.PostedCut\"\x96\x02\n\tPullReply\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\r\n\x05shape\x18\x02 \x03(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x0b\n\x03tag\x18\x05 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\x04\x12\x13\n\x0b\x66irst_block\x18\x07 \x01(\r\x12\x0c\n\x04runs\x18\n \x03(\r\x12\x11\n\tshm_bytes\x18\x0b \x01(\x04\x12\x16\n\x0elayer_streamed\x18\x0c \x01(\x08\x12\x0e\n\x06posted\x18\r \x01(\x08\x12\x17\n\x0f\x62orrowed_blocks\x18\x0e \x03(\r\x12*\n\x06groups\x18\x14 \x03(\x0b\x32\x1a.pdserve.kv.v1.KvGroupSpan\"\xc5\x01\n\x11PullStreamRequest\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\x04pull\x18\x02 \x01(\x0b\x32\x1a.pdserve.kv.v1.PullRequest\x12:\n\x05trace\x18\x03 \x03(\x0b\x32+.pdserve.kv.v1.PullStreamRequest.TraceEntry\x12\x0f\n\x07release\x18\x04 \x01(\t\x1a,\n\nTraceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"f\n\x0fPullStreamReply\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\'\n\x05reply\x18\x02 \x01(\x0b\x32\x18.pdserve.kv.v1.PullReply\x12\x0c\n\x04\x63ode\x18\x03 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x04 \x01(\t\"J\n\x0bKvGroupSpan\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r*F\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x42\x41\x43KEND_GLOO\x10\x01\x12\x10\n\x0c\x42\x41\x43KEND_NCCL\x10\x02*8\n\tPostedCut\x12\x16\n\x12POSTED_CUT_ONE_RUN\x10\x00\x12\x13\n\x0fPOSTED_CUT_FLAT\x10\x01\x32\xe5\x01\n\nKvTransfer\x12\x45\n\x07\x43onnect\x12\x1d.pdserve.kv.v1.ConnectRequest\x1a\x1b.pdserve.kv.v1.ConnectReply\x12<\n\x04Pull\x12\x1a.pdserve.kv.v1.PullRequest\x1a\x18.pdserve.kv.v1.PullReply\x12R\n\nPullStream\x12 .pdserve.kv.v1.PullStreamRequest\x1a\x1e.pdserve.kv.v1.PullStreamReply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PULLSTREAMREQUEST_TRACEENTRY']._loaded_options = None
   _globals['_PULLSTREAMREQUEST_TRACEENTRY']._serialized_options = b'8\001'
-  _globals['_BACKEND']._serialized_start=1601
-  _globals['_BACKEND']._serialized_end=1671
-  _globals['_POSTEDCUT']._serialized_start=1673
-  _globals['_POSTEDCUT']._serialized_end=1729
+  _globals['_BACKEND']._serialized_start=1622
+  _globals['_BACKEND']._serialized_end=1692
+  _globals['_POSTEDCUT']._serialized_start=1694
+  _globals['_POSTEDCUT']._serialized_end=1750
   _globals['_CONNECTREQUEST']._serialized_start=48
   _globals['_CONNECTREQUEST']._serialized_end=192
   _globals['_CONNECTREPLY']._serialized_start=195
@@ -44,19 +44,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_POOLMEMORY']._serialized_start=431
   _globals['_POOLMEMORY']._serialized_end=541
   _globals['_PULLREQUEST']._serialized_start=544
-  _globals['_PULLREQUEST']._serialized_end=832
-  _globals['_POSTEDRECV']._serialized_start=834
-  _globals['_POSTEDRECV']._serialized_end=938
-  _globals['_PULLREPLY']._serialized_start=941
-  _globals['_PULLREPLY']._serialized_end=1219
-  _globals['_PULLSTREAMREQUEST']._serialized_start=1222
-  _globals['_PULLSTREAMREQUEST']._serialized_end=1419
-  _globals['_PULLSTREAMREQUEST_TRACEENTRY']._serialized_start=1375
-  _globals['_PULLSTREAMREQUEST_TRACEENTRY']._serialized_end=1419
-  _globals['_PULLSTREAMREPLY']._serialized_start=1421
-  _globals['_PULLSTREAMREPLY']._serialized_end=1523
-  _globals['_KVGROUPSPAN']._serialized_start=1525
-  _globals['_KVGROUPSPAN']._serialized_end=1599
-  _globals['_KVTRANSFER']._serialized_start=1732
-  _globals['_KVTRANSFER']._serialized_end=1961
+  _globals['_PULLREQUEST']._serialized_end=853
+  _globals['_POSTEDRECV']._serialized_start=855
+  _globals['_POSTEDRECV']._serialized_end=959
+  _globals['_PULLREPLY']._serialized_start=962
+  _globals['_PULLREPLY']._serialized_end=1240
+  _globals['_PULLSTREAMREQUEST']._serialized_start=1243
+  _globals['_PULLSTREAMREQUEST']._serialized_end=1440
+  _globals['_PULLSTREAMREQUEST_TRACEENTRY']._serialized_start=1396
+  _globals['_PULLSTREAMREQUEST_TRACEENTRY']._serialized_end=1440
+  _globals['_PULLSTREAMREPLY']._serialized_start=1442
+  _globals['_PULLSTREAMREPLY']._serialized_end=1544
+  _globals['_KVGROUPSPAN']._serialized_start=1546
+  _globals['_KVGROUPSPAN']._serialized_end=1620
+  _globals['_KVTRANSFER']._serialized_start=1753
+  _globals['_KVTRANSFER']._serialized_end=1982
 # @@protoc_insertion_point(module_scope)

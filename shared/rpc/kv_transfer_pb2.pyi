@@ -78,7 +78,7 @@ class PoolMemory(_message.Message):
     def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., nbytes: _Optional[int] = ..., nonce: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., header_bytes: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("request_id", "ticket", "decode_worker_id", "pair_id", "layout_fingerprint", "kv_head_start", "kv_head_count", "group_pulls", "shm_offset", "shm_capacity", "posted", "borrow")
+    __slots__ = ("request_id", "ticket", "decode_worker_id", "pair_id", "layout_fingerprint", "kv_head_start", "kv_head_count", "group_pulls", "shm_offset", "shm_capacity", "posted", "borrow", "skip_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class PullRequest(_message.Message):
     SHM_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     POSTED_FIELD_NUMBER: _ClassVar[int]
     BORROW_FIELD_NUMBER: _ClassVar[int]
+    SKIP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     ticket: str
     decode_worker_id: str
@@ -103,7 +104,8 @@ class PullRequest(_message.Message):
     shm_capacity: int
     posted: PostedRecv
     borrow: bool
-    def __init__(self, request_id: _Optional[str] = ..., ticket: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., pair_id: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., kv_head_start: _Optional[int] = ..., kv_head_count: _Optional[int] = ..., group_pulls: _Optional[int] = ..., shm_offset: _Optional[int] = ..., shm_capacity: _Optional[int] = ..., posted: _Optional[_Union[PostedRecv, _Mapping]] = ..., borrow: _Optional[bool] = ...) -> None: ...
+    skip_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., ticket: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., pair_id: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., kv_head_start: _Optional[int] = ..., kv_head_count: _Optional[int] = ..., group_pulls: _Optional[int] = ..., shm_offset: _Optional[int] = ..., shm_capacity: _Optional[int] = ..., posted: _Optional[_Union[PostedRecv, _Mapping]] = ..., borrow: _Optional[bool] = ..., skip_tokens: _Optional[int] = ...) -> None: ...
 
 class PostedRecv(_message.Message):
     __slots__ = ("tag", "num_tokens", "num_blocks", "cut")

@@ -91,6 +91,12 @@ PREFILL_ROUTES = Counter(
     "prompt_cache_key's worker), shared (the shared queue: nothing cached helps, routing off, no index yet).",
     (*LABELS, "how"),
 )
+DECODE_ROUTES = Counter(
+    f"{PREFIX}decode_routes",
+    "Decode jobs the gateway routed to the decode worker whose cache holds most of the prompt (decode-side reuse); "
+    "the others go to the shared decode queue.",
+    LABELS,
+)
 ROUTED_PREFIX_HIT_TOKENS = Counter(
     f"{PREFIX}routed_prefix_hit_tokens",
     "Prompt tokens the gateway predicted the chosen worker holds in its prefix cache (KV-aware routing).",
@@ -135,6 +141,11 @@ KV_TRANSFER_SECONDS = Histogram(
     buckets=_LATENCY_BUCKETS,
 )
 KV_TRANSFER_BYTES = Counter(f"{PREFIX}kv_transfer_bytes", "KV bytes moved.", LABELS)
+KV_SKIPPED_BLOCKS = Counter(
+    f"{PREFIX}kv_transfer_skipped_blocks",
+    "KV blocks a decode worker did not pull: its own prefix cache held them (partial pulls, docs/kv_transfer.md).",
+    LABELS,
+)
 KV_LAYER_STREAMED = Counter(
     f"{PREFIX}kv_layer_streamed_pulls", "KV pulls sent layer by layer as the prefill ran (docs/kv_transfer.md).", LABELS
 )

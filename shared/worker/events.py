@@ -87,8 +87,10 @@ def first_token_event(
 
 def queued_event(job: PrefillJob, worker_id: str, streamed: bool = False) -> QueuedEvent:
     """The decode job is published: no worker holds the request until a decode worker takes it (streamed: it was
-    published before the first token, which the decode worker emits)."""
-    return QueuedEvent(job.request_id, job.attempt, len(job.output_token_ids) + (not streamed), worker_id)
+    published before the first token, which the decode worker emits); or, routed to a decode worker's own queue
+    (job.decode_worker), that worker holds it from now."""
+    seq = len(job.output_token_ids) + (not streamed)
+    return QueuedEvent(job.request_id, job.attempt, seq, worker_id, routed_to=job.decode_worker)
 
 
 def streamed_first_token_event(

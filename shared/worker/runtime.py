@@ -122,7 +122,8 @@ class Worker(Generic[Job]):
         raise NotImplementedError
 
     def own_job_subject(self) -> str | None:
-        """The queue of jobs routed to this worker alone (prefill and mixed: KV-aware routing); None: no such."""
+        """The queue of jobs routed to this worker alone (prefill and mixed: KV-aware routing; decode: decode-side
+        reuse); None: no such."""
         return None
 
     async def handle_job(self, msg: Msg) -> None:
@@ -442,8 +443,8 @@ class Worker(Generic[Job]):
     # ---- heartbeats and block announcements --------------------------------------------------------------
 
     async def _start_announcing_blocks(self) -> list[asyncio.Task]:
-        """A worker with its own queue (prefill, mixed) tells the gateways which prefix-cache blocks it holds, when
-        its engine has a prefix cache (block_announcer.py); its task, or none."""
+        """A worker with its own queue (prefill, mixed, decode) tells the gateways which prefix-cache blocks it
+        holds, when its engine has a prefix cache (block_announcer.py); its task, or none."""
         engine = self.engine.engine
         if self.own_job_subject() is None or not announces_blocks(engine):
             return []

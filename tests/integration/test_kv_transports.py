@@ -189,6 +189,37 @@ def test_a_pull_hands_off_exact_bytes_of_contiguous_and_scattered_blocks(name):
 
 
 @TRANSPORT_NAMES
+def test_a_partial_pull_carries_the_blocks_from_the_skip_on(name):
+    """PullRequest.skip_tokens (skip.py): the decode side holds the first 21 tokens, so blocks 5.. move (block 5
+    holds token 20). A layer stream is sent whole (first_block 0); nothing is posted for a partial pull, so the
+    posted transport's pulls go over the plain pair."""
+    setup = SETUPS[name]
+    skip, first = 21, 5
+
+    async def run():
+        async with serving(name) as bench:
+            client = bench.client()
+            try:
+                for rid in BLOCKS:
+                    num_tokens = NUM_TOKENS if setup.num_tokens else None
+                    kv = await client.pull(bench.address, rid, LAYOUT, num_tokens=num_tokens, skip_tokens=skip)
+                    assert kv.num_tokens == NUM_TOKENS
+                    whole = bench.source.expected(rid)
+                    if setup.streamed:
+                        assert kv.first_block == 0 and torch.equal(kv.blocks, whole), rid
+                    else:
+                        assert kv.first_block == first and torch.equal(kv.blocks, whole[:, :, first:]), rid
+                    client.recycle(kv)
+                await _settled(bench)
+                _check_taken("pair" if name == "posted" else name, bench, client, len(BLOCKS))
+                assert bench.source.ends == {rid: [True] for rid in BLOCKS} and not bench.source.held
+            finally:
+                await client.close()
+
+    asyncio.run(run())
+
+
+@TRANSPORT_NAMES
 def test_a_refused_ticket_changes_nothing_and_the_next_pull_goes_through(name):
     setup = SETUPS[name]
 

@@ -99,8 +99,9 @@ class Client:
     def __init__(self, kv=None) -> None:
         self.kv, self.pulls, self.recycled = kv, [], []
 
-    async def pull(self, address: str, key: str, layout, num_tokens: int | None = None):
+    async def pull(self, address: str, key: str, layout, num_tokens: int | None = None, skip_tokens: int = 0):
         self.pulls.append((address, key, num_tokens))
+        self.skipped = skip_tokens
         if self.kv is None:
             raise KvTransferError(FailureReason.UNAVAILABLE, "the send broke midway")
         return self.kv
@@ -140,7 +141,7 @@ class Recorder:
     def __init__(self) -> None:
         self.calls = []
 
-    def import_kv(self, key, prompt, outputs, params, kv, cache_salt="") -> None:
+    def import_kv(self, key, prompt, outputs, params, kv, cache_salt="", pinned=None) -> None:
         self.calls.append(("import", key, outputs, params.prompt_logprobs))
 
     def fork(self, parent, children) -> list:
@@ -295,7 +296,7 @@ def test_a_job_cancelled_during_its_pull_gives_the_kv_back_and_ends_there(model_
             super().__init__(kv)
             self.go = asyncio.Event()
 
-        async def pull(self, address: str, key: str, layout, num_tokens: int | None = None):
+        async def pull(self, address: str, key: str, layout, num_tokens: int | None = None, skip_tokens: int = 0):
             await self.go.wait()
             return await super().pull(address, key, layout, num_tokens)
 

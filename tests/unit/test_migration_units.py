@@ -129,6 +129,38 @@ def test_a_job_routed_to_a_worker_is_held_by_it_until_taken_and_moves_when_it_di
     assert s2.holder == "p2" and s2.queued_for is None
 
 
+def test_a_decode_job_routed_to_a_decode_worker_is_held_by_it_while_it_waits_there():
+    """The prefill worker's QueuedEvent names the decode worker whose own queue got the decode job (decode-side
+    reuse): that worker holds the request; waiting there long is no stall (a busy worker takes it when it has
+    room), its death moves the request, and its TakenEvent ends the wait."""
+    clock = Clock()
+    s = updates(clock)
+    beats = {"p1": clock.now, "d1": clock.now}
+    s.push(ev(0, [5], worker="p1"))
+    s.push(QueuedEvent("r", 0, 1, "p1", routed_to="d1"))
+    assert s.holder == "d1" and s.queued_for == "d1"
+    clock.now += STALL + 1
+    beats["d1"] = clock.now
+    assert s.why_move(beats.get, TTL, STALL) is None  # alive, busy: not a stall
+    clock.now += TTL + 0.1  # and then dead with the job in its own queue
+    assert "d1 sent no heartbeat" in s.why_move(beats.get, TTL, STALL)
+    s2 = updates(clock)
+    beats["d2"] = clock.now
+    s2.push(ev(0, [5], worker="p1"))
+    s2.push(QueuedEvent("r", 0, 1, "p1", routed_to="d2"))
+    s2.push(ev(1, [], worker="d2"))
+    assert s2.holder == "d2" and s2.queued_for is None  # taken: tokens judge it from now
+    s3 = updates(clock)
+    s3.push(ev(0, [5], worker="p1"))
+    s3.push(ev(1, [], worker="d2"))  # the decode worker spoke before the prefill worker's QueuedEvent came in
+    s3.push(QueuedEvent("r", 0, 1, "p1", routed_to="d2"))
+    assert s3.holder == "d2" and s3.queued_for is None
+    s4 = updates(clock)
+    s4.push(ev(0, [5], worker="p1"))
+    s4.push(ev(1, [], worker="p1", queued=True))  # to the shared queue: nobody holds it
+    assert s4.holder is None
+
+
 def test_a_stream_silent_since_nats_came_back_moves_after_a_ttl():
     clock = Clock()
     s = updates(clock)

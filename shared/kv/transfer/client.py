@@ -111,15 +111,23 @@ class KvTransferClient:
         self._connections: dict[str, asyncio.Task[ClientPair]] = {}
 
     async def pull(
-        self, address: str, request_id: str, layout: KVLayout, group_pulls: int = 0, num_tokens: int | None = None
+        self,
+        address: str,
+        request_id: str,
+        layout: KVLayout,
+        group_pulls: int = 0,
+        num_tokens: int | None = None,
+        skip_tokens: int = 0,
     ) -> KVExport:
         """Fetch the KV of `request_id` from the prefill worker at `address`; `layout` is the receiving
         engine's (block size may differ: the result carries the source's, `reblock` re-cuts); a layout naming
         `kv_heads` pulls only those (contiguous) heads from a group rank, one of `group_pulls`. The prefill
         side frees its blocks once the bytes are out. num_tokens: how many tokens the KV covers, when known (the
         KV location's count): the receives are then posted before the Pull (posted.py); a wrong count only
-        costs the pair (the server ignores such receives, the KV arrives as without). Raises KvTransferError
-        (see its `reason`).
+        costs the pair (the server ignores such receives, the KV arrives as without). skip_tokens: a partial pull
+        (skip.py): this side holds the first skip_tokens tokens, send from their last block on (the result's
+        first_block says where it starts; earlier where the source sends whole); nothing is posted ahead then.
+        Raises KvTransferError (see its `reason`).
         Traced as a `pull_kv` span (child of the current one) whose context travels in the gRPC metadata."""
         labels = (self.model_name, "decode")
         started = time.perf_counter()
@@ -129,9 +137,9 @@ class KvTransferClient:
         ) as span:
             try:
                 try:
-                    kv = await self._pull_once(address, request_id, layout, group_pulls, num_tokens)
+                    kv = await self._pull_once(address, request_id, layout, group_pulls, num_tokens, skip_tokens)
                 except _StalePair:  # a new pair, once; a second stale answer propagates as UNAVAILABLE
-                    kv = await self._pull_once(address, request_id, layout, group_pulls, num_tokens)
+                    kv = await self._pull_once(address, request_id, layout, group_pulls, num_tokens, skip_tokens)
             except KvTransferError as e:
                 metrics.KV_TRANSFER_FAILURES.labels(*labels, e.reason.value).inc()
                 span.set_attribute(tracing.KV_OUTCOME, f"failed: {e.reason.value}")
@@ -185,7 +193,13 @@ class KvTransferClient:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _pull_once(
-        self, address: str, request_id: str, layout: KVLayout, group_pulls: int, num_tokens: int | None
+        self,
+        address: str,
+        request_id: str,
+        layout: KVLayout,
+        group_pulls: int,
+        num_tokens: int | None,
+        skip_tokens: int = 0,
     ) -> KVExport:
         conn = await self._connection(address, layout)
         request = pb.PullRequest(
@@ -194,9 +208,10 @@ class KvTransferClient:
             decode_worker_id=self.worker_id,
             pair_id=conn.pair.pair_id,
             layout_fingerprint=layout.fingerprint,
+            skip_tokens=skip_tokens,
             **head_fields(layout, group_pulls),
         )
-        pull = Pull(request, layout, num_tokens)
+        pull = Pull(request, layout, None if skip_tokens else num_tokens)  # posted receives are cut for all of it
         async with conn.order:
             offers: dict[str, Offer] = {}  # by receiver: what each set up for this pull
             for receiver in conn.receivers:

@@ -47,6 +47,7 @@ from shared.kv.transfer.pair_proof import PairProofs, PairRefused
 from shared.kv.transfer.rpc_calls import MAX_MESSAGE_BYTES, Unreadable, handler
 from shared.kv.transfer.send_stream import SendStream
 from shared.kv.transfer.shm import host_identity, sweep_stale
+from shared.kv.transfer.skip import skip_cached
 from shared.kv.transfer.slots import Slot
 from shared.kv.transfer.source import AlreadySending, KvSource
 from shared.kv.transfer.transports.base import Sender, Transport
@@ -299,6 +300,7 @@ class KvTransferServer:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except HeadsRefused as e:  # heads this source does not hold, or one that serves whole KV only
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        kv = skip_cached(kv, request.skip_tokens)  # a partial pull: the decode side holds the first tokens
         span.set_attributes(
             {
                 tracing.KV_EXPORT_TIME: time.perf_counter() - started,
