@@ -26,7 +26,12 @@ class PathChooser:
         self.slos = Slos(settings.ttft_slo_ms / 1e3, settings.tpot_slo_ms / 1e3)
 
     def choose(
-        self, workers: WorkerTable, model: str, prompt_tokens: int, now: float, prefill_cached: Mapping[str, int] | None = None
+        self,
+        workers: WorkerTable,
+        model: str,
+        prompt_tokens: int,
+        now: float,
+        prefill_cached: Mapping[str, int] | None = None,
     ) -> PathChoice:
         """The path of a request of `prompt_tokens` for `model`, from the workers live at `now`; `prefill_cached`:
         the prompt tokens a prefill worker is expected to find in its prefix cache, by worker id."""
