@@ -61,10 +61,17 @@ class Mode:
     env: dict[str, str] = field(default_factory=dict)
 
 
+# Every mode disaggregates every request (PDSERVE_PREFILL_PATH=remote): the per-request path (compare_pd.py) would
+# send a conversation's short first turn to the decode worker, mixing that choice into what is measured here.
+_REMOTE = {"PDSERVE_PREFILL_PATH": "remote"}
 MODES = {
-    "no-cache": Mode("workers without a prefix cache", worker_args=("--no-prefix-caching",)),
-    "cache-queue": Mode("prefix cache, shared work queue", env={"PDSERVE_KV_AWARE_ROUTING": "0"}),
-    "cache-kv-aware": Mode("prefix cache, KV-aware routing (default)"),
+    "no-cache": Mode("workers without a prefix cache", worker_args=("--no-prefix-caching",), env=_REMOTE),
+    "cache-queue": Mode("prefix cache, shared work queue", env=_REMOTE | {"PDSERVE_KV_AWARE_ROUTING": "0"}),
+    "cache-kv-aware-whole-pulls": Mode(
+        "prefix cache, KV-aware routing, decode pulls every block (no decode-side reuse)",
+        env=_REMOTE | {"PDSERVE_DECODE_KV_REUSE": "0"},
+    ),
+    "cache-kv-aware": Mode("prefix cache, KV-aware routing and decode-side reuse (default)", env=_REMOTE),
 }
 WORKLOADS = ("shared-prefix", "multi-turn")
 PREFILL_WORKERS, DECODE_WORKERS = 2, 1
@@ -162,8 +169,9 @@ def results_table(runs: dict, modes: list[str]) -> str:
 
 
 def ratios(runs: dict) -> dict[str, dict[str, float | None]]:
-    """Per workload: cache-kv-aware / no-cache TTFT p50 (below 1: the cache saves prefill time), and
-    cache-kv-aware / cache-queue hit rate (above 1: routing finds the cached prefixes the queue misses)."""
+    """Per workload: cache-kv-aware / no-cache TTFT p50 (below 1: the cache saves prefill time),
+    cache-kv-aware / cache-queue hit rate (above 1: routing finds the cached prefixes the queue misses), and
+    cache-kv-aware / cache-kv-aware-whole-pulls KV bytes per request (below 1: decode-side reuse moves less)."""
 
     def get(mode: str, name: str, key: str) -> float | None:
         return runs.get(mode, {}).get(name, {}).get("summary", {}).get(key)
@@ -175,6 +183,10 @@ def ratios(runs: dict) -> dict[str, dict[str, float | None]]:
             ),
             "hit_rate_kv_aware_over_queue": ratio(
                 get("cache-kv-aware", name, "prefix_cache_hit_rate"), get("cache-queue", name, "prefix_cache_hit_rate")
+            ),
+            "kv_bytes_reuse_over_whole_pulls": ratio(
+                get("cache-kv-aware", name, "kv_bytes_per_request"),
+                get("cache-kv-aware-whole-pulls", name, "kv_bytes_per_request"),
             ),
         }
         for name in WORKLOADS
@@ -192,8 +204,8 @@ def turns_table(runs: dict, modes: list[str]) -> str:
 
 def report(data: dict) -> str:
     wl, m, modes = data["config"]["workloads"], data["machine"], data["config"]["modes"]
-    rows = [[name, fmt(r["ttft_p50_kv_aware_over_no_cache"], 2), fmt(r["hit_rate_kv_aware_over_queue"], 2)]
-            for name, r in data["ratios"].items()]  # fmt: skip
+    rows = [[name, fmt(r["ttft_p50_kv_aware_over_no_cache"], 2), fmt(r["hit_rate_kv_aware_over_queue"], 2),
+             fmt(r["kv_bytes_reuse_over_whole_pulls"], 2)] for name, r in data["ratios"].items()]  # fmt: skip
     failed = [(mode, name, r["summary"]["failed"]) for mode, per in data["runs"].items() for name, r in per.items()
               if r["summary"]["failed"]]  # fmt: skip
     lines = [
@@ -210,9 +222,18 @@ def report(data: dict) -> str:
         "",
         results_table(data["runs"], modes),
         "",
-        "Ratios (TTFT: below 1 is faster than no cache; hit rate: above 1 is KV-aware routing finding more):",
+        "Ratios (TTFT: below 1 is faster than no cache; hit rate: above 1 is KV-aware routing finding more; KV "
+        "bytes: below 1 is decode-side reuse moving less):",
         "",
-        markdown_table(["workload", "TTFT p50 kv-aware / no-cache", "hit rate kv-aware / queue"], rows),
+        markdown_table(
+            [
+                "workload",
+                "TTFT p50 kv-aware / no-cache",
+                "hit rate kv-aware / queue",
+                "KV bytes/request reuse / whole pulls",
+            ],
+            rows,
+        ),  # fmt: skip
         "",
         "Multi-turn by turn:",
         "",
@@ -237,7 +258,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--prefix-len", type=int, default=512)
-    p.add_argument("--suffix-len", type=int, default=32)
+    p.add_argument("--suffix-len", type=int, default=128, help="with --prefix-len 512: a prefix share of 80%%")
     p.add_argument("--prefix-output-len", type=int, default=8)
     p.add_argument("--num-prompts", type=int, help=f"shared-prefix requests (default {DEFAULTS['num_prompts']})")
     p.add_argument("--prefix-rate", type=float, default=2.0, help="shared-prefix requests/s")

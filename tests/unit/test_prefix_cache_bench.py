@@ -30,10 +30,13 @@ RUNS = {
 
 
 def test_modes_say_how_each_stack_differs():
-    assert list(MODES) == ["no-cache", "cache-queue", "cache-kv-aware"]
+    assert list(MODES) == ["no-cache", "cache-queue", "cache-kv-aware-whole-pulls", "cache-kv-aware"]
+    remote = {"PDSERVE_PREFILL_PATH": "remote"}  # every mode disaggregates: the path choice is not measured here
+    assert all(m.env.items() >= remote.items() for m in MODES.values())
     assert "--no-prefix-caching" in MODES["no-cache"].worker_args
-    assert MODES["cache-queue"].env == {"PDSERVE_KV_AWARE_ROUTING": "0"}
-    assert MODES["cache-kv-aware"].worker_args == () and MODES["cache-kv-aware"].env == {}
+    assert MODES["cache-queue"].env == remote | {"PDSERVE_KV_AWARE_ROUTING": "0"}
+    assert MODES["cache-kv-aware-whole-pulls"].env == remote | {"PDSERVE_DECODE_KV_REUSE": "0"}
+    assert MODES["cache-kv-aware"].worker_args == () and MODES["cache-kv-aware"].env == remote
 
 
 def test_ratios():
@@ -42,7 +45,8 @@ def test_ratios():
     assert got["shared-prefix"]["hit_rate_kv_aware_over_queue"] == pytest.approx(2.0)
     assert got["multi-turn"]["ttft_p50_kv_aware_over_no_cache"] == pytest.approx(0.5)
     assert ratios({"cache-kv-aware": RUNS["cache-kv-aware"]})["multi-turn"] == {
-        "ttft_p50_kv_aware_over_no_cache": None, "hit_rate_kv_aware_over_queue": None}  # fmt: skip
+        "ttft_p50_kv_aware_over_no_cache": None, "hit_rate_kv_aware_over_queue": None,
+        "kv_bytes_reuse_over_whole_pulls": None}  # fmt: skip
 
 
 def test_report():
@@ -56,7 +60,7 @@ def test_report():
     text = report(data)
     assert "| shared-prefix | cache-kv-aware | 10 / 1 | 100 / 200 | 1.50 | 20 | 80.0% | 4096 |" in text
     assert "| shared-prefix | no-cache | 10 / 0 | 400 / 800 | 1.50 | 20 | — | 4096 |" in text
-    assert "| shared-prefix | 0.25 | 2.00 |" in text
+    assert "| shared-prefix | 0.25 | 2.00 | — |" in text
     assert "| cache-kv-aware | 210 / 0.0% | 90 / 70.0% |" in text and "| no-cache | 200 / 0.0% | — |" in text
     assert "FAILED REQUESTS: cache-kv-aware shared-prefix: 1" in text
 
@@ -68,3 +72,10 @@ def test_arguments():
         with pytest.raises(SystemExit):
             parse_args(bad)
     assert set(WORKLOADS) == {"shared-prefix", "multi-turn"}
+
+
+def test_the_bytes_ratio_compares_decode_side_reuse_with_whole_pulls():
+    whole = _run(150.0, 0.6)
+    whole["summary"]["kv_bytes_per_request"] = 5 * 4096.0
+    got = ratios(RUNS | {"cache-kv-aware-whole-pulls": {"multi-turn": whole}})
+    assert got["multi-turn"]["kv_bytes_reuse_over_whole_pulls"] == pytest.approx(0.2)
