@@ -79,6 +79,7 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -94,6 +95,8 @@ from services.local.infra import free_port  # noqa: E402
 from services.local.stack import Stack, StackSpec  # noqa: E402
 from shared.engine.kv_budget import CPU_KV_CACHE_BYTES  # noqa: E402
 from shared.model.tokenizer import Tokenizer  # noqa: E402
+from shared.telemetry import tracing  # noqa: E402
+from shared.telemetry.spanfile import read_spans  # noqa: E402
 
 MODES = ("colocated", "colocated-chunked", "disaggregated", "disaggregated-auto")
 # How the gateway picks each request's prefill path in the disaggregated modes (PDSERVE_PREFILL_PATH).
@@ -472,6 +475,7 @@ def measure(ms: ModeStack, stacks: list[ModeStack], tok: Tokenizer, model_name: 
     requests = wl.requests(tok, rate)
     cpu0, stack0, (busy0, steal0) = sum(map(proc_cpu_s, ours)), ms.cpu_s(), machine_busy_s()
     gen0, load0, t0 = proc_cpu_s(os.getpid()), os.getloadavg()[0], time.monotonic()
+    started_ns = time.time_ns()  # the run's window on the spans' clock (path_predictions)
     result = run_requests(ms.stack.url, model_name, requests, slos, seed=wl.seed)
     wall = time.monotonic() - t0
     cpu1, stack1, (busy1, steal1) = sum(map(proc_cpu_s, ours)), ms.cpu_s(), machine_busy_s()
@@ -495,6 +499,7 @@ def measure(ms: ModeStack, stacks: list[ModeStack], tok: Tokenizer, model_name: 
     return {
         "mode": ms.mode,
         "rate": rate,
+        "window_ns": [started_ns, time.time_ns()],
         "offered_rate": rate + 1 / wl.long_interval_s,
         "num_requests": len(requests),
         # last send → last completion: one request's latency when the stack keeps up, growing when it falls behind
@@ -504,6 +509,59 @@ def measure(ms: ModeStack, stacks: list[ModeStack], tok: Tokenizer, model_name: 
         "long_send_s": [round(r.at_s, 5) for r in requests if r.kind == "long"],
         "records": [record_dict(r) for r in result.records],
     }
+
+
+# ---- the per-request path: predicted against measured TTFT --------------------------------------------------
+
+
+def path_predictions(spans: Iterable[dict], window_ns: tuple[int, int]) -> dict[str, dict]:
+    """Per prefill path (remote | local), from the gateway's request spans that started in `window_ns`: how many
+    requests took it, the p50 of the TTFT the cost model predicted for them and the p50 of their measured TTFT
+    (ms), and measured / predicted (1.0: the model is right at the median)."""
+    lo, hi = window_ns
+    by_path: dict[str, tuple[list[float], list[float]]] = {}
+    for span in spans:
+        a = span.get("attributes", {})
+        path, predicted, ttft = (
+            a.get(tracing.PREFILL_PATH),
+            a.get(tracing.PREFILL_PATH_PREDICTED_TTFT),
+            a.get(tracing.GEN_AI_TTFT),
+        )
+        if path is None or predicted is None or ttft is None or not lo <= span["start_ns"] <= hi:
+            continue
+        pred, meas = by_path.setdefault(path, ([], []))
+        pred.append(predicted * 1e3)
+        meas.append(ttft * 1e3)
+    out = {}
+    for path, (pred, meas) in sorted(by_path.items()):
+        p50_pred, p50_meas = statistics.median(pred), statistics.median(meas)
+        out[path] = {"requests": len(pred), "predicted_ttft_p50_ms": p50_pred, "measured_ttft_p50_ms": p50_meas,
+                     "measured_over_predicted": ratio(p50_meas, p50_pred)}  # fmt: skip
+    return out
+
+
+def predictions_table(runs: list[dict]) -> str:
+    rows = [[r["mode"], f"{r['rate']:g}", path, str(p["requests"]), fmt(p["predicted_ttft_p50_ms"], 0),
+             fmt(p["measured_ttft_p50_ms"], 0), fmt(p["measured_over_predicted"], 2)]
+            for r in runs for path, p in r.get("prefill_paths", {}).items()]  # fmt: skip
+    header = [
+        "mode",
+        "rate",
+        "path",
+        "requests",
+        "predicted TTFT p50 ms",
+        "measured TTFT p50 ms",
+        "measured / predicted",
+    ]
+    return markdown_table(header, rows)
+
+
+def add_path_predictions(data: dict, out: Path) -> None:
+    """Each traced run of a mode that chooses paths gets its `prefill_paths` (path_predictions)."""
+    for measured in data["runs"]:
+        spans_file = out / f"spans-{measured['mode']}.jsonl"
+        if PREFILL_PATH.get(measured["mode"]) == "auto" and spans_file.exists():
+            measured["prefill_paths"] = path_predictions(read_spans(spans_file), tuple(measured["window_ns"]))
 
 
 # ---- plots ------------------------------------------------------------------------------------------------
@@ -668,6 +726,9 @@ def report(data: dict) -> str:
         all_table(data["runs"], modes, rates),
         "",
     ]
+    if any(r.get("prefill_paths") for r in data["runs"]):
+        lines += ["The per-request path, predicted against measured TTFT (gateway request spans, `--trace`):", "",
+                  predictions_table(data["runs"]), ""]  # fmt: skip
     if failed:
         lines.append("**FAILED REQUESTS: " + "; ".join(f"{m} @ {r:g}: {n}" for m, r, n in failed) + "**")
     else:
@@ -877,6 +938,7 @@ def main(argv: list[str] | None = None) -> int:
         for ms in stacks.values():
             ms.stop()
     data["runtime_s"] = time.monotonic() - t_start
+    add_path_predictions(data, out)
     (out / "compare_pd.json").write_text(json.dumps(data))
     code = finish(data, out)
     print(f"runtime {data['runtime_s'] / 60:.1f} min")
