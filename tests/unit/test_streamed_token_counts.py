@@ -61,8 +61,11 @@ class Puller:
     def __init__(self, kv=None) -> None:
         self.kv, self.pulled = kv, []
 
-    async def pull(self, address: str, key: str, layout, num_tokens: int | None = None) -> StreamedKv:
+    async def pull(
+        self, address: str, key: str, layout, num_tokens: int | None = None, skip_tokens: int = 0
+    ) -> StreamedKv:
         assert num_tokens is None, "a streamed job's receives are never posted before the Pull"
+        assert skip_tokens == 0, "a layer-streamed KV is pulled whole"
         self.pulled.append(key)
         if self.kv is None:
             raise KvTransferError(FailureReason.UNAVAILABLE, "the send broke midway")
