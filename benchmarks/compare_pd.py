@@ -103,6 +103,10 @@ MODES = ("colocated", "colocated-chunked", "disaggregated", "disaggregated-auto"
 PREFILL_PATH = {"disaggregated": "remote", "disaggregated-auto": "auto"}
 KNEE_GAIN = 0.05  # a rate step that raises goodput by no more than this (relative to the best so far) is past the knee
 BASELINE = "colocated"
+# Every prompt computed: the probes repeat theirs, warm-ups and retried runs repeat whole workloads, and a prefix
+# cache would serve those from memory, hiding the very prefill work whose interference is measured here
+# (prefix_cache.py measures the cache).
+NO_CACHE = ("--no-prefix-caching",)
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 KV_CACHE_BYTES = CPU_KV_CACHE_BYTES  # a CPU worker's default KV pool, for the memory estimate
 OTHER_CPU_WARN = 0.10  # warn when other processes used more than this share of the machine during a run
@@ -245,15 +249,15 @@ def mode_spec(mode: str, model: Path, cores: tuple[int, int], chunk_budget: int,
     auto path's cost model is given the benchmark's goodput SLOs (`slos`), the ones it must choose within."""
     common = dict(model=str(model), port=free_port(), trace_file=str(trace) if trace else None)
     if mode == "colocated":  # a whole prompt per step: the budget must hold the longest prompt
-        args = ("--no-chunked-prefill", "--max-num-batched-tokens", str(max_len))
+        args = (*NO_CACHE, "--no-chunked-prefill", "--max-num-batched-tokens", str(max_len))
         return StackSpec(mixed=1, prefill=0, decode=0, threads={"mixed": 2}, cpu_affinity={"mixed": cores},
                          worker_args=args, **common)  # fmt: skip
     if mode == "colocated-chunked":
-        args = ("--max-num-batched-tokens", str(chunk_budget))
+        args = (*NO_CACHE, "--max-num-batched-tokens", str(chunk_budget))
         return StackSpec(mixed=1, prefill=0, decode=0, threads={"mixed": 2}, cpu_affinity={"mixed": cores},
                          worker_args=args, **common)  # fmt: skip
     if mode in PREFILL_PATH:
-        args = ("--max-num-batched-tokens", str(chunk_budget))
+        args = (*NO_CACHE, "--max-num-batched-tokens", str(chunk_budget))
         env = {"PDSERVE_PREFILL_PATH": PREFILL_PATH[mode]}
         if PREFILL_PATH[mode] == "auto" and slos:
             env |= {"PDSERVE_TTFT_SLO_MS": f"{slos['ttft']:g}", "PDSERVE_TPOT_SLO_MS": f"{slos['tpot']:g}"}

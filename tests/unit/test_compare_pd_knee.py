@@ -48,3 +48,11 @@ def test_disaggregated_modes_pin_the_prefill_path():
     }  # the cost model aims at the run's SLOs
     assert all((s.prefill, s.decode, s.mixed) == (1, 1, 0) for s in specs.values())
     assert mode_spec("colocated", Path("/m"), (0, 1), 512, 4096, None).env == {}
+
+
+def test_every_mode_computes_every_prompt():
+    """The probes and warm-ups repeat their prompts: a prefix cache would serve them and hide the prefill work
+    whose interference compare_pd measures."""
+    modes = ("colocated", "colocated-chunked", "disaggregated", "disaggregated-auto")
+    for m in modes:
+        assert "--no-prefix-caching" in mode_spec(m, Path("/m"), (0, 1), 512, 4096, None).worker_args
