@@ -39,6 +39,7 @@ from shared.messages import (
     Cancel,
     Heartbeat,
     PrefillJob,
+    Role,
     Sibling,
     cancel_subject,
     decode_event_or_drop,
@@ -222,7 +223,9 @@ class NatsBackend:
         serving = self.workers.serving(job.model, time.monotonic())
         route = self.routing.route(job, serving, self._routed_backlog())
         hit = {route.worker_id: route.hit_tokens} if route.worker_id is not None else {}
-        choice = self.paths.choose(self.workers, job.model, len(job.prompt_token_ids), time.monotonic(), hit)
+        now = time.monotonic()
+        waiting = self._prefill_waiting(job.model, now)
+        choice = self.paths.choose(self.workers, job.model, len(job.prompt_token_ids), now, hit, waiting)
         subject, message = dispatch(choice, group)
         if choice.path is PrefillPath.REMOTE:
             count_route(job.model, route)
@@ -249,6 +252,24 @@ class NatsBackend:
         finally:
             tracing.detach(token)
         return streams
+
+    def _prefill_waiting(self, model: str, now: float) -> dict[str, int]:
+        """Prompt tokens of this gateway's requests waiting for a prefill worker in the job queues, by worker: those
+        routed to its own queue, and an even share of those in the shared queue (whichever worker takes them). The
+        workers' heartbeats count only what their engines hold: under load the backlog is in JetStream
+        (docs/architecture.md, "The prefill path"). Other gateways' backlogs are not seen; a request of n choices
+        counts n times (one prefill computes them: an over-estimate, which errs towards local)."""
+        waiting = self._routed_backlog()
+        shared = sum(
+            s.prompt_tokens
+            for s in self._streams.values()
+            if s.holder is None and s.delivered == 0 and not s.finished and s.prefill_path is not None
+            and s.prefill_path.path is PrefillPath.REMOTE
+        )  # fmt: skip
+        prefill = [b.worker_id for b in self.workers.serving(model, now) if b.role is Role.PREFILL]
+        for worker_id in prefill:
+            waiting[worker_id] = waiting.get(worker_id, 0) + shared // len(prefill)
+        return waiting
 
     def _routed_backlog(self) -> dict[str, int]:
         """Prompt tokens this gateway routed to each worker's own queue that the worker has not taken yet (its

@@ -32,11 +32,13 @@ class PathChooser:
         prompt_tokens: int,
         now: float,
         prefill_cached: Mapping[str, int] | None = None,
+        prefill_waiting: Mapping[str, int] | None = None,
     ) -> PathChoice:
         """The path of a request of `prompt_tokens` for `model`, from the workers live at `now`; `prefill_cached`:
-        the prompt tokens a prefill worker is expected to find in its prefix cache, by worker id."""
+        the prompt tokens a prefill worker is expected to find in its prefix cache, `prefill_waiting`: the prompt
+        tokens waiting for it in the job queues (PathSignals), by worker id."""
         live = self.settings.prefill_path_live_calibration
-        signals = PathSignals(workers.serving(model, now), live, prefill_cached)
+        signals = PathSignals(workers.serving(model, now), live, prefill_cached, prefill_waiting)
         return choose_path(
             prompt_tokens,
             signals.prefill(),

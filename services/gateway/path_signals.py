@@ -47,11 +47,20 @@ def _pick(own: float | None, fallback: float, live: bool) -> float:
 class PathSignals:
     """The signals of one choice (see the module)."""
 
-    def __init__(self, beats: Sequence[Heartbeat], live: bool, prefill_cached: Mapping[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        beats: Sequence[Heartbeat],
+        live: bool,
+        prefill_cached: Mapping[str, int] | None = None,
+        prefill_waiting: Mapping[str, int] | None = None,
+    ) -> None:
         """beats: the live, non-draining workers of the model; live: use what they measured; prefill_cached: the
-        prompt's tokens a prefill worker's prefix cache is expected to hold (KV-aware routing's index), by id."""
+        prompt's tokens a prefill worker's prefix cache is expected to hold (KV-aware routing's index), by id;
+        prefill_waiting: prompt tokens waiting for a prefill worker in the job queues, not yet in its engine (its
+        heartbeat cannot count them), by id."""
         self.live = live
         self._prefill_cached = dict(prefill_cached or {})
+        self._prefill_waiting = dict(prefill_waiting or {})
         self._prefill_beats = [b for b in beats if b.role is Role.PREFILL]
         self._decode_beats = [b for b in beats if b.role is Role.DECODE]
 
@@ -78,7 +87,8 @@ class PathSignals:
         c = beat.path_calibration or PathCalibration()
         return PrefillSide(
             worker_id=beat.worker_id,
-            queued_tokens=c.queued_prompt_tokens,  # load, not a coefficient: read whether live or not
+            # load, not a coefficient: read whether live or not; the engine's queue and the job queues' share
+            queued_tokens=c.queued_prompt_tokens + self._prefill_waiting.get(beat.worker_id, 0),
             tokens_per_s=_pick(c.prefill_tokens_per_s, DEFAULT_PREFILL_TOKENS_PER_S, self.live),
             step_s=_pick(c.prefill_step_ms, DEFAULT_PREFILL_STEP_MS, self.live) / 1e3,
             cached_tokens=self._prefill_cached.get(beat.worker_id, 0),

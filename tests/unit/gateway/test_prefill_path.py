@@ -6,13 +6,15 @@ from __future__ import annotations
 import pytest
 
 from services.gateway.liveness import WorkerTable
+from services.gateway.nats_backend import NatsBackend
 from services.gateway.path_dispatch import PathChooser, dispatch, local_job
 from services.gateway.path_signals import (
     DEFAULT_DECODE_STEP_MS,
     DEFAULT_PREFILL_TOKENS_PER_S,
     PathSignals,
 )
-from services.gateway.prefill_path import DecodeSide, PrefillSide, Slos, Transfer, choose_path
+from services.gateway.prefill_path import DecodeSide, PathChoice, PrefillSide, Slos, Transfer, choose_path
+from services.gateway.request_stream import Deadlines, RequestUpdates
 from shared.messages import (
     DecodeJob,
     Heartbeat,
@@ -26,7 +28,7 @@ from shared.messages import (
     encode,
     prefill_subject,
 )
-from shared.settings import PrefillPath, PrefillPathSettings
+from shared.settings import GatewaySettings, PrefillPath, PrefillPathSettings
 
 SLOS = Slos(ttft_s=2.5, tpot_s=0.1)  # the settings' defaults
 SHORT, LONG = 16, 512
@@ -202,3 +204,37 @@ def test_a_prompt_cached_on_the_routed_prefill_worker_goes_remote_where_it_would
     assert hot.remote.ttft_s < cold.remote.ttft_s
     unrelated = PathSignals(FRESH, live=True, prefill_cached={"another": 80}).prefill()
     assert [w.cached_tokens for w in unrelated] == [0]
+
+
+def test_prompts_waiting_in_the_job_queues_count_in_the_prefill_workers_queue():
+    """Under load the backlog is in JetStream, where no heartbeat sees it: the gateway's own waiting prompts
+    (PathSignals.prefill_waiting) add to the prefill side's queue, and so to the remote TTFT."""
+    idle = PathSignals(FRESH, live=True).prefill()
+    busy = PathSignals(FRESH, live=True, prefill_waiting={"p": 2472}).prefill()
+    assert [w.queued_tokens for w in idle] == [0] and [w.queued_tokens for w in busy] == [2472]
+    s = PathSignals(FRESH, live=True, prefill_waiting={"p": 2472})
+    queued = choose_path(LONG, s.prefill(), s.decode(), s.transfer(), SLOS, PrefillPath.AUTO)
+    assert queued.remote is not None and _choose(FRESH, LONG).remote is not None
+    assert queued.remote.ttft_s - _choose(FRESH, LONG).remote.ttft_s == pytest.approx(2472 / 1236)
+
+
+def test_the_gateway_counts_its_remote_requests_no_prefill_worker_has_taken():
+    backend = NatsBackend(GatewaySettings(model_name="demo", worker_ttl_s=60.0))
+    now = 100.0
+    for beat in (_beat(Role.PREFILL, "p1"), _beat(Role.PREFILL, "p2"), _beat(Role.DECODE, "d")):
+        backend.workers.record(beat, now)
+    remote = PathChoice(PrefillPath.REMOTE, "tpot", None, None, None)
+    local = PathChoice(PrefillPath.LOCAL, "sooner", None, None, None)
+
+    def stream(rid: str, tokens: int, path: PathChoice) -> RequestUpdates:
+        job = PrefillJob(rid, "demo", list(range(tokens)), Sampling(max_tokens=4), f"pd.tokens.g.{rid}")
+        s = RequestUpdates(rid, Deadlines(60, 60), lambda _: None, lambda _: None, job=job)
+        s.prefill_path = path
+        backend._streams[rid] = s
+        return s
+
+    stream("shared-a", 100, remote)
+    stream("shared-b", 300, remote)
+    stream("local", 500, local)  # waits in the decode queue: not prefill work
+    stream("routed", 40, remote).routed("p1")  # in p1's own queue
+    assert backend._prefill_waiting("demo", now) == {"p1": 40 + 200, "p2": 200}
