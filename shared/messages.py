@@ -405,7 +405,6 @@ class PathCalibration(msgspec.Struct, frozen=True):
     between prefilling remotely (prefill worker + KV hand-off) and locally (on the decode worker) is computed from.
     Each coefficient is None until the worker has measured it (the gateway then uses its documented default)."""
 
-    queued_prompt_tokens: int = 0  # prompt tokens waiting in this engine to be computed
     prefill_tokens_per_s: float | None = None  # steps that computed prompt tokens: the tokens' marginal rate
     prefill_step_ms: float | None = None  # ... and what such a step costs before its prompt tokens
     decode_step_ms: float | None = None  # a step that only decoded (its batch: the heartbeat's `running`)

@@ -88,7 +88,7 @@ class PathSignals:
         return PrefillSide(
             worker_id=beat.worker_id,
             # load, not a coefficient: read whether live or not; the engine's queue and the job queues' share
-            queued_tokens=c.queued_prompt_tokens + self._prefill_waiting.get(beat.worker_id, 0),
+            queued_tokens=beat.waiting_tokens + self._prefill_waiting.get(beat.worker_id, 0),
             tokens_per_s=_pick(c.prefill_tokens_per_s, DEFAULT_PREFILL_TOKENS_PER_S, self.live),
             step_s=_pick(c.prefill_step_ms, DEFAULT_PREFILL_STEP_MS, self.live) / 1e3,
             cached_tokens=self._prefill_cached.get(beat.worker_id, 0),

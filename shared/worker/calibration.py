@@ -81,13 +81,10 @@ class PullCalibration:
         return (None, None) if line is None else (line.slope * MB * 1e3, line.intercept * 1e3)
 
 
-def path_calibration(
-    steps: StepCosts, pulls: PullCalibration, queued_prompt_tokens: int, kv_bytes_per_token: int
-) -> PathCalibration:
-    """What a heartbeat carries."""
+def path_calibration(steps: StepCosts, pulls: PullCalibration, kv_bytes_per_token: int) -> PathCalibration:
+    """What a heartbeat carries (the engine's queue goes in the heartbeat's own `waiting_tokens`)."""
     ms_per_mb, overhead_ms = pulls.fitted()
     return PathCalibration(
-        queued_prompt_tokens=queued_prompt_tokens,
         prefill_tokens_per_s=steps.prefill_tokens_per_s,
         prefill_step_ms=steps.prefill_step_ms,
         decode_step_ms=steps.decode_step_ms,

@@ -477,9 +477,7 @@ class Worker(Generic[Job]):
             held_kv=self.held_kv_count(),
             integrity_error=self._integrity,
             draining=self.draining,
-            path_calibration=path_calibration(
-                self.step_costs.costs, self.pull_costs, load.waiting_tokens, self._kv_bytes_per_token
-            ),
+            path_calibration=path_calibration(self.step_costs.costs, self.pull_costs, self._kv_bytes_per_token),
             blocks=self.blocks_announcer,
             **self._group_facts,
         )

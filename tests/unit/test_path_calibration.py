@@ -125,5 +125,5 @@ def test_a_workers_heartbeat_carries_what_its_engine_steps_measured(model_dir):
     assert c is not None
     assert c.prefill_tokens_per_s is not None and c.prefill_tokens_per_s > 0
     assert c.decode_step_ms is not None and c.decode_step_ms > 0
-    assert c.queued_prompt_tokens == 30
+    assert beat.waiting_tokens == 30  # the engine's queue: the heartbeat's own field, read by routing and path
     assert c.kv_transfer_ms_per_mb is None  # no pull yet: a mixed worker never pulls

@@ -34,10 +34,11 @@ SLOS = Slos(ttft_s=2.5, tpot_s=0.1)  # the settings' defaults
 SHORT, LONG = 16, 512
 
 
-def _beat(role: Role, worker_id: str, running: int = 0, **measured) -> Heartbeat:
+def _beat(role: Role, worker_id: str, running: int = 0, waiting_tokens: int = 0, **measured) -> Heartbeat:
     calibration = PathCalibration(**measured) if measured else None
     return Heartbeat(worker_id, role, "demo", "p:1" if role is Role.PREFILL else None, running=running,
-                     block_size=16, total_blocks=64, free_blocks=64, path_calibration=calibration)  # fmt: skip
+                     block_size=16, total_blocks=64, free_blocks=64, path_calibration=calibration,
+                     waiting_tokens=waiting_tokens)  # fmt: skip
 
 
 # what an idle 1 prefill + 1 decode stack sends before it has computed anything (kv bytes: the tiny model's)
@@ -86,7 +87,7 @@ def test_without_a_decode_or_a_prefill_worker_it_is_remote_a_mixed_worker_comput
 
 
 def test_a_queued_prefill_worker_puts_remote_far_behind_local():
-    busy = [_beat(Role.PREFILL, "p", queued_prompt_tokens=5000), FRESH[1]]
+    busy = [_beat(Role.PREFILL, "p", waiting_tokens=5000), FRESH[1]]
     choice = _choose(busy, 100)  # fits a TPOT step (8 + 81 ms); remote's first token waits 5000 queued tokens
     assert choice.path is PrefillPath.LOCAL
     assert choice.remote is not None and choice.remote.ttft_s > 4.0 > choice.local.ttft_s  # pyright: ignore
@@ -97,12 +98,12 @@ def test_a_busy_decode_batch_takes_a_short_prompt_only_when_the_hand_off_costs_m
     choice = _choose(busy_decode, SHORT)  # saves ~2 ms for one request, delays 8 next tokens by ~13 ms each
     assert (choice.path, choice.reason) == (PrefillPath.REMOTE, "slower")
     assert choice.decode_slowdown_s == pytest.approx(SHORT / DEFAULT_PREFILL_TOKENS_PER_S)
-    queued = [_beat(Role.PREFILL, "p", queued_prompt_tokens=5000), busy_decode[1]]
+    queued = [_beat(Role.PREFILL, "p", waiting_tokens=5000), busy_decode[1]]
     assert _choose(queued, SHORT).path is PrefillPath.LOCAL  # the queue it skips is worth more than the delay
 
 
 def test_the_tpot_rule_holds_even_against_a_queued_prefill_worker():
-    busy = [_beat(Role.PREFILL, "p", queued_prompt_tokens=50_000), FRESH[1]]
+    busy = [_beat(Role.PREFILL, "p", waiting_tokens=50_000), FRESH[1]]
     choice = _choose(busy, LONG)  # remote's TTFT ~40 s, but the prompt would stall the decode batch 0.4 s
     assert (choice.path, choice.reason) == (PrefillPath.REMOTE, "tpot")
 
