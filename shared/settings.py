@@ -106,15 +106,18 @@ class PrefillPathSettings:
     ttft_slo_ms: float = 2500.0
     """Target time to first token: the local path is taken only where it meets it (or beats the remote path's)."""
     tpot_slo_ms: float = 100.0
-    """Target time per output token: the local path is taken only where a decode step with the prompt's compute
-    added stays within it (the decode batch's protection)."""
+    """Target time per output token: the local path is taken only where the decode worker's mean TPOT, with the
+    share of its time its local prompts take, stays within it (the decode batch's protection)."""
+    local_prefill_max_stall_ms: float = 250.0
+    """The longest pause one local prompt may put in the token streams decoding beside it (an inter-token latency
+    bound): the decode step plus the prompt's compute. Longer prompts go remote (disaggregation's reason)."""
     prefill_path_live_calibration: bool = True
     """Predict from the coefficients the workers measure and report in their heartbeats; false: from the documented
     defaults only (reproducible choices, e.g. for tests and benchmarks)."""
 
     def __post_init__(self) -> None:
-        if self.ttft_slo_ms <= 0 or self.tpot_slo_ms <= 0:
-            raise ValueError("ttft_slo_ms and tpot_slo_ms must be positive")
+        if self.ttft_slo_ms <= 0 or self.tpot_slo_ms <= 0 or self.local_prefill_max_stall_ms <= 0:
+            raise ValueError("ttft_slo_ms, tpot_slo_ms and local_prefill_max_stall_ms must be positive")
 
 
 @dataclass(frozen=True)

@@ -224,8 +224,15 @@ class NatsBackend:
         route = self.routing.route(job, serving, self._routed_backlog())
         hit = {route.worker_id: route.hit_tokens} if route.worker_id is not None else {}
         now = time.monotonic()
-        waiting = self._prefill_waiting(job.model, now)
-        choice = self.paths.choose(self.workers, job.model, len(job.prompt_token_ids), now, hit, waiting)
+        choice = self.paths.choose(
+            self.workers,
+            job.model,
+            len(job.prompt_token_ids),
+            now,
+            hit,
+            self._queue_waiting(job.model, now, PrefillPath.REMOTE),
+            self._queue_waiting(job.model, now, PrefillPath.LOCAL),
+        )
         subject, message = dispatch(choice, group)
         if choice.path is PrefillPath.REMOTE:
             count_route(job.model, route)
@@ -253,22 +260,24 @@ class NatsBackend:
             tracing.detach(token)
         return streams
 
-    def _prefill_waiting(self, model: str, now: float) -> dict[str, int]:
-        """Prompt tokens of this gateway's requests waiting for a prefill worker in the job queues, by worker: those
-        routed to its own queue, and an even share of those in the shared queue (whichever worker takes them). The
-        workers' heartbeats count only what their engines hold: under load the backlog is in JetStream
-        (docs/architecture.md, "The prefill path"). Other gateways' backlogs are not seen; a request of n choices
-        counts n times (one prefill computes them: an over-estimate, which errs towards local)."""
-        waiting = self._routed_backlog()
+    def _queue_waiting(self, model: str, now: float, path: PrefillPath) -> dict[str, int]:
+        """Prompt tokens of this gateway's requests sent down `path` and waiting in the job queues for a worker to
+        take them, by worker: remote, the prefill workers (those routed to a worker's own queue, and an even share
+        of the shared queue's); local, the decode workers (an even share). The workers' heartbeats count only what
+        their engines hold: under load the backlog is in JetStream (docs/architecture.md, "The prefill path"). Other
+        gateways' backlogs are not seen; a request of n choices counts n times (one prefill computes them)."""
+        remote = path is PrefillPath.REMOTE
+        waiting = self._routed_backlog() if remote else {}
         shared = sum(
             s.prompt_tokens
             for s in self._streams.values()
             if s.holder is None and s.delivered == 0 and not s.finished and s.prefill_path is not None
-            and s.prefill_path.path is PrefillPath.REMOTE
+            and s.prefill_path.path is path
         )  # fmt: skip
-        prefill = [b.worker_id for b in self.workers.serving(model, now) if b.role is Role.PREFILL]
-        for worker_id in prefill:
-            waiting[worker_id] = waiting.get(worker_id, 0) + shared // len(prefill)
+        role = Role.PREFILL if remote else Role.DECODE
+        takers = [b.worker_id for b in self.workers.serving(model, now) if b.role is role]
+        for worker_id in takers:
+            waiting[worker_id] = waiting.get(worker_id, 0) + shared // len(takers)
         return waiting
 
     def _routed_backlog(self) -> dict[str, int]:

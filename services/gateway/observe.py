@@ -128,4 +128,6 @@ def path_attributes(choice: PathChoice) -> dict[str, AttributeValue]:
         attributes[tracing.PREFILL_PATH_LOCAL_TTFT] = choice.local.ttft_s
     if choice.decode_slowdown_s is not None:
         attributes[tracing.PREFILL_PATH_DECODE_SLOWDOWN] = choice.decode_slowdown_s
+    if choice.decode_tpot_s is not None and choice.decode_tpot_s != float("inf"):
+        attributes[tracing.PREFILL_PATH_DECODE_TPOT] = choice.decode_tpot_s
     return attributes

@@ -11,19 +11,44 @@ tokens so far, as every moved request.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 
 from services.gateway.liveness import WorkerTable
 from services.gateway.path_signals import PathSignals
-from services.gateway.prefill_path import PathChoice, Slos, choose_path
+from services.gateway.prefill_path import LOCAL_WINDOW_S, PathChoice, Slos, choose_path
 from shared.messages import DecodeJob, PrefillJob, Sibling, decode_subject, prefill_subject
 from shared.settings import PrefillPath, PrefillPathSettings
+
+
+class LocalLoad:
+    """The prompt tokens this gateway sent down the local path over the last LOCAL_WINDOW_S, by model: the decode
+    load the rule's TPOT clause counts (local jobs go to the shared decode queue: spread over its decode workers).
+    Other gateways' local prompts are not seen."""
+
+    def __init__(self, window_s: float = LOCAL_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._sent: dict[str, deque[tuple[float, int]]] = {}  # model → (when, prompt tokens), oldest first
+
+    def add(self, model: str, now: float, tokens: int) -> None:
+        self._sent.setdefault(model, deque()).append((now, tokens))
+
+    def recent(self, model: str, now: float) -> int:
+        sent = self._sent.get(model)
+        if sent is None:
+            return 0
+        while sent and sent[0][0] <= now - self.window_s:
+            sent.popleft()
+        return sum(tokens for _, tokens in sent)
 
 
 class PathChooser:
     def __init__(self, settings: PrefillPathSettings) -> None:
         self.settings = settings
-        self.slos = Slos(settings.ttft_slo_ms / 1e3, settings.tpot_slo_ms / 1e3)
+        self.slos = Slos(
+            settings.ttft_slo_ms / 1e3, settings.tpot_slo_ms / 1e3, settings.local_prefill_max_stall_ms / 1e3
+        )
+        self.local_load = LocalLoad()
 
     def choose(
         self,
@@ -33,13 +58,18 @@ class PathChooser:
         now: float,
         prefill_cached: Mapping[str, int] | None = None,
         prefill_waiting: Mapping[str, int] | None = None,
+        decode_waiting: Mapping[str, int] | None = None,
     ) -> PathChoice:
         """The path of a request of `prompt_tokens` for `model`, from the workers live at `now`; `prefill_cached`:
-        the prompt tokens a prefill worker is expected to find in its prefix cache, `prefill_waiting`: the prompt
-        tokens waiting for it in the job queues (PathSignals), by worker id."""
+        the prompt tokens a prefill worker is expected to find in its prefix cache; `prefill_waiting` and
+        `decode_waiting`: the prompt tokens waiting for a worker in the job queues (PathSignals), by worker id. A
+        local choice is remembered for the decode load of the choices after it."""
         live = self.settings.prefill_path_live_calibration
-        signals = PathSignals(workers.serving(model, now), live, prefill_cached, prefill_waiting)
-        return choose_path(
+        serving = workers.serving(model, now)
+        signals = PathSignals(
+            serving, live, prefill_cached, prefill_waiting, decode_waiting, self.local_load.recent(model, now)
+        )
+        choice = choose_path(
             prompt_tokens,
             signals.prefill(),
             signals.decode(),
@@ -47,6 +77,9 @@ class PathChooser:
             self.slos,
             self.settings.prefill_path,
         )
+        if choice.path is PrefillPath.LOCAL:
+            self.local_load.add(model, now, prompt_tokens)  # (a decode worker's cache hit is not predicted)
+        return choice
 
 
 def dispatch(choice: PathChoice, job: PrefillJob) -> tuple[str, PrefillJob | DecodeJob]:

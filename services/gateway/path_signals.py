@@ -53,16 +53,21 @@ class PathSignals:
         live: bool,
         prefill_cached: Mapping[str, int] | None = None,
         prefill_waiting: Mapping[str, int] | None = None,
+        decode_waiting: Mapping[str, int] | None = None,
+        recent_local_tokens: int = 0,
     ) -> None:
         """beats: the live, non-draining workers of the model; live: use what they measured; prefill_cached: the
         prompt's tokens a prefill worker's prefix cache is expected to hold (KV-aware routing's index), by id;
-        prefill_waiting: prompt tokens waiting for a prefill worker in the job queues, not yet in its engine (its
-        heartbeat cannot count them), by id."""
+        prefill_waiting / decode_waiting: prompt tokens waiting for a prefill / decode worker in the job queues,
+        not yet in its engine (its heartbeat cannot count them), by id; recent_local_tokens: the prompt tokens sent
+        down the local path over the last window (path_dispatch.LocalLoad), shared evenly by the decode workers."""
         self.live = live
         self._prefill_cached = dict(prefill_cached or {})
         self._prefill_waiting = dict(prefill_waiting or {})
+        self._decode_waiting = dict(decode_waiting or {})
         self._prefill_beats = [b for b in beats if b.role is Role.PREFILL]
         self._decode_beats = [b for b in beats if b.role is Role.DECODE]
+        self._recent_local_share = recent_local_tokens // max(len(self._decode_beats), 1)
 
     def prefill(self) -> list[PrefillSide]:
         return [self._prefill_side(b) for b in self._prefill_beats]
@@ -101,4 +106,6 @@ class PathSignals:
             batch=beat.running,
             step_s=_pick(c.decode_step_ms, DEFAULT_DECODE_STEP_MS, self.live) / 1e3,
             prefill_tokens_per_s=_pick(c.prefill_tokens_per_s, prefill_prior, self.live),
+            queued_tokens=beat.waiting_tokens + self._decode_waiting.get(beat.worker_id, 0),
+            recent_local_tokens=self._recent_local_share,
         )

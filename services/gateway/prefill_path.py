@@ -1,29 +1,40 @@
 """Where a request's prompt is computed: on a prefill worker, its KV then handed off to a decode worker (the remote
 path, disaggregated), or on the decode worker itself (the local path: no hand-off). A pure function of signals the
-gateway has (path_signals.py gathers them from the workers' heartbeats); no I/O, no clock, no torch.
+gateway has (path_signals.py gathers them from the workers' heartbeats and its own dispatches); no I/O, no clock,
+no torch.
 
 The predictions (seconds; P prompt tokens, C of them cached on the worker that computes them):
 
     remote  TTFT  = queued / prefill_rate + prefill_step + (P - C) / prefill_rate      (the best prefill worker)
             ready = TTFT + pull_overhead + P · kv_bytes_per_token · transfer_s_per_byte  (the hand-off: every token's
                     KV moves, cached or not; the first token reaches the client before it, the second after it)
-    local   TTFT  = ready = decode_step + (P - C) / decode_prefill_rate                 (the best decode worker: the
-                    prompt rides in a step of its running batch)
+    local   TTFT  = ready = decode_step + (queued + P - C) / decode_prefill_rate        (the best decode worker: the
+                    prompt rides in a step of its running batch, after the local prompts queued there)
             decode slowdown = (P - C) / decode_prefill_rate: what that step adds to every running request's next token
+            decode load     u = (recent + P - C) / (decode_prefill_rate · LOCAL_WINDOW_S): the share of the decode
+                    worker's time its local prompts take, `recent` the prompt tokens sent there to compute over the
+                    last window (this gateway's); its requests' mean TPOT becomes decode_step / (1 - u)
 
-The rule (auto), in order; the first that fails answers "remote" and names itself as the reason:
+The rule (auto), in order; the first clause that fails answers "remote" and names itself as the reason:
 
     1. a decode worker and a prefill worker are live (else: "no decode worker" / "no prefill worker": the prefill
        queue's taker is then a mixed worker, which computes the prompt where it decodes it anyway);
-    2. TPOT: decode_step + decode slowdown <= tpot_slo. Disaggregation exists to keep prompts out of decode steps;
-       a prompt is let in only where the step it lengthens still meets the TPOT target ("tpot"). It is counted as
-       one step's worth even when chunked prefill would spread it (erring towards remote), and it is applied with
-       an empty batch too (requests that arrive meanwhile wait behind it; the gateway cannot see them coming);
-    3. TTFT: local TTFT <= ttft_slo, or < the remote TTFT ("ttft");
-    4. sooner, all requests counted: remote ready - local ready > batch · decode slowdown — what the request gains
-       by skipping the hand-off exceeds what its prompt costs the decode worker's running requests, each of whose
-       next token waits the slowdown (on the remote path the prompt is computed elsewhere) ("slower"). With an
-       empty batch: local is ready first. Ties go remote.
+    2. stall: decode_step + decode slowdown <= the stall bound (`local_prefill_max_stall_ms`): the pause one local
+       prompt puts in the token streams of the requests decoding beside it, an inter-token latency. It is counted
+       as one step even where chunked prefill would spread it (erring towards remote), with an empty batch too
+       (requests arriving meanwhile would wait behind it) ("stall");
+    3. TPOT: decode_step / (1 - u) <= TPOT_HEADROOM · tpot_slo. A TPOT is a request's mean over its output, so
+       the prompts a decode worker computes cost its requests their share of its time, not one step's stall each;
+       the headroom keeps the worker's mean below the target by the spread of its requests' TPOTs ("tpot");
+    4. TTFT: local TTFT <= ttft_slo, or < the remote TTFT ("ttft");
+    5. worth it, either of:
+       - relief: the remote path's first token is at risk (remote TTFT > RELIEF_SHARE · ttft_slo: the prefill
+         workers are queued) and the local one comes sooner: the decode worker's spare time takes prompts off a
+         backlog that would break the TTFT target ("relief");
+       - sooner, all requests counted: remote ready - local ready > batch · decode slowdown: what the request gains
+         by skipping the hand-off exceeds what its prompt costs the decode worker's running requests, each of whose
+         next token waits the slowdown ("sooner"). With an empty batch: local is ready first.
+       Neither: "slower". Ties go remote.
 
 `remote` and `local` settings answer their path whatever the predictions ("setting"), local only while a decode
 worker is live.
@@ -36,13 +47,18 @@ from dataclasses import dataclass
 
 from shared.settings import PrefillPath
 
+LOCAL_WINDOW_S = 10.0  # the decode load's window: about one request's decode life at the SLO (128 tokens ≈ 10 s)
+TPOT_HEADROOM = 0.8  # per-request TPOTs spread 1.1–1.25x above the worker's median (compare_pd's p99 / p50)
+RELIEF_SHARE = 0.25  # remote TTFT past a quarter of the target: the prefill queue is building (predictions run
+#                      1.1–1.7x under the measured p50 below the knee: benchmarks.md, "Colocated vs disaggregated")
+
 
 @dataclass(frozen=True)
 class PrefillSide:
     """One live prefill worker, as the gateway sees it."""
 
     worker_id: str
-    queued_tokens: int  # prompt tokens waiting in its engine before this one
+    queued_tokens: int  # prompt tokens waiting in its engine and the job queues before this one
     tokens_per_s: float  # its prefill rate
     step_s: float  # what a prefill step costs before its prompt tokens
     cached_tokens: int = 0  # of this prompt, already in its prefix cache
@@ -57,6 +73,8 @@ class DecodeSide:
     step_s: float  # one decode step of that batch
     prefill_tokens_per_s: float  # its rate on prompt tokens
     cached_tokens: int = 0
+    queued_tokens: int = 0  # local prompt tokens waiting in its engine and the job queue before this one
+    recent_local_tokens: int = 0  # local prompt tokens sent to it over the last LOCAL_WINDOW_S
 
 
 @dataclass(frozen=True)
@@ -72,6 +90,7 @@ class Transfer:
 class Slos:
     ttft_s: float
     tpot_s: float
+    stall_s: float = 0.25  # the longest pause a local prompt may put in its decode batch (PrefillPathSettings)
 
 
 @dataclass(frozen=True)
@@ -90,6 +109,7 @@ class PathChoice:
     remote: Prediction | None  # None where no prefill worker is live
     local: Prediction | None  # None where no decode worker is live
     decode_slowdown_s: float | None  # what the local path adds to its decode worker's next step
+    decode_tpot_s: float | None = None  # its requests' mean TPOT with this prompt's share of its time added
 
     @property
     def predicted_ttft_s(self) -> float | None:
@@ -109,15 +129,27 @@ def predict_remote(prompt_tokens: int, workers: Sequence[PrefillSide], transfer:
     return best
 
 
-def predict_local(prompt_tokens: int, workers: Sequence[DecodeSide]) -> tuple[Prediction, float] | None:
-    """The local path on the decode worker that gives the first token soonest, and the slowdown it causes there;
-    None without one."""
-    best: tuple[Prediction, float] | None = None
+@dataclass(frozen=True)
+class LocalPrediction:
+    """The local path on one decode worker."""
+
+    worker: DecodeSide
+    prediction: Prediction
+    slowdown_s: float  # the prompt's compute, added to one step of the worker's batch
+    tpot_s: float  # the worker's mean TPOT with its recent local prompts and this one (inf past its capacity)
+
+
+def predict_local(prompt_tokens: int, workers: Sequence[DecodeSide]) -> LocalPrediction | None:
+    """The local path on the decode worker that gives the first token soonest; None without one."""
+    best: LocalPrediction | None = None
     for w in workers:
-        slowdown = max(prompt_tokens - w.cached_tokens, 0) / w.prefill_tokens_per_s
-        ttft = w.step_s + slowdown
-        if best is None or ttft < best[0].ttft_s:
-            best = (Prediction(w.worker_id, ttft, ttft), slowdown)
+        uncached = max(prompt_tokens - w.cached_tokens, 0)
+        slowdown = uncached / w.prefill_tokens_per_s
+        ttft = w.step_s + (w.queued_tokens + uncached) / w.prefill_tokens_per_s
+        load = (w.recent_local_tokens + uncached) / (w.prefill_tokens_per_s * LOCAL_WINDOW_S)
+        tpot = w.step_s / (1.0 - load) if load < 1.0 else float("inf")
+        if best is None or ttft < best.prediction.ttft_s:
+            best = LocalPrediction(w, Prediction(w.worker_id, ttft, ttft), slowdown, tpot)
     return best
 
 
@@ -131,24 +163,28 @@ def choose_path(
 ) -> PathChoice:
     """The path for one request of `prompt_tokens` tokens, by the rule of the module."""
     remote = predict_remote(prompt_tokens, prefill, transfer)
-    local_and_slowdown = predict_local(prompt_tokens, decode)
-    local, slowdown = local_and_slowdown if local_and_slowdown is not None else (None, None)
+    best_local = predict_local(prompt_tokens, decode)
 
     def answer(path: PrefillPath, reason: str) -> PathChoice:
-        return PathChoice(path, reason, remote, local, slowdown)
+        if best_local is None:
+            return PathChoice(path, reason, remote, None, None)
+        return PathChoice(path, reason, remote, best_local.prediction, best_local.slowdown_s, best_local.tpot_s)
 
-    if local is None or slowdown is None:
+    if best_local is None:
         return answer(PrefillPath.REMOTE, "no decode worker")
     if mode is not PrefillPath.AUTO:
         return answer(mode, "setting")
     if remote is None:
         return answer(PrefillPath.REMOTE, "no prefill worker")
-    step_s = next(w.step_s for w in decode if w.worker_id == local.worker_id)
-    if step_s + slowdown > slos.tpot_s:
+    local, worker, slowdown = best_local.prediction, best_local.worker, best_local.slowdown_s
+    if worker.step_s + slowdown > slos.stall_s:
+        return answer(PrefillPath.REMOTE, "stall")
+    if best_local.tpot_s > TPOT_HEADROOM * slos.tpot_s:
         return answer(PrefillPath.REMOTE, "tpot")
     if local.ttft_s > slos.ttft_s and local.ttft_s >= remote.ttft_s:
         return answer(PrefillPath.REMOTE, "ttft")
-    batch = next(w.batch for w in decode if w.worker_id == local.worker_id)
-    if remote.ready_s - local.ready_s <= batch * slowdown:
-        return answer(PrefillPath.REMOTE, "slower")
-    return answer(PrefillPath.LOCAL, "sooner")
+    if remote.ttft_s > RELIEF_SHARE * slos.ttft_s and local.ttft_s < remote.ttft_s:
+        return answer(PrefillPath.LOCAL, "relief")
+    if remote.ready_s - local.ready_s > worker.batch * slowdown:
+        return answer(PrefillPath.LOCAL, "sooner")
+    return answer(PrefillPath.REMOTE, "slower")

@@ -83,6 +83,7 @@ PREFILL_PATH_REMOTE_TTFT = "pdserve.prefill_path.remote_ttft_s"
 PREFILL_PATH_REMOTE_READY = "pdserve.prefill_path.remote_ready_s"  # remote TTFT + the KV hand-off
 PREFILL_PATH_LOCAL_TTFT = "pdserve.prefill_path.local_ttft_s"
 PREFILL_PATH_DECODE_SLOWDOWN = "pdserve.prefill_path.decode_slowdown_s"  # local: added to the decode batch's step
+PREFILL_PATH_DECODE_TPOT = "pdserve.prefill_path.decode_tpot_s"  # local: the decode worker's mean TPOT with its share
 
 _installed = None  # the SDK provider this process installed, if any
 

@@ -7,13 +7,24 @@ import pytest
 
 from services.gateway.liveness import WorkerTable
 from services.gateway.nats_backend import NatsBackend
-from services.gateway.path_dispatch import PathChooser, dispatch, local_job
+from services.gateway.path_dispatch import LocalLoad, PathChooser, dispatch, local_job
 from services.gateway.path_signals import (
     DEFAULT_DECODE_STEP_MS,
+    DEFAULT_PREFILL_STEP_MS,
     DEFAULT_PREFILL_TOKENS_PER_S,
     PathSignals,
 )
-from services.gateway.prefill_path import DecodeSide, PathChoice, PrefillSide, Slos, Transfer, choose_path
+from services.gateway.prefill_path import (
+    LOCAL_WINDOW_S,
+    RELIEF_SHARE,
+    TPOT_HEADROOM,
+    DecodeSide,
+    PathChoice,
+    PrefillSide,
+    Slos,
+    Transfer,
+    choose_path,
+)
 from services.gateway.request_stream import Deadlines, RequestUpdates
 from shared.messages import (
     DecodeJob,
@@ -57,17 +68,17 @@ def test_under_the_default_calibration_a_short_prompt_goes_local_and_a_long_one_
     assert short.local.ready_s < short.remote.ready_s  # no hand-off
     assert short.predicted_ttft_s == short.local.ttft_s
     long = _choose(FRESH, LONG)
-    assert (long.path, long.reason) == (PrefillPath.REMOTE, "tpot")
+    assert (long.path, long.reason) == (PrefillPath.REMOTE, "stall")
     assert long.decode_slowdown_s == pytest.approx(LONG / DEFAULT_PREFILL_TOKENS_PER_S)
     assert long.predicted_ttft_s == long.remote.ttft_s  # pyright: ignore[reportOptionalMemberAccess]
 
 
-def test_the_default_threshold_is_where_the_prompt_no_longer_fits_a_tpot_step():
-    # decode step 8 ms + P / 1236 tokens/s <= 100 ms  ⇔  P <= 113.7
-    edge = int((SLOS.tpot_s - DEFAULT_DECODE_STEP_MS / 1e3) * DEFAULT_PREFILL_TOKENS_PER_S)
-    assert edge == 113
+def test_the_default_threshold_is_where_the_prompt_no_longer_fits_the_stall_bound():
+    # decode step 8 ms + P / 1236 tokens/s <= 250 ms  ⇔  P <= 299.1
+    edge = int((SLOS.stall_s - DEFAULT_DECODE_STEP_MS / 1e3) * DEFAULT_PREFILL_TOKENS_PER_S)
+    assert edge == 299
     assert _choose(FRESH, edge).path is PrefillPath.LOCAL
-    assert _choose(FRESH, edge + 1).reason == "tpot"
+    assert _choose(FRESH, edge + 1).reason == "stall"
 
 
 def test_the_settings_remote_and_local_answer_their_path():
@@ -99,13 +110,14 @@ def test_a_busy_decode_batch_takes_a_short_prompt_only_when_the_hand_off_costs_m
     assert (choice.path, choice.reason) == (PrefillPath.REMOTE, "slower")
     assert choice.decode_slowdown_s == pytest.approx(SHORT / DEFAULT_PREFILL_TOKENS_PER_S)
     queued = [_beat(Role.PREFILL, "p", waiting_tokens=5000), busy_decode[1]]
-    assert _choose(queued, SHORT).path is PrefillPath.LOCAL  # the queue it skips is worth more than the delay
+    relieved = _choose(queued, SHORT)  # remote's first token 4 s away: the decode worker's spare time takes it
+    assert (relieved.path, relieved.reason) == (PrefillPath.LOCAL, "relief")
 
 
-def test_the_tpot_rule_holds_even_against_a_queued_prefill_worker():
+def test_the_stall_rule_holds_even_against_a_queued_prefill_worker():
     busy = [_beat(Role.PREFILL, "p", waiting_tokens=50_000), FRESH[1]]
     choice = _choose(busy, LONG)  # remote's TTFT ~40 s, but the prompt would stall the decode batch 0.4 s
-    assert (choice.path, choice.reason) == (PrefillPath.REMOTE, "tpot")
+    assert (choice.path, choice.reason) == (PrefillPath.REMOTE, "stall")
 
 
 def test_the_ttft_rule_keeps_a_slow_local_first_token_remote_where_remote_is_not_slower():
@@ -128,8 +140,8 @@ def test_live_coefficients_move_the_threshold_and_are_ignored_when_live_calibrat
         _beat(Role.PREFILL, "p", prefill_step_ms=2.0, **rates),
         _beat(Role.DECODE, "d", decode_step_ms=2.0, **rates, **pulls),
     ]
-    assert _choose(fast, LONG).path is PrefillPath.LOCAL  # 2 + 25.6 ms fits a 100 ms step
-    assert _choose(fast, LONG, live=False).reason == "tpot"  # the defaults: 8 + 414 ms does not
+    assert _choose(fast, LONG).path is PrefillPath.LOCAL  # 2 + 25.6 ms fits a 250 ms stall
+    assert _choose(fast, LONG, live=False).reason == "stall"  # the defaults: 8 + 414 ms does not
 
 
 def test_a_decode_worker_that_never_prefilled_borrows_the_prefill_workers_rate():
@@ -158,6 +170,73 @@ def test_the_best_worker_of_each_side_is_the_one_assumed():
     choice = choose_path(10, prefill, decode, Transfer(0.0, 0.0, 0), SLOS)
     assert choice.remote.worker_id == "idle" and choice.local.worker_id == "quick"  # pyright: ignore
 
+
+
+def test_the_tpot_rule_counts_the_decode_workers_time_its_local_prompts_take():
+    """A TPOT is a mean over a request's output: the local prompts cost the decode worker's requests the share of its
+    time they take (over the last window), TPOT = step / (1 - share), kept under the headroom × the target."""
+    step_ms = 50.0
+    decode = _beat(Role.DECODE, "d", running=20, decode_step_ms=step_ms, kv_bytes_per_token=512)
+    queued = [_beat(Role.PREFILL, "p", waiting_tokens=5000), decode]  # remote far behind: local would relieve it
+    # step / (1 - u) <= 0.8 · 100 ms  ⇔  u <= 0.375: (recent + 100) / (1236 · 10 s) <= 0.375  ⇔  recent <= 4535
+    budget = int((1 - step_ms / (TPOT_HEADROOM * SLOS.tpot_s * 1e3)) * DEFAULT_PREFILL_TOKENS_PER_S * LOCAL_WINDOW_S)
+    assert budget - 100 == 4535
+    s = PathSignals(queued, live=True, recent_local_tokens=4535)
+    within = choose_path(100, s.prefill(), s.decode(), s.transfer(), SLOS)
+    assert (within.path, within.reason) == (PrefillPath.LOCAL, "relief")
+    assert within.decode_tpot_s is not None and within.decode_tpot_s <= TPOT_HEADROOM * SLOS.tpot_s
+    s = PathSignals(queued, live=True, recent_local_tokens=4536)
+    past = choose_path(100, s.prefill(), s.decode(), s.transfer(), SLOS)
+    assert (past.path, past.reason) == (PrefillPath.REMOTE, "tpot")
+    assert past.decode_tpot_s is not None and past.decode_tpot_s > TPOT_HEADROOM * SLOS.tpot_s
+    two = [*queued, _beat(Role.DECODE, "d2", running=20, decode_step_ms=step_ms, kv_bytes_per_token=512)]
+    shared = PathSignals(two, live=True, recent_local_tokens=4536)  # the shared decode queue: half each
+    assert [w.recent_local_tokens for w in shared.decode()] == [2268, 2268]
+    assert choose_path(100, shared.prefill(), shared.decode(), shared.transfer(), SLOS).reason == "relief"
+
+
+def test_relief_only_where_the_remote_first_token_is_at_risk():
+    """A busy decode batch takes a prompt to relieve the prefill queue once the remote TTFT passes a quarter of the
+    target (and the local one is sooner); below it, the hand-off's saving must outweigh the batch's delay."""
+    busy_decode = _beat(Role.DECODE, "d", running=64, kv_bytes_per_token=512)  # 64 · 13 ms of delay > the queue
+    # remote TTFT = queued / 1236 + 8 ms + 16 / 1236; the relief line is 0.25 · 2.5 s = 625 ms
+    edge = int((RELIEF_SHARE * SLOS.ttft_s - DEFAULT_PREFILL_STEP_MS / 1e3) * DEFAULT_PREFILL_TOKENS_PER_S) - SHORT
+    below = _choose([_beat(Role.PREFILL, "p", waiting_tokens=edge - 1), busy_decode], SHORT)
+    assert (below.path, below.reason) == (PrefillPath.REMOTE, "slower")
+    above = _choose([_beat(Role.PREFILL, "p", waiting_tokens=edge + 2), busy_decode], SHORT)
+    assert (above.path, above.reason) == (PrefillPath.LOCAL, "relief")
+
+
+def test_local_prompts_queued_for_the_decode_worker_delay_the_local_first_token():
+    waiting = [FRESH[0], _beat(Role.DECODE, "d", waiting_tokens=1000, kv_bytes_per_token=512)]
+    in_engine = PathSignals(waiting, live=True).decode()
+    in_queue = PathSignals(FRESH, live=True, decode_waiting={"d": 1000}).decode()
+    assert [w.queued_tokens for w in in_engine] == [w.queued_tokens for w in in_queue] == [1000]
+    choice = _choose(waiting, SHORT)  # its first token behind 1000 local prompt tokens: remote is sooner
+    assert choice.local is not None and choice.local.ttft_s == pytest.approx(0.008 + 1016 / 1236)
+    assert (choice.path, choice.reason) == (PrefillPath.REMOTE, "slower")
+
+
+def test_the_local_load_is_the_window_of_prompts_sent_local():
+    load = LocalLoad(window_s=10.0)
+    load.add("demo", 100.0, 300)
+    load.add("demo", 105.0, 200)
+    load.add("other", 105.0, 7)
+    assert load.recent("demo", 106.0) == 500 and load.recent("other", 106.0) == 7
+    assert load.recent("demo", 110.0) == 200  # the first one left the window
+    assert load.recent("demo", 116.0) == 0 and load.recent("unknown", 116.0) == 0
+
+
+def test_the_chooser_sends_prompts_local_until_the_decode_worker_has_no_tpot_to_spare():
+    """Each local choice is remembered: a burst of short prompts against a queued prefill worker fills the decode
+    worker's TPOT budget, then goes remote."""
+    table = WorkerTable(ttl_s=60.0)
+    table.record(_beat(Role.PREFILL, "p", waiting_tokens=5000), now=100.0)
+    table.record(_beat(Role.DECODE, "d", running=20, decode_step_ms=50.0, kv_bytes_per_token=512), now=100.0)
+    chooser = PathChooser(PrefillPathSettings())
+    reasons = [chooser.choose(table, "demo", 100, now=101.0).reason for _ in range(50)]
+    assert reasons[:46] == ["relief"] * 46 and set(reasons[46:]) == {"tpot"}  # 46 · 100 <= 4635 tokens
+    assert chooser.choose(table, "demo", 100, now=111.5).reason == "relief"  # the window has moved on
 
 # ---- dispatch -------------------------------------------------------------------------------------------------
 
@@ -238,4 +317,5 @@ def test_the_gateway_counts_its_remote_requests_no_prefill_worker_has_taken():
     stream("shared-b", 300, remote)
     stream("local", 500, local)  # waits in the decode queue: not prefill work
     stream("routed", 40, remote).routed("p1")  # in p1's own queue
-    assert backend._prefill_waiting("demo", now) == {"p1": 40 + 200, "p2": 200}
+    assert backend._queue_waiting("demo", now, PrefillPath.REMOTE) == {"p1": 40 + 200, "p2": 200}
+    assert backend._queue_waiting("demo", now, PrefillPath.LOCAL) == {"d": 500}  # the decode worker's to compute
