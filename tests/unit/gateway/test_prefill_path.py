@@ -171,7 +171,6 @@ def test_the_best_worker_of_each_side_is_the_one_assumed():
     assert choice.remote.worker_id == "idle" and choice.local.worker_id == "quick"  # pyright: ignore
 
 
-
 def test_the_tpot_rule_counts_the_decode_workers_time_its_local_prompts_take():
     """A TPOT is a mean over a request's output: the local prompts cost the decode worker's requests the share of its
     time they take (over the last window), TPOT = step / (1 - share), kept under the headroom × the target."""
@@ -237,6 +236,7 @@ def test_the_chooser_sends_prompts_local_until_the_decode_worker_has_no_tpot_to_
     reasons = [chooser.choose(table, "demo", 100, now=101.0).reason for _ in range(50)]
     assert reasons[:46] == ["relief"] * 46 and set(reasons[46:]) == {"tpot"}  # 46 · 100 <= 4635 tokens
     assert chooser.choose(table, "demo", 100, now=111.5).reason == "relief"  # the window has moved on
+
 
 # ---- dispatch -------------------------------------------------------------------------------------------------
 
