@@ -32,6 +32,7 @@ from services.gateway.backend import BackendUnavailable, GenerationJob, Update, 
 from services.gateway.kv_routing import count_route, prefill_routing, route_subject
 from services.gateway.liveness import WorkerTable
 from services.gateway.path_dispatch import PathChooser, dispatch
+from services.gateway.path_signals import OwnLoad
 from services.gateway.request_stream import Deadlines, RequestUpdates
 from shared import bus
 from shared.messages import (
@@ -230,8 +231,8 @@ class NatsBackend:
             len(job.prompt_token_ids),
             now,
             hit,
-            self._queue_waiting(job.model, now, PrefillPath.REMOTE),
-            self._queue_waiting(job.model, now, PrefillPath.LOCAL),
+            self._own_load(job.model, now, PrefillPath.REMOTE),
+            self._own_load(job.model, now, PrefillPath.LOCAL),
         )
         subject, message = dispatch(choice, group)
         if choice.path is PrefillPath.REMOTE:
@@ -260,25 +261,29 @@ class NatsBackend:
             tracing.detach(token)
         return streams
 
-    def _queue_waiting(self, model: str, now: float, path: PrefillPath) -> dict[str, int]:
-        """Prompt tokens of this gateway's requests sent down `path` and waiting in the job queues for a worker to
-        take them, by worker: remote, the prefill workers (those routed to a worker's own queue, and an even share
-        of the shared queue's); local, the decode workers (an even share). The workers' heartbeats count only what
-        their engines hold: under load the backlog is in JetStream (docs/architecture.md, "The prefill path"). Other
-        gateways' backlogs are not seen; a request of n choices counts n times (one prefill computes them)."""
+    def _own_load(self, model: str, now: float, path: PrefillPath) -> OwnLoad:
+        """Prompt tokens of this gateway's requests sent down `path` that no first token has answered yet, by the
+        worker computing them: remote, the prefill workers; local, the decode workers. Those waiting in the job
+        queues (routed to a worker's own queue, or an even share of the shared queue's), which no heartbeat counts:
+        under load the backlog is in JetStream (docs/architecture.md, "The prefill path"); and those a worker has
+        taken, which its heartbeat counts only from its next beat. Other gateways' queued requests are not seen; a
+        request of n choices counts n times (one prefill computes them)."""
         remote = path is PrefillPath.REMOTE
-        waiting = self._routed_backlog() if remote else {}
-        shared = sum(
-            s.prompt_tokens
-            for s in self._streams.values()
-            if s.holder is None and s.delivered == 0 and not s.finished and s.prefill_path is not None
-            and s.prefill_path.path is path
-        )  # fmt: skip
+        queued = self._routed_backlog() if remote else {}
+        taken: dict[str, int] = {}
+        shared = 0
+        for s in self._streams.values():
+            if s.delivered or s.finished or s.prefill_path is None or s.prefill_path.path is not path:
+                continue
+            if s.holder is None:
+                shared += s.prompt_tokens
+            elif s.queued_for is None:
+                taken[s.holder] = taken.get(s.holder, 0) + s.prompt_tokens
         role = Role.PREFILL if remote else Role.DECODE
         takers = [b.worker_id for b in self.workers.serving(model, now) if b.role is role]
         for worker_id in takers:
-            waiting[worker_id] = waiting.get(worker_id, 0) + shared // len(takers)
-        return waiting
+            queued[worker_id] = queued.get(worker_id, 0) + shared // len(takers)
+        return OwnLoad(queued, taken)
 
     def _routed_backlog(self) -> dict[str, int]:
         """Prompt tokens this gateway routed to each worker's own queue that the worker has not taken yet (its

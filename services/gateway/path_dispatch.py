@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Mapping
 
 from services.gateway.liveness import WorkerTable
-from services.gateway.path_signals import PathSignals
+from services.gateway.path_signals import OwnLoad, PathSignals
 from services.gateway.prefill_path import LOCAL_WINDOW_S, PathChoice, Slos, choose_path
 from shared.messages import DecodeJob, PrefillJob, Sibling, decode_subject, prefill_subject
 from shared.settings import PrefillPath, PrefillPathSettings
@@ -57,18 +57,17 @@ class PathChooser:
         prompt_tokens: int,
         now: float,
         prefill_cached: Mapping[str, int] | None = None,
-        prefill_waiting: Mapping[str, int] | None = None,
-        decode_waiting: Mapping[str, int] | None = None,
+        prefill_load: OwnLoad | None = None,
+        decode_load: OwnLoad | None = None,
     ) -> PathChoice:
         """The path of a request of `prompt_tokens` for `model`, from the workers live at `now`; `prefill_cached`:
-        the prompt tokens a prefill worker is expected to find in its prefix cache; `prefill_waiting` and
-        `decode_waiting`: the prompt tokens waiting for a worker in the job queues (PathSignals), by worker id. A
-        local choice is remembered for the decode load of the choices after it."""
+        the prompt tokens a prefill worker is expected to find in its prefix cache, by worker id; `prefill_load`,
+        `decode_load`: this gateway's requests the heartbeats do not show yet (PathSignals). A local choice is
+        remembered for the decode load of the choices after it."""
         live = self.settings.prefill_path_live_calibration
         serving = workers.serving(model, now)
-        signals = PathSignals(
-            serving, live, prefill_cached, prefill_waiting, decode_waiting, self.local_load.recent(model, now)
-        )
+        recent = self.local_load.recent(model, now)
+        signals = PathSignals(serving, live, prefill_cached, prefill_load, decode_load, recent)
         choice = choose_path(
             prompt_tokens,
             signals.prefill(),

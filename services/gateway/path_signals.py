@@ -21,6 +21,7 @@ workers measured.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from statistics import fmean
 
 from services.gateway.prefill_path import DecodeSide, PrefillSide, Transfer
@@ -44,6 +45,22 @@ def _pick(own: float | None, fallback: float, live: bool) -> float:
     return own if live and own is not None and own > 0 else fallback
 
 
+@dataclass(frozen=True)
+class OwnLoad:
+    """Prompt tokens of this gateway's own requests on one side (prefill or decode) that the workers' heartbeats
+    do not show, or show late, by worker id."""
+
+    queued: Mapping[str, int] = field(default_factory=dict)
+    """Waiting in the job queues for the worker to take them: no heartbeat counts JetStream's backlog."""
+    taken: Mapping[str, int] = field(default_factory=dict)
+    """Taken by the worker, first token not out yet: in its engine, where its heartbeat (one a second) counts them
+    only from its next beat. The worker's queue is the larger of this and its heartbeat's (other gateways')."""
+
+    def queue(self, worker_id: str, heartbeat_tokens: int) -> int:
+        """The worker's queue before a new prompt: its engine's (as heard, or as taken since) and the job queues'."""
+        return max(heartbeat_tokens, self.taken.get(worker_id, 0)) + self.queued.get(worker_id, 0)
+
+
 class PathSignals:
     """The signals of one choice (see the module)."""
 
@@ -52,19 +69,19 @@ class PathSignals:
         beats: Sequence[Heartbeat],
         live: bool,
         prefill_cached: Mapping[str, int] | None = None,
-        prefill_waiting: Mapping[str, int] | None = None,
-        decode_waiting: Mapping[str, int] | None = None,
+        prefill_load: OwnLoad | None = None,
+        decode_load: OwnLoad | None = None,
         recent_local_tokens: int = 0,
     ) -> None:
         """beats: the live, non-draining workers of the model; live: use what they measured; prefill_cached: the
         prompt's tokens a prefill worker's prefix cache is expected to hold (KV-aware routing's index), by id;
-        prefill_waiting / decode_waiting: prompt tokens waiting for a prefill / decode worker in the job queues,
-        not yet in its engine (its heartbeat cannot count them), by id; recent_local_tokens: the prompt tokens sent
-        down the local path over the last window (path_dispatch.LocalLoad), shared evenly by the decode workers."""
+        prefill_load / decode_load: this gateway's own requests the heartbeats do not show yet, on each side;
+        recent_local_tokens: the prompt tokens sent down the local path over the last window
+        (path_dispatch.LocalLoad), shared evenly by the decode workers."""
         self.live = live
         self._prefill_cached = dict(prefill_cached or {})
-        self._prefill_waiting = dict(prefill_waiting or {})
-        self._decode_waiting = dict(decode_waiting or {})
+        self._prefill_load = prefill_load or OwnLoad()
+        self._decode_load = decode_load or OwnLoad()
         self._prefill_beats = [b for b in beats if b.role is Role.PREFILL]
         self._decode_beats = [b for b in beats if b.role is Role.DECODE]
         self._recent_local_share = recent_local_tokens // max(len(self._decode_beats), 1)
@@ -92,8 +109,8 @@ class PathSignals:
         c = beat.path_calibration or PathCalibration()
         return PrefillSide(
             worker_id=beat.worker_id,
-            # load, not a coefficient: read whether live or not; the engine's queue and the job queues' share
-            queued_tokens=beat.waiting_tokens + self._prefill_waiting.get(beat.worker_id, 0),
+            # load, not a coefficient: read whether live or not
+            queued_tokens=self._prefill_load.queue(beat.worker_id, beat.waiting_tokens),
             tokens_per_s=_pick(c.prefill_tokens_per_s, DEFAULT_PREFILL_TOKENS_PER_S, self.live),
             step_s=_pick(c.prefill_step_ms, DEFAULT_PREFILL_STEP_MS, self.live) / 1e3,
             cached_tokens=self._prefill_cached.get(beat.worker_id, 0),
@@ -106,6 +123,6 @@ class PathSignals:
             batch=beat.running,
             step_s=_pick(c.decode_step_ms, DEFAULT_DECODE_STEP_MS, self.live) / 1e3,
             prefill_tokens_per_s=_pick(c.prefill_tokens_per_s, prefill_prior, self.live),
-            queued_tokens=beat.waiting_tokens + self._decode_waiting.get(beat.worker_id, 0),
+            queued_tokens=self._decode_load.queue(beat.worker_id, beat.waiting_tokens),
             recent_local_tokens=self._recent_local_share,
         )

@@ -12,6 +12,7 @@ from services.gateway.path_signals import (
     DEFAULT_DECODE_STEP_MS,
     DEFAULT_PREFILL_STEP_MS,
     DEFAULT_PREFILL_TOKENS_PER_S,
+    OwnLoad,
     PathSignals,
 )
 from services.gateway.prefill_path import (
@@ -34,6 +35,8 @@ from shared.messages import (
     Role,
     Sampling,
     Sibling,
+    TakenEvent,
+    TokensEvent,
     decode,
     decode_subject,
     encode,
@@ -209,7 +212,7 @@ def test_relief_only_where_the_remote_first_token_is_at_risk():
 def test_local_prompts_queued_for_the_decode_worker_delay_the_local_first_token():
     waiting = [FRESH[0], _beat(Role.DECODE, "d", waiting_tokens=1000, kv_bytes_per_token=512)]
     in_engine = PathSignals(waiting, live=True).decode()
-    in_queue = PathSignals(FRESH, live=True, decode_waiting={"d": 1000}).decode()
+    in_queue = PathSignals(FRESH, live=True, decode_load=OwnLoad(queued={"d": 1000})).decode()
     assert [w.queued_tokens for w in in_engine] == [w.queued_tokens for w in in_queue] == [1000]
     choice = _choose(waiting, SHORT)  # its first token behind 1000 local prompt tokens: remote is sooner
     assert choice.local is not None and choice.local.ttft_s == pytest.approx(0.008 + 1016 / 1236)
@@ -288,11 +291,11 @@ def test_a_prompt_cached_on_the_routed_prefill_worker_goes_remote_where_it_would
 
 def test_prompts_waiting_in_the_job_queues_count_in_the_prefill_workers_queue():
     """Under load the backlog is in JetStream, where no heartbeat sees it: the gateway's own waiting prompts
-    (PathSignals.prefill_waiting) add to the prefill side's queue, and so to the remote TTFT."""
+    (PathSignals' prefill_load) add to the prefill side's queue, and so to the remote TTFT."""
     idle = PathSignals(FRESH, live=True).prefill()
-    busy = PathSignals(FRESH, live=True, prefill_waiting={"p": 2472}).prefill()
+    busy = PathSignals(FRESH, live=True, prefill_load=OwnLoad(queued={"p": 2472})).prefill()
     assert [w.queued_tokens for w in idle] == [0] and [w.queued_tokens for w in busy] == [2472]
-    s = PathSignals(FRESH, live=True, prefill_waiting={"p": 2472})
+    s = PathSignals(FRESH, live=True, prefill_load=OwnLoad(queued={"p": 2472}))
     queued = choose_path(LONG, s.prefill(), s.decode(), s.transfer(), SLOS, PrefillPath.AUTO)
     assert queued.remote is not None and _choose(FRESH, LONG).remote is not None
     assert queued.remote.ttft_s - _choose(FRESH, LONG).remote.ttft_s == pytest.approx(2472 / 1236)
@@ -317,5 +320,21 @@ def test_the_gateway_counts_its_remote_requests_no_prefill_worker_has_taken():
     stream("shared-b", 300, remote)
     stream("local", 500, local)  # waits in the decode queue: not prefill work
     stream("routed", 40, remote).routed("p1")  # in p1's own queue
-    assert backend._queue_waiting("demo", now, PrefillPath.REMOTE) == {"p1": 40 + 200, "p2": 200}
-    assert backend._queue_waiting("demo", now, PrefillPath.LOCAL) == {"d": 500}  # the decode worker's to compute
+    stream("taken", 700, remote).push(TakenEvent("taken", 0, 0, "p2"))  # in p2's engine, first token not out yet
+    stream("answered", 900, remote).push(TokensEvent("answered", 0, 0, [3], worker_id="p1"))  # prefilled
+    stream("local-taken", 60, local).push(TakenEvent("local-taken", 0, 0, "d"))
+    prefill, decode = (
+        backend._own_load("demo", now, PrefillPath.REMOTE),
+        backend._own_load("demo", now, PrefillPath.LOCAL),
+    )
+    assert prefill == OwnLoad(queued={"p1": 40 + 200, "p2": 200}, taken={"p2": 700})
+    assert decode == OwnLoad(queued={"d": 500}, taken={"d": 60})  # the decode worker's to compute
+
+
+def test_a_worker_s_queue_is_its_heartbeat_or_what_it_took_since_whichever_is_larger_plus_the_job_queues():
+    """The heartbeat (once a second) counts every gateway's requests in the engine; this gateway's own taken ones
+    reach it before the next beat. Both count the same requests, so the larger is the engine's queue."""
+    load = OwnLoad(queued={"p": 100}, taken={"p": 700})
+    assert load.queue("p", heartbeat_tokens=0) == 800  # taken since the last beat
+    assert load.queue("p", heartbeat_tokens=2000) == 2100  # other gateways' requests too
+    assert load.queue("other", heartbeat_tokens=30) == 30
