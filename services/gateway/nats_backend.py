@@ -170,7 +170,10 @@ class NatsBackend:
         if stream is None:
             log.debug("dropping token event of %s: no longer listening", event.request_id)
             return
+        waiting_first = not stream.first_token_seen
         stream.push(event)
+        if waiting_first and stream.first_token_seen and stream.migrations == 0 and stream.prefill_path is not None:
+            self.paths.plane.observe(stream.prefill_path, time.monotonic() - stream.opened_at)  # its path's calibration
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         beat = decode_or_drop(msg.data, Heartbeat, msg.subject)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from services.gateway.liveness import WorkerTable
 from services.gateway.path_signals import OwnLoad, PathSignals
-from services.gateway.prefill_path import LOCAL_WINDOW_S, PathChoice, Slos, choose_path
+from services.gateway.prefill_path import LOCAL_WINDOW_S, PathChoice, PlaneOverhead, Slos, choose_path
 from shared.messages import DecodeJob, PrefillJob, Sibling, decode_subject, prefill_subject
 from shared.settings import PrefillPath, PrefillPathSettings
 
@@ -42,6 +42,30 @@ class LocalLoad:
         return sum(tokens for _, tokens in sent)
 
 
+PLANE_ALPHA = 0.1  # the serving-plane time is the mean over about the last ten first tokens of a path
+
+
+class PlaneTime:
+    """Each path's serving-plane time (prefill_path.PlaneOverhead), learnt from this gateway's first tokens: the
+    exponentially weighted mean of actual - predicted TTFT, over first attempts (a moved request's TTFT is not its
+    path's)."""
+
+    def __init__(self, alpha: float = PLANE_ALPHA) -> None:
+        self.alpha = alpha
+        self._mean: dict[PrefillPath, float] = {}
+
+    def observe(self, choice: PathChoice, ttft_s: float) -> None:
+        chosen = choice.chosen
+        if chosen is None:
+            return
+        residual = ttft_s - (chosen.ttft_s - chosen.plane_s)  # against the engines' part of the prediction
+        old = self._mean.get(choice.path)
+        self._mean[choice.path] = residual if old is None else old + self.alpha * (residual - old)
+
+    def overhead(self) -> PlaneOverhead:
+        return PlaneOverhead(self._mean.get(PrefillPath.REMOTE, 0.0), self._mean.get(PrefillPath.LOCAL, 0.0))
+
+
 class PathChooser:
     def __init__(self, settings: PrefillPathSettings) -> None:
         self.settings = settings
@@ -49,6 +73,7 @@ class PathChooser:
             settings.ttft_slo_ms / 1e3, settings.tpot_slo_ms / 1e3, settings.local_prefill_max_stall_ms / 1e3
         )
         self.local_load = LocalLoad()
+        self.plane = PlaneTime()
 
     def choose(
         self,
@@ -75,6 +100,7 @@ class PathChooser:
             signals.transfer(),
             self.slos,
             self.settings.prefill_path,
+            self.plane.overhead() if live else PlaneOverhead(),
         )
         if choice.path is PrefillPath.LOCAL:
             self.local_load.add(model, now, prompt_tokens)  # (a decode worker's cache hit is not predicted)

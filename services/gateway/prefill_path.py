@@ -11,6 +11,8 @@ The predictions (seconds; P prompt tokens, C of them cached on the worker that c
     local   TTFT  = ready = decode_step + (queued + P - C) / decode_prefill_rate        (the best decode worker: the
                     prompt rides in a step of its running batch, after the local prompts queued there)
             decode slowdown = (P - C) / decode_prefill_rate: what that step adds to every running request's next token
+            both TTFTs add the path's measured serving-plane time (PlaneOverhead: the hops, and what the queues
+            above miss, learnt from this gateway's requests: actual TTFT - predicted, averaged)
             decode load     u = (recent + P - C) / (decode_prefill_rate · LOCAL_WINDOW_S): the share of the decode
                     worker's time its local prompts take, `recent` the prompt tokens sent there to compute over the
                     last window (this gateway's); its requests' mean TPOT becomes decode_step / (1 - u)
@@ -94,12 +96,22 @@ class Slos:
 
 
 @dataclass(frozen=True)
+class PlaneOverhead:
+    """What each path's first token takes beyond the engines' work the model predicts (the job's publish, fetch and
+    token-event hops; the queue the signals missed), as measured: the mean of actual - predicted TTFT."""
+
+    remote_s: float = 0.0
+    local_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class Prediction:
     """One path for one request."""
 
     worker_id: str  # the worker the prediction assumed
     ttft_s: float
     ready_s: float  # when the request can decode on (remote: after the hand-off)
+    plane_s: float = 0.0  # the serving-plane time included in ttft_s (PlaneOverhead)
 
 
 @dataclass(frozen=True)
@@ -112,20 +124,25 @@ class PathChoice:
     decode_tpot_s: float | None = None  # its requests' mean TPOT with this prompt's share of its time added
 
     @property
+    def chosen(self) -> Prediction | None:
+        return self.local if self.path is PrefillPath.LOCAL else self.remote
+
+    @property
     def predicted_ttft_s(self) -> float | None:
-        chosen = self.local if self.path is PrefillPath.LOCAL else self.remote
-        return None if chosen is None else chosen.ttft_s
+        return None if self.chosen is None else self.chosen.ttft_s
 
 
-def predict_remote(prompt_tokens: int, workers: Sequence[PrefillSide], transfer: Transfer) -> Prediction | None:
+def predict_remote(
+    prompt_tokens: int, workers: Sequence[PrefillSide], transfer: Transfer, plane_s: float = 0.0
+) -> Prediction | None:
     """The remote path on the prefill worker that gives the first token soonest; None without one."""
     handoff_s = transfer.overhead_s + prompt_tokens * transfer.bytes_per_token * transfer.s_per_byte
     best: Prediction | None = None
     for w in workers:
         uncached = max(prompt_tokens - w.cached_tokens, 0)
-        ttft = (w.queued_tokens + uncached) / w.tokens_per_s + w.step_s
+        ttft = max((w.queued_tokens + uncached) / w.tokens_per_s + w.step_s + plane_s, 0.0)
         if best is None or ttft < best.ttft_s:
-            best = Prediction(w.worker_id, ttft, ttft + handoff_s)
+            best = Prediction(w.worker_id, ttft, ttft + handoff_s, plane_s)
     return best
 
 
@@ -139,17 +156,17 @@ class LocalPrediction:
     tpot_s: float  # the worker's mean TPOT with its recent local prompts and this one (inf past its capacity)
 
 
-def predict_local(prompt_tokens: int, workers: Sequence[DecodeSide]) -> LocalPrediction | None:
+def predict_local(prompt_tokens: int, workers: Sequence[DecodeSide], plane_s: float = 0.0) -> LocalPrediction | None:
     """The local path on the decode worker that gives the first token soonest; None without one."""
     best: LocalPrediction | None = None
     for w in workers:
         uncached = max(prompt_tokens - w.cached_tokens, 0)
         slowdown = uncached / w.prefill_tokens_per_s
-        ttft = w.step_s + (w.queued_tokens + uncached) / w.prefill_tokens_per_s
+        ttft = max(w.step_s + (w.queued_tokens + uncached) / w.prefill_tokens_per_s + plane_s, 0.0)
         load = (w.recent_local_tokens + uncached) / (w.prefill_tokens_per_s * LOCAL_WINDOW_S)
         tpot = w.step_s / (1.0 - load) if load < 1.0 else float("inf")
         if best is None or ttft < best.prediction.ttft_s:
-            best = LocalPrediction(w, Prediction(w.worker_id, ttft, ttft), slowdown, tpot)
+            best = LocalPrediction(w, Prediction(w.worker_id, ttft, ttft, plane_s), slowdown, tpot)
     return best
 
 
@@ -160,10 +177,11 @@ def choose_path(
     transfer: Transfer,
     slos: Slos,
     mode: PrefillPath = PrefillPath.AUTO,
+    plane: PlaneOverhead = PlaneOverhead(),
 ) -> PathChoice:
     """The path for one request of `prompt_tokens` tokens, by the rule of the module."""
-    remote = predict_remote(prompt_tokens, prefill, transfer)
-    best_local = predict_local(prompt_tokens, decode)
+    remote = predict_remote(prompt_tokens, prefill, transfer, plane.remote_s)
+    best_local = predict_local(prompt_tokens, decode, plane.local_s)
 
     def answer(path: PrefillPath, reason: str) -> PathChoice:
         if best_local is None:

@@ -75,6 +75,11 @@ class RequestUpdates:
         self._duplicates: set[tuple[int, str]] = set()  # (attempt, worker) running a stage another worker took
 
     @property
+    def opened_at(self) -> float:
+        """When the request was opened (its clock): its TTFT counts from here."""
+        return self._opened_at
+
+    @property
     def attempt(self) -> int:
         return self._order.attempt
 

@@ -7,7 +7,7 @@ import pytest
 
 from services.gateway.liveness import WorkerTable
 from services.gateway.nats_backend import NatsBackend
-from services.gateway.path_dispatch import LocalLoad, PathChooser, dispatch, local_job
+from services.gateway.path_dispatch import LocalLoad, PathChooser, PlaneTime, dispatch, local_job
 from services.gateway.path_signals import (
     DEFAULT_DECODE_STEP_MS,
     DEFAULT_PREFILL_STEP_MS,
@@ -21,6 +21,7 @@ from services.gateway.prefill_path import (
     TPOT_HEADROOM,
     DecodeSide,
     PathChoice,
+    PlaneOverhead,
     PrefillSide,
     Slos,
     Transfer,
@@ -239,6 +240,49 @@ def test_the_chooser_sends_prompts_local_until_the_decode_worker_has_no_tpot_to_
     reasons = [chooser.choose(table, "demo", 100, now=101.0).reason for _ in range(50)]
     assert reasons[:46] == ["relief"] * 46 and set(reasons[46:]) == {"tpot"}  # 46 · 100 <= 4635 tokens
     assert chooser.choose(table, "demo", 100, now=111.5).reason == "relief"  # the window has moved on
+
+
+def test_the_serving_plane_time_is_learnt_from_first_tokens_per_path_and_added_to_its_predictions():
+    """What the engines' model leaves out (hops, queues the signals miss) is measured: actual - predicted TTFT of
+    this gateway's first tokens, per path, against the engines' part of each prediction."""
+    plane = PlaneTime(alpha=0.5)
+    first = _choose(FRESH, SHORT)  # local, nothing learnt yet
+    assert first.path is PrefillPath.LOCAL and first.chosen is not None and first.chosen.plane_s == 0.0
+    plane.observe(first, first.chosen.ttft_s + 0.040)  # 40 ms more than the engines' part
+    assert plane.overhead() == PlaneOverhead(remote_s=0.0, local_s=pytest.approx(0.040))
+    s = PathSignals(FRESH, live=True)
+    second = choose_path(SHORT, s.prefill(), s.decode(), s.transfer(), SLOS, PrefillPath.AUTO, plane.overhead())
+    assert second.local is not None and second.local.plane_s == pytest.approx(0.040)
+    assert second.local.ttft_s == pytest.approx(first.chosen.ttft_s + 0.040)
+    assert (second.path, second.reason) == (PrefillPath.REMOTE, "slower")  # 40 ms of hops: past the hand-off
+    local_again = PathChoice(PrefillPath.LOCAL, "setting", None, second.local, None)
+    plane.observe(local_again, second.local.ttft_s - 0.040 + 0.020)  # 20 ms over the engines' part this time
+    assert plane.overhead().local_s == pytest.approx(0.030)  # halfway (alpha 0.5), not compounding the 40
+    remote = _choose(FRESH, LONG)
+    plane.observe(remote, remote.predicted_ttft_s + 0.1)  # pyright: ignore[reportOperatorIssue]
+    assert plane.overhead().remote_s == pytest.approx(0.1)
+
+
+def test_a_remote_path_slower_than_predicted_makes_local_the_sooner_one():
+    """A learnt remote plane time moves the comparison: here the remote first token is 1 s later than its engines'
+    part, past the relief line, and a busy decode worker takes the short prompt."""
+    busy_decode = [FRESH[0], _beat(Role.DECODE, "d", running=64, kv_bytes_per_token=512)]
+    s = PathSignals(busy_decode, live=True)
+    plain = choose_path(SHORT, s.prefill(), s.decode(), s.transfer(), SLOS)
+    assert (plain.path, plain.reason) == (PrefillPath.REMOTE, "slower")
+    late = choose_path(SHORT, s.prefill(), s.decode(), s.transfer(), SLOS, PrefillPath.AUTO, PlaneOverhead(1.0))
+    assert (late.path, late.reason) == (PrefillPath.LOCAL, "relief")
+
+
+def test_the_chooser_learns_only_with_live_calibration():
+    table = WorkerTable(ttl_s=60.0)
+    for beat in FRESH:
+        table.record(beat, now=100.0)
+    for live in (True, False):
+        chooser = PathChooser(PrefillPathSettings(prefill_path_live_calibration=live))
+        chooser.plane.observe(chooser.choose(table, "demo", SHORT, now=101.0), 5.0)
+        after = chooser.choose(table, "demo", SHORT, now=101.0)
+        assert after.local is not None and (after.local.plane_s > 4.0) is live  # (learnt: then too slow, remote)
 
 
 # ---- dispatch -------------------------------------------------------------------------------------------------
