@@ -107,9 +107,18 @@ class Workloads:
         return self.prefix_rate if name == "shared-prefix" else self.conversation_rate
 
 
-def start_stack(mode: Mode, model: Path, threads: int) -> Stack:
+PRESSURE_MAX_MODEL_LEN = 2048  # past every request of the workloads here (a 12-turn conversation is under 1k)
+
+
+def start_stack(mode: Mode, model: Path, threads: int, prefill_kv_cache_bytes: int | None = None) -> Stack:
+    """The mode's stack; `prefill_kv_cache_bytes`: the prefill workers' KV pool (the cache under pressure), else
+    the workers' default; with it their context is PRESSURE_MAX_MODEL_LEN (a pool must hold one whole request)."""
+    prefill_args = ()
+    if prefill_kv_cache_bytes is not None:
+        prefill_args = ("--kv-cache-bytes", str(prefill_kv_cache_bytes), "--max-model-len", str(PRESSURE_MAX_MODEL_LEN))
     spec = StackSpec(model=str(model), port=free_port(), prefill=PREFILL_WORKERS, decode=DECODE_WORKERS,
-                     threads_per_worker=threads, worker_args=mode.worker_args, env=dict(mode.env))  # fmt: skip
+                     threads_per_worker=threads, worker_args=mode.worker_args, env=dict(mode.env),
+                     role_args={"prefill": prefill_args})  # fmt: skip
     stack = Stack(spec)
     try:
         stack.start(ready_timeout_s=300)
@@ -269,6 +278,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--think-time", type=float, default=0.5)
     p.add_argument("--conversation-rate", type=float, default=1.0, help="conversations/s")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill-kv-cache-bytes", type=int, help="the prefill workers' KV pool (default: the workers' "
+                   "own, 256 MiB on CPU): small enough that each holds only some of the prefixes, the cache under "
+                   "pressure, as a busy deployment's")  # fmt: skip
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "prefix_cache"))
     args = p.parse_args(argv)
     preset = QUICK if args.quick else DEFAULTS
@@ -306,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"modes": args.modes, "workloads": asdict(wl), "run": args.workloads, "threads": args.threads,
                    "prefill_workers": PREFILL_WORKERS, "decode_workers": DECODE_WORKERS,
                    "mode_setup": {m: asdict(MODES[m]) for m in args.modes}, "quick": args.quick,
+                   "prefill_kv_cache_bytes": args.prefill_kv_cache_bytes,
                    "argv": sys.argv[1:]},
         "machine": cpu_info() | {"model": model.name, "torch": torch.__version__, "python": platform.python_version(),
                                  "loadavg_start": load_average()},
@@ -314,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     for mode in args.modes:
         print(f"[{time.monotonic() - t0:5.0f}s] {mode}: starting the stack ({MODES[mode].about})", flush=True)
-        stack = start_stack(MODES[mode], model, args.threads)
+        stack = start_stack(MODES[mode], model, args.threads, args.prefill_kv_cache_bytes)
         try:
             warm_up(stack, model_name, tok, args.seed)
             for name in args.workloads:
