@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 from shared.engine.config import EngineConfig
+from shared.model.config import ModelConfig
 from shared.model.device import resolve_device
 from shared.model.loader import load_model
 from shared.model.transformer import CausalLM
 from shared.sharding.group import RankGroup
-from shared.model.config import ModelConfig
 from shared.sharding.placement import ExpertPlacement, PlacementError
 from shared.sharding.rebalance import initial_placement
 

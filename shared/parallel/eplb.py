@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from shared.engine.config import EplbConfig
-from shared.model.expert_parallel import ExpertParallel
 from shared.model.expert_moves import slot_bytes
+from shared.model.expert_parallel import ExpertParallel
 from shared.model.transformer import CausalLM
 from shared.sharding.placement import ExpertPlacement
 from shared.sharding.rebalance import Rebalance, align, decide, predicted_imbalance, slot_changes

@@ -130,10 +130,7 @@ class WorkerGroup:
         """Every rank's process id, the leader's first."""
         return [os.getpid(), *(p.pid or 0 for p in self.procs)]
 
-    @property
-    def rebalancer(self) -> ExpertRebalancer | None:
-        """Live expert re-placement (--eplb), else None."""
-        return self.ops.rebalancer
+    rebalancer: ExpertRebalancer | None = None  # live expert re-placement (--eplb), the one ops.rebalancer runs
 
     def close(self, timeout_s: float = 10.0) -> None:
         """A planned stop: the followers leave their loops and exit."""
@@ -176,8 +173,10 @@ def start_group(config: EngineConfig, on_death: Callable[[int, int | None], None
     state = RankState(engine.model, engine.pool, StagedKv())
     op_channels = [conns[(r, "ops")] for r in range(1, layout.world)]
     ops = LeaderOps(group, op_channels, state)
+    rebalancer = None
     if config.eplb.enabled:  # the model loaded with the live placement's slots (group_model.load_rank_model)
-        ops.rebalancer = ExpertRebalancer(config.eplb, engine.model, config.prefix_cache_namespace or config.model)
+        rebalancer = ExpertRebalancer(config.eplb, engine.model, config.prefix_cache_namespace or config.model)
+        ops.rebalancer = rebalancer
     # A worker group's engine keeps one pool (KV cache groups are single-rank: kv_cache.py); `engine.pool` is
     # pools[0], so fork's copies and imports all go through the mirrored one and reach the followers.
     assert len(engine.pools) == 1, "a worker group's engine has one KV pool"
@@ -190,7 +189,7 @@ def start_group(config: EngineConfig, on_death: Callable[[int, int | None], None
     agents = GroupAgents(
         agent, {r: conns[(r, "agent")] for r in followers}, {r: conns[(r, "events")] for r in followers}
     )
-    group_handle = WorkerGroup(engine, layout, agents, ops, procs, watch, list(conns.values()))
+    group_handle = WorkerGroup(engine, layout, agents, ops, procs, watch, list(conns.values()), rebalancer)
     log.info(
         "worker group %s: ranks %s (pids %s) on %s",
         layout,

@@ -28,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -41,9 +41,6 @@ from shared.ranklink.agents import StagedExport, StagedKv
 from shared.ranklink.channel import recv_frame, send_frame
 from shared.sharding.group import RankGroup
 from shared.sharding.rebalance import layer_changes
-
-if TYPE_CHECKING:
-    from shared.parallel.eplb import ExpertRebalancer
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +93,6 @@ class RankState:
         self.counts["import_staged"] += 1
         KVPool.write_export(self.pool, blocks, self.staged.take(key))
 
-
     def stage_experts(self, group: RankGroup, layer: int, ranks: list[list[int]]) -> None:
         """One collective: `layer`'s slots that `ranks` changes, sent and received (expert_moves.stage_layer)."""
         self.counts["eplb_stage"] += 1
@@ -114,6 +110,15 @@ class RankState:
         self.staged_experts.clear()
 
 
+class StepBoundary(Protocol):
+    """What runs at the leader's step boundaries (live expert re-placement, eplb.py ExpertRebalancer): before a
+    step is announced (it may send ops of its own), and after the step ran here."""
+
+    def between_steps(self, ops: LeaderOps) -> None: ...
+
+    def after_step(self) -> None: ...
+
+
 class LeaderOps:
     """The leader's end: each op is announced to every follower, its data broadcast, then run here too."""
 
@@ -122,7 +127,7 @@ class LeaderOps:
         self._channels = channels  # follower rank r at index r - 1
         self.state = state
         self.cost = BroadcastCost()
-        self.rebalancer: ExpertRebalancer | None = None  # live expert re-placement (--eplb): at step boundaries
+        self.rebalancer: StepBoundary | None = None  # live expert re-placement (--eplb): at step boundaries
 
     def _announce(self, header: tuple) -> None:
         for rank, sock in enumerate(self._channels, start=1):

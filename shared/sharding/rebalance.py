@@ -100,9 +100,7 @@ def layer_changes(layer: int, old: list[list[int]], new: list[list[int]]) -> lis
     return changes
 
 
-def decide(
-    current: ExpertPlacement, stats: dict[int, list[int]], redundant: int, min_gain: float
-) -> Rebalance | None:
+def decide(current: ExpertPlacement, stats: dict[int, list[int]], redundant: int, min_gain: float) -> Rebalance | None:
     """The rebalance to make, or None: no load yet, nothing would change, or the predicted gain is below
     `min_gain`. The plan keeps the current number of slots per rank (the group allocated them at load)."""
     if not any(sum(counts) for counts in stats.values()):

@@ -23,7 +23,6 @@ from shared.model.loader import load_model
 from shared.parallel.group_engine import WorkerGroup, start_group
 from shared.sharding.placement import ExpertPlacement
 
-
 GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
 EP, REDUNDANT = 2, 2
 
@@ -132,7 +131,9 @@ def test_a_forced_rebalance_mid_generation_keeps_tokens_and_moves_only_changed_s
 
     # every rank holds the checkpoint's weights of the experts its new slots name
     group.ops.sync()
-    full = {k: m.experts.gate_up.double().sum((1, 2)).tolist() for k, m in load_model(model_dir).sparse_layers().items()}
+    full = {
+        k: m.experts.gate_up.double().sum((1, 2)).tolist() for k, m in load_model(model_dir).sparse_layers().items()
+    }
     held = asyncio.run(group.agents.call_all("expert_slots", {0: None, 1: None}))
     for rank, rank_layers in held.items():
         for layer, slots in rank_layers.items():

@@ -67,7 +67,12 @@ def test_every_rank_derives_the_same_moves_and_a_rank_never_sends_to_itself() ->
     assert new == [[0, 1, 4, 5], [2, 3, 6, 7]]  # 0 and 1 stay in their slots on rank 0
     changes = layer_changes(0, old, new)
     assert changes == layer_changes(0, [list(s) for s in old], [list(s) for s in new])
-    assert [(c.dst, c.slot, c.expert, c.src) for c in changes] == [(0, 2, 4, 1), (0, 3, 5, 1), (1, 0, 2, 0), (1, 1, 3, 0)]
+    assert [(c.dst, c.slot, c.expert, c.src) for c in changes] == [
+        (0, 2, 4, 1),
+        (0, 3, 5, 1),
+        (1, 0, 2, 0),
+        (1, 1, 3, 0),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -112,3 +117,19 @@ def test_eplb_on_a_dense_model_or_with_slots_that_cannot_split_is_refused(tmp_pa
         config = EngineConfig(model=str(moe), ep=2, eplb=EplbConfig(enabled=True, redundant=redundant))
         with pytest.raises(PlacementError, match=f"--eplb-redundant {redundant}"):
             load_rank_model(config, group)
+
+
+def test_eplb_metrics_are_exported_per_role() -> None:
+    from shared.parallel.eplb import EplbStats
+    from shared.telemetry import metrics
+    from shared.worker import gauges
+
+    gauges.record_eplb(("m-eplb", "decode"), EplbStats(2, 4096, [0.01, 0.02, 0.5], 1.25))
+    gauges.record_eplb(("m-eplb", "prefill"), EplbStats(1, 100, [0.2], None))
+    text = metrics.exposition()[0].decode()
+    assert 'pdserve:eplb_rebalances_total{model_name="m-eplb",role="decode"} 2.0' in text
+    assert 'pdserve:eplb_bytes_moved_total{model_name="m-eplb",role="decode"} 4096.0' in text
+    assert 'pdserve:eplb_pause_seconds_count{model_name="m-eplb",role="decode"} 3.0' in text
+    assert 'pdserve:eplb_window_imbalance{model_name="m-eplb",role="decode"} 1.25' in text
+    assert 'pdserve:eplb_rebalances_total{model_name="m-eplb",role="prefill"} 1.0' in text
+    assert 'pdserve:eplb_window_imbalance{model_name="m-eplb",role="prefill"}' not in text
