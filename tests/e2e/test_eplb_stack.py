@@ -41,7 +41,7 @@ def test_prefill_ep2_to_decode_ep2_with_live_rebalancing_is_token_exact(model_di
         rebalances: dict[str, float] = {}
         while time.monotonic() < deadline:
             rebalances = {
-                role: sum(scraped_total(u, "pdserve:eplb_rebalances_total", role=role) for u in stack.metrics_urls)
+                role: sum(scraped_total(u, "pdserve:eplb_rebalances_total", role=role) for u in stack.metrics_urls())
                 for role in ("prefill", "decode")
             }
             if all(rebalances.values()):
@@ -49,7 +49,7 @@ def test_prefill_ep2_to_decode_ep2_with_live_rebalancing_is_token_exact(model_di
             time.sleep(1)
         assert all(rebalances.values()), rebalances  # each role re-placed its experts from its own load
         for role in ("prefill", "decode"):
-            moved = sum(scraped_total(u, "pdserve:eplb_bytes_moved_total", role=role) for u in stack.metrics_urls)
+            moved = sum(scraped_total(u, "pdserve:eplb_bytes_moved_total", role=role) for u in stack.metrics_urls())
             assert moved > 0 and moved % (3 * 32 * 64 * 4) == 0, (role, moved)  # whole slots of the tiny model
     except BaseException:
         print(stack.logs())
