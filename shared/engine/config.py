@@ -45,6 +45,36 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class EplbConfig:
+    """Live expert re-placement of an expert-parallel worker group (shared/parallel/eplb.py): the group keeps a
+    window of its own expert load and, at a bounded rate, moves the expert slots a better placement changes
+    between its ranks at step boundaries. Each role's group plans from its own load (per phase)."""
+
+    enabled: bool = field(default=False, metadata={"name": "eplb"})
+    """Re-place experts live from this group's own load (needs an MoE model and ep > 1; refused otherwise)."""
+    window_steps: int = 256
+    """Steps of expert load (tokens routed to each expert, per layer) the planner looks at."""
+    interval_s: float = 30.0
+    """At most one placement is planned per this many seconds (a rebalance in progress delays the next)."""
+    redundant: int = 0
+    """Redundant expert slots per layer (replicas of hot experts) over the whole group; (experts + redundant) must
+    split evenly over ep. The group holds them from the start."""
+    min_gain: float = 0.05
+    """Apply a planned placement only when it lowers the predicted busiest-rank load over the mean by at least
+    this relative amount (0.05 = 5 %); in [0, 1)."""
+
+    def __post_init__(self) -> None:
+        if self.window_steps < 1:
+            raise ValueError(f"--eplb-window-steps must be at least 1, got {self.window_steps}")
+        if not self.interval_s > 0:
+            raise ValueError(f"--eplb-interval-s must be positive, got {self.interval_s}")
+        if self.redundant < 0:
+            raise ValueError(f"--eplb-redundant must be 0 or more, got {self.redundant}")
+        if not 0 <= self.min_gain < 1:
+            raise ValueError(f"--eplb-min-gain must be in [0, 1), got {self.min_gain}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
     """Checkpoint directory (Hugging Face layout)."""
@@ -111,6 +141,7 @@ class EngineConfig:
     expert_placement: str | None = None
     """JSON file from `pdserve experts plan`: which experts (and redundant replicas) each EP rank holds per
     layer; None = a contiguous 1/ep of the experts per rank. Refused when it does not match the model or ep."""
+    eplb: EplbConfig = field(default_factory=EplbConfig, metadata={"prefix": "eplb_"})
     group_timeout_s: float = 30.0
     """A worker group's collectives (and its ranks' start) fail after this long instead of waiting forever on
     a dead or hung rank; a follower idle between steps waits for its leader without limit."""
@@ -143,6 +174,10 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         ParallelLayout(self.tp, self.ep)  # refuses degrees a group cannot have (LayoutError, a ValueError)
+        if self.eplb.enabled and self.ep == 1:
+            raise ValueError(
+                "--eplb re-places experts between expert-parallel ranks: it needs ep > 1 (this engine has ep=1)"
+            )
         if self.group_timeout_s <= 0:
             raise ValueError(f"group_timeout_s must be positive, got {self.group_timeout_s}")
 

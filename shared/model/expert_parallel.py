@@ -43,26 +43,39 @@ class ExpertParallel:
     def __init__(self, group: RankGroup, ranks: list[list[int]], num_experts: int, mode: EPDispatch) -> None:
         if len(ranks) != group.world:
             raise ValueError(f"placement has {len(ranks)} ranks, the group {group.world}")
-        self.group, self.mode = group, EPDispatch(mode)
-        replicas: list[list[tuple[int, int]]] = [[] for _ in range(num_experts)]
+        self.group, self.mode, self.num_experts = group, EPDispatch(mode), num_experts
+        self.set_placement(ranks)
+        # since the last take_rank_load: pairs each rank computed (R,), and Σ over forwards of the busiest
+        # rank's pairs (the step waits for it): the imbalance is peak / (total / R)
+        self.rank_load = torch.zeros(group.world, dtype=torch.int64)
+        self.peak_load = torch.zeros((), dtype=torch.int64)
+        # (E,) tokens routed to each logical expert since the group's live re-placement last took them, once a
+        # step (shared/parallel/eplb.py; only the leader's are read: every rank routes alike)
+        self.expert_tokens = torch.zeros(num_experts, dtype=torch.int64)
+
+    def set_placement(self, ranks: list[list[int]]) -> None:
+        """Where each logical expert's replicas are: `ranks[r]` the experts of rank r's slots. At load, and when
+        a live re-placement swaps in new slots (shared/model/expert_moves.py), between steps."""
+        replicas: list[list[tuple[int, int]]] = [[] for _ in range(self.num_experts)]
         for rank, slots in enumerate(ranks):
             for slot, expert in enumerate(slots):
                 replicas[expert].append((rank, slot))
         most = max(len(r) for r in replicas)
         # (E, most) tables, padded by repeating the first replica (never chosen: index < num_replicas)
+        device = self._rank.device if hasattr(self, "_rank") else None
         self._rank = torch.tensor([[r for r, _ in rep] + [rep[0][0]] * (most - len(rep)) for rep in replicas])
         self._slot = torch.tensor([[s for _, s in rep] + [rep[0][1]] * (most - len(rep)) for rep in replicas])
         self._count = torch.tensor([len(rep) for rep in replicas])
-        self.num_slots = len(ranks[group.rank])
-        # since the last take_rank_load: pairs each rank computed (R,), and Σ over forwards of the busiest
-        # rank's pairs (the step waits for it): the imbalance is peak / (total / R)
-        self.rank_load = torch.zeros(group.world, dtype=torch.int64)
-        self.peak_load = torch.zeros((), dtype=torch.int64)
+        if device is not None:
+            self._rank, self._slot, self._count = (t.to(device) for t in (self._rank, self._slot, self._count))
+        self.ranks = [list(slots) for slots in ranks]
+        self.num_slots = len(ranks[self.group.rank])
 
     def _on(self, device: torch.device) -> None:
         if self._rank.device != device:
             self._rank, self._slot, self._count = (t.to(device) for t in (self._rank, self._slot, self._count))
             self.rank_load, self.peak_load = self.rank_load.to(device), self.peak_load.to(device)
+            self.expert_tokens = self.expert_tokens.to(device)
 
     def assign(self, ids: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids (N, A) logical experts of tokens with global indices `token` (N,) → (rank, local slot) of the
@@ -79,6 +92,7 @@ class ExpertParallel:
         dest_rank, dest_slot = self.assign(ids, token)
         per_rank = torch.zeros_like(self.rank_load).index_add_(0, dest_rank.flatten(), torch.ones_like(ids).flatten())
         self.rank_load += per_rank
+        self.expert_tokens.index_add_(0, ids.flatten(), torch.ones_like(ids).flatten())
         self.peak_load += per_rank.max()
         if self.mode is EPDispatch.ALLREDUCE:
             return self._allreduce(experts, x, ids, weights, dest_rank, dest_slot)

@@ -83,6 +83,14 @@ class Experts(nn.Module):
     def prepack(self) -> None:
         self._packed = [(pack(self.gate_up[e]), pack(self.down[e])) for e in range(self.num_experts)]
 
+    def weights_changed(self) -> None:
+        """Some slots' weights were replaced in place (live expert re-placement, shared/model/expert_moves.py):
+        rebuild what was derived from them (the CPU kernel's panels, the oneDNN packs)."""
+        if self._panels is not None and self._cpu_kernel is not None:
+            self._panels = self._cpu_kernel.pack(self.gate_up.data, self.down.data)
+        elif self._packed is not None:
+            self.prepack()
+
     def use_cpu_kernel(self, kernel: cpu_moe.Kernel) -> str | None:
         """Re-lay the weights out for the CPU expert kernel build `kernel` (cpu_moe.kernels()), which then computes
         every batch; the oneDNN packs of the experts are dropped (the panels replace them). → None, or

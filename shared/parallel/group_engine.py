@@ -27,6 +27,7 @@ from multiprocessing.process import BaseProcess
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.kv.rank_agents import register_rank_kv
+from shared.parallel.eplb import ExpertRebalancer
 from shared.parallel.launch import local_rendezvous, spawn_followers
 from shared.parallel.ops import LeaderOps, MirroredKVPool, RankState, follow
 from shared.parallel.watch import FollowerWatch, exit_now
@@ -94,6 +95,12 @@ def _register_builtins(agent: RankAgent, state: RankState) -> None:
     async def pid(_):
         return os.getpid()
 
+    async def expert_slots(_):  # per sparse layer: this rank's logical expert of each slot, and its weights
+        return {
+            i: [(e, moe.experts.gate_up[s].double().sum().item()) for s, e in enumerate(moe.experts.slots)]
+            for i, moe in state.model.sparse_layers().items()
+        }
+
     register_rank_kv(agent, state.pool, state.staged)  # the KV hand-off between groups (kv.serve, kv.puller)
     for name, handler in (
         ("stage_kv", stage_kv),
@@ -101,6 +108,7 @@ def _register_builtins(agent: RankAgent, state: RankState) -> None:
         ("pool_digest", digest),
         ("op_counts", op_counts),
         ("pid", pid),
+        ("expert_slots", expert_slots),
     ):
         agent.register(name, handler)
 
@@ -121,6 +129,8 @@ class WorkerGroup:
     def pids(self) -> list[int]:
         """Every rank's process id, the leader's first."""
         return [os.getpid(), *(p.pid or 0 for p in self.procs)]
+
+    rebalancer: ExpertRebalancer | None = None  # live expert re-placement (--eplb), the one ops.rebalancer runs
 
     def close(self, timeout_s: float = 10.0) -> None:
         """A planned stop: the followers leave their loops and exit."""
@@ -163,6 +173,10 @@ def start_group(config: EngineConfig, on_death: Callable[[int, int | None], None
     state = RankState(engine.model, engine.pool, StagedKv())
     op_channels = [conns[(r, "ops")] for r in range(1, layout.world)]
     ops = LeaderOps(group, op_channels, state)
+    rebalancer = None
+    if config.eplb.enabled:  # the model loaded with the live placement's slots (group_model.load_rank_model)
+        rebalancer = ExpertRebalancer(config.eplb, engine.model, config.prefix_cache_namespace or config.model)
+        ops.rebalancer = rebalancer
     # A worker group's engine keeps one pool (KV cache groups are single-rank: kv_cache.py); `engine.pool` is
     # pools[0], so fork's copies and imports all go through the mirrored one and reach the followers.
     assert len(engine.pools) == 1, "a worker group's engine has one KV pool"
@@ -175,7 +189,7 @@ def start_group(config: EngineConfig, on_death: Callable[[int, int | None], None
     agents = GroupAgents(
         agent, {r: conns[(r, "agent")] for r in followers}, {r: conns[(r, "events")] for r in followers}
     )
-    group_handle = WorkerGroup(engine, layout, agents, ops, procs, watch, list(conns.values()))
+    group_handle = WorkerGroup(engine, layout, agents, ops, procs, watch, list(conns.values()), rebalancer)
     log.info(
         "worker group %s: ranks %s (pids %s) on %s",
         layout,

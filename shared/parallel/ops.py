@@ -8,6 +8,9 @@ stays what the leader's is (byte-identical while the models are replicated):
 - `write`: imported KV written into blocks, the data broadcast from the leader (a KV export the leader pulled);
 - `import_staged`: imported KV written into blocks from what each rank staged itself (agents.StagedKv: each
   rank pulled its own heads, nothing funnelled through the leader);
+- `eplb_stage`: one sparse layer's changed expert slots sent between the ranks into spare buffers (live expert
+  re-placement, eplb.py; the layer keeps serving from its current slots);
+- `eplb_swap`: every staged layer switches to its new slots, on every rank at this point of the stream;
 - `sync`: a barrier: the leader knows every follower has run every earlier op;
 - `stop`: the follower's loop ends.
 
@@ -25,16 +28,19 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVPool, PoolFill
 from shared.engine.step_inputs import ScoredFn, StepInputs, forward_step
+from shared.model.expert_moves import StagedLayer, stage_layer, swap_layer
 from shared.model.transformer import CausalLM
 from shared.ranklink.agents import StagedExport, StagedKv
 from shared.ranklink.channel import recv_frame, send_frame
 from shared.sharding.group import RankGroup
+from shared.sharding.rebalance import layer_changes
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +70,8 @@ class RankState:
     pool: KVPool
     staged: StagedKv
     counts: Counter[str] = field(default_factory=Counter)  # ops executed, by kind
+    # live expert re-placement: sparse layer → (its new placement, the slots this rank received), until the swap
+    staged_experts: dict[int, tuple[list[list[int]], StagedLayer]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.caches = self.pool.layer_caches()
@@ -85,6 +93,31 @@ class RankState:
         self.counts["import_staged"] += 1
         KVPool.write_export(self.pool, blocks, self.staged.take(key))
 
+    def stage_experts(self, group: RankGroup, layer: int, ranks: list[list[int]]) -> None:
+        """One collective: `layer`'s slots that `ranks` changes, sent and received (expert_moves.stage_layer)."""
+        self.counts["eplb_stage"] += 1
+        moe = self.model.sparse_layers()[layer]
+        assert moe.dispatch is not None
+        changes = layer_changes(layer, moe.dispatch.ranks, ranks)
+        self.staged_experts[layer] = (ranks, stage_layer(moe, changes, group))
+
+    def swap_experts(self) -> None:
+        """Every staged layer takes its new placement (no collective: every rank runs it at the same op)."""
+        self.counts["eplb_swap"] += 1
+        layers = self.model.sparse_layers()
+        for layer, (ranks, staged) in sorted(self.staged_experts.items()):
+            swap_layer(layers[layer], staged, ranks)
+        self.staged_experts.clear()
+
+
+class StepBoundary(Protocol):
+    """What runs at the leader's step boundaries (live expert re-placement, eplb.py ExpertRebalancer): before a
+    step is announced (it may send ops of its own), and after the step ran here."""
+
+    def between_steps(self, ops: LeaderOps) -> None: ...
+
+    def after_step(self) -> None: ...
+
 
 class LeaderOps:
     """The leader's end: each op is announced to every follower, its data broadcast, then run here too."""
@@ -94,6 +127,7 @@ class LeaderOps:
         self._channels = channels  # follower rank r at index r - 1
         self.state = state
         self.cost = BroadcastCost()
+        self.rebalancer: StepBoundary | None = None  # live expert re-placement (--eplb): at step boundaries
 
     def _announce(self, header: tuple) -> None:
         for rank, sock in enumerate(self._channels, start=1):
@@ -103,6 +137,8 @@ class LeaderOps:
                 raise RankGone(f"rank {rank} of the worker group is gone ({exc!r}): the group stops") from exc
 
     def step(self, inputs: StepInputs, on_scored: ScoredFn) -> torch.Tensor | None:
+        if self.rebalancer is not None:  # a step boundary: a move's next op runs before this step on every rank
+            self.rebalancer.between_steps(self)
         start = time.perf_counter()
         sizes, flat = inputs.pack()
         self._announce(("step", sizes))
@@ -110,7 +146,18 @@ class LeaderOps:
         self.cost.steps += 1
         self.cost.bytes += flat.numel() * 8
         self.cost.seconds += time.perf_counter() - start
-        return self.state.step(inputs, on_scored)
+        out = self.state.step(inputs, on_scored)
+        if self.rebalancer is not None:
+            self.rebalancer.after_step()
+        return out
+
+    def stage_experts(self, layer: int, ranks: list[list[int]]) -> None:
+        self._announce(("eplb_stage", layer, ranks))
+        self.state.stage_experts(self.group, layer, ranks)
+
+    def swap_experts(self) -> None:
+        self._announce(("eplb_swap",))
+        self.state.swap_experts()
 
     def copy(self, src: int, dst: int) -> None:
         self._announce(("copy", src, dst))
@@ -192,6 +239,10 @@ def follow(
             state.write(header[1], data)
         elif kind == "import_staged":
             state.import_staged(header[1], header[2])
+        elif kind == "eplb_stage":
+            state.stage_experts(group, header[1], header[2])
+        elif kind == "eplb_swap":
+            state.swap_experts()
         elif kind == "sync":
             group.barrier()
         else:

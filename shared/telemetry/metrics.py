@@ -14,7 +14,8 @@ Who records what:
                  prefix_cache_queries|hits (prompt tokens looked up | found cached), prefix_cache_hit_rate,
                  prefix_cache_blocks (cached now), prefix_cache_evictions (KV cache group 0's),
                  moe_expert_tokens (routed tokens per layer and expert); with expert parallelism
-                 moe_rank_tokens (pairs each EP rank computed) and moe_rank_imbalance (busiest rank / mean)
+                 moe_rank_tokens (pairs each EP rank computed) and moe_rank_imbalance (busiest rank / mean);
+                 with --eplb eplb_rebalances, eplb_bytes_moved, eplb_pause_seconds, eplb_window_imbalance
     transfers    kv_transfer_seconds / bytes / failures: decode side (pull) and prefill side (send)
 
 Summed over the workers of a P/D stack, generation tokens equal the gateway's: a worker counts the tokens it
@@ -192,6 +193,26 @@ MOE_RANK_IMBALANCE_HIST = Histogram(
     buckets=(1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 8.0),
 )
 
+# live expert re-placement (--eplb, shared/parallel/eplb.py): per role, since each role's group plans from its own load
+EPLB_REBALANCES = Counter(
+    f"{PREFIX}eplb_rebalances", "Live expert re-placements swapped in on every rank of the worker group.", LABELS
+)
+EPLB_BYTES_MOVED = Counter(
+    f"{PREFIX}eplb_bytes_moved", "Expert weight bytes sent between the ranks by live re-placement.", LABELS
+)
+EPLB_PAUSE_SECONDS = Histogram(
+    f"{PREFIX}eplb_pause_seconds",
+    "Live expert re-placement: the time one step boundary spent staging a layer's slots or swapping them in.",
+    LABELS,
+    buckets=_LATENCY_BUCKETS,
+)
+EPLB_WINDOW_IMBALANCE = Gauge(
+    f"{PREFIX}eplb_window_imbalance",
+    "Live expert re-placement: the serving placement's predicted busiest-rank / mean load over the window, at the "
+    "last plan (moe_rank_imbalance is the measured one, per heartbeat interval).",
+    LABELS,
+)
+
 
 def exposition() -> tuple[bytes, str]:
     """The current text exposition and its content type (for a /metrics route)."""
@@ -257,3 +278,16 @@ def record_prefix_cache(
     _prefix_seen[labels] = totals
     PREFIX_CACHE_HIT_RATE.labels(*labels).set(hit_rate)
     PREFIX_CACHE_BLOCKS.labels(*labels).set(blocks)
+
+
+def record_eplb(
+    model_name: str, role: str, rebalances: int, bytes_moved: int, pauses_s: list[float], window: float | None
+) -> None:
+    """Add what live expert re-placement did since the last call; set the window's predicted imbalance."""
+    labels = (model_name, role)
+    EPLB_REBALANCES.labels(*labels).inc(rebalances)
+    EPLB_BYTES_MOVED.labels(*labels).inc(bytes_moved)
+    for pause in pauses_s:
+        EPLB_PAUSE_SECONDS.labels(*labels).observe(pause)
+    if window is not None:
+        EPLB_WINDOW_IMBALANCE.labels(*labels).set(window)

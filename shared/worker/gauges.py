@@ -9,6 +9,7 @@ from shared.worker.engine_load import EngineLoad
 
 if TYPE_CHECKING:  # torch-free at import, like the rest of this module
     from shared.model.expert_parallel import RankLoad
+    from shared.parallel.eplb import EplbStats
 
 
 def record_load(labels: tuple[str, str], load: EngineLoad) -> None:
@@ -36,3 +37,9 @@ def record_rank_load(labels: tuple[str, str], rank_load: RankLoad | None) -> Non
     """Expert parallelism: each rank's pairs and the imbalance since the last call (None: no EP, nothing)."""
     if rank_load is not None:
         metrics.record_rank_load(*labels, rank_load.per_rank, rank_load.imbalance)
+
+
+def record_eplb(labels: tuple[str, str], stats: EplbStats | None) -> None:
+    """Live expert re-placement since the last call (None: not on, nothing)."""
+    if stats is not None:
+        metrics.record_eplb(*labels, stats.rebalances, stats.bytes_moved, stats.pauses_s, stats.window_imbalance)

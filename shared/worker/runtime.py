@@ -462,6 +462,9 @@ class Worker(Generic[Job]):
             self._integrity, expert_load, rank_load = await self.engine.call(beat_facts)
             gauges.record_expert_load(self.labels, expert_load)
             gauges.record_rank_load(self.labels, rank_load)
+            rebalancer = self.group.rebalancer if self.group is not None else None
+            if rebalancer is not None:  # its counts change on the engine thread: read them there
+                gauges.record_eplb(self.labels, await self.engine.call(lambda _, r=rebalancer: r.take_stats()))
             await asyncio.sleep(HEARTBEAT_S)
 
     def heartbeat(self) -> Heartbeat:
