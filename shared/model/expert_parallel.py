@@ -60,14 +60,20 @@ class ExpertParallel:
         for rank, slots in enumerate(ranks):
             for slot, expert in enumerate(slots):
                 replicas[expert].append((rank, slot))
-        most = max(len(r) for r in replicas)
-        # (E, most) tables, padded by repeating the first replica (never chosen: index < num_replicas)
-        device = self._rank.device if hasattr(self, "_rank") else None
-        self._rank = torch.tensor([[r for r, _ in rep] + [rep[0][0]] * (most - len(rep)) for rep in replicas])
-        self._slot = torch.tensor([[s for _, s in rep] + [rep[0][1]] * (most - len(rep)) for rep in replicas])
-        self._count = torch.tensor([len(rep) for rep in replicas])
-        if device is not None:
-            self._rank, self._slot, self._count = (t.to(device) for t in (self._rank, self._slot, self._count))
+        # (E, most) tables, padded by repeating the first replica (never chosen: index < num_replicas); at least one
+        # column per rank, so a live re-placement (at most one replica per rank) keeps their shape
+        most = max(self.group.world, *(len(r) for r in replicas))
+        rank = torch.tensor([[r for r, _ in rep] + [rep[0][0]] * (most - len(rep)) for rep in replicas])
+        slot = torch.tensor([[s for _, s in rep] + [rep[0][1]] * (most - len(rep)) for rep in replicas])
+        count = torch.tensor([len(rep) for rep in replicas])
+        if hasattr(self, "_rank") and self._rank.shape == rank.shape:
+            # a live re-placement: into the tables in place, so that what captured them (a CUDA graph) reads the new
+            # placement
+            for old, new in zip((self._rank, self._slot, self._count), (rank, slot, count), strict=True):
+                old.copy_(new)
+        else:
+            device = self._rank.device if hasattr(self, "_rank") else None
+            self._rank, self._slot, self._count = (t if device is None else t.to(device) for t in (rank, slot, count))
         self.ranks = [list(slots) for slots in ranks]
         self.num_slots = len(ranks[self.group.rank])
 
