@@ -221,6 +221,34 @@ class Sibling(msgspec.Struct, frozen=True):
 CacheSalt = Annotated[str, msgspec.Meta(max_length=1024)]
 
 
+class HotExperts(msgspec.Struct, frozen=True, array_like=True):
+    """A compact summary of expert load (decode routed by expert affinity, shared/expert_affinity.py): the top
+    (sparse layer, logical expert) pairs by tokens routed, heaviest first, with their token counts. A request's
+    prefill (on its hand-off) or a decode worker's recent load (in its heartbeat). A few dozen ints at most."""
+
+    layers: list[int]
+    experts: list[int]
+    tokens: list[Annotated[int, msgspec.Meta(ge=0)]]
+
+
+class AffinityCandidate(msgspec.Struct, frozen=True):
+    """A decode worker the prefill worker may hand a job to by expert affinity: its id, its running requests at the
+    gateway's dispatch (the tie-break) and its recent hot experts (its heartbeat's)."""
+
+    worker_id: str
+    running: int
+    hot: HotExperts
+
+
+class DecodeAffinity(msgspec.Struct, frozen=True):
+    """The gateway's expert-affinity routing for one job (services/gateway/decode_router.py): the decode workers
+    the prefill worker picks among once it knows which experts the prompt activated, and how many of the
+    request's (layer, expert) pairs it summarises (top_k)."""
+
+    top_k: Annotated[int, msgspec.Meta(ge=1, le=256)]
+    candidates: list[AffinityCandidate]
+
+
 class PrefillJob(msgspec.Struct, frozen=True):
     request_id: str
     model: str
@@ -240,6 +268,9 @@ class PrefillJob(msgspec.Struct, frozen=True):
     # what its cache lacks (the gateway's decode_kv_reuse setting; carried on as DecodeJob.kv_reuse)
     decode_worker: str | None = None
     decode_kv_reuse: bool = True
+    # decode routed by expert affinity (the gateway's expert_affinity_routing; None: off, or a KV holder was chosen):
+    # the prefill worker hands the decode job to the candidate whose hot experts match the prompt's best
+    decode_affinity: DecodeAffinity | None = None
 
     @property
     def key(self) -> str:
@@ -270,6 +301,8 @@ class DecodeJob(msgspec.Struct, frozen=True):
     # decode-side reuse (docs/architecture.md): this worker may take the prompt's first blocks from its own prefix
     # cache and pull only the rest (the gateway's decode_kv_reuse setting; off: the whole KV is pulled)
     kv_reuse: bool = True
+    # the experts the prompt activated in its prefill (asked for by expert-affinity routing; None otherwise)
+    hot_experts: HotExperts | None = None
 
     @property
     def key(self) -> str:
@@ -445,6 +478,9 @@ class Heartbeat(msgspec.Struct, frozen=True):
     # so a gateway notices updates it lost at the end of a burst; "" = the worker announces no blocks
     kv_blocks_epoch: str = ""
     kv_blocks_seq: int = 0
+    # an MoE decode (or mixed) worker's recent hot experts (shared/expert_affinity.py HotExpertsWindow), for the
+    # gateway's expert-affinity routing; None: no routed experts, nothing routed yet, or a worker that predates it
+    hot_experts: HotExperts | None = None
 
 
 # Prefix-cache block announcements (KV-aware routing): what a prefill (or mixed) worker holds, as block hashes

@@ -166,6 +166,14 @@ class GatewaySettings(CommonSettings):
     """Decode-side reuse (docs/architecture.md): a prefilled request goes to the decode worker whose prefix cache
     holds most of its prompt (with kv_aware_routing: from the blocks decode workers announce), and a decode
     worker pulls only the KV blocks its cache lacks; false: the shared decode queue and whole pulls."""
+    expert_affinity_routing: bool = False
+    """Decode routed by expert affinity (MoE models; docs/architecture.md): when no decode worker's cache holds
+    any of the prompt, the prefill worker hands the decode job to the decode worker whose recent hot experts (its
+    heartbeat's) overlap most with the experts the prompt activated; no overlap: the shared decode queue. Off by
+    default: whether it pays depends on the deployment (benchmarks/affinity_bench.py). Never changes tokens."""
+    expert_affinity_top_k: int = 8
+    """Expert-affinity routing: how many of a request's (layer, expert) pairs, heaviest first, its prefill
+    summarises for the match (1-256)."""
 
     @property
     def served_model_name(self) -> str:
@@ -187,6 +195,8 @@ class GatewaySettings(CommonSettings):
             raise ValueError("kv_routing_max_queued_tokens must be >= 1")
         if self.max_migrations < 0 or self.max_pending_requests < 1:
             raise ValueError("max_migrations must be >= 0 and max_pending_requests >= 1")
+        if not 1 <= self.expert_affinity_top_k <= 256:
+            raise ValueError(f"expert_affinity_top_k must be in 1-256, got {self.expert_affinity_top_k}")
 
 
 class WorkerRole(StrEnum):

@@ -29,6 +29,7 @@ from nats.js import JetStreamContext
 
 from services.gateway.admission import Admission
 from services.gateway.backend import BackendUnavailable, GenerationJob, Update, choice_requests
+from services.gateway.decode_router import affinity
 from services.gateway.kv_routing import count_route, prefill_routing, route_subject
 from services.gateway.liveness import WorkerTable
 from services.gateway.path_dispatch import PathChooser, dispatch
@@ -246,7 +247,12 @@ class NatsBackend:
                     stream.routed(route.worker_id)
             # and the decode worker its decode job goes to: the one whose cache holds most of the prompt, or any
             assert isinstance(message, PrefillJob)
-            message = msgspec.structs.replace(message, decode_worker=self.routing.route_decode(job, serving))
+            decode_worker = self.routing.route_decode(job, serving)
+            by_affinity = None  # KV reuse first: affinity only decides where no decode worker holds any of the prompt
+            if decode_worker is None and self.settings.expert_affinity_routing:
+                decode_beats = [b for b in serving if b.role is Role.DECODE]
+                by_affinity = affinity(len(job.prompt_token_ids), decode_beats, self.settings.expert_affinity_top_k)
+            message = msgspec.structs.replace(message, decode_worker=decode_worker, decode_affinity=by_affinity)
         token = tracing.attach(tracing.extract(job.trace_context))  # the publish span joins the request's trace
         try:
             with tracing.producer_span(subject, job.request_id):

@@ -25,8 +25,10 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+import msgspec
 from nats.aio.msg import Msg
 
+from shared import expert_affinity
 from shared.engine.engine import RequestOutput
 from shared.engine.request import FinishReason
 from shared.kv.prefill_kv import PrefillKv
@@ -35,6 +37,7 @@ from shared.kv.transfer.source import EngineKvBlocks
 from shared.messages import (
     Cancel,
     DecodeJob,
+    HotExperts,
     PrefillJob,
     Role,
     Sibling,
@@ -109,9 +112,13 @@ class PrefillWorker(Worker[PrefillJob]):
                         self._watch(e, key, announce),
                     )
                 )
-            else:
+            else:  # expert affinity: the prompt's routing counted from its first step (trace_experts first)
+                traced = job.key if job.decode_affinity is not None else None
                 await self.engine.call(
-                    lambda e: e.add_group(job.prompt_token_ids, choices, hold_kv=True, cache_salt=job.cache_salt)
+                    lambda e: (
+                        traced is not None and e.trace_experts(traced),
+                        e.add_group(job.prompt_token_ids, choices, hold_kv=True, cache_salt=job.cache_salt),
+                    )
                 )
         except Exception as exc:  # ValueError: the engine refused the job; anything else: a bug, answered as such
             for e in entries:
@@ -266,14 +273,28 @@ class PrefillWorker(Worker[PrefillJob]):
         # held for the first choice that goes on: its cancel (the client went away) frees the group's KV
         head = going_on[0][0].request_id
         holder = worker_id if await self.held.hold(key, head, job.attempt, location) else None
-        decode_job = _decode_job(going_on, holder, key)
-        subject = handed_on_subject(self.model_name, job.decode_worker)
+        hot, decode_worker = await self._by_affinity(job)
+        decode_job = msgspec.structs.replace(_decode_job(going_on, holder, key), hot_experts=hot)
+        subject = handed_on_subject(self.model_name, decode_worker)
         with tracing.producer_span(subject, rid):
             await self.conn.js.publish(subject, encode(decode_job), headers=tracing.carrier() or None)
         for e, _ in group:
             self.ledger.finish(e.key)
-        for one, _ in going_on:  # no worker holds them until a decode worker does
-            self.emit(one.reply_subject, queued_event(one, worker_id))
+        for one, _ in going_on:  # no worker holds them until a decode worker does (or the routed one, at once)
+            routed = msgspec.structs.replace(one, decode_worker=decode_worker)
+            self.emit(one.reply_subject, queued_event(routed, worker_id))
+
+    async def _by_affinity(self, job: PrefillJob) -> tuple[HotExperts | None, str | None]:
+        """With the gateway's expert-affinity candidates: the experts the prompt activated (summarised) and the
+        decode worker whose hot experts match best (None: the shared queue). Without: None and the job's own."""
+        if job.decode_affinity is None:
+            return None, job.decode_worker
+        load = await self.engine.call(lambda e: e.take_request_experts(job.key))
+        hot = expert_affinity.summarise(load, job.decode_affinity.top_k)
+        chosen = expert_affinity.choose(hot, job.decode_affinity.candidates)
+        outcome = "shared" if chosen is None else "matched"
+        metrics.DECODE_AFFINITY_ROUTES.labels(*self.labels, outcome).inc()
+        return hot, chosen
 
     async def on_cancel(self, cancel: Cancel) -> None:
         await super().on_cancel(cancel)  # the jobs in hand

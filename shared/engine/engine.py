@@ -172,6 +172,7 @@ class Engine:
         to the next choice (shared/engine/fork.py)."""
         req = self.requests.pop(request_id, None)
         self.structured.remove(request_id)
+        self.runner.request_experts.forget(request_id)
         self.layer_streams.drop(request_id)  # a stream of its KV fails (its sender frees nothing twice)
         if req is None:
             return self.forker.pending.drop_child(request_id)  # a child not forked yet holds nothing
@@ -270,7 +271,18 @@ class Engine:
 
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks of a finished request that held them; False if there is none (KvHandoff.release)."""
+        self.runner.request_experts.forget(request_id)
         return self.handoff.release(request_id)
+
+    def trace_experts(self, request_id: str) -> None:
+        """Count which experts `request_id`'s prompt is routed to (call before its first step; `take_request_experts`
+        reads them). Nothing on a model without routed experts."""
+        self.runner.request_experts.want(request_id)
+
+    def take_request_experts(self, request_id: str) -> dict[int, list[int]]:
+        """Sparse layer → the tokens of the request's computed prompt routed to each logical expert (empty when not
+        traced); forgets them."""
+        return self.runner.request_experts.take(request_id)
 
     def import_kv(
         self,

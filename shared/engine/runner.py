@@ -13,6 +13,7 @@ from shared.engine.kv_pool import KVPool
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.prompt_scoring import plan_scoring, score
 from shared.engine.request import Request
+from shared.engine.request_experts import RequestExperts
 from shared.engine.sampling import Sampler
 from shared.engine.scheduler import SchedulePlan
 from shared.engine.step_inputs import ScoredFn, StepInputs, forward_step
@@ -56,6 +57,8 @@ class ModelRunner:
         self.graphs = graphs  # captured decode steps (decode_graphs.py); None = every step runs eagerly
         self.graph_steps = 0  # steps that replayed a graph
         self.run_step: StepFn = self._local_step  # replaced in a worker group's leader
+        # per-request expert counts of the prompts that ask (decode routed by expert affinity)
+        self.request_experts = RequestExperts(model)
 
     def _local_step(self, inputs: StepInputs, on_scored: ScoredFn) -> torch.Tensor | None:
         return forward_step(self.model, self._caches, inputs, self.pool.layout.block_size, self.device, on_scored)
@@ -116,7 +119,11 @@ class ModelRunner:
                 for g, w in enumerate(self.group_windows, start=1)
             ),
         )
-        return self.run_step(inputs, lambda i, logits: score(slices[i], logits))
+        self.request_experts.before(plan.seqs, self.device)
+        try:
+            return self.run_step(inputs, lambda i, logits: score(slices[i], logits))
+        finally:
+            self.request_experts.after()
 
     def _replay(self, plan: SchedulePlan, input_ids: list[int], sampling: list[int]) -> torch.Tensor | None:
         """A decode-only plan through the captured graph of its bucket (one token per sequence)."""

@@ -18,6 +18,7 @@ from torch import nn
 from shared.model.clamped_experts import ClampedSwiGLUExperts
 from shared.model.config import ModelConfig, SharedExpert
 from shared.model.expert_parallel import ExpertParallel
+from shared.model.expert_trace import ExpertTrace
 from shared.model.experts import Experts
 from shared.model.kernels import cpu_moe
 from shared.model.layers import GatedMLP
@@ -88,6 +89,10 @@ class MoE(nn.Module, PackedWeights):
         # expert parallelism (shared/model/expert_shards.py shard_experts): this rank's experts are some
         # slots, and the routed sum is computed across the group; None = all experts here
         self.dispatch: ExpertParallel | None = None
+        # per-request expert counts of the steps that ask (shared/engine/request_experts.py): the model's one trace
+        # and this block's layer index in it; None = not traced
+        self.trace: ExpertTrace | None = None
+        self.trace_layer = 0
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """→ topk_ids (T, A) int64 and topk_weights (T, A) (shared/model/routing.py) in the dtype transformers
@@ -113,6 +118,8 @@ class MoE(nn.Module, PackedWeights):
         else:  # on the device without a host read (bincount would read the max id on the host under CUDA)
             counts = torch.zeros_like(self.expert_load).index_add_(0, flat, torch.ones_like(flat))
         self.expert_load += counts
+        if self.trace is not None:
+            self.trace.add(self.trace_layer, ids)
         if self.dispatch is not None:
             out = self.dispatch.forward(self.experts, x, ids, weights)
         elif reference:

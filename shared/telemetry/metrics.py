@@ -98,6 +98,12 @@ DECODE_ROUTES = Counter(
     "the others go to the shared decode queue.",
     LABELS,
 )
+DECODE_AFFINITY_ROUTES = Counter(
+    f"{PREFIX}decode_affinity_routes",
+    "Decode jobs the prefill worker handed on by expert affinity (the gateway's expert_affinity_routing): matched "
+    "(to the decode worker whose hot experts overlap the prompt's most), shared (none overlapped: the shared queue).",
+    (*LABELS, "outcome"),
+)
 ROUTED_PREFIX_HIT_TOKENS = Counter(
     f"{PREFIX}routed_prefix_hit_tokens",
     "Prompt tokens the gateway predicted the chosen worker holds in its prefix cache (KV-aware routing).",

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from nats.aio.client import Client as NATS
 
 from shared.engine.engine import Engine
-from shared.messages import Heartbeat, PathCalibration, Role, encode
+from shared.messages import Heartbeat, HotExperts, PathCalibration, Role, encode
 from shared.model.expert_parallel import RankLoad
 from shared.model.expert_shards import take_rank_load
 from shared.worker.block_announcer import BlockAnnouncer
@@ -33,6 +33,7 @@ def build_heartbeat(
     rank_pids: tuple[int, ...] = (),
     path_calibration: PathCalibration | None = None,
     blocks: BlockAnnouncer | None = None,
+    hot_experts: HotExperts | None = None,
 ) -> Heartbeat:
     """blocks: the worker's prefix-cache announcer, if any: its incarnation and last update number go along."""
     return Heartbeat(
@@ -58,6 +59,7 @@ def build_heartbeat(
         waiting_tokens=load.waiting_tokens,
         kv_blocks_epoch=blocks.epoch if blocks is not None else "",
         kv_blocks_seq=blocks.seq if blocks is not None else 0,
+        hot_experts=hot_experts,
     )
 
 

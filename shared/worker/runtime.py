@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 from shared import bus
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine import Engine, RequestOutput
+from shared.expert_affinity import HotExpertsWindow
 from shared.job_checks import Refusal, job_refusal, undecodable_job_refusal
 from shared.messages import (
     Cancel,
@@ -106,6 +107,8 @@ class Worker(Generic[Job]):
         self.cancels = CancelMemory()
         self.ledger: JobLedger[Job] = JobLedger(self.cancels)
         self._integrity: str | None = None  # the engine's last integrity verdict (refreshed off the beat)
+        # a decode (or mixed) worker's recent hot experts, in its heartbeat for expert-affinity routing (MoE models)
+        self.hot_experts = HotExpertsWindow()
         self.blocks_announcer: BlockAnnouncer | None = None  # prefix-cache blocks out to the gateways, if any
         self._own_feed: JobFeed | None = None  # the queue of jobs routed to this worker alone, once bound
 
@@ -462,6 +465,8 @@ class Worker(Generic[Job]):
             self._integrity, expert_load, rank_load = await self.engine.call(beat_facts)
             gauges.record_expert_load(self.labels, expert_load)
             gauges.record_rank_load(self.labels, rank_load)
+            if self.role is not Role.PREFILL and expert_load:
+                self.hot_experts.add(expert_load)
             rebalancer = self.group.rebalancer if self.group is not None else None
             if rebalancer is not None:  # its counts change on the engine thread: read them there
                 gauges.record_eplb(self.labels, await self.engine.call(lambda _, r=rebalancer: r.take_stats()))
@@ -482,6 +487,7 @@ class Worker(Generic[Job]):
             draining=self.draining,
             path_calibration=path_calibration(self.step_costs.costs, self.pull_costs, self._kv_bytes_per_token),
             blocks=self.blocks_announcer,
+            hot_experts=self.hot_experts.hot,
             **self._group_facts,
         )
 
