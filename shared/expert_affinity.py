@@ -23,6 +23,10 @@ from shared.messages import AffinityCandidate, HotExperts
 
 REQUEST_TOP_K = 8  # a request's summary: its 8 heaviest (layer, expert) pairs (the gateway's default)
 WORKER_TOP_K = 32  # a decode worker's: more, since it sums many requests
+# affinity never sends a job to a decode worker running this many more requests than the least busy candidate: a
+# pure overlap score feeds itself (a worker that served more matches more) and piled 2/3 of the requests on one of two
+# workers in benchmarks/affinity_bench.py
+RUNNING_SLACK = 4
 WORKER_DECAY = 0.8  # each heartbeat (1 s) a decode worker's older load counts 0.8: a half-life of 3 s
 
 
@@ -51,14 +55,20 @@ def _shares(hot: HotExperts) -> dict[tuple[int, int], float]:
     return {(layer, e): t / total for layer, e, t in zip(hot.layers, hot.experts, hot.tokens, strict=True)}
 
 
-def choose(request: HotExperts | None, candidates: Sequence[AffinityCandidate]) -> str | None:
-    """The candidate whose hot experts overlap the request's most (ties: the fewest running, then the gateway's
-    order); None when the request has no summary or overlaps none of them (the shared queue)."""
-    if request is None:
+def choose(
+    request: HotExperts | None, candidates: Sequence[AffinityCandidate], slack: int = RUNNING_SLACK
+) -> str | None:
+    """Among the candidates running at most `slack` more requests than the least busy one, the one whose hot experts
+    overlap the request's most (ties: the fewest running, then the gateway's order); None when the request has no
+    summary or overlaps none of them (the shared queue)."""
+    if request is None or not candidates:
         return None
+    least = min(c.running for c in candidates)
     best: tuple[float, int, int] | None = None
     chosen = None
     for i, c in enumerate(candidates):
+        if c.running > least + slack:
+            continue
         score = overlap(request, c.hot)
         if score <= 0.0:
             continue

@@ -21,7 +21,10 @@ class RequestExperts:
         sparse = model.sparse_layers()
         self.trace: ExpertTrace | None = None
         if sparse:
-            self.trace = ExpertTrace(sorted(sparse), next(iter(sparse.values())).expert_load.shape[0])
+            # one trace per model: engines built over the same weights (tests, benchmarks) share it (each arms and
+            # takes it within its own step, on one thread); a second engine must not detach the first's
+            first = next(iter(sparse.values()))
+            self.trace = first.trace or ExpertTrace(sorted(sparse), first.expert_load.shape[0])
             for layer, moe in sparse.items():
                 moe.trace, moe.trace_layer = self.trace, layer
         self._counts: dict[str, torch.Tensor] = {}  # wanted request → (L, E) int64 on the host

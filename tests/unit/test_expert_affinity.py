@@ -54,8 +54,11 @@ def test_the_choice_prefers_the_best_match_then_the_fewest_running() -> None:
     request = summarise(PROMPT, 8)
     like, other = summarise(LIKE, 32), summarise(OTHER, 32)
     assert like is not None and other is not None
-    candidates = [AffinityCandidate("d-other", 0, other), AffinityCandidate("d-like", 5, like)]
-    assert choose(request, candidates) == "d-like"  # the match wins over the idler worker
+    candidates = [AffinityCandidate("d-other", 0, other), AffinityCandidate("d-like", 3, like)]
+    assert choose(request, candidates) == "d-like"  # the match wins over a worker a little less busy
+    slack = expert_affinity.RUNNING_SLACK
+    busy = [AffinityCandidate("d-other", 0, other), AffinityCandidate("d-like", slack + 1, like)]
+    assert choose(request, busy) == "d-other"  # ... but not over one much less busy: affinity never piles work up
     tie = [AffinityCandidate("d-a", 3, like), AffinityCandidate("d-b", 1, like)]
     assert choose(request, tie) == "d-b"
     disjoint = [AffinityCandidate("d-x", 0, HotExperts([1], [7], [10]))]

@@ -41,6 +41,7 @@ def _alone(checkpoint, model, prompt: list[int]) -> dict[int, list[int]]:
 
 def test_a_traced_prompt_counts_its_own_routing_in_a_batch(checkpoint, model) -> None:
     engine = _engine(checkpoint, model)
+    _engine(checkpoint, model)  # another engine over the same weights shares the trace, never detaches this one's
     prompts = _prompts()
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, GREEDY)
