@@ -21,8 +21,11 @@ from tests.e2e_support import heartbeats, scraped_total, start_stack
 pytestmark = pytest.mark.slow  # two stacks of three workers (make test-slow)
 
 MAX_TOKENS = 12
-FIRST = [f"Wave one, prompt {i}: decode workers learn their hot experts from requests like these. " for i in range(6)]
-SECOND = [f"Wave two, question {i}: which decode worker's experts match mine best? " * 2 for i in range(5)]
+# every prompt starts differently: no two share a first KV block, so no decode worker's cache holds any of a fresh one
+# (KV reuse would route it first, and affinity is not consulted)
+NAMES = ["Ada", "Bo", "Cy", "Di", "Ed", "Flo", "Gus", "Hal", "Ivy", "Jo", "Kit"]
+FIRST = [f"{n} asks: the decode workers learn their hot experts from requests like this one." for n in NAMES[:6]]
+SECOND = [f"{n} wonders which decode worker's experts match the experts of this question best. " * 2 for n in NAMES[6:]]
 
 
 @pytest.fixture(scope="module")
