@@ -15,6 +15,7 @@ from shared.engine.prompt_scoring import plan_scoring, score
 from shared.engine.request import Request
 from shared.engine.sampling import Sampler
 from shared.engine.scheduler import SchedulePlan
+from shared.engine.step_clock import StepClock
 from shared.engine.step_inputs import ScoredFn, StepInputs, forward_step
 from shared.engine.structured import StructuredDecoding
 from shared.model.device import to_device
@@ -56,9 +57,11 @@ class ModelRunner:
         self.graphs = graphs  # captured decode steps (decode_graphs.py); None = every step runs eagerly
         self.graph_steps = 0  # steps that replayed a graph
         self.run_step: StepFn = self._local_step  # replaced in a worker group's leader
+        self.step_clock: StepClock | None = None  # the engine's (Engine.time_steps)
 
     def _local_step(self, inputs: StepInputs, on_scored: ScoredFn) -> torch.Tensor | None:
-        return forward_step(self.model, self._caches, inputs, self.pool.layout.block_size, self.device, on_scored)
+        block_size, clock = self.pool.layout.block_size, self.step_clock
+        return forward_step(self.model, self._caches, inputs, block_size, self.device, on_scored, clock)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan) -> RunnerOutput:
@@ -84,6 +87,9 @@ class ModelRunner:
             logits = self._replay(plan, input_ids, sampling)
         else:
             logits = self._eager(plan, input_ids, positions, ends, sampling)
+        clock = self.step_clock
+        if clock is not None:
+            clock.mark("model")  # the group leader's op stream and graph replays stamp nothing inside
         if logits is None:
             return RunnerOutput({}, {})
         if self.structured is not None:
@@ -96,7 +102,10 @@ class ModelRunner:
         )
         ids_ = [r.request_id for r in reqs]
         wanted = {rid: lp for rid, lp in zip(ids_, logprobs, strict=True) if lp is not None}
-        return RunnerOutput(dict(zip(ids_, tokens, strict=True)), dict(zip(ids_, logits, strict=True)), wanted)
+        out = RunnerOutput(dict(zip(ids_, tokens, strict=True)), dict(zip(ids_, logits, strict=True)), wanted)
+        if clock is not None:
+            clock.mark("sample")
+        return out
 
     def _eager(
         self, plan: SchedulePlan, input_ids: list[int], positions: list[int], ends: list[int], sampling: list[int]
@@ -116,12 +125,16 @@ class ModelRunner:
                 for g, w in enumerate(self.group_windows, start=1)
             ),
         )
+        if self.step_clock is not None:
+            self.step_clock.mark("inputs")
         return self.run_step(inputs, lambda i, logits: score(slices[i], logits))
 
     def _replay(self, plan: SchedulePlan, input_ids: list[int], sampling: list[int]) -> torch.Tensor | None:
         """A decode-only plan through the captured graph of its bucket (one token per sequence)."""
         assert self.graphs is not None
         self.graph_steps += 1
+        if self.step_clock is not None:
+            self.step_clock.mark("inputs")
         logits = self.graphs.run(
             [s.request.block_table for s in plan.seqs],
             [s.request.num_computed_tokens + 1 for s in plan.seqs],
