@@ -21,7 +21,7 @@ and `group_blocks` all of them. Single-rank engines only: on a worker group a hy
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +72,7 @@ class Engine:
         self.limits = parts.limits
         self.kv = parts.kv
         self.stats = EngineStats()
-        self.last_logits: dict[str, torch.Tensor] = {}  # from the latest step, for tests and logprobs
+        self.last_logits: Mapping[str, torch.Tensor] = {}  # from the latest step, for tests and logprobs
         self.step_clock: StepClock | None = None  # stamps the steps' phases (time_steps); None: no stamps
         # what set-up decided, and views of the KV cache under the names callers read (nothing here changes)
         self.config, self.parallel, self.group = parts.config, parts.config.parallel, parts.group

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -13,7 +13,7 @@ from shared.engine.kv_pool import KVPool
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.prompt_scoring import plan_scoring, score
 from shared.engine.request import Request
-from shared.engine.sampling import Sampler
+from shared.engine.sampling import Sampler, SamplingParams
 from shared.engine.scheduler import SchedulePlan
 from shared.engine.step_clock import StepClock
 from shared.engine.step_inputs import ScoredFn, StepInputs, forward_step
@@ -29,8 +29,28 @@ StepFn = Callable[[StepInputs, ScoredFn], "torch.Tensor | None"]
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int]  # request id → next token, for every sequence that sampled
-    logits: dict[str, torch.Tensor]  # request id → (V,) float32 logits the token was sampled from (on the device)
+    logits: Mapping[str, torch.Tensor]  # request id → (V,) float32 logits the token was sampled from (on the device)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # for the requests that asked
+
+
+class RowLogits(Mapping[str, torch.Tensor]):
+    """Request id → its row of a step's (S, V) logits, the view made when read: only a fork's first token, logprobs
+    tests and tools read them, so a step makes no per-row view (S of them were ~1.5 µs each)."""
+
+    def __init__(self, request_ids: list[str], logits: torch.Tensor) -> None:
+        self._ids, self._logits = request_ids, logits
+        self._rows: dict[str, int] | None = None
+
+    def __getitem__(self, request_id: str) -> torch.Tensor:
+        if self._rows is None:
+            self._rows = {rid: i for i, rid in enumerate(self._ids)}
+        return self._logits[self._rows[request_id]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 class ModelRunner:
@@ -94,15 +114,15 @@ class ModelRunner:
             return RunnerOutput({}, {})
         if self.structured is not None:
             logits = self.structured.apply(masks, logits)
+        params = [r.params for r in reqs]
+        # the histories only penalties read (the fast path reads none)
+        histories = [(r.prompt_token_ids, r.output_token_ids) for r in reqs] if _any_penalties(params) else None
         tokens, logprobs = self.sampler.sample_with_logprobs(
-            logits,
-            [r.params for r in reqs],
-            [len(r.output_token_ids) for r in reqs],
-            [(r.prompt_token_ids, r.output_token_ids) for r in reqs],
+            logits, params, [len(r.output_token_ids) for r in reqs], histories
         )
         ids_ = [r.request_id for r in reqs]
         wanted = {rid: lp for rid, lp in zip(ids_, logprobs, strict=True) if lp is not None}
-        out = RunnerOutput(dict(zip(ids_, tokens, strict=True)), dict(zip(ids_, logits, strict=True)), wanted)
+        out = RunnerOutput(dict(zip(ids_, tokens, strict=True)), RowLogits(ids_, logits), wanted)
         if clock is not None:
             clock.mark("sample")
         return out
@@ -145,6 +165,10 @@ class ModelRunner:
         if len(sampling) == len(plan.seqs):
             return logits
         return logits[to_device(torch.tensor(sampling, dtype=torch.int64), self.device)]
+
+
+def _any_penalties(params: list[SamplingParams]) -> bool:
+    return not all(p.plain for p in params) and any(p.has_penalties for p in params)
 
 
 def _scoring_prompt(req: Request) -> bool:
