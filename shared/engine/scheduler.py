@@ -30,14 +30,17 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from shared.engine.block_manager import FREED, BlockManager
 from shared.engine.config import SchedulerConfig
 from shared.engine.prefix_caching import PrefixCaching
 from shared.engine.request import FinishReason, GroupTable, Request, RequestStatus
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(msgspec.Struct, frozen=True):
+    """Made per sequence per step (as StepResult): a frozen msgspec struct, ~3x cheaper than a frozen dataclass."""
+
     request: Request
     num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
 
@@ -57,8 +60,7 @@ class SchedulePlan:
         return sum(s.num_tokens for s in self.seqs)
 
 
-@dataclass(frozen=True)
-class StepResult:
+class StepResult(msgspec.Struct, frozen=True):
     request: Request
     new_token_id: int
     finished: bool
