@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.decode_graphs import DecodeGraphs
-from shared.engine.decode_tables import DecodeTables
 from shared.engine.kv_pool import KVPool
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.prompt_scoring import plan_scoring, score
@@ -79,8 +78,6 @@ class ModelRunner:
         self.graph_steps = 0  # steps that replayed a graph
         self.run_step: StepFn = self._local_step  # replaced in a worker group's leader
         self.step_clock: StepClock | None = None  # the engine's (Engine.time_steps)
-        # the decodes' block tables kept between steps; not where blocks are freed in place (sliding windows)
-        self.decode_tables = None if group_windows or model.config.windows else DecodeTables()
 
     def _local_step(self, inputs: StepInputs, on_scored: ScoredFn) -> torch.Tensor | None:
         block_size, clock = self.pool.layout.block_size, self.step_clock
@@ -135,15 +132,10 @@ class ModelRunner:
     ) -> torch.Tensor | None:
         """The model run op by op: any plan. → (S, V) float32 logits of the sampling rows, None if none."""
         slices = plan_scoring(plan.seqs, ends)  # prompt logprobs, for the requests that asked
-        block_tables = [s.request.block_table for s in plan.seqs]
-        decode_blocks = None
-        if self.decode_tables is not None:
-            num_decodes = next((i for i, s in enumerate(plan.seqs) if s.num_tokens != 1), len(plan.seqs))
-            decode_blocks = self.decode_tables.update(block_tables[:num_decodes]) if num_decodes else None
         inputs = StepInputs(
             input_ids=input_ids,
             positions=positions,
-            block_tables=block_tables,
+            block_tables=[s.request.block_table for s in plan.seqs],
             context_lens=[s.request.num_computed_tokens + s.num_tokens for s in plan.seqs],
             query_lens=[s.num_tokens for s in plan.seqs],
             sample_rows=[ends[i] - 1 for i in sampling],
@@ -152,7 +144,6 @@ class ModelRunner:
                 (w, [s.request.group_tables[g].blocks for s in plan.seqs])
                 for g, w in enumerate(self.group_windows, start=1)
             ),
-            decode_blocks=decode_blocks,
         )
         if self.step_clock is not None:
             self.step_clock.mark("inputs")

@@ -12,7 +12,7 @@ tables (concatenated) | sample_rows | score (start, count) pairs], its section s
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -35,9 +35,6 @@ class StepInputs:
     # sequence its block table there). Empty with one group (a hybrid model on a worker group keeps one pool:
     # grouped steps are not packed).
     group_tables: tuple[tuple[int, list[list[int]]], ...] = ()
-    # The leading one-token sequences' (the decodes') tables as one (Bd, >= longest) int64 host tensor padded with
-    # 0, from the runner's persistent DecodeTables: this process's shortcut, not packed (a follower pads the lists).
-    decode_blocks: torch.Tensor | None = field(default=None, compare=False)
 
     def sizes(self) -> tuple[int, int, int, int, int]:
         """(tokens, sequences, block-table entries, sampling rows, scoring calls): the packed sections' sizes."""
@@ -111,7 +108,6 @@ def forward_step(
         full=model.config.has_full_layers,
         window_tables=dict(inputs.group_tables),
         cpu_decode_kernel=model.cpu_attention,
-        decode_blocks=inputs.decode_blocks,
     )
     t = len(inputs.input_ids)
     staged = torch.tensor(inputs.input_ids + inputs.positions + inputs.sample_rows, dtype=torch.int64)

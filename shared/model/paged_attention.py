@@ -131,7 +131,6 @@ class AttentionMetadata:
         full: bool = True,
         window_tables: dict[int, list[list[int]]] | None = None,
         cpu_decode_kernel: bool = False,
-        decode_blocks: torch.Tensor | None = None,
     ) -> AttentionMetadata:
         """One entry per sequence, decodes first. context_lens include this step's tokens. `kernels` (resolved:
         TORCH or TRITON) decides how the decodes are laid out: torch buckets, or one KernelDecodes. `windows`:
@@ -140,9 +139,7 @@ class AttentionMetadata:
         the window, block_manager.FREED). `window_tables`: window → per sequence its own group's block table
         (KV cache groups); a window without an entry uses `block_tables`. cpu_decode_kernel: with the torch
         kernels on CPU, the decodes as one KernelDecodes for the CPU attention kernel instead of buckets (the
-        model's `cpu_attention`, set by use_cpu_attention_kernel). `decode_blocks`: the decodes' block tables
-        already padded in one host tensor (the engine's persistent DecodeTables), taken by a kernel layout's full
-        view instead of padding the lists."""
+        model's `cpu_attention`, set by use_cpu_attention_kernel)."""
         if kernels is KernelChoice.TRITON and cpu_decode_kernel:
             raise ValueError("cpu_decode_kernel is for the torch kernels on CPU, not with kernels=triton")
         layout = _DecodeLayout.TRITON if kernels is KernelChoice.TRITON else _DecodeLayout.BUCKETS
@@ -154,8 +151,8 @@ class AttentionMetadata:
         tables = _cut_tables(block_tables, context_lens, block_size)
         slot_mapping = _slot_mapping(tables, context_lens, query_lens, block_size, device)
 
-        def view(window: int | None, tables: list[list[int]] = tables, padded: torch.Tensor | None = None) -> tuple:
-            return _views(tables, context_lens, query_lens, num_decodes, block_size, device, layout, window, padded)
+        def view(window: int | None, tables: list[list[int]] = tables) -> tuple:
+            return _views(tables, context_lens, query_lens, num_decodes, block_size, device, layout, window)
 
         windowed: dict[int, AttentionMetadata] = {}
         for w in sorted(windows):
@@ -168,7 +165,7 @@ class AttentionMetadata:
                 windowed[w] = cls(slots, num_decodes, *view(w, cut))
         if not full:
             return cls(slot_mapping, num_decodes, [], [], None, windowed=windowed, has_full=False)
-        return cls(slot_mapping, num_decodes, *view(None, padded=decode_blocks), windowed=windowed)
+        return cls(slot_mapping, num_decodes, *view(None), windowed=windowed)
 
 
 def _cut_tables(block_tables: list[list[int]], context_lens: list[int], block_size: int) -> list[list[int]]:
@@ -209,12 +206,11 @@ def _views(
     device: torch.device | str,
     layout: _DecodeLayout,
     window: int | None,
-    padded: torch.Tensor | None = None,
 ) -> tuple[list[DecodeBucket], list[PrefillChunk], KernelDecodes | None]:
     """The decode buckets (or kernel decodes) and prefill chunks of one view: the full context (window None),
     or each sequence's window: its table from the first block the window of its first query reaches, its
     context counted from there (`first` tokens dropped), its masks keeping keys p-W+1..p of a query at p.
-    layout: torch buckets, or one KernelDecodes for the Triton or the CPU kernel (its tables `padded` when given)."""
+    layout: torch buckets, or one KernelDecodes for the Triton or the CPU kernel."""
     first = [0] * len(tables)
     if window is not None:
         first = [
@@ -227,7 +223,7 @@ def _views(
     if layout is not _DecodeLayout.BUCKETS:
         if num_decodes:
             cpu = layout is _DecodeLayout.CPU_KERNEL
-            kernel_decodes = _kernel_decodes(tables[:num_decodes], lens[:num_decodes], device, window, cpu, padded)
+            kernel_decodes = _kernel_decodes(tables[:num_decodes], lens[:num_decodes], device, window, cpu)
     else:
         decodes = [
             _decode_bucket(rows, tables, lens, block_size, device, window)
@@ -298,16 +294,9 @@ def _kernel_decodes(
     device: torch.device | str,
     window: int | None = None,
     cpu_kernel: bool = False,
-    padded: torch.Tensor | None = None,
 ) -> KernelDecodes:
-    """`padded`: the tables' blocks already in one (Bd, >= longest) host tensor, copied (its owner rewrites it
-    next step); a kernel reads a row only as far as its context, so what lies past it, padding or the tail of a
-    table longer than its context, is never read."""
     nb_max = max(len(t) for t in tables)
-    if padded is not None and padded.shape[0] == len(tables) and padded.shape[1] >= nb_max:
-        padded = padded[:, :nb_max].clone(memory_format=torch.contiguous_format)
-    else:
-        padded = torch.tensor([t + [0] * (nb_max - len(t)) for t in tables], dtype=torch.int64)
+    padded = torch.tensor([t + [0] * (nb_max - len(t)) for t in tables], dtype=torch.int64)
     lens = torch.tensor(context_lens, dtype=torch.int64)
     return KernelDecodes(to_device(padded, device), to_device(lens, device), max(context_lens), window, cpu_kernel)
 
