@@ -92,6 +92,9 @@ class AsyncEngine:
                 self._state_changed()
                 if outputs:
                     loop.call_soon_threadsafe(self._on_outputs, outputs)
+                clock = self.engine.step_clock
+                if clock is not None and clock.steps:
+                    clock.mark("stream_out")
 
     def _state_changed(self) -> None:
         if self._on_state is None:

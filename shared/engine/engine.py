@@ -21,7 +21,7 @@ and `group_blocks` all of them. Single-rank engines only: on a worker group a hy
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +40,7 @@ from shared.engine.prefix_cache import PrefixCacheEvents
 from shared.engine.prefix_caching import PrefixCacheStats
 from shared.engine.request import Request
 from shared.engine.sampling import SamplingParams
+from shared.engine.step_clock import StepClock
 from shared.model.transformer import CausalLM
 from shared.sharding.group import RankGroup
 
@@ -71,7 +72,8 @@ class Engine:
         self.limits = parts.limits
         self.kv = parts.kv
         self.stats = EngineStats()
-        self.last_logits: dict[str, torch.Tensor] = {}  # from the latest step, for tests and logprobs
+        self.last_logits: Mapping[str, torch.Tensor] = {}  # from the latest step, for tests and logprobs
+        self.step_clock: StepClock | None = None  # stamps the steps' phases (time_steps); None: no stamps
         # what set-up decided, and views of the KV cache under the names callers read (nothing here changes)
         self.config, self.parallel, self.group = parts.config, parts.config.parallel, parts.group
         self.device, self.model, self.kernels = parts.device, parts.model, parts.kernels
@@ -203,11 +205,22 @@ class Engine:
         copied in one C call under the GIL, and each request's counts are plain ints."""
         return sum(r.num_tokens - r.num_computed_tokens for r in tuple(self.scheduler.waiting))
 
+    def time_steps(self, clock: StepClock | None) -> None:
+        """Stamp every following step's phases on `clock` (step_clock.py); None stops it."""
+        self.step_clock = self.runner.step_clock = clock
+
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return the new token of every request that produced one."""
         started = time.perf_counter()
+        clock = self.step_clock
+        if clock is not None:
+            clock.begin()
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
+        if clock is not None:
+            clock.mark("schedule")
+            decode_only = all(s.num_tokens == 1 and s.request.output_token_ids for s in plan.seqs)
+            clock.note(len(plan.seqs), plan.num_tokens, decode_only)
         if not plan.seqs:
             return []
         self.model.on_layer = self.layer_streams.begin(plan)  # None unless a watched prompt completes now
@@ -239,6 +252,8 @@ class Engine:
             if req.request_id in self.forker.pending:  # a group's parent sampled its first token
                 outputs += self.forker.at_first_token(req, out.logits[req.request_id])
         self.layer_streams.end(out.sampled)  # last: a stream's sender may free the request once it ends
+        if clock is not None:
+            clock.mark("update")
         self.stats.step_s += time.perf_counter() - started
         return outputs
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -14,8 +14,9 @@ from shared.engine.logprobs import TokenLogprobs
 from shared.engine.prompt_scoring import plan_scoring, score
 from shared.engine.request import Request
 from shared.engine.request_experts import RequestExperts
-from shared.engine.sampling import Sampler
+from shared.engine.sampling import Sampler, SamplingParams
 from shared.engine.scheduler import SchedulePlan
+from shared.engine.step_clock import StepClock
 from shared.engine.step_inputs import ScoredFn, StepInputs, forward_step
 from shared.engine.structured import StructuredDecoding
 from shared.model.device import to_device
@@ -29,8 +30,28 @@ StepFn = Callable[[StepInputs, ScoredFn], "torch.Tensor | None"]
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int]  # request id → next token, for every sequence that sampled
-    logits: dict[str, torch.Tensor]  # request id → (V,) float32 logits the token was sampled from (on the device)
+    logits: Mapping[str, torch.Tensor]  # request id → (V,) float32 logits the token was sampled from (on the device)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # for the requests that asked
+
+
+class RowLogits(Mapping[str, torch.Tensor]):
+    """Request id → its row of a step's (S, V) logits, the view made when read: only a fork's first token, logprobs
+    tests and tools read them, so a step makes no per-row view (S of them were ~1.5 µs each)."""
+
+    def __init__(self, request_ids: list[str], logits: torch.Tensor) -> None:
+        self._ids, self._logits = request_ids, logits
+        self._rows: dict[str, int] | None = None
+
+    def __getitem__(self, request_id: str) -> torch.Tensor:
+        if self._rows is None:
+            self._rows = {rid: i for i, rid in enumerate(self._ids)}
+        return self._logits[self._rows[request_id]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 class ModelRunner:
@@ -59,9 +80,11 @@ class ModelRunner:
         self.run_step: StepFn = self._local_step  # replaced in a worker group's leader
         # per-request expert counts of the prompts that ask (decode routed by expert affinity)
         self.request_experts = RequestExperts(model)
+        self.step_clock: StepClock | None = None  # the engine's (Engine.time_steps)
 
     def _local_step(self, inputs: StepInputs, on_scored: ScoredFn) -> torch.Tensor | None:
-        return forward_step(self.model, self._caches, inputs, self.pool.layout.block_size, self.device, on_scored)
+        block_size, clock = self.pool.layout.block_size, self.step_clock
+        return forward_step(self.model, self._caches, inputs, block_size, self.device, on_scored, clock)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan) -> RunnerOutput:
@@ -87,19 +110,25 @@ class ModelRunner:
             logits = self._replay(plan, input_ids, sampling)
         else:
             logits = self._eager(plan, input_ids, positions, ends, sampling)
+        clock = self.step_clock
+        if clock is not None:
+            clock.mark("model")  # the group leader's op stream and graph replays stamp nothing inside
         if logits is None:
             return RunnerOutput({}, {})
         if self.structured is not None:
             logits = self.structured.apply(masks, logits)
+        params = [r.params for r in reqs]
+        # the histories only penalties read (the fast path reads none)
+        histories = [(r.prompt_token_ids, r.output_token_ids) for r in reqs] if _any_penalties(params) else None
         tokens, logprobs = self.sampler.sample_with_logprobs(
-            logits,
-            [r.params for r in reqs],
-            [len(r.output_token_ids) for r in reqs],
-            [(r.prompt_token_ids, r.output_token_ids) for r in reqs],
+            logits, params, [len(r.output_token_ids) for r in reqs], histories
         )
         ids_ = [r.request_id for r in reqs]
         wanted = {rid: lp for rid, lp in zip(ids_, logprobs, strict=True) if lp is not None}
-        return RunnerOutput(dict(zip(ids_, tokens, strict=True)), dict(zip(ids_, logits, strict=True)), wanted)
+        out = RunnerOutput(dict(zip(ids_, tokens, strict=True)), RowLogits(ids_, logits), wanted)
+        if clock is not None:
+            clock.mark("sample")
+        return out
 
     def _eager(
         self, plan: SchedulePlan, input_ids: list[int], positions: list[int], ends: list[int], sampling: list[int]
@@ -119,6 +148,8 @@ class ModelRunner:
                 for g, w in enumerate(self.group_windows, start=1)
             ),
         )
+        if self.step_clock is not None:
+            self.step_clock.mark("inputs")
         self.request_experts.before(plan.seqs, self.device)
         try:
             return self.run_step(inputs, lambda i, logits: score(slices[i], logits))
@@ -129,6 +160,8 @@ class ModelRunner:
         """A decode-only plan through the captured graph of its bucket (one token per sequence)."""
         assert self.graphs is not None
         self.graph_steps += 1
+        if self.step_clock is not None:
+            self.step_clock.mark("inputs")
         logits = self.graphs.run(
             [s.request.block_table for s in plan.seqs],
             [s.request.num_computed_tokens + 1 for s in plan.seqs],
@@ -139,6 +172,10 @@ class ModelRunner:
         if len(sampling) == len(plan.seqs):
             return logits
         return logits[to_device(torch.tensor(sampling, dtype=torch.int64), self.device)]
+
+
+def _any_penalties(params: list[SamplingParams]) -> bool:
+    return not all(p.plain for p in params) and any(p.has_penalties for p in params)
 
 
 def _scoring_prompt(req: Request) -> bool:

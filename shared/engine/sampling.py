@@ -4,6 +4,10 @@ A step's logits go through logits_process.py (logit_bias → penalties → tempe
 top_k → top_p), then argmax (greedy rows) or a draw. Logprobs (logprobs.py) come from the processed logits, before
 the filters: the distribution the token was drawn from, less the truncation.
 
+The fast path: a step whose every row is `plain` (greedy or plain temperature; no bias, penalties, filters or
+logprobs) skips all of that but the temperature and the draws, and reads no histories: the same ops on the same
+values as the full path, so the same tokens (tests/unit/test_sampling_fast_path.py holds them equal).
+
 Randomness is keyed by (seed, output position): the token at position i of a seeded request is the same
 whether the request ran in one engine, was preempted and recomputed, or moved to another engine after
 a KV hand-off.
@@ -14,6 +18,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -75,6 +80,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW or self.top_k == 1
 
+    @cached_property
+    def plain(self) -> bool:
+        """True when the token depends on the logits and the temperature alone: no bias, penalties, top_k or
+        logprobs, and, unless greedy, no min_p or top_p (the sampler's fast path). Computed once per params
+        (a frozen dataclass: cached_property writes the instance dict, not a field)."""
+        if self.processes_logits or self.logprobs is not None or self.top_k is not None:
+            return False
+        return self.temperature < GREEDY_BELOW or (self.min_p == 0.0 and self.top_p >= 1.0)
+
 
 class Sampler:
     """Samples on the logits' device; only the chosen ids cross to the host, in one copy per call.
@@ -106,7 +120,20 @@ class Sampler:
         histories: Sequence[tuple[list[int], list[int]]] | None = None,
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """The sampled ids, and for each row that asked (params.logprobs) the sampled token's logprob and the top
-        alternatives under the processed logits; ids and logprobs cross to the host in one copy."""
+        alternatives under the processed logits; ids and logprobs cross to the host in one copy. Rows that are
+        all `plain` take the fast path (`sample_plain`), any other batch the full one (`sample_full`)."""
+        if all(p.plain for p in params):
+            return self.sample_plain(logits, params, positions), [None] * len(params)
+        return self.sample_full(logits, params, positions, histories)
+
+    def sample_full(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        positions: list[int],
+        histories: Sequence[tuple[list[int], list[int]]] | None = None,
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Every feature, any rows: bias, penalties, temperature, filters, draws, logprobs."""
         if histories is None:
             if any(p.has_penalties for p in params):
                 raise ValueError("penalties need the rows' token histories")
@@ -120,6 +147,23 @@ class Sampler:
             for j, i in enumerate(drawn):
                 tokens[i] = self._draw(probs[j], params[i], positions[i])
         return gather_logprobs(processed, tokens, [p.logprobs for p in params])
+
+    def sample_plain(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
+        """The fast path, for rows that are all `plain`: argmax, and for the rows that draw their logits over
+        their temperature, softmax, one draw each. No copy of the logits, no filter, no history. The full path's
+        values exactly: it divides every row by its scale too (a greedy row's is 1) and its filters leave a plain
+        row as it is."""
+        tokens = logits.argmax(dim=-1)  # (N,) on the device; drawn rows overwrite their entry
+        drawn = [i for i, p in enumerate(params) if not p.greedy]
+        if drawn:
+            scaled = logits[drawn]  # (R, V), a copy
+            temps = [params[i].scale for i in drawn]
+            if any(t != 1.0 for t in temps):
+                scaled /= torch.tensor(temps, dtype=scaled.dtype).to(scaled.device)[:, None]
+            probs = torch.softmax(scaled, dim=-1)
+            for j, i in enumerate(drawn):
+                tokens[i] = self._draw(probs[j], params[i], positions[i])
+        return tokens.cpu().tolist()
 
     def _draw(self, probs: torch.Tensor, p: SamplingParams, position: int) -> torch.Tensor:
         """→ the token id as a one-element tensor on the probabilities' device (no host read)."""

@@ -30,14 +30,17 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from shared.engine.block_manager import FREED, BlockManager
 from shared.engine.config import SchedulerConfig
 from shared.engine.prefix_caching import PrefixCaching
 from shared.engine.request import FinishReason, GroupTable, Request, RequestStatus
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(msgspec.Struct, frozen=True):
+    """Made per sequence per step (as StepResult): a frozen msgspec struct, ~3x cheaper than a frozen dataclass."""
+
     request: Request
     num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
 
@@ -57,8 +60,7 @@ class SchedulePlan:
         return sum(s.num_tokens for s in self.seqs)
 
 
-@dataclass(frozen=True)
-class StepResult:
+class StepResult(msgspec.Struct, frozen=True):
     request: Request
     new_token_id: int
     finished: bool
@@ -119,8 +121,9 @@ class Scheduler:
     # ---- planning -------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulePlan:
-        for req in self.running:
-            self._free_behind_window(req)
+        if self.window is not None or self.window_groups:  # nothing slides: no table to walk per request
+            for req in self.running:
+                self._free_behind_window(req)
         plan = SchedulePlan()
         if not self.config.enable_chunked_prefill and self._admit_waiting(plan, self.config.max_num_batched_tokens):
             return plan  # a prefill-only step
@@ -221,6 +224,8 @@ class Scheduler:
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Give `req` blocks for `num_tokens` tokens if the pool can; False (nothing taken) otherwise."""
+        if not self.window_groups and len(req.group_tables[0].blocks) * self.blocks.block_size >= num_tokens:
+            return True  # one group whose blocks hold them already: most decode steps
         groups, tables = self.groups(), self.tables(req)
         needs = [blocks.blocks_for(num_tokens) - len(t.blocks) for (blocks, _), t in zip(groups, tables, strict=True)]
         if not all(blocks.can_allocate(n) for (blocks, _), n in zip(groups, needs, strict=True) if n > 0):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.engine.step_clock import StepClock
 from shared.model.device import to_device
 from shared.model.paged_attention import AttentionMetadata
 from shared.model.transformer import CausalLM
@@ -89,11 +90,13 @@ def forward_step(
     block_size: int,
     device: torch.device,
     on_scored: ScoredFn | None = None,
+    clock: StepClock | None = None,
 ) -> torch.Tensor | None:
     """Run one step's model calls: the forward pass over the paged cache (writing this step's KV), one logits
     call per scoring slice (handed to `on_scored`, so a long prompt's logits are never all held at once), and
     the sampling rows' logits. → (S, V) float32 logits of the sampling rows, None if none. Every rank of a
-    group calls this with the same inputs. `caches`: per layer, its view of its KV cache group's pool."""
+    group calls this with the same inputs. `caches`: per layer, its view of its KV cache group's pool. `clock`:
+    stamps the metadata and model phases (step_clock.py)."""
     meta = AttentionMetadata.build(
         block_tables=inputs.block_tables,
         context_lens=inputs.context_lens,
@@ -109,6 +112,8 @@ def forward_step(
     t = len(inputs.input_ids)
     staged = torch.tensor(inputs.input_ids + inputs.positions + inputs.sample_rows, dtype=torch.int64)
     ids, pos, rows = to_device(staged, device).split([t, t, len(inputs.sample_rows)])
+    if clock is not None:
+        clock.mark("metadata")
     hidden = model(ids, pos, caches, meta)
     for i, (first, count) in enumerate(inputs.score_rows):
         logits = model.logits(hidden[first : first + count])

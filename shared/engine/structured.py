@@ -79,6 +79,8 @@ class StructuredDecoding:
 
     def begin(self, request_ids: Sequence[str]) -> PendingMasks | None:
         """Start filling the masks of the step's sampling rows (None when none has a grammar)."""
+        if not self._matchers:  # no request has a grammar: nothing per row
+            return None
         rows = [i for i, rid in enumerate(request_ids) if rid in self._matchers]
         if not rows:
             return None

@@ -185,9 +185,15 @@ def _slot_mapping(
     """(T,) the cache slot of each of the step's tokens, sequence after sequence: built as one Python list and
     made a tensor once (one small tensor per sequence and a cat cost ~10 µs a sequence, most of a decode step's
     metadata)."""
-    slots: list[int] = []
-    for bt, n, q in zip(tables, context_lens, query_lens, strict=True):
-        slots += _slots(bt, n - q, n, block_size)
+    if all(q == 1 for q in query_lens):  # a decode-only step: one slot per sequence, its last position's
+        slots = [
+            bt[(n - 1) // block_size] * block_size + (n - 1) % block_size
+            for bt, n in zip(tables, context_lens, strict=True)
+        ]
+    else:
+        slots = []
+        for bt, n, q in zip(tables, context_lens, query_lens, strict=True):
+            slots += _slots(bt, n - q, n, block_size)
     return to_device(torch.tensor(slots, dtype=torch.int64), device)
 
 
