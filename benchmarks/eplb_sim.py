@@ -314,7 +314,7 @@ def compare(
 
 
 def print_table(title: str, result: dict) -> None:
-    roles = sorted({r for per in result.values() for r in per}, key=lambda r: (r not in ROLES, r))
+    roles = sorted({r for per in result.values() for r in per}, key=lambda r: (ROLES + (r,)).index(r))
     print(f"\n{title}")
     print(f"  {'placement':<14}" + "".join(f" | {r + ' busiest/mean (step mean, p90)':<38}" for r in roles))
     for policy, per in result.items():
