@@ -32,6 +32,7 @@ import json
 import multiprocessing as mp
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -48,6 +49,7 @@ from shared.engine.engine import Engine  # noqa: E402
 from shared.engine.sampling import SamplingParams  # noqa: E402
 from shared.model.expert_shards import take_rank_load  # noqa: E402
 from shared.parallel.group_engine import start_group  # noqa: E402
+from shared.worker.expert_recorder import ExpertTraceRecorder  # noqa: E402
 
 # topic → (its hot experts, the router bias they get): the phases of a workload, in order. The default
 # contiguous split at EP 2 is {0..3} | {4..7}, at EP 4 {0,1} | {2,3} | {4,5} | {6,7}: each topic's hot set
@@ -117,8 +119,8 @@ def prompts(topic: int, n: int, length: int, seed: int) -> list[list[int]]:
     return [tokens[torch.randint(len(tokens), (length,), generator=g)].tolist() for _ in range(n)]
 
 
-def engine_config(model: Path, ep: int, live: bool, workload: Workload) -> EngineConfig:
-    eplb = EplbConfig(**LIVE, redundant=ep) if live else None
+def engine_config(model: Path, ep: int, live: bool, workload: Workload, redundant: int | None = None) -> EngineConfig:
+    eplb = EplbConfig(**LIVE, redundant=ep if redundant is None else redundant) if live else None
     return EngineConfig(
         model=str(model),
         ep=ep,
@@ -131,9 +133,17 @@ def engine_config(model: Path, ep: int, live: bool, workload: Workload) -> Engin
     )
 
 
-def run(engine: Engine, workload: Workload, topics: int, seed: int) -> list[dict]:
+def run(
+    engine: Engine,
+    workload: Workload,
+    topics: int,
+    seed: int,
+    observe: Callable[[Engine], None] | None = None,
+    moves: Callable[[], int] = lambda: 0,
+) -> list[dict]:
     """Every topic's requests in turn, step by step → per step: topic, seconds, prefill and decode tokens,
-    pairs per rank, Σ of the busiest rank's pairs."""
+    pairs per rank, Σ of the busiest rank's pairs, whether a weight move ran in it (`moves()`: the group's count
+    of stage and swap ops). `observe(engine)` after each step (a trace recorder)."""
     params = SamplingParams(max_tokens=workload.max_tokens, temperature=0.0, ignore_eos=True)
     take_rank_load(engine.model)  # what loading routed is no traffic
     steps = []
@@ -141,10 +151,12 @@ def run(engine: Engine, workload: Workload, topics: int, seed: int) -> list[dict
         for i, p in enumerate(prompts(topic, workload.requests, workload.prompt_tokens, seed + topic)):
             engine.add_request(f"{workload.name}-{topic}-{i}", p, params)
         while engine.has_unfinished():
-            prefill, decode = engine.stats.prefill_tokens, engine.stats.decode_tokens
+            prefill, decode, moved = engine.stats.prefill_tokens, engine.stats.decode_tokens, moves()
             began = time.perf_counter()
             engine.step()
             took = time.perf_counter() - began
+            if observe is not None:
+                observe(engine)
             load = take_rank_load(engine.model)
             assert load is not None
             steps.append(
@@ -155,6 +167,7 @@ def run(engine: Engine, workload: Workload, topics: int, seed: int) -> list[dict
                     "decode_tokens": engine.stats.decode_tokens - decode,
                     "per_rank": load.per_rank,
                     "peak": load.peak,
+                    "moved": moves() != moved,
                 }
             )
     return steps
@@ -169,6 +182,10 @@ def summarise(steps: list[dict], ep: int) -> dict:
     decode_steps = [s for s in steps if s["prefill_tokens"] == 0 and s["decode_tokens"] > 0]
     decode_s = sum(s["s"] for s in decode_steps)
     prefill_s = sum(s["s"] for s in steps if s["prefill_tokens"] > 0)
+    still = [s for s in steps if not s["moved"]]  # the steps no weight move ran in: what balance alone gives
+    still_decode = [s for s in still if s["prefill_tokens"] == 0 and s["decode_tokens"] > 0]
+    still_decode_s = sum(s["s"] for s in still_decode)
+    still_prefill_s = sum(s["s"] for s in still if s["prefill_tokens"] > 0)
     return {
         "steps": len(steps),
         "imbalance": ratio(steps),
@@ -179,18 +196,50 @@ def summarise(steps: list[dict], ep: int) -> dict:
         "seconds": round(sum(s["s"] for s in steps), 3),
         "decode_tokens_per_s": round(sum(s["decode_tokens"] for s in decode_steps) / decode_s, 2) if decode_s else None,
         "prefill_tokens_per_s": round(sum(s["prefill_tokens"] for s in steps) / prefill_s, 2) if prefill_s else None,
+        "steps_with_a_move": len(steps) - len(still),
+        "decode_tokens_per_s_without_moves": (
+            round(sum(s["decode_tokens"] for s in still_decode) / still_decode_s, 2) if still_decode_s else None
+        ),
+        "prefill_tokens_per_s_without_moves": (
+            round(sum(s["prefill_tokens"] for s in still) / still_prefill_s, 2) if still_prefill_s else None
+        ),
     }
 
 
-def measure(model: Path, ep: int, live: bool, workload: Workload, topics: int, seed: int) -> dict:
-    config = engine_config(model, ep, live, workload)
+def measure(
+    model: Path,
+    ep: int,
+    live: bool,
+    workload: Workload,
+    topics: int,
+    seed: int,
+    redundant: int | None = None,
+    trace: Path | None = None,
+) -> dict:
+    """One group, one workload → the summary (and with `trace`, the workload's expert routing recorded there, as
+    --record-expert-trace would: the role is the workload's name)."""
+    config = engine_config(model, ep, live, workload, redundant)
     deaths: list = []
     group = start_group(config, on_death=lambda rank, status: deaths.append((rank, status)))
     try:
         # warm-up (first-step costs: kernel set-up, packing): two requests of the first topic, the start of its
         # phase as far as the live window is concerned
         run(group.engine, dataclasses.replace(workload, requests=2, max_tokens=min(workload.max_tokens, 2)), 1, 99)
-        steps = run(group.engine, workload, topics, seed)
+        recorder = None
+        if trace is not None:
+            recorder = ExpertTraceRecorder(trace, group.engine, workload.name, "eplb-shift", f"ep{ep}")
+            recorder.observe(group.engine)
+        counts = group.ops.state.counts
+        steps = run(
+            group.engine,
+            workload,
+            topics,
+            seed,
+            None if recorder is None else recorder.observe,
+            lambda: counts["eplb_stage"] + counts["eplb_swap"],
+        )
+        if recorder is not None:
+            recorder.close()
         out = summarise(steps, ep)
         if group.rebalancer is not None:
             stats = group.rebalancer.take_stats()
@@ -215,6 +264,8 @@ def main() -> None:
     parser.add_argument("--model", default="/tmp/pdserve-eplb-shift-small", help="where the skewed checkpoint goes")
     parser.add_argument("--quick", action="store_true", help="fewer requests per topic")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--live-redundant", type=int, default=None, help="--eplb-redundant (default: one per rank)")
+    parser.add_argument("--traces", default=None, help="record the static runs' routing traces in this directory")
     parser.add_argument("--out", default="eplb_shift.json")
     args = parser.parse_args()
     model = write_skewed_checkpoint(Path(args.model))
@@ -228,6 +279,7 @@ def main() -> None:
         "live": LIVE,
         "workloads": {name: dataclasses.asdict(w) for name, w in WORKLOADS.items()},
         "quick": args.quick,
+        "live_redundant": args.live_redundant,
         "runs": [],
     }
     for ep in args.ep:
@@ -238,7 +290,11 @@ def main() -> None:
             row = {"ep": ep, "workload": name}
             for label, live in (("static", False), ("live", True)):
                 began = time.monotonic()
-                row[label] = measure(model, ep, live, workload, len(TOPICS), args.seed)
+                trace = None
+                if args.traces and not live:
+                    trace = Path(args.traces) / f"{name}-ep{ep}.jsonl"
+                    trace.unlink(missing_ok=True)
+                row[label] = measure(model, ep, live, workload, len(TOPICS), args.seed, args.live_redundant, trace)
                 s = row[label]
                 extra = f", {s['rebalances']} rebalances, {s['pause_s']} s paused" if live else ""
                 print(
@@ -255,13 +311,19 @@ def main() -> None:
 
 
 def print_table(result: dict) -> None:
-    print("\n| EP | workload | static busiest/mean | live busiest/mean | static decode tok/s | live decode tok/s |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    """Throughput: the workload's own (prefill tokens/s of the prefill one, decode tokens/s of the decode one)."""
+    print(
+        "\n| EP | workload | static busiest/mean | live busiest/mean | static tok/s | live tok/s | live / static "
+        "| live tok/s, steps without a move | live / static |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in result["runs"]:
+        key = f"{row['workload']}_tokens_per_s"
+        still = f"{key}_without_moves"
         s, v = row["static"], row["live"]
         print(
-            f"| {row['ep']} | {row['workload']} | {s['imbalance']:.3f} | {v['imbalance']:.3f} | "
-            f"{s['decode_tokens_per_s']} | {v['decode_tokens_per_s']} |"
+            f"| {row['ep']} | {row['workload']} | {s['imbalance']:.3f} | {v['imbalance']:.3f} | {s[key]} | {v[key]} "
+            f"| {v[key] / s[key]:.2f} | {v[still]} | {v[still] / s[key]:.2f} |"
         )
 
 
