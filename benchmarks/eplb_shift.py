@@ -95,7 +95,7 @@ def write_skewed_checkpoint(out: Path, seed: int = 0) -> Path:
 # --eplb's settings for the live runs: a window shorter than a traffic phase (20 prefill steps, 64 decode steps),
 # a plan at most every 2 s, a move only for a 10 % predicted gain (a move pauses the group: every changed layer's
 # slots cross the collective and the CPU kernels repack them)
-LIVE = dict(enabled=True, window_steps=16, interval_s=2.0, min_gain=0.10)
+LIVE = EplbConfig(enabled=True, window_steps=16, interval_s=2.0, min_gain=0.10)
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def prompts(topic: int, n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def engine_config(model: Path, ep: int, live: bool, workload: Workload, redundant: int | None = None) -> EngineConfig:
-    eplb = EplbConfig(**LIVE, redundant=ep if redundant is None else redundant) if live else None
+    eplb = dataclasses.replace(LIVE, redundant=ep if redundant is None else redundant) if live else EplbConfig()
     return EngineConfig(
         model=str(model),
         ep=ep,
@@ -129,7 +129,7 @@ def engine_config(model: Path, ep: int, live: bool, workload: Workload, redundan
         num_kv_blocks=512,
         max_model_len=512,
         scheduler=SchedulerConfig(max_num_seqs=workload.requests, max_num_batched_tokens=workload.max_batched_tokens),
-        **({"eplb": eplb} if eplb is not None else {}),
+        eplb=eplb,
     )
 
 
@@ -276,7 +276,7 @@ def main() -> None:
         "host": info,
         "load_average_before": load_average(),
         "topics": TOPICS,
-        "live": LIVE,
+        "live": dataclasses.asdict(LIVE),
         "workloads": {name: dataclasses.asdict(w) for name, w in WORKLOADS.items()},
         "quick": args.quick,
         "live_redundant": args.live_redundant,

@@ -102,6 +102,8 @@ def from_files(paths: list[str]) -> dict[str, PhaseTrace]:
             elif (trace.header.layers, trace.header.num_experts) != (header.layers, header.num_experts):
                 raise SystemExit(f"{path}: traces of different models (layers or expert counts differ)")
             by_role.setdefault(trace.role, []).extend(trace.steps)
+    if header is None:
+        raise SystemExit(f"no traces in {paths}")
     out = {}
     for role, steps in by_role.items():
         steps.sort(key=lambda s: s.t)
