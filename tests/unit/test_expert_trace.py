@@ -133,3 +133,24 @@ def test_trace_reader_refuses_what_is_not_a_trace(text, message):
 def test_record_expert_trace_is_a_worker_setting():
     s = from_env(WorkerSettings, {"PDSERVE_RECORD_EXPERT_TRACE": "/tmp/x.jsonl"})
     assert s.record_expert_trace == "/tmp/x.jsonl" and WorkerSettings().record_expert_trace is None
+
+
+def test_the_worker_switch_records_through_its_engine_observer(checkpoint, model, tmp_path):
+    """--record-expert-trace on a worker: the recorder is built with the worker's role and fed by the engine
+    thread's observer (Worker._observe, what AsyncEngine calls after every step); off, the worker holds none."""
+    from services.mixed.worker import MixedWorker
+
+    engine = _engine(checkpoint, model)
+    assert MixedWorker(WorkerSettings(), engine=engine).expert_trace is None
+    path = tmp_path / "mixed.jsonl"
+    worker = MixedWorker(WorkerSettings(record_expert_trace=str(path), worker_id="w9"), engine=engine)
+    recorder = worker.expert_trace
+    assert recorder is not None and recorder.header.role == "mixed" and recorder.header.worker == "w9"
+    worker._observe(engine)  # what AsyncEngine.start does first
+    engine.add_request("r", list(range(3, 20)), GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+        worker._observe(engine)
+    recorder.close()
+    (trace,) = read_trace(path)
+    assert trace.role == "mixed" and len(trace.steps) == recorder.steps_recorded > 0
