@@ -308,6 +308,9 @@ class WorkerSettings(CommonSettings):
     """Where the worker serves Prometheus /metrics (containers: 0.0.0.0)."""
     metrics_port: int | None = 0
     """Port of /metrics; 0 = any free port (logged); empty = no metrics server."""
+    record_expert_trace: str | None = None
+    """Append every step's tokens per expert, per sparse layer, to this expert routing trace (JSON lines, with
+    the role; shared/sharding/expert_trace.py) for benchmarks/eplb_sim.py and `pdserve experts show`. MoE only."""
 
     @property
     def served_model_name(self) -> str:

@@ -113,9 +113,10 @@ def _check_layer(layer: int, ranks: list[list[int]], ep: int, num_experts: int) 
 # ---- statistics -------------------------------------------------------------------------------------------
 
 
-def parse_stats(text: str) -> dict[int, list[int]]:
+def parse_stats(text: str, role: str | None = None) -> dict[int, list[int]]:
     """Per-layer expert token counts from a JSON `{layer: [count per expert]}` or a Prometheus text scrape
-    (every `pdserve:moe_expert_tokens_total` series summed over its other labels: roles, models)."""
+    (every `pdserve:moe_expert_tokens_total` series summed over its other labels: roles, models; only the series
+    of `role` when given)."""
     stripped = text.lstrip()
     if stripped.startswith("{"):
         try:
@@ -123,14 +124,14 @@ def parse_stats(text: str) -> dict[int, list[int]]:
             return {int(layer): [int(round(float(c))) for c in counts] for layer, counts in raw.items()}
         except (ValueError, TypeError, AttributeError) as exc:
             raise PlacementError(f"expert statistics JSON must be {{layer: [count per expert]}}: {exc}") from exc
-    return _parse_prometheus(text)
+    return _parse_prometheus(text, role)
 
 
 _SAMPLE = re.compile(r"^(?P<name>[^\s{]+)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
-def _parse_prometheus(text: str) -> dict[int, list[int]]:
+def _parse_prometheus(text: str, role: str | None = None) -> dict[int, list[int]]:
     sums: dict[int, dict[int, float]] = {}
     for line in text.splitlines():
         m = _SAMPLE.match(line)
@@ -139,10 +140,13 @@ def _parse_prometheus(text: str) -> dict[int, list[int]]:
         labels = dict(_LABEL.findall(m["labels"] or ""))
         if "layer" not in labels or "expert" not in labels:
             raise PlacementError(f"{METRIC} sample without layer/expert labels: {line!r}")
+        if role is not None and labels.get("role") != role:
+            continue
         per = sums.setdefault(int(labels["layer"]), {})
         per[int(labels["expert"])] = per.get(int(labels["expert"]), 0.0) + float(m["value"])
     if not sums:
-        raise PlacementError(f"no {METRIC} samples in the scrape (is it a worker's /metrics of an MoE model?)")
+        of = f" of role {role}" if role is not None else ""
+        raise PlacementError(f"no {METRIC} samples{of} in the scrape (is it a worker's /metrics of an MoE model?)")
     # the counter only has series for experts that saw tokens: the layer's width is the largest index seen
     width = max(max(per) for per in sums.values()) + 1
     return {layer: [int(round(per.get(e, 0.0))) for e in range(width)] for layer, per in sorted(sums.items())}

@@ -49,6 +49,7 @@ from shared.worker.connections import Connections
 from shared.worker.engine_factory import build_engine
 from shared.worker.engine_load import EngineLoad
 from shared.worker.events import announce_event, error_event
+from shared.worker.expert_recorder import ExpertTraceRecorder
 from shared.worker.heartbeat import HEARTBEAT_S, beat_facts, build_heartbeat, publish_heartbeats
 from shared.worker.job_feed import JobFeed
 from shared.worker.ledger import Entry, JobLedger, Phase, settle
@@ -96,6 +97,12 @@ class Worker(Generic[Job]):
         self.step_costs = StepCalibration()
         self.pull_costs = PullCalibration()
         self._kv_bytes_per_token = engine.layout.bytes_per_token
+        # --record-expert-trace: every step's expert load to a file (looked at in _observe); None = off, no cost
+        self.expert_trace = (
+            ExpertTraceRecorder(settings.record_expert_trace, engine, self.role, self.model_name, settings.worker_id)
+            if settings.record_expert_trace
+            else None
+        )
         self.engine = AsyncEngine(engine, self._outputs_ready, self._engine_failed, on_state=self._observe)
         self.failure: BaseException | None = None  # why the engine thread died; the worker then exits non-zero
         self.stopping = asyncio.Event()
@@ -153,6 +160,8 @@ class Worker(Generic[Job]):
         step coefficients refitted after a step."""
         self.step_costs.observe(engine.stats)
         self.load = EngineLoad.of(engine)
+        if self.expert_trace is not None:
+            self.expert_trace.observe(engine)
 
     def has_room(self) -> bool:
         """Fetch a job only when the engine can start it soon (EngineLoad.has_room, on the latest snapshot)."""
@@ -218,6 +227,8 @@ class Worker(Generic[Job]):
             log.warning("teardown did not finish cleanly: %r", exc)
         torn_down = time.monotonic()
         await self.engine.stop()
+        if self.expert_trace is not None:  # the engine thread is gone: its last steps go to the file now
+            self.expert_trace.close()
         engine_stopped = time.monotonic()
         await self.conn.close()
         closed = time.monotonic()
