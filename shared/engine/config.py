@@ -70,9 +70,10 @@ class EngineConfig:
     prepack_weights: bool = True
     """oneDNN-packed matmul weights on CPU (faster; a second copy of them)."""
     cpu_expert_kernel: bool = True
-    """On CPU with the torch kernels, float32 SiLU experts run the C expert kernel, decode and prefill batches alike
-    (shared/model/kernels/cpu_moe.c, built with gcc at first use; AVX-512F where the CPU has it, else AVX2 + FMA,
-    the same bits either way; on `threads` intra-op threads)
+    """On CPU with the torch kernels, SiLU experts (float32, bfloat16, or int8 of `quantization`) run the C expert
+    kernel, decode and prefill batches alike (shared/model/kernels/cpu_moe.c, built with gcc at first use;
+    AVX-512F (+ AVX512_BF16 for bfloat16) where the CPU has it, else AVX2 + FMA, the same bits either way; on
+    `threads` intra-op threads), and so do int8 dense linears
     instead of the BLAS path; where it cannot be built or run, the torch path, with a log line. False = the torch
     path (the kernel's reference). On by default at any thread count: it was faster at 1 and 2 threads
     (docs/journal/benchmarks.md, "the expert kernel threaded")."""
