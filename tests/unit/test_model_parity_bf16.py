@@ -20,6 +20,7 @@ from shared.engine.config import SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.model.config import ARCHITECTURES
+from shared.model.experts import Experts
 from shared.model.kernels import cpu_moe
 from shared.model.loader import load_model
 from shared.model.moe import use_cpu_expert_kernel
@@ -103,6 +104,10 @@ def test_bf16_greedy_generation_matches_transformers(checkpoint, reference):
         num_kv_blocks=64,
         max_model_len=512,
     )
+    if cpu_moe.kernels():  # the routed experts run the kernel's bfloat16 build where they can
+        for m in engine.model.modules():
+            if isinstance(m, Experts) and m.cpu_kernel:
+                assert m._panels is not None and m._panels.dtype == BF16
     prompts = _prompts(engine.model.config.vocab_size)
     ours = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     for prompt, tokens in zip(prompts, ours, strict=True):
