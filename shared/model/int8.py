@@ -3,8 +3,9 @@
 A weight W (..., N, K) (N outputs, K inputs) becomes q = round(W / s) in [-127, 127] with s = max_k |W[n, k]| / 127
 per row n; W ≈ q * s. What is quantized: the routed experts' gate/up and down, the dense linears each module
 lists (`PackedWeights.int8_weights()`: attention's projections, dense and shared-expert MLPs, the LM head; not
-the router, whose scores decide routing, nor a shared-expert gate of one row). Under tensor parallelism each
-rank's rows are quantized as it holds them.
+the router, whose scores decide routing, nor a shared-expert gate of one row; a tied LM head is the embedding
+table, so the embedding lookup then reads its dequantized rows too). Under tensor parallelism each rank's rows
+are quantized as it holds them (a row-parallel shard gets scales of its own part of each row).
 
 Two methods (shared/model/quantization.py LOAD_METHODS): `int8` and its twin `int8_dequantized`. Both overwrite
 each quantized parameter with its dequantized values q * s, rounded to float32 once: every path that reads the
