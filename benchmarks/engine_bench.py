@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/engine_bench.py [--model DIR] [--out JSON] [--threads N] [--quick]
         [--prepack on|off|both | --no-prepack] [--cpu-kernel on|off|both] [--cpu-attention on|off|both]
-        [--decode-tokens N] [--repeats N] [--skip-mixed]
+        [--decode-tokens N] [--repeats N] [--skip-mixed] [--dtype float32,bfloat16,int8]
 
 Both systems run in one process on the same checkpoint, dtype and thread count. Repeats of the two are
 interleaved (and their order alternated) so that drift in a shared machine's speed hits both alike; each
@@ -20,6 +20,10 @@ number is the median over repeats, after one warm-up run each.
   what one long sequence costs a batch of short ones (decode attention pads only within length buckets, and
   the CPU attention kernel reads each sequence's own blocks). With --cpu-attention both it runs for the
   first system with the kernel and its twin without, all four runs alternated.
+- weights (--dtype, a comma-separated list): each pdserve system once per weight format, named `<system>@<format>`:
+  float32, bfloat16 (the model in bfloat16: weights, activations, KV) or int8 (load-time weight-only int8,
+  float32 activations and KV; shared/model/int8.py). transformers runs in the first format's dtype (int8: float32),
+  so `same tokens` of the others against it measures their agreement with it, not a fault.
 - floor: the bytes a decode step must read (weights of the experts it touches, KV), over this machine's
   read bandwidth; also its FLOPs over the machine's matmul rate, since CPUs are often compute bound here.
   Both rates are sampled once per round of each decode batch, between the systems' runs, and the floor uses
@@ -85,8 +89,10 @@ class PdserveRunner:
         cpu_kernel: bool = True,
         kernel_isa: str | None = None,
         cpu_attention: bool = True,
+        weights: str | None = None,
     ) -> None:
-        """kernel_isa: the expert kernel's build (cpu_moe.ISAS) instead of the widest this CPU runs."""
+        """kernel_isa: the expert kernel's build (cpu_moe.ISAS) instead of the widest this CPU runs. weights: a
+        dtype, or int8 (float32 with load-time int8); None = the checkpoint's own dtype."""
         blocks = max(
             _blocks(PREFILL_LEN + 1) * prefill_batch,
             _blocks(DECODE_PROMPT + DECODE_TOKENS + 1) * decode_batch,
@@ -105,7 +111,10 @@ class PdserveRunner:
             prepack_weights=prepack,
             cpu_expert_kernel=cpu_kernel,
             cpu_attention_kernel=cpu_attention,
+            dtype="float32" if weights == "int8" else weights,
+            quantization="int8" if weights == "int8" else None,
         )
+        self.weights = weights
         if cpu_kernel and kernel_isa is not None:
             build = cpu_moe.load_build(kernel_isa)
             if build is None:
@@ -285,8 +294,11 @@ def random_prompts(gen: torch.Generator, batch: int, length: int, vocab: int) ->
     return torch.randint(0, vocab, (batch, length), generator=gen).tolist()
 
 
-def decode_step_cost(model: torch.nn.Module, batch: int, context: float) -> tuple[float, float]:
-    """(bytes read, FLOPs) of one decode step of `batch` sequences at average context `context`.
+def decode_step_cost(
+    model: torch.nn.Module, batch: int, context: float, weights: str | None = None
+) -> tuple[float, float]:
+    """(bytes read, FLOPs) of one decode step of `batch` sequences at average context `context`, its weights in
+    format `weights` (--dtype; None: the model's dtype; int8: one byte a weight and float32 KV, scales ignored).
 
     A step reads every weight once (attention, norms, router, lm_head), except: of the experts only the
     distinct ones its tokens chose, about E * (1 - (1 - k/E)^B) per sparse layer if routing is uniform;
@@ -294,6 +306,8 @@ def decode_step_cost(model: torch.nn.Module, batch: int, context: float) -> tupl
     """
     cfg = model.config
     itemsize = next(model.parameters()).element_size()
+    weight_size = {"int8": 1, "bfloat16": 2, "float32": 4, "float16": 2}.get(weights or "", itemsize)
+    kv_size = 4 if weights == "int8" else weight_size
     expert_params = dense_params = 0
     for name, p in model.named_parameters():
         if ".experts." in name:  # the stacked routed experts; a shared expert counts as dense
@@ -304,19 +318,23 @@ def decode_step_cost(model: torch.nn.Module, batch: int, context: float) -> tupl
     experts_read = e * (1 - (1 - k / e) ** batch) if cfg.is_moe else 0.0
     per_expert = expert_params / e if cfg.is_moe else 0.0
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
-    read = dense_params + per_expert * experts_read + batch * cfg.hidden_size + batch * context * kv_per_token
+    read = (dense_params + per_expert * experts_read) * weight_size
+    read += (batch * cfg.hidden_size + batch * context * kv_per_token) * kv_size
     attention_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context  # QK^T and PV, per token
-    return read * itemsize, batch * (2 * (dense_params + per_expert * k) + attention_flops)
+    return read, batch * (2 * (dense_params + per_expert * k) + attention_flops)
 
 
 def add_floor(rows: list[dict], model: torch.nn.Module, names: list[str]) -> None:
-    """Each decode row's floors from the rates sampled in its own rounds (bench_decode)."""
+    """Each decode row's floors from the rates sampled in its own rounds (bench_decode); the row's floor is the
+    first system's weight format's, and each system's `x_mem_floor` is over its own format's floor."""
     for row in rows:
-        read, flops = decode_step_cost(model, row["batch"], row["avg_context"])
+        read, flops = decode_step_cost(model, row["batch"], row["avg_context"], weights_of(names[0]))
         gbps, gflops = row["read_gbps"], row["matmul_gflops"]
         row |= dict(step_mb=read / 1e6, mem_floor_ms=read / gbps / 1e6, compute_floor_ms=flops / gflops / 1e6)
         for name in names:
-            row[f"{name}_x_mem_floor"] = row[f"{name}_step_ms"] / row["mem_floor_ms"]
+            own, _ = decode_step_cost(model, row["batch"], row["avg_context"], weights_of(name))
+            row[f"{name}_mem_floor_ms"] = own / gbps / 1e6
+            row[f"{name}_x_mem_floor"] = row[f"{name}_step_ms"] / row[f"{name}_mem_floor_ms"]
 
 
 def print_report(
@@ -403,8 +421,25 @@ def system_names(prepack: str, cpu_kernel: str, isas: list[str], cpu_attention: 
     return {"on": names, "off": torch_attention, "both": names + torch_attention}[cpu_attention]
 
 
+WEIGHTS_SEPARATOR = "@"  # <system>@<weights>: that system with --dtype's weight format
+
+
+def with_weights(names: list[str], weights: list[str]) -> list[str]:
+    """Each system once per weight format of --dtype (all of the first format's first), or as they are."""
+    return [f"{n}{WEIGHTS_SEPARATOR}{w}" for w in weights for n in names] if weights else names
+
+
+def weights_of(name: str) -> str | None:
+    return name.partition(WEIGHTS_SEPARATOR)[2] or None
+
+
+def _base(name: str) -> str:
+    return name.partition(WEIGHTS_SEPARATOR)[0]
+
+
 def _kernel_isa(name: str, isas: list[str]) -> str | None:
     """The expert kernel build a system name asks for: its suffix, else the first --kernel-isa (None: default)."""
+    name = _base(name)
     if CPU_KERNEL_SUFFIX not in name:
         return None
     suffix = name.removesuffix(TORCH_ATTENTION_SUFFIX).split(CPU_KERNEL_SUFFIX, 1)[1].lstrip("_")
@@ -431,7 +466,13 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS, help="timed decode steps per run")
     ap.add_argument("--repeats", type=int, help="repeats of every measurement (default 5 prefill, 3 decode)")
     ap.add_argument("--skip-mixed", action="store_true", help="leave out the mixed-length decode measurement")
+    ap.add_argument("--dtype", default="",
+                    help="comma-separated weight formats side by side: float32, bfloat16, float16, int8 (load-time "
+                    "weight-only int8); default: the checkpoint's own dtype")  # fmt: skip
     args = ap.parse_args()
+    weight_formats = [w for w in args.dtype.split(",") if w]
+    if unknown := set(weight_formats) - {"float32", "bfloat16", "float16", "int8"}:
+        ap.error(f"--dtype: unknown weight format(s) {', '.join(sorted(unknown))}")
     torch.set_num_threads(args.threads)  # one process: this holds for every system
     load_before = load_average()
     prefill_batches, decode_batches = ((1,), (1, 32)) if args.quick else ((1, 8), (1, 8, 32))
@@ -453,9 +494,10 @@ def main() -> None:
             prepack=not name.startswith("pdserve_noprepack"),
             cpu_kernel=CPU_KERNEL_SUFFIX in name,
             kernel_isa=_kernel_isa(name, isas),
-            cpu_attention=not name.endswith(TORCH_ATTENTION_SUFFIX),
+            cpu_attention=not _base(name).endswith(TORCH_ATTENTION_SUFFIX),
+            weights=weights_of(name),
         )
-        for name in system_names(args.prepack, args.cpu_kernel, isas, args.cpu_attention)
+        for name in with_weights(system_names(args.prepack, args.cpu_kernel, isas, args.cpu_attention), weight_formats)
     }
     pd = next(iter(systems.values()))
     model = pd.engine.model
@@ -471,7 +513,7 @@ def main() -> None:
     add_floor(decode, model, list(systems))
 
     cfg = run_config(model_dir, model, hf.model, args.quick, prefill_repeats, decode_repeats)
-    cfg |= dict(cpu_kernel_builds=[k.isa for k in cpu_moe.kernels()], kernel_isas=isas)
+    cfg |= dict(cpu_kernel_builds=[k.isa for k in cpu_moe.kernels()], kernel_isas=isas, weights=weight_formats)
     cfg |= dict(read_gbps=gbps, matmul_gflops=gflops, bench_seconds=time.perf_counter() - t0, systems=list(systems),
                 decode_tokens=args.decode_tokens, load_before=load_before, load_after=load_average())  # fmt: skip
     print_report(cfg, list(systems), prefill, decode, mixed)

@@ -47,6 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--min-p", type=float, default=0.0, help="[0, 1]")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     gen.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    gen.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int8_dequantized"],
+        help="quantize the float weights at load: int8 = weight-only int8 on the CPU kernels (float32)",
+    )
     gen.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     gen.add_argument("--device", default="cpu", help="torch device of the model and the KV cache: cpu, cuda, cuda:N")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -84,7 +90,13 @@ def _generate_engine(args: argparse.Namespace):
     from shared.engine.engine import Engine
 
     config = EngineConfig(
-        model=str(args.model), dtype=args.dtype, threads=args.threads, device=args.device, tp=args.tp, ep=args.ep
+        model=str(args.model),
+        dtype=args.dtype,
+        quantization=args.quantization,
+        threads=args.threads,
+        device=args.device,
+        tp=args.tp,
+        ep=args.ep,
     )
     if max(args.tp, args.ep) == 1:
         return Engine.build(config), None

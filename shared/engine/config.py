@@ -27,6 +27,16 @@ class Dtype(StrEnum):
     FLOAT16 = "float16"
 
 
+class Quantization(StrEnum):
+    """Weight formats made at load from a float checkpoint (shared/model/quantization.py LOAD_METHODS; the
+    methods themselves: shared/model/int8.py)."""
+
+    INT8 = "int8"
+    """Weight-only int8, one scale per output channel; the CPU kernels read int8."""
+    INT8_DEQUANTIZED = "int8_dequantized"
+    """int8's twin: the same int8 weights dequantized to float32 once (its reference: int8 gives its numbers)."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous-batching policy (shared/engine/scheduler.py)."""
@@ -80,6 +90,11 @@ class EngineConfig:
     """Checkpoint directory (Hugging Face layout)."""
     dtype: Dtype | None = None
     """Weight and KV dtype; None = the checkpoint's own."""
+    quantization: Quantization | None = None
+    """Quantize the weights at load from a float checkpoint: int8 = weight-only int8 with one scale per output
+    channel, computed by the CPU kernels with float32 activations (float32 dtype, CPU only; the routed experts
+    and the dense linears whose sizes fit, shared/model/int8.py); int8_dequantized = its float32 twin. None =
+    the checkpoint's weights as they are. Refused for a checkpoint that is already quantized."""
     device: str = "cpu"
     """torch device of the model and the KV pool (cpu, cuda, cuda:1)."""
     threads: int | None = None
@@ -100,9 +115,10 @@ class EngineConfig:
     prepack_weights: bool = True
     """oneDNN-packed matmul weights on CPU (faster; a second copy of them)."""
     cpu_expert_kernel: bool = True
-    """On CPU with the torch kernels, float32 SiLU experts run the C expert kernel, decode and prefill batches alike
-    (shared/model/kernels/cpu_moe.c, built with gcc at first use; AVX-512F where the CPU has it, else AVX2 + FMA,
-    the same bits either way; on `threads` intra-op threads)
+    """On CPU with the torch kernels, SiLU experts (float32, bfloat16, or int8 of `quantization`) run the C expert
+    kernel, decode and prefill batches alike (shared/model/kernels/cpu_moe.c, built with gcc at first use;
+    AVX-512F (+ AVX512_BF16 for bfloat16) where the CPU has it, else AVX2 + FMA, the same bits either way; on
+    `threads` intra-op threads), and so do int8 dense linears
     instead of the BLAS path; where it cannot be built or run, the torch path, with a log line. False = the torch
     path (the kernel's reference). On by default at any thread count: it was faster at 1 and 2 threads
     (docs/journal/benchmarks.md, "the expert kernel threaded")."""
@@ -165,6 +181,12 @@ class EngineConfig:
             raise ValueError(f"unknown device {self.device!r}: choose cpu, cuda or cuda:N")
         if self.dtype is not None and self.dtype not in tuple(Dtype):
             raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {', '.join(Dtype)}")
+        if self.quantization is not None and self.quantization not in tuple(Quantization):
+            raise ValueError(
+                f"unknown quantization {self.quantization!r}; choose one of {', '.join(Quantization)} (or none)"
+            )
+        if self.quantization == Quantization.INT8 and self.dtype not in (None, Dtype.FLOAT32):
+            raise ValueError(f"quantization int8 computes in float32: dtype {self.dtype} cannot go with it")
         if self.kernels not in tuple(KernelChoice):
             raise ValueError(f"unknown kernels {self.kernels!r}; choose one of {', '.join(KernelChoice)}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -33,6 +33,7 @@ def load_rank_model(config: EngineConfig, group: RankGroup) -> CausalLM:
         layout=layout,
         expert_placement=placement,
         ep_dispatch=config.ep_dispatch,
+        quantization=config.quantization,
     )
 
 

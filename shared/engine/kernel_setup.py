@@ -10,8 +10,10 @@ import logging
 
 import torch
 
-from shared.engine.config import EngineConfig
+from shared.engine.config import EngineConfig, Quantization
 from shared.model.attention import use_cpu_attention_kernel, use_cpu_norm_rope_kernel
+from shared.model.int8 import use_int8_kernels
+from shared.model.kernels import cpu_moe
 from shared.model.kernels.choice import KernelChoice, resolve_kernels
 from shared.model.linear import can_prepack, prepack
 from shared.model.moe import use_cpu_expert_kernel
@@ -27,12 +29,16 @@ def prepare_model(model: CausalLM, config: EngineConfig, device: torch.device) -
     weight = next(model.parameters())
     if weight.device != device:
         raise ValueError(f"the model is on {weight.device}, the engine is configured for {device}")
+    kernels = resolve_kernels(config.kernels, device, config.block_size)
+    torch_on_cpu = device.type == "cpu" and kernels is KernelChoice.TORCH
+    if config.cpu_expert_kernel and torch_on_cpu and config.quantization == Quantization.INT8:
+        # before prepacking: the linears the int8 kernel serves get no oneDNN pack
+        build = cpu_moe.load()
+        log.info("int8: %s", use_int8_kernels(model, build) if build else "the CPU kernel is unavailable: float32")
     if config.prepack_weights and can_prepack(device, weight.dtype):
         prepack(model)
-    kernels = resolve_kernels(config.kernels, device, config.block_size)
     model.use_kernels(kernels)
     log.info("kernels: %s (setting %s, device %s)", kernels, config.kernels, device)
-    torch_on_cpu = device.type == "cpu" and kernels is KernelChoice.TORCH
     if config.cpu_expert_kernel and torch_on_cpu:
         log.info("CPU experts: %s", use_cpu_expert_kernel(model))
     if config.cpu_attention_kernel and torch_on_cpu:

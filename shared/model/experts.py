@@ -57,6 +57,9 @@ class Experts(nn.Module):
         # the CPU expert kernel's weight panels and build (use_cpu_kernel); None = the torch paths
         self._panels: cpu_moe.ExpertPanels | None = None
         self._cpu_kernel: cpu_moe.Kernel | None = None
+        # load-time int8 (shared/model/int8.py): ((q, scale) of gate_up, of down), what the CPU kernel's int8
+        # panels are made of; the parameters then hold the dequantized values, which every other path reads
+        self.int8: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
         # TORCH or TRITON, set by CausalLM.use_kernels when the engine starts
         self.kernels = KernelChoice.TORCH
 
@@ -93,13 +96,17 @@ class Experts(nn.Module):
 
     def use_cpu_kernel(self, kernel: cpu_moe.Kernel) -> str | None:
         """Re-lay the weights out for the CPU expert kernel build `kernel` (cpu_moe.kernels()), which then computes
-        every batch; the oneDNN packs of the experts are dropped (the panels replace them). → None, or
-        why these experts cannot use it (they keep the torch path)."""
+        every batch: float32 or bfloat16 panels of the parameters, or int8 ones where load-time int8 kept them
+        (`int8`); the oneDNN packs of the experts are dropped (the panels replace them). → None, or why these
+        experts cannot use it (they keep the torch path)."""
         why = "not SiLU-gated plain experts" if not self.cpu_kernel else None
         why = why or ("not on the CPU" if self.down.device.type != "cpu" else None)
         why = why or kernel.supports(self.down.shape[1], self.intermediate, self.down.dtype)
         if why is None:
-            self._panels = kernel.pack(self.gate_up.data, self.down.data)
+            if self.int8 is not None:
+                self._panels = kernel.pack_int8(*self.int8)
+            else:
+                self._panels = kernel.pack(self.gate_up.data, self.down.data)
             self._cpu_kernel, self._packed = kernel, None
         return why
 
@@ -146,8 +153,10 @@ class Experts(nn.Module):
 
     def forward_cpu_kernel(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """The same sum in one call of the CPU expert kernel (shared/model/kernels/cpu_moe.c): routing sort,
-        both matmuls, SiLU * up and the weighted combine, over the panels use_cpu_kernel made. float32; products
-        and sums in float32 (for A = 2 the sum rounds as the torch paths' does; the matmuls differ in the last bits)."""
+        both matmuls, SiLU * up and the weighted combine, over the panels use_cpu_kernel made. float32 and int8
+        (float32 activations): products and sums in float32 (for A = 2 the sum rounds as the torch paths' does;
+        the matmuls differ in the last bits); int8 gives the bits of float32 over the dequantized weights.
+        bfloat16: float32 accumulation, rounded to bfloat16 where torch's bfloat16 ops round."""
         assert self._panels is not None and self._cpu_kernel is not None
         kernel, panels, n = self._cpu_kernel, self._panels, CPU_KERNEL_SLICE_TOKENS
         if x.shape[0] <= n:

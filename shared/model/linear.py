@@ -18,8 +18,17 @@ from torch import nn
 _PACK_BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; any row count still works
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., in) @ weight (out, in).T + bias. `weight` may be a packed oneDNN tensor."""
+@runtime_checkable
+class WeightFormat(Protocol):
+    """A matmul weight held in a format of its own (shared/model/int8.py's Int8Linear): it computes the product."""
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | WeightFormat, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., in) @ weight (out, in).T + bias. `weight` may be a packed oneDNN tensor, or a WeightFormat."""
+    if not isinstance(weight, torch.Tensor):
+        return weight.matmul(x, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -45,18 +54,33 @@ class Prepackable(Protocol):
 
 
 class PackedWeights:
-    """Mixin for modules with matmul weights: `self.w(name)` is the packed twin when there is one."""
+    """Mixin for modules with matmul weights: `self.w(name)` is the weight in its serving format (int8 for a
+    kernel, shared/model/int8.py), else the packed twin when there is one, else the parameter."""
 
     LINEAR_WEIGHTS: tuple[str, ...] = ()
+    # the matmul weights load-time int8 quantization covers; None = all of LINEAR_WEIGHTS
+    INT8_WEIGHTS: tuple[str, ...] | None = None
 
-    def w(self, name: str) -> torch.Tensor:
+    def w(self, name: str) -> torch.Tensor | WeightFormat:
+        formats = self.__dict__.get("_formats")
+        if formats is not None and name in formats:
+            return formats[name]
         packed = self.__dict__.get("_packed")
         if packed is not None and name in packed:
             return packed[name]
         return _get(self, name)
 
+    def plain_weight(self, name: str) -> torch.Tensor:
+        """The parameter `name` (dotted), whatever format serves it."""
+        return _get(self, name)
+
+    def int8_weights(self) -> tuple[str, ...]:
+        return self.LINEAR_WEIGHTS if self.INT8_WEIGHTS is None else self.INT8_WEIGHTS
+
     def prepack(self) -> None:
-        self.__dict__["_packed"] = {name: pack(_get(self, name)) for name in self.LINEAR_WEIGHTS}
+        """oneDNN packs of the weights no other format serves."""
+        served = self.__dict__.get("_formats") or {}
+        self.__dict__["_packed"] = {name: pack(_get(self, name)) for name in self.LINEAR_WEIGHTS if name not in served}
 
 
 def _get(module: object, dotted: str) -> torch.Tensor:

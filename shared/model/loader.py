@@ -29,7 +29,13 @@ from tqdm import tqdm
 
 from shared.model.config import ModelConfig
 from shared.model.expert_shards import shard_experts
-from shared.model.quantization import SCALE_TENSOR, QuantizedCheckpointError, QuantMethod, quant_method_for
+from shared.model.quantization import (
+    SCALE_TENSOR,
+    QuantizedCheckpointError,
+    QuantMethod,
+    load_method_for,
+    quant_method_for,
+)
 from shared.model.transformer import CausalLM
 from shared.sharding.dispatch import EPDispatch
 from shared.sharding.group import RankGroup
@@ -134,21 +140,30 @@ def load_model(
     layout: ParallelLayout | None = None,
     expert_placement: ExpertPlacement | None = None,
     ep_dispatch: EPDispatch | str = EPDispatch.ALLREDUCE,
+    quantization: str | None = None,
 ) -> CausalLM:
     """The model of `model_dir`, or with `group` and `layout` this rank's shard of it, reading only its slices
     from the files: tp > 1 splits heads and widths; ep > 1 gives this rank only its experts
     (`expert_placement`, or a contiguous 1/ep), combined across the group by `ep_dispatch`. LayoutError when
-    the model cannot take the layout (heads, KV heads or an intermediate size that does not split)."""
+    the model cannot take the layout (heads, KV heads or an intermediate size that does not split).
+    `quantization`: a method made at load from the float weights (quantization.LOAD_METHODS: int8), applied once
+    they are loaded; refused (UnsupportedQuantizationError) before any weight is read where it cannot apply."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     quant = checkpoint_quantization(model_dir)  # refuses an unsupported quantization before building anything
+    compute_dtype = resolve_dtype(dtype, cfg.torch_dtype)
+    at_load = None
+    if quantization is not None:
+        at_load = load_method_for(str(quantization), quant, compute_dtype, torch.device(device))
     with torch.device("meta"):
         model = CausalLM(cfg, group, layout)
     if layout is not None and layout.ep > 1:
         assert group is not None  # CausalLM checked the group's size against the layout
         shard_experts(model, group, expert_placement, ep_dispatch)
-    model.to(resolve_dtype(dtype, cfg.torch_dtype)).to_empty(device=device)
+    model.to(compute_dtype).to_empty(device=device)
     load_weights(model, model_dir, progress, quant)
+    if at_load is not None:
+        log.info("quantized at load: %s", at_load.apply(model))
     model.init_runtime()
     return model.eval()
 

@@ -28,9 +28,10 @@ from shared.model.tensor_parallel import TensorShard
 
 
 def use_cpu_expert_kernel(model: nn.Module, builds: Sequence[cpu_moe.Kernel] | None = None) -> str:
-    """Give every Experts module of `model` the CPU expert kernel where it can run (float32 SiLU experts on a CPU
-    with AVX2 + FMA and gcc at hand): the first of `builds` (default cpu_moe.kernels(): the widest first) whose
-    panel sizes divide the layer's; → a line for the engine's log saying what was chosen."""
+    """Give every Experts module of `model` the CPU expert kernel where it can run (SiLU experts in float32,
+    bfloat16 or load-time int8, on a CPU with AVX2 + FMA and gcc at hand): the first of `builds` (default
+    cpu_moe.kernels(): the widest first) whose panel sizes divide the layer's; → a line for the engine's log
+    saying what was chosen."""
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     if not experts:
         return "no routed experts"
@@ -52,6 +53,7 @@ def use_cpu_expert_kernel(model: nn.Module, builds: Sequence[cpu_moe.Kernel] | N
 
 
 class MoE(nn.Module, PackedWeights):
+    INT8_WEIGHTS = ()  # shared_expert_gate: one output row, nothing to save (shared/model/int8.py)
     expert_load: torch.Tensor  # (E,) buffer, see __init__
 
     def __init__(self, cfg: ModelConfig, shard: TensorShard = TensorShard.SINGLE, split_experts: bool = True) -> None:

@@ -7,6 +7,10 @@ for every checkpoint tensor: `companion_of(name)` (for a scale: the weight whose
 rank reads). Without a quantization config, `PLAIN` reads tensors as they are and refuses the tensors that would
 mean the weights are not what they seem (a float8 weight, a `*_scale_inv` / `*_scale` tensor).
 
+Methods made at load from a float checkpoint (`LOAD_METHODS`, chosen by the engine's `quantization` setting, not by
+the checkpoint): `int8` and its twin `int8_dequantized` (shared/model/int8.py), applied to the loaded model
+(`LoadMethod.apply`); `load_method_for` refuses them on a checkpoint that is already quantized.
+
 FP8 block-scaled (DeepSeek-V3, `transformers`' FineGrainedFP8): `<m>.weight` float8_e4m3fn (R, C) and
 `<m>.weight_scale_inv` float32 (ceil(R/bR), ceil(C/bC)); weight = fp8.float() * scale_inv[r // bR, c // bC].
 Dims need not divide by the block (the last block row/column is partial).
@@ -21,8 +25,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from shared.model.config import UnsupportedModelError
+from shared.model.int8 import Int8WeightOnly
 from shared.model.mxfp4 import Mxfp4
 
 FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2}
@@ -213,3 +219,41 @@ def _full_slices(index: tuple, shape: tuple[int, ...]) -> tuple[slice, slice]:
 def _covering(s: slice, block: int) -> slice:
     """The block indices whose span covers elements [s.start, s.stop)."""
     return slice(s.start // block, math.ceil(s.stop / block))
+
+
+class LoadMethod(Protocol):
+    """A quantization made at load from a float checkpoint: it rewrites the loaded model's weights in place."""
+
+    @property
+    def name(self) -> str: ...
+
+    def apply(self, model: nn.Module) -> str:
+        """Quantize `model`'s weights in place; → a line for the log."""
+        ...
+
+
+LOAD_METHODS: dict[str, LoadMethod] = {
+    "int8": Int8WeightOnly(keep_int8=True),
+    "int8_dequantized": Int8WeightOnly(keep_int8=False),
+}
+
+
+def load_method_for(name: str, checkpoint: QuantMethod, dtype: torch.dtype, device: torch.device) -> LoadMethod:
+    """The load-time method `name` for a checkpoint read by `checkpoint` into `dtype` on `device`;
+    UnsupportedQuantizationError for an unknown name, a checkpoint that is already quantized, or where the method
+    cannot compute (int8: float32 on a CPU)."""
+    if name not in LOAD_METHODS:
+        raise UnsupportedQuantizationError(
+            f"quantization {name!r} is not a method made at load (choose one of {', '.join(sorted(LOAD_METHODS))})"
+        )
+    if checkpoint.name != PLAIN.name:
+        raise UnsupportedQuantizationError(
+            f"quantization {name} quantizes a float checkpoint at load, but this checkpoint is already quantized "
+            f"({checkpoint.name}): load it as it is, without a quantization setting"
+        )
+    if name == "int8" and (dtype != torch.float32 or device.type != "cpu"):
+        raise UnsupportedQuantizationError(
+            f"quantization int8 computes in float32 on the CPU, not {dtype} on {device} "
+            "(int8_dequantized, its float twin, runs anywhere)"
+        )
+    return LOAD_METHODS[name]

@@ -32,6 +32,7 @@ class Router(nn.Module, PackedWeights):
     """`mlp.gate`: forward(x (T, D)) → topk_ids (T, A) int64, topk_weights (T, A) float32."""
 
     LINEAR_WEIGHTS = ("weight",)
+    INT8_WEIGHTS = ()  # the scores decide routing: never int8 (shared/model/int8.py)
     e_score_correction_bias: torch.Tensor | None  # (E,) float32, noaux_tc only
     bias: nn.Parameter | None  # (E,) the logits' bias, gpt-oss only
 
@@ -69,6 +70,7 @@ class Router(nn.Module, PackedWeights):
         """(T, D) → (T, E) float32."""
         if self.cfg.float32_logits:
             weight = self.w("weight")
+            assert isinstance(weight, torch.Tensor)  # never another format (INT8_WEIGHTS)
             bias = None if self.bias is None else self.bias.float()
             return linear(x.float(), weight if weight.is_mkldnn else weight.float(), bias)
         return linear(x, self.w("weight"), self.bias).float()

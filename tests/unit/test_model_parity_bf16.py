@@ -20,7 +20,10 @@ from shared.engine.config import SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.model.config import ARCHITECTURES
+from shared.model.experts import Experts
+from shared.model.kernels import cpu_moe
 from shared.model.loader import load_model
+from shared.model.moe import use_cpu_expert_kernel
 from shared.model.paged_attention import AttentionMetadata
 
 PROMPT_LENGTHS = (5, 23, 100)  # 100 > the prefill budget: chunked
@@ -65,8 +68,18 @@ def _prompts(vocab: int) -> list[list[int]]:
 KNOWN_BF16_LOGIT_GAPS: dict[str, str] = {}
 
 
-def test_bf16_prefill_logits_match_transformers(checkpoint, reference, request):
+@pytest.mark.parametrize("expert_kernel", [False, True], ids=["torch", "cpu-kernel"])
+def test_bf16_prefill_logits_match_transformers(checkpoint, reference, request, expert_kernel):
+    """With the torch paths, and with the CPU expert kernel's bfloat16 build computing the routed experts (where
+    the architecture's experts take it: SiLU-gated, sizes that fit its panels; float32 accumulation, rounded to
+    bfloat16 where torch rounds): the same tolerance."""
     model = load_model(checkpoint, dtype="bfloat16")
+    if expert_kernel:
+        if not cpu_moe.kernels():
+            pytest.skip("the CPU expert kernel cannot be built or run on this host")
+        line = use_cpu_expert_kernel(model)
+        if "cpu kernel" not in line or " 0/" in line:
+            pytest.skip(f"no routed experts on the kernel here: {line}")
     cfg = model.config
     if cfg.model_type in KNOWN_BF16_LOGIT_GAPS:
         request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_BF16_LOGIT_GAPS[cfg.model_type]))
@@ -91,6 +104,10 @@ def test_bf16_greedy_generation_matches_transformers(checkpoint, reference):
         num_kv_blocks=64,
         max_model_len=512,
     )
+    if cpu_moe.kernels():  # the routed experts run the kernel's bfloat16 build where they can
+        for m in engine.model.modules():
+            if isinstance(m, Experts) and m.cpu_kernel:
+                assert m._panels is not None and m._panels.dtype == BF16
     prompts = _prompts(engine.model.config.vocab_size)
     ours = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     for prompt, tokens in zip(prompts, ours, strict=True):
