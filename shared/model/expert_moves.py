@@ -33,10 +33,14 @@ class StagedLayer:
 
 
 def slot_tensors(moe: MoE) -> list[torch.Tensor]:
-    """The experts' per-slot tensors, in a fixed order (by name): every parameter stacked over the slots."""
+    """The experts' per-slot tensors, in a fixed order (by name): every parameter stacked over the slots, then
+    load-time int8's quantized weights and scales where the experts keep them (shared/model/int8.py)."""
     experts = moe.experts
     n = experts.num_experts
-    return [t for _, t in sorted(experts.named_parameters()) if t.dim() >= 1 and t.shape[0] == n]
+    tensors = [t for _, t in sorted(experts.named_parameters()) if t.dim() >= 1 and t.shape[0] == n]
+    if experts.int8 is not None:
+        tensors += [t for pair in experts.int8 for t in pair]
+    return tensors
 
 
 def slot_bytes(moe: MoE) -> int:

@@ -90,7 +90,7 @@ class Experts(nn.Module):
         """Some slots' weights were replaced in place (live expert re-placement, shared/model/expert_moves.py):
         rebuild what was derived from them (the CPU kernel's panels, the oneDNN packs)."""
         if self._panels is not None and self._cpu_kernel is not None:
-            self._panels = self._cpu_kernel.pack(self.gate_up.data, self.down.data)
+            self._panels = self._pack_panels(self._cpu_kernel)
         elif self._packed is not None:
             self.prepack()
 
@@ -103,12 +103,13 @@ class Experts(nn.Module):
         why = why or ("not on the CPU" if self.down.device.type != "cpu" else None)
         why = why or kernel.supports(self.down.shape[1], self.intermediate, self.down.dtype)
         if why is None:
-            if self.int8 is not None:
-                self._panels = kernel.pack_int8(*self.int8)
-            else:
-                self._panels = kernel.pack(self.gate_up.data, self.down.data)
+            self._panels = self._pack_panels(kernel)
             self._cpu_kernel, self._packed = kernel, None
         return why
+
+    def _pack_panels(self, kernel: cpu_moe.Kernel) -> cpu_moe.ExpertPanels:
+        """The kernel's panels of the weights: int8 ones where load-time int8 kept them, else of the parameters."""
+        return kernel.pack_int8(*self.int8) if self.int8 is not None else kernel.pack(self.gate_up.data, self.down.data)
 
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._packed[e] if self._packed is not None else (self.gate_up[e], self.down[e])

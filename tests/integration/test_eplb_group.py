@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from services.demo_model import write_demo_checkpoint
-from shared.engine.config import EngineConfig, EplbConfig, SchedulerConfig
+from shared.engine.config import EngineConfig, EplbConfig, Quantization, SchedulerConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.model.loader import load_model
@@ -159,6 +159,29 @@ def test_the_planner_rebalances_from_the_window_and_tokens_stay_exact(model_dir,
     assert plan.after < plan.before
     stats = rebalancer.take_stats()
     assert stats.bytes_moved == sum(len(p.changes) for p in rebalancer.history[done:]) * 3 * 32 * 64 * 4
+
+
+def test_int8_experts_move_with_their_quantized_weights(model_dir) -> None:
+    """Load-time int8 keeps the experts' int8 weights and scales beside the float ones, and the CPU kernel reads
+    the int8: a move carries them too (and the kernel's panels are rebuilt from them), so the tokens stay the
+    single int8 engine's."""
+    g = start_group(_eplb_config(model_dir, quantization=Quantization.INT8))
+    try:
+        rebalancer = g.rebalancer
+        assert rebalancer is not None
+        experts = next(iter(g.engine.model.sparse_layers().values())).experts
+        assert experts.int8 is not None  # the kernel's int8 path is what serves
+        prompts = _prompts(4)
+        target = _shuffled(rebalancer.placement)
+        tokens, phases = _run(g, prompts, at_step=lambda n: n == 2 and rebalancer.request(target))
+        assert "after" in phases and rebalancer.placement == target
+        single = Engine.build(_config(model_dir, quantization=Quantization.INT8)).generate(prompts, GREEDY)
+        assert tokens == single
+        i, d = 32, 64  # float32 gate_up + down, then int8 q of both and their float32 scales per output row
+        per_slot = 3 * i * d * 4 + 3 * i * d + (2 * i + d) * 4
+        assert rebalancer.take_stats().bytes_moved == 2 * len(target.layers) * per_slot
+    finally:
+        g.close()
 
 
 @pytest.mark.slow  # a second group, killed (make test-slow)
