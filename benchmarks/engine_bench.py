@@ -113,6 +113,8 @@ class PdserveRunner:
             cpu_attention_kernel=cpu_attention,
             dtype="float32" if weights == "int8" else weights,
             quantization="int8" if weights == "int8" else None,
+            # the timed prompts repeat the warm-up's: the cache would serve them, and this measures the compute
+            enable_prefix_caching=False,
         )
         self.weights = weights
         if cpu_kernel and kernel_isa is not None:
