@@ -31,6 +31,10 @@ prints one table:
   of all sequences over the decode time) and `-npp 512 -ntg 1 -npl 1` (prefill: S_PP), at --threads for both
   -t and -tb; each run repeated --repeats times, the median per row. Its defaults (flash attention auto, float16
   KV cache) are kept, as users run it, and recorded; --llama-cpp-args adds flags, e.g. "-fa off -ctk f32 -ctv f32".
+- a GGUF llama.cpp crashes on with its weight repacking (its "extra buffer types": on an Intel host with AMX,
+  Q8_0 matmuls go to the AMX path, which at 0c1e570 segfaults in ggml_backend_amx_mul_mat on the demo's shapes)
+  runs with repacking off (`-nr`, use_extra_bufts = false), found by a short smoke run per GGUF; the JSON and
+  the table's row say so. That path is llama.cpp's generic one, likely slower than a working AMX one.
 - pdserve timing: `benchmarks/engine_bench.py --threads N --skip-mixed` in a child process (its medians of
   interleaved repeats against transformers): prefill = its batch-1 prefill of 512 tokens, decode = its decode
   of 128-token prompts, 128 timed tokens, at 1, 8 and 32 sequences. Per weights dtype when engine_bench.py
@@ -198,13 +202,16 @@ def agreement(reference: Sequence[int], tokens: Sequence[int]) -> dict[str, Any]
 COLUMNS = ("prefill", *(f"decode_{b}" for b in DECODE_BATCHES))
 
 
-def table_rows(figures: dict[str, dict[str, dict | str]]) -> list[dict[str, Any]]:
-    """figures: dtype → {"llama.cpp": cells, "pdserve": cells or a reason it has none} → rows of the table, each
-    dtype's two systems then pdserve / llama.cpp (a reason string fills a row's cells)."""
+def table_rows(figures: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """figures: dtype → {"llama.cpp": cells, "pdserve": cells or a reason it has none, optionally "llama.cpp
+    flags": what llama.cpp ran with beyond its defaults} → rows of the table, each dtype's two systems then
+    pdserve / llama.cpp (a reason string fills a row's cells)."""
     rows = []
     for dtype, systems in figures.items():
         peer, ours = systems["llama.cpp"], systems["pdserve"]
-        peer_name = "llama.cpp" + (f" ({GGUF_TYPES[dtype]})" if GGUF_TYPES.get(dtype) not in (None, "F32") else "")
+        notes = [GGUF_TYPES[dtype]] if GGUF_TYPES.get(dtype) not in (None, "F32") else []
+        notes += [systems["llama.cpp flags"]] if systems.get("llama.cpp flags") else []
+        peer_name = "llama.cpp" + (f" ({', '.join(notes)})" if notes else "")
         rows.append(dict(weights=dtype, system=peer_name, cells=peer))
         rows.append(dict(weights=dtype, system="pdserve", cells=ours))
         if isinstance(peer, dict) and isinstance(ours, dict):
@@ -297,7 +304,7 @@ def ensure_ggufs(model_dir: Path, llama_cpp_dir: Path, bin_dir: Path, out_dir: P
     for dtype, path in paths.items():
         if dtype != "float32" and not _fresh(path, f32):
             subprocess.run([str(bin_dir / "llama-quantize"), str(f32), str(path), GGUF_TYPES[dtype]], check=True,
-                           stdout=subprocess.DEVNULL)  # fmt: skip
+                           capture_output=True)  # fmt: skip
     return paths
 
 
@@ -323,15 +330,23 @@ class LlamaCppBinding:
         lib.llama_backend_init()
 
     def greedy(
-        self, gguf: Path, prompt: Sequence[int], new_tokens: int, threads: int, settings: dict[str, int]
+        self,
+        gguf: Path,
+        prompt: Sequence[int],
+        new_tokens: int,
+        threads: int,
+        settings: dict[str, int],
+        no_repack: bool = False,
     ) -> list[int]:
         """The argmax token of each step's logits, `new_tokens` times after the prompt; `settings`: context
-        parameters over llama.cpp's defaults."""
+        parameters over llama.cpp's defaults; no_repack: weights without the extra buffer types (= -nr)."""
         import numpy as np
 
         lib = self.lib
         self.log.clear()
-        model = lib.llama_model_load_from_file(str(gguf).encode(), lib.llama_model_default_params())
+        model_params = lib.llama_model_default_params()
+        model_params.use_extra_bufts = not no_repack
+        model = lib.llama_model_load_from_file(str(gguf).encode(), model_params)
         if not model:
             raise RuntimeError(f"llama.cpp could not load {gguf}:\n{''.join(self.log)[-3000:]}")
         params = lib.llama_context_default_params()
@@ -360,16 +375,29 @@ def batched_bench(
     bin_dir: Path, gguf: Path, threads: int, npp: int, ntg: int, npl: Sequence[int], extra: Sequence[str] = ()
 ) -> str:
     """One llama-batched-bench run → its stdout (the settings line and the table). Its log is written by a
-    thread of its own: once, on a loaded host, a run exited having printed the table's header but no row, so a
-    run without rows is tried again (twice at most)."""
+    thread of its own, and on a loaded host a run has exited (status 0) before printing all its rows: one
+    printed the header and no row, one its rows but the last; so a run short of a row per -npl is tried again
+    (twice at most), and the caller's parse finds what is still missing."""
     ctx = max(npl) * (npp + ntg)  # every sequence its own prompt (no -pps)
     cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
            "-c", str(ctx), "-npp", str(npp), "-ntg", str(ntg), "-npl", ",".join(map(str, npl)), *extra]  # fmt: skip
     for _ in range(3):
         done = subprocess.run(cmd, check=True, capture_output=True, text=True)
-        if _ROW.search(done.stdout):
+        if len(_ROW.findall(done.stdout)) >= len(npl):
             break
     return done.stdout
+
+
+def needs_no_repack(bin_dir: Path, gguf: Path, threads: int) -> bool:
+    """Whether llama.cpp crashes on this GGUF with weight repacking on and runs with it off (-nr): a short
+    batched-bench run each way. Raises if it fails either way."""
+    cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
+           "-c", "64", "-npp", "16", "-ntg", "2", "-npl", "1"]  # fmt: skip
+    if subprocess.run(cmd, capture_output=True).returncode == 0:
+        return False
+    if subprocess.run([*cmd, "-nr"], capture_output=True).returncode == 0:
+        return True
+    raise RuntimeError(f"llama.cpp fails on {gguf} with and without weight repacking: {' '.join(cmd)}")
 
 
 def time_llama_cpp(bin_dir: Path, gguf: Path, threads: int, repeats: int, extra: Sequence[str] = ()) -> dict:
@@ -457,6 +485,10 @@ def main() -> None:
     model_dir = prepare_model(args.model)
     ggufs = ensure_ggufs(model_dir, llama_cpp_dir, bin_dir, REPO / "models" / "gguf" / model_dir.name)
 
+    no_repack = {dtype: needs_no_repack(bin_dir, path, args.threads) for dtype, path in ggufs.items()}
+    for dtype in (d for d, off in no_repack.items() if off):
+        print(f"llama.cpp crashes on the {GGUF_TYPES[dtype]} GGUF with weight repacking: it runs with -nr")
+
     # greedy tokens: each GGUF against transformers in float32
     from transformers import AutoTokenizer
 
@@ -466,7 +498,7 @@ def main() -> None:
     greedy: dict[str, dict] = {name: {} for name in GREEDY_SETTINGS}
     for name, settings in GREEDY_SETTINGS.items():
         for dtype, path in ggufs.items():
-            tokens = binding.greedy(path, prompt, args.greedy_tokens, args.threads, settings)
+            tokens = binding.greedy(path, prompt, args.greedy_tokens, args.threads, settings, no_repack[dtype])
             g = greedy[name][dtype] = agreement(reference, tokens) | dict(generated=tokens)
             print(
                 f"greedy, {name} attention settings: {GGUF_TYPES[dtype]:>5} vs transformers float32: "
@@ -475,10 +507,13 @@ def main() -> None:
     if not greedy["exact"]["float32"]["identical"]:
         sys.exit("llama.cpp's F32 GGUF does not write transformers' greedy tokens: the conversion is not faithful")
 
-    llama_cpp = {}
+    llama_cpp, extra_args = {}, {}
     for dtype, path in ggufs.items():
         print(f"timing llama.cpp {GGUF_TYPES[dtype]} ({repeats} x 2 batched-bench runs) ...", flush=True)
-        llama_cpp[dtype] = time_llama_cpp(bin_dir, path, args.threads, repeats, args.llama_cpp_args.split())
+        extra = extra_args[dtype] = args.llama_cpp_args.split() + (["-nr"] if no_repack[dtype] else [])
+        llama_cpp[dtype] = time_llama_cpp(bin_dir, path, args.threads, repeats, extra) | dict(
+            no_repack=no_repack[dtype]
+        )
 
     given = dict(item.split("=", 1) for item in args.pdserve_json)
     pdserve: dict[str, dict | str] = {}
@@ -499,6 +534,7 @@ def main() -> None:
     figures = {
         dtype: {
             "llama.cpp": llama_cpp[dtype]["figures"],
+            "llama.cpp flags": " ".join(extra_args[dtype]),
             "pdserve": pdserve_figures(p) if isinstance(p, dict) else p,
         }
         for dtype, p in pdserve.items()

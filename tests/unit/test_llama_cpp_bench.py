@@ -123,13 +123,13 @@ def test_table_puts_the_systems_side_by_side_with_ratios_and_reasons() -> None:
     ours = dict(prefill=2490.0, decode_1=107.0, decode_8=476.0, decode_32=None)
     q8 = dict(prefill=1352.0, decode_1=534.0, decode_8=676.0, decode_32=1005.0)
     rows = table_rows({"float32": {"llama.cpp": peer, "pdserve": ours},
-                       "int8": {"llama.cpp": q8, "pdserve": NOT_IN_TREE}})  # fmt: skip
+                       "int8": {"llama.cpp": q8, "pdserve": NOT_IN_TREE, "llama.cpp flags": "-nr"}})  # fmt: skip
     assert render_table(rows).splitlines() == [
         "| weights | system | prefill (512) | decode, 1 seq | decode, 8 seqs | decode, 32 seqs |",
         "| --- | --- | ---: | ---: | ---: | ---: |",
         "| float32 | llama.cpp | 1257 | 228 | 463 | 844 |",
         "| float32 | pdserve | 2490 | 107 | 476 | - |",
         "| float32 | pdserve / llama.cpp | 1.98x | 0.47x | 1.03x | - |",
-        "| int8 | llama.cpp (Q8_0) | 1352 | 534 | 676 | 1005 |",
+        "| int8 | llama.cpp (Q8_0, -nr) | 1352 | 534 | 676 | 1005 |",
         f"| int8 | pdserve | {NOT_IN_TREE} |  |  |  |",
     ]
