@@ -420,11 +420,11 @@ def time_llama_cpp(bin_dir: Path, gguf: Path, threads: int, repeats: int, extra:
 # ---------------------------------------------------------------------------------------------- pdserve, transformers
 
 
-def hf_greedy(model_dir: Path, prompt: Sequence[int], new_tokens: int) -> list[int]:
+def hf_greedy(model_dir: Path, prompt: Sequence[int], new_tokens: int, dtype: str = "float32") -> list[int]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     model.generation_config.eos_token_id = None  # as ignore_eos: always new_tokens tokens
     ids = torch.tensor([list(prompt)])
     with torch.inference_mode():
@@ -494,6 +494,12 @@ def main() -> None:
 
     prompt = AutoTokenizer.from_pretrained(model_dir)(GREEDY_PROMPT)["input_ids"]
     reference = hf_greedy(model_dir, prompt, args.greedy_tokens)
+    # how soon rounding the weights alone parts greedy tokens on this checkpoint: transformers against itself
+    hf_bf16 = agreement(reference, hf_greedy(model_dir, prompt, args.greedy_tokens, "bfloat16"))
+    print(
+        f"greedy, transformers bfloat16 vs float32: {hf_bf16['leading_same']}/{hf_bf16['tokens']} leading tokens "
+        f"agree, {hf_bf16['same']}/{hf_bf16['tokens']} positions"
+    )
     binding = LlamaCppBinding(llama_cpp_dir, bin_dir)
     greedy: dict[str, dict] = {name: {} for name in GREEDY_SETTINGS}
     for name, settings in GREEDY_SETTINGS.items():
@@ -562,7 +568,7 @@ def main() -> None:
             ggufs={d: str(p) for d, p in ggufs.items()},
             runs=llama_cpp,
         ),
-        greedy=dict(prompt=prompt, reference=reference, agreement=greedy),
+        greedy=dict(prompt=prompt, reference=reference, agreement=greedy, transformers_bfloat16=hf_bf16),
         pdserve={
             d: p if isinstance(p, str) else dict(config=p["config"], prefill=p["prefill"], decode=p["decode"])
             for d, p in pdserve.items()
