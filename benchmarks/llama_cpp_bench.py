@@ -38,7 +38,8 @@ prints one table:
 - pdserve timing: `benchmarks/engine_bench.py --threads N --skip-mixed` in a child process (its medians of
   interleaved repeats against transformers): prefill = its batch-1 prefill of 512 tokens, decode = its decode
   of 128-token prompts, 128 timed tokens, at 1, 8 and 32 sequences. Per weights dtype when engine_bench.py
-  has a --dtype that names it (PDSERVE_DTYPE_ARGS); otherwise that row says so.
+  all weights dtypes in one run (`--dtype float32,bfloat16,int8`, systems named `<system>@<dtype>`) where its
+  --dtype offers them; a tree whose engine_bench.py has no --dtype runs float32 only, the other rows say so.
 
 The two systems run one after the other, not interleaved: on a shared host, compare ratios from one quiet run.
 """
@@ -74,8 +75,7 @@ CMAKE_TARGETS = ("llama", "llama-batched-bench", "llama-quantize")
 
 # weights dtype (the table's rows) → llama.cpp's GGUF type; F32 comes from the converter, the others from it
 GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0"}
-# weights dtype → engine_bench.py arguments; a row runs only if `engine_bench.py --help` offers the value
-PDSERVE_DTYPE_ARGS = {"float32": (), "bfloat16": ("--dtype", "bfloat16"), "int8": ("--dtype", "int8")}
+WEIGHTS_SEPARATOR = "@"  # engine_bench.py's system names with --dtype: <system>@<weights dtype>
 
 # the shapes engine_bench.py measures (checked against its JSON)
 PREFILL_LEN, DECODE_PROMPT, DECODE_TOKENS, DECODE_BATCHES = 512, 128, 128, (1, 8, 32)
@@ -174,15 +174,27 @@ def llama_cpp_figures(prefill_rows: list[dict], decode_rows: list[dict]) -> dict
     return out
 
 
-def pdserve_figures(report: dict) -> dict[str, float | None]:
-    """The table's cells from an engine_bench.py JSON: its first (headline) pdserve system's batch-1 prefill and
-    its decode rows. A shape other than this script's is an error (the columns would not mean the same)."""
+def pdserve_system(systems: Sequence[str], dtype: str) -> str | None:
+    """engine_bench.py's headline pdserve system for a weights dtype: the first `<system>@<dtype>`; in a run
+    without --dtype (no `@`), the first system for float32 (the checkpoint's dtype); else None."""
+    pds = [s for s in systems if s != "transformers"]
+    if any(WEIGHTS_SEPARATOR in s for s in pds):
+        return next((s for s in pds if s.partition(WEIGHTS_SEPARATOR)[2] == dtype), None)
+    return pds[0] if pds and dtype == "float32" else None
+
+
+def pdserve_figures(report: dict, dtype: str = "float32") -> dict[str, float | None]:
+    """The table's cells from an engine_bench.py JSON: the weights dtype's headline pdserve system's batch-1
+    prefill and its decode rows. A shape other than this script's is an error (the columns would not mean the
+    same), and so is a JSON without the dtype."""
     cfg = report["config"]
     shapes = (cfg["prefill_len"], cfg["decode_prompt_len"], cfg["decode_tokens"])
     if shapes != (PREFILL_LEN, DECODE_PROMPT, DECODE_TOKENS):
         raise ValueError(f"engine_bench ran prefill/prompt/tokens {shapes}, this table is for "
                          f"{(PREFILL_LEN, DECODE_PROMPT, DECODE_TOKENS)}")  # fmt: skip
-    system = cfg["systems"][0]
+    system = pdserve_system(cfg["systems"], dtype)
+    if system is None:
+        raise ValueError(f"engine_bench ran no pdserve system with {dtype} weights: {cfg['systems']}")
     pre = [r[f"{system}_tok_s"] for r in report["prefill"] if r["batch"] == 1]
     out: dict[str, float | None] = dict(prefill=pre[0] if pre else None)
     for b in DECODE_BATCHES:
@@ -433,21 +445,21 @@ def hf_greedy(model_dir: Path, prompt: Sequence[int], new_tokens: int, dtype: st
     return out[0, ids.shape[1] :].tolist()
 
 
-def engine_bench_dtypes() -> set[str]:
-    """The weights dtypes engine_bench.py in this tree can run: float32, and each one whose --dtype value its
-    --help names."""
+def engine_bench_dtypes() -> list[str]:
+    """The weights dtypes (GGUF_TYPES' order) engine_bench.py in this tree runs with --dtype, as its --help names
+    them; empty when it has no --dtype."""
     help_text = subprocess.run([sys.executable, str(REPO / "benchmarks" / "engine_bench.py"), "--help"],
                                check=True, capture_output=True, text=True).stdout  # fmt: skip
-    offered = {"float32"}
-    for dtype, args in PDSERVE_DTYPE_ARGS.items():
-        if args and args[0] in help_text and re.search(rf"\b{re.escape(args[-1])}\b", help_text):
-            offered.add(dtype)
-    return offered
+    if "--dtype" not in help_text:
+        return []
+    return [d for d in GGUF_TYPES if re.search(rf"\b{re.escape(d)}\b", help_text.partition("--dtype")[2])]
 
 
-def run_engine_bench(dtype: str, threads: int, out: Path, quick: bool) -> dict:
+def run_engine_bench(dtypes: Sequence[str], threads: int, out: Path, quick: bool) -> dict:
+    """engine_bench.py, all `dtypes` side by side in one run (none: without --dtype, the checkpoint's float32)."""
     cmd = [sys.executable, str(REPO / "benchmarks" / "engine_bench.py"), "--threads", str(threads), "--skip-mixed",
-           "--out", str(out), *PDSERVE_DTYPE_ARGS[dtype]] + (["--quick"] if quick else [])  # fmt: skip
+           "--out", str(out)]  # fmt: skip
+    cmd += (["--dtype", ",".join(dtypes)] if dtypes else []) + (["--quick"] if quick else [])
     print(f"\n$ {' '.join(cmd)}", flush=True)
     subprocess.run(cmd, check=True)
     return json.loads(out.read_text())
@@ -463,8 +475,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--repeats", type=int, default=3, help="llama-batched-bench runs per GGUF and command (median)")
     ap.add_argument("--greedy-tokens", type=int, default=GREEDY_TOKENS)
-    ap.add_argument("--pdserve-json", action="append", default=[], metavar="DTYPE=JSON",
-                    help="use an engine_bench.py JSON for a dtype instead of running it (float32=path)")  # fmt: skip
+    ap.add_argument("--pdserve-json", metavar="JSON", help="an engine_bench.py JSON to use instead of running it")
     ap.add_argument("--skip-pdserve", action="store_true", help="llama.cpp only")
     ap.add_argument("--llama-cpp-args", default="", help='flags added to llama-batched-bench, e.g. "-fa off"')
     ap.add_argument("--quick", action="store_true", help="one repeat here, engine_bench.py --quick (no 8 seqs)")
@@ -521,27 +532,31 @@ def main() -> None:
             no_repack=no_repack[dtype]
         )
 
-    given = dict(item.split("=", 1) for item in args.pdserve_json)
+    if args.pdserve_json:
+        engine_report: dict | None = json.loads(Path(args.pdserve_json).read_text())
+    elif args.skip_pdserve:
+        engine_report = None
+    else:
+        offered = engine_bench_dtypes()
+        out = Path(args.out).with_name("llama_cpp_bench.engine_bench.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        engine_report = run_engine_bench(offered, args.threads, out, args.quick)
     pdserve: dict[str, dict | str] = {}
-    offered = set() if args.skip_pdserve else engine_bench_dtypes()
     for dtype in GGUF_TYPES:
-        if dtype in given:
-            pdserve[dtype] = json.loads(Path(given[dtype]).read_text())
-        elif args.skip_pdserve:
+        system = engine_report and pdserve_system(engine_report["config"]["systems"], dtype)
+        if engine_report is None:
             pdserve[dtype] = "skipped (--skip-pdserve)"
-        elif dtype in offered:
-            out = Path(args.out).with_name(f"llama_cpp_bench.engine_bench.{dtype}.json")
-            out.parent.mkdir(parents=True, exist_ok=True)
-            pdserve[dtype] = run_engine_bench(dtype, args.threads, out, args.quick)
-        else:
+        elif system is None:
             pdserve[dtype] = NOT_IN_TREE
-            print(f"TODO: pdserve {dtype}: engine_bench.py has no `{' '.join(PDSERVE_DTYPE_ARGS[dtype])}` in this "
-                  "tree; its row stays empty until it does")  # fmt: skip
+            print(f"TODO: pdserve {dtype}: engine_bench.py ran no {dtype} system (no `--dtype {dtype}` in this "
+                  "tree?); its row stays empty until it does")  # fmt: skip
+        else:
+            pdserve[dtype] = pdserve_figures(engine_report, dtype)
     figures = {
         dtype: {
             "llama.cpp": llama_cpp[dtype]["figures"],
             "llama.cpp flags": " ".join(extra_args[dtype]),
-            "pdserve": pdserve_figures(p) if isinstance(p, dict) else p,
+            "pdserve": p,
         }
         for dtype, p in pdserve.items()
     }
@@ -569,10 +584,7 @@ def main() -> None:
             runs=llama_cpp,
         ),
         greedy=dict(prompt=prompt, reference=reference, agreement=greedy, transformers_bfloat16=hf_bf16),
-        pdserve={
-            d: p if isinstance(p, str) else dict(config=p["config"], prefill=p["prefill"], decode=p["decode"])
-            for d, p in pdserve.items()
-        },
+        engine_bench=engine_report and {k: engine_report[k] for k in ("config", "prefill", "decode")},
         figures=figures,
         table=render_table(rows),
         bench_seconds=time.perf_counter() - started,

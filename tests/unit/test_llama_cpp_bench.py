@@ -12,6 +12,7 @@ from benchmarks.llama_cpp_bench import (
     median_rows,
     parse_batched_bench,
     pdserve_figures,
+    pdserve_system,
     render_table,
     table_rows,
 )
@@ -108,6 +109,23 @@ def test_pdserve_cells_are_the_headline_systems_batch_1_prefill_and_decode_rows(
     assert cells == dict(prefill=2490.0, decode_1=107.0, decode_8=476.0, decode_32=1142.0)
     with pytest.raises(ValueError, match="prefill/prompt/tokens"):
         pdserve_figures(_engine_report(prefill_len=256))
+    with pytest.raises(ValueError, match="no pdserve system with int8"):
+        pdserve_figures(_engine_report(), "int8")  # a run without --dtype has float32 only
+
+
+def test_each_dtype_reads_its_own_system_of_a_dtype_run() -> None:
+    systems = ["pdserve_cpukernel@float32", "pdserve_cpukernel@bfloat16", "pdserve_cpukernel@int8", "transformers"]
+    assert pdserve_system(systems, "bfloat16") == "pdserve_cpukernel@bfloat16"
+    assert pdserve_system(systems[:1] + systems[-1:], "int8") is None
+    assert pdserve_system(["pdserve_cpukernel", "transformers"], "float32") == "pdserve_cpukernel"
+    report = _engine_report()
+    report["config"]["systems"] = systems
+    for row in report["prefill"] + report["decode"]:
+        row["pdserve_cpukernel@float32_tok_s"] = row.pop("pdserve_cpukernel_tok_s")
+        row["pdserve_cpukernel@bfloat16_tok_s"] = 2 * row["pdserve_cpukernel@float32_tok_s"]
+        row["pdserve_cpukernel@int8_tok_s"] = 3 * row["pdserve_cpukernel@float32_tok_s"]
+    assert pdserve_figures(report, "int8") == dict(prefill=7470.0, decode_1=321.0, decode_8=1428.0, decode_32=3426.0)
+    assert pdserve_figures(report, "float32")["decode_32"] == 1142.0
 
 
 def test_agreement_counts_leading_and_positional_matches() -> None:
