@@ -1,7 +1,7 @@
 """pdserve against llama.cpp on CPU: prefill and decode tokens/s per weights dtype, side by side, in one run.
 
     .venv/bin/python benchmarks/llama_cpp_bench.py [--threads N] [--repeats N] [--model DIR] [--out JSON]
-        [--pdserve-json JSON | --skip-pdserve] [--greedy-tokens N] [--quick]
+        [--pdserve-json JSON | --skip-pdserve] [--greedy-tokens N] [--llama-cpp-args "..."] [--quick]
 
 llama.cpp is the CPU peer users compare a MoE server with. This script builds it, converts the benchmark's
 checkpoint with its own converter, checks its greedy tokens against `transformers`, times it, times pdserve, and
