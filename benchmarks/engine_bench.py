@@ -113,7 +113,8 @@ class PdserveRunner:
             cpu_attention_kernel=cpu_attention,
             dtype="float32" if weights == "int8" else weights,
             quantization="int8" if weights == "int8" else None,
-            # the timed prompts repeat the warm-up's: the cache would serve them, and this measures the compute
+            # every run repeats its warm-up's prompts: with the prefix cache a timed prefill would compute only
+            # the last block (measured: 31 ms instead of 171 for one 512-token prompt) and transformers caches none
             enable_prefix_caching=False,
         )
         self.weights = weights
