@@ -37,7 +37,7 @@ def slot_tensors(moe: MoE) -> list[torch.Tensor]:
     load-time int8's quantized weights and scales where the experts keep them (shared/model/int8.py)."""
     experts = moe.experts
     n = experts.num_experts
-    tensors = [t for _, t in sorted(experts.named_parameters()) if t.dim() >= 1 and t.shape[0] == n]
+    tensors: list[torch.Tensor] = [t for _, t in sorted(experts.named_parameters()) if t.dim() >= 1 and t.shape[0] == n]
     if experts.int8 is not None:
         tensors += [t for pair in experts.int8 for t in pair]
     return tensors

@@ -15,7 +15,7 @@ from torch import nn
 
 from shared.model.config import RopeConfig
 from shared.model.kernels import cpu_norm_rope
-from shared.model.linear import PackedWeights, linear
+from shared.model.linear import PackedWeights, WeightFormat, linear
 from shared.model.tensor_parallel import TensorShard
 
 
@@ -234,7 +234,7 @@ class GatedMLP(nn.Module, PackedWeights):
         return self.shard.all_reduce_(out) if self.reduce else out
 
 
-def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor | WeightFormat, down: torch.Tensor | WeightFormat) -> torch.Tensor:
     """x: (T, D), gate_up: (2I, D), down: (D, I) → (T, D). Weights may be packed (see linear.py)."""
     gate, up = linear(x, gate_up).chunk(2, dim=-1)
     return linear(F.silu(gate).mul_(up), down)  # in place: one (T, I) buffer fewer per call, same rounding

@@ -104,7 +104,7 @@ class ExpertPanels:
     ) -> ExpertPanels:
         """gate_up (q (E, 2I, D) int8, scale (E, 2I) float32), down (q (E, D, I), scale (E, D)): the float32
         layout over the int8 values, and the scales of each panel's columns in the same order."""
-        panels = cls.pack(*(q for q, _ in (gate_up, down)), lanes)  # int8 takes the float32 layout
+        panels = cls.pack(gate_up[0], down[0], lanes)  # the int8 values take the float32 layout
         (_, gs), (_, ds) = gate_up, down
         e, two_i = gs.shape
         i, d = two_i // 2, ds.shape[1]
