@@ -67,9 +67,18 @@ def rank_placements(config: EngineConfig, world: int, available: list[int] | Non
     return [RankPlacement(config.device, per_threads or len(run), run) for run in runs]
 
 
-def _place(p: RankPlacement) -> None:
-    if p.cores is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, p.cores)
+def _place(p: RankPlacement) -> set[int] | None:
+    """Pin this process to its rank's cores; → the affinity it had (None where nothing was pinned)."""
+    if p.cores is None or not hasattr(os, "sched_setaffinity"):
+        return None
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, p.cores)
+    return before
+
+
+def _unplace(before: set[int] | None) -> None:
+    if before is not None:
+        os.sched_setaffinity(0, before)
 
 
 def _rank_config(config: EngineConfig, p: RankPlacement) -> EngineConfig:
@@ -131,9 +140,13 @@ class WorkerGroup:
         return [os.getpid(), *(p.pid or 0 for p in self.procs)]
 
     rebalancer: ExpertRebalancer | None = None  # live expert re-placement (--eplb), the one ops.rebalancer runs
+    # the leader's process affinity before it was pinned to rank 0's cores: back on close (a library caller, a
+    # test run, goes on in the same process)
+    leader_affinity: set[int] | None = None
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """A planned stop: the followers leave their loops and exit."""
+        """A planned stop: the followers leave their loops and exit; the leader's process is unpinned."""
+        _unplace(self.leader_affinity)
         self.watch.disarm()
         self.ops.stop()
         for p in self.procs:
@@ -158,12 +171,14 @@ def start_group(config: EngineConfig, on_death: Callable[[int, int | None], None
     server = ChannelServer()
     procs = spawn_followers(rdv, follower_main, (config, placements, server.address))
     watch = FollowerWatch(procs, on_death)
+    affinity = None
     try:
-        _place(placements[0])
+        affinity = _place(placements[0])
         group = RankGroup.join(rdv, 0, local_host=rdv.host)
         conns = server.accept_all(list(range(1, layout.world)), rdv.start_timeout_s or START_TIMEOUT_S)
         engine = Engine.build(_rank_config(config, placements[0]), group=group)
     except BaseException:
+        _unplace(affinity)
         watch.disarm()
         for p in procs:
             p.kill()
@@ -189,7 +204,7 @@ def start_group(config: EngineConfig, on_death: Callable[[int, int | None], None
     agents = GroupAgents(
         agent, {r: conns[(r, "agent")] for r in followers}, {r: conns[(r, "events")] for r in followers}
     )
-    group_handle = WorkerGroup(engine, layout, agents, ops, procs, watch, list(conns.values()), rebalancer)
+    group_handle = WorkerGroup(engine, layout, agents, ops, procs, watch, list(conns.values()), rebalancer, affinity)
     log.info(
         "worker group %s: ranks %s (pids %s) on %s",
         layout,

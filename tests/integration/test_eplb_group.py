@@ -165,6 +165,7 @@ def test_int8_experts_move_with_their_quantized_weights(model_dir) -> None:
     """Load-time int8 keeps the experts' int8 weights and scales beside the float ones, and the CPU kernel reads
     the int8: a move carries them too (and the kernel's panels are rebuilt from them), so the tokens stay the
     single int8 engine's."""
+    affinity = os.sched_getaffinity(0)
     g = start_group(_eplb_config(model_dir, quantization=Quantization.INT8))
     try:
         rebalancer = g.rebalancer
@@ -182,6 +183,7 @@ def test_int8_experts_move_with_their_quantized_weights(model_dir) -> None:
         assert rebalancer.take_stats().bytes_moved == 2 * len(target.layers) * per_slot
     finally:
         g.close()
+    assert os.sched_getaffinity(0) == affinity  # the leader (this process) unpinned: later tests see every core
 
 
 @pytest.mark.slow  # a second group, killed (make test-slow)
