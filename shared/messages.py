@@ -230,6 +230,10 @@ class HotExperts(msgspec.Struct, frozen=True, array_like=True):
     experts: list[int]
     tokens: list[Annotated[int, msgspec.Meta(ge=0)]]
 
+    def __post_init__(self) -> None:
+        if not len(self.layers) == len(self.experts) == len(self.tokens):
+            raise ValueError("hot experts: one layer, expert and token count per pair")
+
 
 class AffinityCandidate(msgspec.Struct, frozen=True):
     """A decode worker the prefill worker may hand a job to by expert affinity: its id, its running requests at the

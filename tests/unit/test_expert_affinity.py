@@ -120,3 +120,8 @@ def test_the_new_fields_round_trip_and_older_readers_ignore_them() -> None:
     assert len(encode(hot)) < 80  # compact: three arrays of top-k ints
     beat = _beat("d", hot)
     assert decode(encode(beat), Heartbeat) == beat
+
+
+def test_hot_experts_of_unequal_lengths_are_refused_on_the_wire() -> None:
+    with pytest.raises(msgspec.ValidationError, match="one layer, expert and token count per pair"):
+        decode(b"[[0],[1,2],[3]]", HotExperts)
