@@ -7,6 +7,10 @@ the job goes.
 
 Whichever path a request came by, a move (the watchdog's, nats_backend.py) sends it back to the prefill queue with its
 tokens so far, as every moved request.
+
+The chooser remembers what only the gateway knows: the prompts it sent local over the last window (`LocalLoad`, the
+decode load of the rule's TPOT clause) and each path's serving-plane time, learnt from its first tokens
+(`PlaneTime`).
 """
 
 from __future__ import annotations
