@@ -16,10 +16,9 @@ import asyncio
 import json
 
 import pytest
-import torch
 
 from services.demo_model import write_demo_checkpoint
-from shared.engine.config import EngineConfig, EplbConfig, SchedulerConfig
+from shared.engine.config import EplbConfig
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.model.loader import load_model
@@ -29,6 +28,7 @@ from shared.sharding.dispatch import EPDispatch
 from shared.sharding.group import RankGroup
 from shared.sharding.placement import ExpertPlacement, plan_placement
 from shared.worker.heartbeat import beat_facts
+from tests.ep_groups import ep_config, random_prompts
 
 pytestmark = pytest.mark.slow  # four spawned ranks per scenario (make test-slow)
 
@@ -41,21 +41,8 @@ def model_dir(tmp_path_factory):
     return write_demo_checkpoint(tmp_path_factory.mktemp("moe") / "demo", arch="qwen3_moe")  # 8 experts, 2 layers
 
 
-def _config(model_dir, **kw) -> EngineConfig:
-    base = dict(
-        model=str(model_dir),
-        block_size=4,
-        num_kv_blocks=64,
-        max_model_len=96,
-        threads=1,
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24),
-    )
-    return EngineConfig(**(base | kw))
-
-
 def _prompts(seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(5, 200, (n,), generator=g).tolist() for n in (29, 7, 40, 13, 1)]
+    return random_prompts(seed, (29, 7, 40, 13, 1))
 
 
 def _skewed_placement(model_dir) -> ExpertPlacement:
@@ -77,7 +64,7 @@ def _generate(group: RankGroup, model_dir: str, runs: list[tuple[str, str | None
     results = []
     for mode, placement in runs:
         engine = Engine.build(
-            _config(model_dir, ep=group.world, ep_dispatch=EPDispatch(mode), expert_placement=placement), group=group
+            ep_config(model_dir, ep=group.world, ep_dispatch=EPDispatch(mode), expert_placement=placement), group=group
         )
         engine.model.take_expert_load()
         tokens = engine.generate(_prompts(1), GREEDY)
@@ -93,7 +80,7 @@ def test_greedy_generation_at_ep4_is_token_exact_with_and_without_redundant_slot
     runs = [(str(mode), p) for p in (None, str(placement)) for mode in EPDispatch]
     ranks = run_on_ranks(EP, _generate, (str(model_dir), runs), timeout_s=240)
 
-    single = Engine.build(_config(model_dir))
+    single = Engine.build(ep_config(model_dir))
     single.model.take_expert_load()
     want = single.generate(_prompts(1), GREEDY)
     _, want_load, _ = beat_facts(single)
@@ -125,7 +112,7 @@ def test_a_forced_rebalance_mid_generation_at_ep4_keeps_tokens_exact(model_dir) 
     deaths: list[tuple[int, int | None]] = []
     eplb = EplbConfig(enabled=True, window_steps=8, interval_s=3600.0, redundant=REDUNDANT, min_gain=0.05)
     group = start_group(
-        _config(model_dir, ep=EP, eplb=eplb, ep_dispatch=EPDispatch.ALLTOALL),
+        ep_config(model_dir, ep=EP, eplb=eplb, ep_dispatch=EPDispatch.ALLTOALL),
         on_death=lambda rank, status: deaths.append((rank, status)),
     )
     try:
@@ -150,7 +137,7 @@ def test_a_forced_rebalance_mid_generation_at_ep4_keeps_tokens_exact(model_dir) 
                 out[o.request_id] += o.new_token_ids
             phases.append("after" if rebalancer.history else "during" if moving else "before")
             step += 1
-        assert [out[rid] for rid in ids] == Engine.build(_config(model_dir)).generate(prompts, GREEDY)
+        assert [out[rid] for rid in ids] == Engine.build(ep_config(model_dir)).generate(prompts, GREEDY)
         assert {"before", "during", "after"} <= set(phases), phases
         assert phases.count("during") == len(before.layers)  # one layer staged per boundary, the old one serving
 

@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from services.demo_model import write_demo_checkpoint
-from shared.engine.config import EngineConfig, EplbConfig, Quantization, SchedulerConfig
+from shared.engine.config import EngineConfig, EplbConfig, Quantization
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.model.loader import load_model
 from shared.parallel.group_engine import WorkerGroup, start_group
 from shared.sharding.placement import ExpertPlacement
+from tests.ep_groups import ep_config, random_prompts
 
 GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
 EP, REDUNDANT = 2, 2
@@ -32,30 +33,17 @@ def model_dir(tmp_path_factory):
     return write_demo_checkpoint(tmp_path_factory.mktemp("moe") / "demo", arch="qwen3_moe")  # 8 experts
 
 
-def _config(model_dir, **kw) -> EngineConfig:
-    base = dict(
-        model=str(model_dir),
-        block_size=4,
-        num_kv_blocks=64,
-        max_model_len=96,
-        threads=1,
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24),
-    )
-    return EngineConfig(**(base | kw))
-
-
 def _eplb_config(model_dir, **kw) -> EngineConfig:
     eplb = EplbConfig(enabled=True, window_steps=8, interval_s=3600.0, redundant=REDUNDANT, min_gain=0.05)
-    return _config(model_dir, ep=EP, eplb=eplb, **kw)
+    return ep_config(model_dir, ep=EP, eplb=eplb, **kw)
 
 
 def _prompts(seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(5, 200, (n,), generator=g).tolist() for n in (29, 7, 40, 13)]
+    return random_prompts(seed, (29, 7, 40, 13))
 
 
 def _expected(model_dir, prompts) -> list[list[int]]:
-    return Engine.build(_config(model_dir)).generate(prompts, GREEDY)
+    return Engine.build(ep_config(model_dir)).generate(prompts, GREEDY)
 
 
 def _run(group: WorkerGroup, prompts, at_step=None) -> tuple[list[list[int]], list[str]]:
@@ -176,7 +164,7 @@ def test_int8_experts_move_with_their_quantized_weights(model_dir) -> None:
         target = _shuffled(rebalancer.placement)
         tokens, phases = _run(g, prompts, at_step=lambda n: n == 2 and rebalancer.request(target))
         assert "after" in phases and rebalancer.placement == target
-        single = Engine.build(_config(model_dir, quantization=Quantization.INT8)).generate(prompts, GREEDY)
+        single = Engine.build(ep_config(model_dir, quantization=Quantization.INT8)).generate(prompts, GREEDY)
         assert tokens == single
         i, d = 32, 64  # float32 gate_up + down, then int8 q of both and their float32 scales per output row
         per_slot = 3 * i * d * 4 + 3 * i * d + (2 * i + d) * 4
