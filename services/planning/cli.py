@@ -73,8 +73,14 @@ def add_planning_commands(sub) -> None:
         default=0.0,
         help="the serving plane's time added to every hand-off besides the pull (docs/planning.md)",
     )
+    prof.add_argument(
+        "--plane-step-ms",
+        type=float,
+        default=0.0,
+        help="the workers' own time per step outside the engine (their loop), when known (docs/planning.md)",
+    )
     prof.add_argument("--serving-plane", action="store_true",
-                      help="measure those two on a local stack (1 prefill + 1 decode worker of the first config, "
+                      help="measure those three on a local stack (1 prefill + 1 decode worker of the first config, "
                       "unloaded requests) instead of taking them from the flags")  # fmt: skip
     prof.add_argument("--seed", type=int, default=0)
     prof.set_defaults(func=_profile)
@@ -111,7 +117,7 @@ def add_planning_commands(sub) -> None:
         default=0.9,
         help="the share of requests that must meet both SLOs for a deployment to be enough (0.9)",
     )
-    plan.add_argument("--requests", type=int, default=None, help="simulated requests (default: ~180 s of arrivals)")
+    plan.add_argument("--requests", type=int, default=None, help="simulated requests (default: ~600 s of arrivals)")
     plan.add_argument("--seed", type=int, default=0, help="the simulated requests' seed")
     plan.add_argument("--top", type=int, default=10, help="alternatives listed (default 10)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -145,6 +151,7 @@ def _profile(args: argparse.Namespace) -> int:
         kv_cache_bytes=args.kv_cache_bytes,
         plane_ttft_ms=args.plane_ttft_ms,
         plane_handoff_ms=args.plane_handoff_ms,
+        plane_step_ms=args.plane_step_ms,
         seed=args.seed,
         **{k: v for k, v in transfer.items() if v is not None},
     )

@@ -3,11 +3,13 @@
 pinned to disjoint cores when there are enough; prefix caching off, every prompt remote).
 
 Unloaded requests, one at a time, through the OpenAI API (the bench client, services/bench):
-- plane TTFT = the median of (TTFT - the prompt's prefill alone on the profile: costs.PrefillCost.alone_s): HTTP,
-  the gateway, the job's publish and fetch, the token event's way back to the client;
-- plane hand-off = the median of (the first inter-token gap - one decode step at batch 1 - the pull's modelled
+- plane TTFT = the median of (TTFT - the prompt's prefill alone on the profile, costs.PrefillCost.alone_s, and the
+  plane step of each of its steps): HTTP, the gateway, the job's publish and fetch, the token event's way back;
+- plane step = the median of (the later inter-token gaps - one decode step at batch 1 and their context): the
+  decode worker's own time per step outside the engine (its loop: outputs handed over, token events published);
+- plane hand-off = the median of (the first inter-token gap - one decode step - plane step - the pull's modelled
   cost): the decode job's publish and fetch, the Redis lookup, the import, what the pull costs beyond the model.
-Both are clamped at 0; the profile keeps the raw samples' medians in its `plane.source` text.
+All are clamped at 0; the profile keeps the raw medians in its `plane.source` text.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from services.planning.profile import ProfileRequest
 from services.planning.profile_file import PlaneCosts, Profile
 from shared.model.tokenizer import Tokenizer
 
-PROBE_OUTPUT = 8  # tokens: the first two give the hand-off's gap, the rest are not needed
+PROBE_OUTPUT = 16  # tokens: the first gap is the hand-off's, the later ones decode steps of one sequence
 WARMUPS = 2
 
 
@@ -39,6 +41,7 @@ class PlaneSample:
     prompt: int
     ttft_s: float
     first_gap_s: float
+    later_gaps_s: tuple[float, ...]  # the gaps after the first: decode steps of one sequence
 
 
 def _spec(profile: Profile, req: ProfileRequest) -> StackSpec:
@@ -76,7 +79,7 @@ def sample_plane(profile: Profile, req: ProfileRequest, lengths: tuple[int, ...]
             if not rec.success:
                 raise RuntimeError(f"a serving-plane probe failed: {rec.error}\n{stack.logs()}")
             if i >= WARMUPS:
-                samples.append(PlaneSample(rec.prompt_len, rec.ttft_s, rec.itl_s[0]))
+                samples.append(PlaneSample(rec.prompt_len, rec.ttft_s, rec.itl_s[0], tuple(rec.itl_s[1:])))
         return samples
     finally:
         stack.stop()
@@ -92,14 +95,19 @@ def plane_costs(profile: Profile, samples: list[PlaneSample]) -> PlaneCosts:
     budget = profile.engine.max_num_batched_tokens
     costs = WorkerCosts.of(profile.configs[0], budget)
     t = profile.transfer
-    ttft = [s.ttft_s - costs.prefill.alone_s(s.prompt, budget) for s in samples]
+    step = [gap - costs.decode.step_s(1, s.prompt + 2 + k) for s in samples for k, gap in enumerate(s.later_gaps_s)]
+    step_s = max(statistics.median(step), 0.0)
+    # the simulation adds the plane's step to each of a prompt's prefill steps too
+    ttft = [s.ttft_s - costs.prefill.alone_s(s.prompt, budget) - step_s * -(-s.prompt // budget) for s in samples]
     pull = [t.overhead_s + s.prompt * t.bytes_per_token * t.s_per_byte for s in samples]
-    gap = [s.first_gap_s - costs.decode.step_s(1, s.prompt + 1) - p for s, p in zip(samples, pull, strict=True)]
+    gap = [
+        s.first_gap_s - costs.decode.step_s(1, s.prompt + 1) - step_s - p for s, p in zip(samples, pull, strict=True)
+    ]
     ttft_s, gap_s = statistics.median(ttft), statistics.median(gap)
     source = (f"measured on a local stack ({len(samples)} unloaded requests, config {profile.configs[0].config.name}):"
-              f" TTFT - prefill alone {ttft_s * 1e3:.1f} ms, first gap - decode step - pull {gap_s * 1e3:.1f} ms "
-              "(medians; clamped at 0)")  # fmt: skip
-    return PlaneCosts(max(ttft_s, 0.0), max(gap_s, 0.0), source)
+              f" TTFT - prefill alone {ttft_s * 1e3:.1f} ms, later gaps - decode step {step_s * 1e3:.2f} ms, first "
+              f"gap - decode step - plane step - pull {gap_s * 1e3:.1f} ms (medians; clamped at 0)")  # fmt: skip
+    return PlaneCosts(max(ttft_s, 0.0), max(gap_s, 0.0), step_s, source)
 
 
 def measure_plane(profile: Profile, req: ProfileRequest) -> Profile:

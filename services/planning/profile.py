@@ -17,7 +17,7 @@ first `units` cores while it is measured.
 
 The KV hand-off's coefficients are not measured here: the profile carries the prefill path's cost model defaults
 (services/gateway/path_signals.py), which a flag overrides. The serving plane's own time (HTTP, NATS hops) is not
-measured either: `--plane-ttft-ms` / `--plane-handoff-ms` record it when known (docs/planning.md).
+measured here: `--plane-*-ms` record it when known, `--serving-plane` measures it on a local stack (plane.py).
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ class ProfileRequest:
     pull_overhead_ms: float = DEFAULT_KV_PULL_OVERHEAD_MS
     plane_ttft_ms: float = 0.0
     plane_handoff_ms: float = 0.0
+    plane_step_ms: float = 0.0
     seed: int = 0
 
 
@@ -123,7 +124,10 @@ def run_profile(req: ProfileRequest, log=print) -> Profile:
             source="the prefill path's cost model (services/gateway/path_signals.py) unless --transfer-* set",
         ),
         plane=PlaneCosts(
-            req.plane_ttft_ms / 1e3, req.plane_handoff_ms / 1e3, source="--plane-ttft-ms / --plane-handoff-ms"
+            req.plane_ttft_ms / 1e3,
+            req.plane_handoff_ms / 1e3,
+            req.plane_step_ms / 1e3,
+            source="--plane-ttft-ms / --plane-handoff-ms / --plane-step-ms",
         ),
         configs=tuple(measured),
         grid={

@@ -101,10 +101,12 @@ class TransferCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class PlaneCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What the serving plane adds to the engines' time: `ttft_s` to every first token (HTTP, the gateway, the job's
     publish and fetch, the token event's way back), `handoff_s` to every hand-off besides the pull's own cost (the
-    decode job's publish and fetch, the Redis lookup, the import)."""
+    decode job's publish and fetch, the Redis lookup, the import), `step_s` to every step of a worker (its loop
+    between engine steps: outputs handed over, token events published, heartbeats)."""
 
     ttft_s: float = 0.0
     handoff_s: float = 0.0
+    step_s: float = 0.0
     source: str = ""
 
 
