@@ -71,6 +71,21 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
 
 
+def measure_profile(model: Path, args: argparse.Namespace, path: Path) -> float:
+    """`pdserve profile --serving-plane` in a child, after waiting for a quiet machine; → the share of the machine
+    processes other than this one and its children used meanwhile."""
+    wait_quiet([os.getpid()], args.quiet_wait)
+    print(f"profiling {model.name} for configs {args.configs} ...", flush=True)
+    t0, (busy0, _), mine0 = time.monotonic(), machine_busy_s(), os.times()
+    cli("profile", "--model", str(model), "--configs", args.configs, "--serving-plane", "--out", str(path),
+        *args.profile_args.split())  # fmt: skip
+    wall, (busy1, _), mine1 = time.monotonic() - t0, machine_busy_s(), os.times()
+    ours = sum(mine1[:4]) - sum(mine0[:4])  # this process and its waited-for children, user + system
+    other = max(0.0, (busy1 - busy0) - ours) / (wall * (os.cpu_count() or 1))
+    print(f"  wrote {path} in {wall:.0f} s; other processes used {other:.0%} of the machine meanwhile", flush=True)
+    return other
+
+
 def deployment_of(doc: dict) -> Deployment:
     """A Deployment from its JSON form (Deployment.to_json)."""
     pools = {role: (v["config"], v["workers"]) for role, v in doc.items()}
@@ -186,12 +201,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                          size="small")  # fmt: skip
     cores = tuple(int(c) for c in args.cores.split(","))
     profile_path = Path(args.profile) if args.profile else out.with_name("plan_check_profile.json")
+    profile_noise = None
     if not args.profile:
-        print(f"profiling {model.name} for configs {args.configs} ...", flush=True)
-        t0 = time.monotonic()
-        cli("profile", "--model", str(model), "--configs", args.configs, "--serving-plane", "--out",
-            str(profile_path), *args.profile_args.split())  # fmt: skip
-        print(f"  wrote {profile_path} in {time.monotonic() - t0:.0f} s", flush=True)
+        profile_noise = measure_profile(model, args, profile_path)
     profile = load_profile(profile_path)
     slos_ms = {"ttft": args.ttft_ms, "tpot": args.tpot_ms}
     workload_flags = ["--rate", str(args.rate), "--isl", str(args.isl), "--osl", str(args.osl), "--range-ratio",
@@ -216,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         "argv": sys.argv[1:] if argv is None else argv,
         "host": {"cpu": profile.host.cpu, "cores": os.cpu_count(), "budget_cores": list(cores)},
         "profile": str(profile_path),
+        "profile_other_share": profile_noise,
         "plane": {
             "ttft_ms": profile.plane.ttft_s * 1e3,
             "handoff_ms": profile.plane.handoff_s * 1e3,

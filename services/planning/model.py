@@ -42,7 +42,7 @@ class Slos:
             raise ValueError("the TTFT and TPOT SLOs must be positive")
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Deployment:
     """Workers by role: (config name, count). Either mixed workers alone (colocated) or prefill and decode."""
 
@@ -250,11 +250,12 @@ class PerformanceModel:
         if not preds:
             raise ValueError(f"no deployment fits {budget} {self.profile.unit} (the smallest config takes "
                              f"{min(self.unit_of.values())})")  # fmt: skip
-        ranked = sorted(preds, key=lambda p: (-p.goodput, p.units, p.deployment))
+        ranked = sorted(preds, key=lambda p: (-p.goodput, p.units, p.deployment.name))
         best = ranked[0].goodput
-        recommended = min((p for p in ranked if p.goodput >= best * (1 - TIE)), key=lambda p: (p.units, -p.goodput))
+        near = (p for p in ranked if p.goodput >= best * (1 - TIE))
+        recommended = min(near, key=lambda p: (p.units, -p.goodput, p.deployment.name))
         meeting = [p for p in preds if p.attainment >= attainment]
-        fewest = min(meeting, key=lambda p: (p.units, -p.goodput, p.deployment)) if meeting else None
+        fewest = min(meeting, key=lambda p: (p.units, -p.goodput, p.deployment.name)) if meeting else None
 
         def best_of(kind: str) -> Prediction | None:
             return next((p for p in ranked if p.deployment.kind == kind), None)
