@@ -2,8 +2,8 @@
 simulated on real stacks of the recommended split and of the other splits of the same cores; predicted against
 measured goodput per split.
 
-    .venv/bin/python benchmarks/plan_check.py [--model DIR] [--configs 1,2] [--cores 0,1] [--rate 2] [--isl 384]
-        [--osl 96] [--range-ratio 0.5] [--ttft-ms 2000] [--tpot-ms 25] [--duration 75] [--profile FILE]
+    .venv/bin/python benchmarks/plan_check.py [--model DIR] [--configs 1,2] [--cores 0,1] [--rate 4] [--isl 256]
+        [--osl 128] [--range-ratio 0.5] [--ttft-ms 2000] [--tpot-ms 20] [--duration 75] [--profile FILE]
         [--out benchmarks/results/plan_check.json]
 
 1. `pdserve profile --serving-plane` of the small demo model (float32) for --configs, on this host (skipped with
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -45,6 +46,7 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 from benchmarks.compare_pd import (  # noqa: E402
     NO_CACHE,
     ModeStack,
+    _interrupt,
     machine_busy_s,
     proc_cpu_s,
     record_dict,
@@ -143,11 +145,13 @@ def measure(ms: ModeStack, model_name: str, tok: Tokenizer, requests: list[Bench
     config = BenchConfig(base_url=url, model=model_name, progress=False, timeout_s=300)
     run(config, warmup(tok, isl, seed))
     time.sleep(1.0)
+    stack0 = ms.cpu_s() | {"load generator": proc_cpu_s(os.getpid())}
     cpu0, (busy0, steal0), t0 = sum(map(proc_cpu_s, ours)), machine_busy_s(), time.monotonic()
     result = run(BenchConfig(base_url=url, model=model_name, goodput_slos=slos, seed=seed, progress=False,
                              timeout_s=300), requests)  # fmt: skip
     wall = time.monotonic() - t0
     cpu1, (busy1, steal1) = sum(map(proc_cpu_s, ours)), machine_busy_s()
+    stack1 = ms.cpu_s() | {"load generator": proc_cpu_s(os.getpid())}
     ncpu = os.cpu_count() or 1
     s = result.summary
     return {
@@ -157,6 +161,8 @@ def measure(ms: ModeStack, model_name: str, tok: Tokenizer, requests: list[Bench
         "other_share_before": share_before,
         "quiet_wait_s": waited,
         "steal_share": (steal1 - steal0) / (wall * ncpu),
+        # per process, 1.0 = one core busy for the whole run: what the serving plane took from the workers' cores
+        "busy_share": {k: round((stack1[k] - stack0[k]) / wall, 3) for k in stack0},
         "records": [record_dict(r) for r in result.records],
     }  # fmt: skip
 
@@ -174,12 +180,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", help="checkpoint (default: the small qwen3_moe demo, written once)")
     ap.add_argument("--configs", default="1,2", help="worker configs to profile (pdserve profile --configs)")
     ap.add_argument("--cores", default="0,1", help="the CPU ids the splits share (the budget)")
-    ap.add_argument("--rate", type=float, default=2.0)
-    ap.add_argument("--isl", type=int, default=384)
-    ap.add_argument("--osl", type=int, default=96)
+    ap.add_argument("--rate", type=float, default=4.0)
+    ap.add_argument("--isl", type=int, default=256)
+    ap.add_argument("--osl", type=int, default=128)
     ap.add_argument("--range-ratio", type=float, default=0.5)
     ap.add_argument("--ttft-ms", type=float, default=2000.0)
-    ap.add_argument("--tpot-ms", type=float, default=25.0)
+    ap.add_argument("--tpot-ms", type=float, default=20.0)
     ap.add_argument("--duration", type=float, default=75.0, help="seconds of arrivals per run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", help="use this profile instead of measuring one")
@@ -194,6 +200,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the stacks on SIGTERM too (background runs ignore SIGINT)
     t_start = time.monotonic()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -260,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             "predicted_over_measured": predicted.goodput / s["request_goodput"] if s["request_goodput"] else None,
             "other_share": got["other_share"],
             "other_share_before": got["other_share_before"],
+            "busy_share": got["busy_share"],
             "records": got["records"],
         }
         data["splits"].append(row)

@@ -117,7 +117,7 @@ def add_planning_commands(sub) -> None:
         default=0.9,
         help="the share of requests that must meet both SLOs for a deployment to be enough (0.9)",
     )
-    plan.add_argument("--requests", type=int, default=None, help="simulated requests (default: ~600 s of arrivals)")
+    plan.add_argument("--requests", type=int, default=None, help="simulated requests (default: ~300 s of arrivals)")
     plan.add_argument("--seed", type=int, default=0, help="the simulated requests' seed")
     plan.add_argument("--top", type=int, default=10, help="alternatives listed (default 10)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -29,7 +29,7 @@ from services.planning.simulate import Outcome, Pool, Role, SimRequest, simulate
 from services.planning.workload import Workload
 
 TIE = 0.01  # deployments within 1% of the best goodput count as equal: the one with fewest units is recommended
-MIN_REQUESTS, MAX_REQUESTS, RUN_S = 500, 4000, 600.0  # a plan simulates about RUN_S seconds of arrivals
+MIN_REQUESTS, MAX_REQUESTS, RUN_S = 400, 3000, 300.0  # a plan simulates about RUN_S seconds of arrivals
 
 
 @dataclass(frozen=True)

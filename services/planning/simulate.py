@@ -15,8 +15,10 @@ What it models, as the workers do it (docs/architecture.md, docs/planning.md):
   outside the engine (PlaneCosts.step_s). Work that arrives during a step joins the next one.
 - Prefill worker: a prompt's first token comes at the end of the step that computed its last chunk (its TTFT
   adds the serving plane's time, PlaneCosts.ttft_s); with more than one output token its decode job then waits for
-  a decode worker, which pulls the KV (transfer: overhead + bytes x cost, plus PlaneCosts.handoff_s) and decodes
-  it from the next step on.
+  a decode worker, which pulls the KV and decodes it from its next step on. The pull: the hops
+  (PlaneCosts.handoff_s) and the pull's overhead, then the prefill worker exports the blocks on its engine's thread
+  between two steps (busy, it answers when its step in progress ends: under load a hand-off waits up to a prefill
+  step), then the bytes at the transfer's cost.
 - Mixed worker: the same engine prefills and decodes; a prompt decodes from the step after its first token.
 - A request of O output tokens finishes at the end of its (O - 1)-th decode step. TPOT = (finish - first token) /
   (O - 1), as the bench client measures it (the plane's time per token cancels out of that difference).
@@ -72,6 +74,7 @@ class _Req:
     computed: int = 0  # prompt tokens computed
     first_s: float = 0.0  # absolute time of its first token (engine side)
     held: int = 0  # KV tokens counted for it when its blocks were taken (its decode steps add one each)
+    source: _Worker | None = None  # the prefill worker holding its KV until it is pulled
 
 
 @dataclass
@@ -85,6 +88,7 @@ class _Worker:
     context_sum: float = 0.0  # over the decoding requests
     held_tokens: int = 0  # KV held by admitted requests, as blocks' tokens (approximately)
     pulling: int = 0
+    exports: list[tuple[_Worker, _Req]] = field(default_factory=list)  # pulls waiting for this step's end
     arriving: list[_Req] = field(default_factory=list)  # imported KV, joins the next step
     steps: int = 0  # steps begun
     busy: bool = False
@@ -162,6 +166,9 @@ class Simulation:
             elif kind == "step":
                 assert isinstance(what, _Worker)
                 self._end_step(what)
+            elif kind == "export":
+                decoder, req = what  # type: ignore[misc]
+                self._export(decoder, req)
             elif kind == "pulled":
                 worker, req = what  # type: ignore[misc]
                 worker.pulling -= 1
@@ -184,14 +191,22 @@ class Simulation:
             self._take(w, queue.popleft())
 
     def _take(self, w: _Worker, req: _Req) -> None:
-        if w.role is Role.DECODE:  # the pull: the hops, the transfer's overhead and bytes
+        if w.role is Role.DECODE:  # the pull asks the prefill worker for the KV after the hops and its overhead
             w.pulling += 1
-            t = self.transfer
-            pull_s = self.plane.handoff_s + t.overhead_s + req.prompt * t.bytes_per_token * t.s_per_byte
-            self._at(self.now + pull_s, "pulled", (w, req))
+            self._at(self.now + self.plane.handoff_s + self.transfer.overhead_s, "export", (w, req))
             return
         w.waiting.append(req)
         self._start_step(w)
+
+    def _export(self, decoder: _Worker, req: _Req) -> None:
+        """The prefill worker exports a held request's blocks on its engine's thread, between two steps: a busy
+        one answers when its step ends (PrefillKv / transfer/source.py export_kv go through the engine thread)."""
+        source = req.source
+        if source is not None and source.busy:
+            source.exports.append((decoder, req))
+            return
+        t = self.transfer
+        self._at(self.now + req.prompt * t.bytes_per_token * t.s_per_byte, "pulled", (decoder, req))
 
     # ---- a worker's steps ----------------------------------------------------------------------------------------
 
@@ -247,6 +262,9 @@ class Simulation:
                 self._first_token(w, req)
         w.plan_chunks = []
         w.busy = False
+        exports, w.exports = w.exports, []
+        for decoder, req in exports:  # the engine thread's commands run before its next step
+            self._export(decoder, req)
         self._dispatch(w.role)
         self._start_step(w)
 
@@ -261,7 +279,8 @@ class Simulation:
         if w.role is Role.MIXED:  # the same engine decodes it, its blocks already counted
             self._join_decode(w, req, from_step=w.steps)
             return
-        w.held_tokens -= req.held  # held until pulled: a few ms, not modelled
+        w.held_tokens -= req.held  # held until pulled: its blocks' share of the pool is not modelled
+        req.source = w
         self.queues[Role.DECODE].append(req)
         self._dispatch(Role.DECODE)
 

@@ -154,8 +154,11 @@ def test_a_second_decode_worker_takes_the_next_request_in_turn():
     two = model.simulate(Deployment.disaggregated("1", 1, "1", 2), reqs)
     pull = 0.003 + 0.002 + 100 * 1000 * 1e-8
     alone = (pull + decode_steps(100, 49)) / 49
-    assert [o.tpot_s for o in two] == pytest.approx([alone, alone])  # each decode worker decodes one
-    assert one[0].tpot_s > alone and one[1].tpot_s > alone  # batched together for most of their steps
+    # the first request's pull asks at 0.115, while the prefill worker computes the second prompt (0.11-0.22): its
+    # blocks are exported when that step ends
+    waited = (0.22 - 0.11 + 100 * 1000 * 1e-8 + decode_steps(100, 49)) / 49
+    assert [o.tpot_s for o in two] == pytest.approx([waited, alone])  # each decode worker decodes one
+    assert one[0].tpot_s > waited and one[1].tpot_s > alone  # batched together for most of their steps
 
 
 def test_the_simulation_is_deterministic_and_more_workers_never_serve_worse():
@@ -165,7 +168,7 @@ def test_the_simulation_is_deterministic_and_more_workers_never_serve_worse():
     slos = Slos(ttft_s=0.8, tpot_s=0.05)
     small = model.predict(Deployment.disaggregated("1", 1, "1", 1), reqs, slos)
     assert model.predict(Deployment.disaggregated("1", 1, "1", 1), reqs, slos) == small
-    big = model.predict(Deployment.disaggregated("1", 3, "1", 1), reqs, slos)
+    big = model.predict(Deployment.disaggregated("1", 4, "1", 1), reqs, slos)
     assert small.attainment < 0.5 < 0.9 < big.attainment  # 6 x 0.3 s of prompts a second: one prefill worker drowns
     assert big.goodput > small.goodput
 
@@ -304,3 +307,18 @@ def test_plan_refuses_a_workload_it_cannot_read(capsys, tmp_path):
     assert main(["plan", "--profile", str(RECORDED), "--ttft-ms", "100", "--tpot-ms", "10", "--rate", "1"]) == 2
     assert "--isl" in capsys.readouterr().err
     assert main(["plan", "--profile", str(tmp_path / "none.json"), *EXAMPLE]) == 2
+
+
+def test_a_gpu_profile_is_planned_in_gpus(tmp_path, capsys):
+    gpu = synthetic((1, 2))
+    path = tmp_path / "gpu.json"
+    doc = json.loads(dump_profile(gpu))
+    doc["host"]["device"] = "cuda"
+    path.write_text(json.dumps(doc))
+    args = ["plan", "--profile", str(path), "--ttft-ms", "1000", "--tpot-ms", "50", "--rate", "1", "--isl", "100",
+            "--osl", "10", "--requests", "100"]  # fmt: skip
+    assert main([*args, "--gpus", "2", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["unit"] == "gpus" and plan["budget"] == 2
+    assert main([*args, "--cores", "2"]) == 2
+    assert "give --gpus" in capsys.readouterr().err
