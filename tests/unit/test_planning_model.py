@@ -31,8 +31,8 @@ from services.planning.simulate import SimRequest
 from services.planning.workload import Workload, from_bench_result, from_lengths
 
 RECORDED = Path(__file__).parent.parent / "data" / "planning" / "profile_small_epyc.json"
-# docs/planning.md, "Example": `pdserve plan` on the recorded profile
-EXAMPLE = ["--ttft-ms", "1500", "--tpot-ms", "25", "--rate", "2", "--isl", "512", "--osl", "48", "--range-ratio",
+# docs/planning.md, "Example": `pdserve plan` on the recorded profile (the small demo, 1- and 2-core workers)
+EXAMPLE = ["--ttft-ms", "2000", "--tpot-ms", "20", "--rate", "4", "--isl", "256", "--osl", "128", "--range-ratio",
            "0.5", "--cores", "2"]  # fmt: skip
 
 # A made-up configuration whose costs are easy to add up by hand: a prefill step costs 10 ms plus 1 ms per
@@ -289,17 +289,19 @@ def test_plan_on_the_recorded_profile_gives_the_documented_answer(capsys):
     plan = json.loads(capsys.readouterr().out)
     # docs/planning.md, "Example"
     assert plan["recommended"]["name"] == "1 prefill [1] + 1 decode [1]"
-    assert plan["recommended"]["goodput"] == pytest.approx(1.85, abs=0.005)
+    assert plan["recommended"]["goodput"] == pytest.approx(3.80, abs=0.005)
+    assert plan["recommended"]["attainment"] == pytest.approx(0.98, abs=0.005)
+    assert plan["max_rate"] == pytest.approx(4.5, abs=0.05)
     assert plan["colocated_better"] is False
-    assert [a["name"] for a in plan["alternatives"]] == [
-        "1 prefill [1] + 1 decode [1]", "2 mixed [1]", "1 mixed [1]", "1 mixed [2]"]  # fmt: skip
+    assert [(a["name"], round(a["goodput"], 2)) for a in plan["alternatives"]] == [
+        ("1 prefill [1] + 1 decode [1]", 3.80), ("2 mixed [1]", 2.85), ("1 mixed [2]", 2.78), ("1 mixed [1]", 0.02)]  # fmt: skip
 
 
 def test_plan_prints_the_recommendation_and_the_ranking(capsys):
     assert main(["plan", "--profile", str(RECORDED), *EXAMPLE]) == 0
     text = capsys.readouterr().out
     assert "recommended: 1 prefill [1] + 1 decode [1] (2 cores)" in text
-    assert "disaggregated does at least as well" in text
+    assert "0.75x the best disaggregated" in text and "disaggregated does at least as well" in text
     assert text.count("mixed [") >= 3
 
 
