@@ -92,7 +92,6 @@ class _Worker:
     arriving: list[_Req] = field(default_factory=list)  # imported KV, joins the next step
     steps: int = 0  # steps begun
     busy: bool = False
-    plan_decodes: int = 0
     plan_chunks: list[tuple[_Req, int]] = field(default_factory=list)
 
     def running(self) -> int:
@@ -243,7 +242,7 @@ class Simulation:
         seconds = costs.decode.step_s(decodes, w.context_sum / decodes) if decodes else costs.prefill.step_s
         seconds += self.plane.step_s
         seconds += sum(costs.prefill.chunk_s(req.computed, req.computed + n) for req, n in chunks)
-        w.busy, w.plan_decodes, w.plan_chunks = True, decodes, chunks
+        w.busy, w.plan_chunks = True, chunks
         w.steps += 1
         self._at(self.now + seconds, "step", w)
 
