@@ -22,8 +22,9 @@ measured goodput per split.
    recommendation's measured goodput within 20% of its prediction, and at least as good as every other split's.
 
 Before each run it waits (at most --quiet-wait s) until processes it did not start use under 10% of the machine, and
-records the share they used during the run (benchmarks/compare_pd.py's accounting): on a shared host the measured
-goodput of a run where others took a core says little about the split.
+records the share they used during the run (benchmarks/compare_pd.py's accounting) and each of its own processes'
+CPU; a run during which others used more than --retry-above (10%) is run again (--retries, 2), the quietest attempt
+kept: on a shared host the goodput of a run where others took part of a worker's core says little about the split.
 """
 
 from __future__ import annotations
@@ -190,10 +191,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", help="use this profile instead of measuring one")
     ap.add_argument("--profile-args", default="--prompt-lens 32,128,256,512,768 --batches 1,2,4,8,16,32 "
-                    "--contexts 128,512,1024 --decode-steps 12 --repeats 2",
+                    "--contexts 128,512,1024 --decode-steps 12 --repeats 3",
                     help="the profile's grid flags")  # fmt: skip
     ap.add_argument("--max-splits", type=int, default=4, help="splits measured: the recommendation and others")
     ap.add_argument("--quiet-wait", type=float, default=60.0, help="seconds to wait for a quiet machine per run")
+    ap.add_argument("--retries", type=int, default=2, help="runs of a split again when others disturbed it")
+    ap.add_argument("--retry-above", type=float, default=0.10,
+                    help="a run during which other processes used more of the machine than this is run again")  # fmt: skip
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "plan_check.json"))
     return ap.parse_args(argv)
 
@@ -254,9 +258,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.monotonic() - t_start:5.0f}s] {d.name}: starting ...", flush=True)
         ms.start()
         try:
-            got = measure(ms, model.name, tok, requests, slos_ms, args.isl, args.seed, args.quiet_wait)
+            got, shares = None, []
+            for attempt in range(args.retries + 1):  # keep the quietest attempt
+                run_ = measure(ms, model.name, tok, requests, slos_ms, args.isl, args.seed, args.quiet_wait)
+                shares.append(run_["other_share"])
+                if got is None or shares[-1] < got["other_share"]:
+                    got = run_
+                if shares[-1] <= args.retry_above:
+                    break
+                print(f"  other processes used {shares[-1]:.0%} of the machine during the run: "
+                      f"{'again' if attempt < args.retries else 'keeping the quietest'}", flush=True)  # fmt: skip
         finally:
             ms.stop()
+        assert got is not None
         s = got["summary"]
         row = {
             "deployment": d.to_json(),
@@ -268,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             "other_share": got["other_share"],
             "other_share_before": got["other_share_before"],
             "busy_share": got["busy_share"],
+            "attempts_other_share": shares,
             "records": got["records"],
         }
         data["splits"].append(row)
