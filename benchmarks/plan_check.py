@@ -197,7 +197,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quiet-wait", type=float, default=60.0, help="seconds to wait for a quiet machine per run")
     ap.add_argument("--retries", type=int, default=2, help="runs of a split again when others disturbed it")
     ap.add_argument("--retry-above", type=float, default=0.10,
-                    help="a run during which other processes used more of the machine than this is run again")  # fmt: skip
+                    help="run again a run during which others used more of the machine than this")  # fmt: skip
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "plan_check.json"))
     return ap.parse_args(argv)
 
