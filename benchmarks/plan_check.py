@@ -302,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def checks(splits: list[dict]) -> dict:
-    """The issue's two checks on measured goodput (None where the run could not say)."""
+    """The issue's two checks on measured goodput; None where the run cannot say (the recommendation served no
+    request within the SLOs, or nothing else was measured)."""
     rec = next(s for s in splits if s["recommended"])
     measured = rec["measured"]["request_goodput"]
     error = abs(rec["predicted"]["goodput"] - measured) / measured if measured else None
@@ -310,7 +311,7 @@ def checks(splits: list[dict]) -> dict:
     return {
         "recommended_error": error,
         "recommended_within_20pct": None if error is None else error <= TARGET_ERROR,
-        "recommended_at_least_as_good": all(measured >= o for o in others) if others else None,
+        "recommended_at_least_as_good": all(measured >= o for o in others) if others and measured else None,
     }
 
 
