@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from services.planning.profile_file import ConfigProfile, DecodePoint, PrefillPoint
 
 
-def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+def line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """Least-squares (intercept, slope); a single point or one x: through the origin's slope, intercept 0."""
     if len(xs) < 2 or max(xs) == min(xs):
         x, y = sum(xs), sum(ys)
@@ -46,7 +46,7 @@ class PrefillCost:
     def fit(cls, points: Sequence[PrefillPoint], budget: int) -> PrefillCost:
         pts = sorted(points, key=lambda p: p.tokens)
         single = [p for p in pts if p.steps <= 1 and p.tokens <= budget] or pts[:1]
-        intercept, _ = _line([p.tokens for p in single], [p.seconds for p in single])
+        intercept, _ = line([p.tokens for p in single], [p.seconds for p in single])
         step_s = min(max(intercept, 0.0), min(p.seconds for p in single))
         lengths, work = [0], [0.0]
         for p in pts:
@@ -95,7 +95,7 @@ class DecodeCost:
         lines: dict[int, tuple[float, float]] = {}
         for b, ps in by_batch.items():
             if len({p.context for p in ps}) >= 2:
-                a, s = _line([p.context for p in ps], [p.step_s for p in ps])
+                a, s = line([p.context for p in ps], [p.step_s for p in ps])
                 lines[b] = (a, max(s, 0.0))
                 per_seq.append(max(s, 0.0) / b)
         gamma = statistics.median(per_seq) if per_seq else 0.0

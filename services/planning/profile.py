@@ -86,6 +86,7 @@ class ProfileRequest:
     plane_ttft_ms: float = 0.0
     plane_handoff_ms: float = 0.0
     plane_step_ms: float = 0.0
+    plane_token_ms: float = 0.0
     seed: int = 0
 
 
@@ -124,10 +125,11 @@ def run_profile(req: ProfileRequest, log=print) -> Profile:
             source="the prefill path's cost model (services/gateway/path_signals.py) unless --transfer-* set",
         ),
         plane=PlaneCosts(
-            req.plane_ttft_ms / 1e3,
-            req.plane_handoff_ms / 1e3,
-            req.plane_step_ms / 1e3,
-            source="--plane-ttft-ms / --plane-handoff-ms / --plane-step-ms",
+            ttft_s=req.plane_ttft_ms / 1e3,
+            handoff_s=req.plane_handoff_ms / 1e3,
+            step_s=req.plane_step_ms / 1e3,
+            token_s=req.plane_token_ms / 1e3,
+            source="--plane-ttft-ms / --plane-handoff-ms / --plane-step-ms / --plane-token-ms",
         ),
         configs=tuple(measured),
         grid={

@@ -101,13 +101,15 @@ class TransferCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class PlaneCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What the serving plane adds to the engines' time: `ttft_s` to every first token (HTTP, the gateway, the job's
     publish and fetch, the token event's way back), `handoff_s` to every hand-off besides the pull's own cost (the
-    decode job's publish and fetch, the Redis lookup, the import), `step_s` to every step of a worker (its loop
-    between engine steps: outputs handed over, token events published, heartbeats)."""
+    decode job's publish and fetch, the Redis lookup, the import), and to every step of a worker its own time
+    outside the engine: `step_s` plus `token_s` per sequence that step gives a token (its loop hands each output
+    over and publishes it as a token event, on the worker's own cores)."""
 
     ttft_s: float = 0.0
     handoff_s: float = 0.0
     step_s: float = 0.0
     source: str = ""
+    token_s: float = 0.0
 
 
 class Host(msgspec.Struct, frozen=True):

@@ -11,8 +11,9 @@ What it models, as the workers do it (docs/architecture.md, docs/planning.md):
 - Steps. A worker steps while it has work, as the engine's scheduler plans a step: every decoding request one
   token, then the prompts being prefilled, then waiting prompts in order, chunked to the step's token budget.
   A step costs the decode step of its decoding requests at their mean context (or the prefill step's overhead
-  when none decode) plus the work of its prompt chunks (costs.PrefillCost), plus the worker's own time per step
-  outside the engine (PlaneCosts.step_s). Work that arrives during a step joins the next one.
+  when none decode) plus the work of its prompt chunks (costs.PrefillCost), plus the worker's own time outside the
+  engine (PlaneCosts.step_s, and token_s per output the step gives). Work that arrives during a step joins the
+  next one.
 - Prefill worker: a prompt's first token comes at the end of the step that computed its last chunk (its TTFT
   adds the serving plane's time, PlaneCosts.ttft_s); with more than one output token its decode job then waits for
   a decode worker, which pulls the KV and decodes it from its next step on. The pull: the hops
@@ -240,7 +241,8 @@ class Simulation:
             return
         costs = w.costs
         seconds = costs.decode.step_s(decodes, w.context_sum / decodes) if decodes else costs.prefill.step_s
-        seconds += self.plane.step_s
+        tokens = decodes + sum(1 for req, n in chunks if req.computed + n >= req.prompt)  # outputs this step gives
+        seconds += self.plane.step_s + self.plane.token_s * tokens
         seconds += sum(costs.prefill.chunk_s(req.computed, req.computed + n) for req, n in chunks)
         w.busy, w.plan_chunks = True, chunks
         w.steps += 1

@@ -325,3 +325,27 @@ def test_a_gpu_profile_is_planned_in_gpus(tmp_path, capsys):
     assert plan["unit"] == "gpus" and plan["budget"] == 2
     assert main([*args, "--cores", "2"]) == 2
     assert "give --gpus" in capsys.readouterr().err
+
+
+def test_plane_costs_split_the_workers_time_into_per_step_and_per_token():
+    from services.bench.metrics import RequestRecord
+    from services.planning.plane import BatchSample, PlaneSample, plane_costs, together
+
+    profile = synthetic()
+    cost = DecodeCost.fit(DECODE)
+    alone = PrefillCost.fit(PREFILL, 512).alone_s(100, 512)
+    worker = 0.001 + 0.0005  # per step + per token, one sequence
+    pull = 0.002 + 100 * 1000 * 1e-8
+    lone = [PlaneSample(100, alone + worker + 0.007, cost.step_s(1, 101) + worker + pull + 0.004,
+                        tuple(cost.step_s(1, 102 + k) + worker for k in range(5)))] * 3  # fmt: skip
+    batches = [BatchSample(b, cost.step_s(b, 150) + 0.001 + 0.0005 * b, 150) for b in (4, 16)]
+    plane = plane_costs(profile, lone, batches)
+    assert plane.step_s == pytest.approx(0.001) and plane.token_s == pytest.approx(0.0005)
+    assert plane.ttft_s == pytest.approx(0.007) and plane.handoff_s == pytest.approx(0.004)
+
+    # two requests decoding together from 1.25 s to 2.0 s: only the gaps inside that window count
+    a = RequestRecord("x", 10, 6, 0.0, True, ttft_s=1.0, itl_s=[0.25] * 5, latency_s=2.25)
+    b = RequestRecord("x", 20, 4, 0.5, True, ttft_s=0.75, itl_s=[0.25] * 3, latency_s=1.5)
+    got = together(2, [a, b])
+    assert got is not None and got.batch == 2 and got.gap_s == pytest.approx(0.25)
+    assert got.context == pytest.approx((12 + 13 + 14 + 21 + 22 + 23) / 6)  # prompt + tokens so far, per gap
