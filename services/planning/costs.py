@@ -150,3 +150,34 @@ class WorkerCosts:
             DecodeCost.fit(profile.decode),
             profile.kv_tokens,
         )
+
+
+@dataclass(frozen=True)
+class WorkerOverhead:
+    """A worker's time outside the engine in a step that gives `n` outputs (PlaneCosts.worker): linear between the
+    measured points (made non-decreasing), flat below the first, past the last with its last segment's slope."""
+
+    points: tuple[tuple[float, float], ...]
+
+    @classmethod
+    def of(cls, points: Sequence[tuple[float, float]]) -> WorkerOverhead:
+        out: list[tuple[float, float]] = []
+        for n, s in sorted(points):
+            if not out or n > out[-1][0]:
+                out.append((n, max(s, out[-1][1] if out else 0.0, 0.0)))
+        return cls(tuple(out))
+
+    def at(self, n: float) -> float:
+        ps = self.points
+        if not ps:
+            return 0.0
+        if n <= ps[0][0]:
+            return ps[0][1]
+        if n >= ps[-1][0]:
+            if len(ps) == 1:
+                return ps[0][1]
+            (n0, s0), (n1, s1) = ps[-2], ps[-1]
+            return s1 + (s1 - s0) / (n1 - n0) * (n - n1)
+        i = bisect.bisect_right([p[0] for p in ps], n)
+        (n0, s0), (n1, s1) = ps[i - 1], ps[i]
+        return s0 + (s1 - s0) * (n - n0) / (n1 - n0)

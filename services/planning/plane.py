@@ -4,9 +4,9 @@ first configuration, pinned to disjoint cores when there are enough; prefix cach
 
 Requests through the OpenAI API (the bench client, services/bench), against the profile's engine costs:
 - batches: B requests sent at once (B = 1, then BATCHES), long enough outputs that all B decode together for a
-  while; each inter-token gap while all B decode, less one decode step of B at their context, is the worker's time
-  outside the engine per step. Fitted as a line in B: `step_s` (per step) + `token_s` (per sequence in the step:
-  each output is handed to the loop and published as a token event, on the worker's own cores);
+  while; the median inter-token gap while all B decode, less one decode step of B at their context, is the
+  worker's time outside the engine in a step of B outputs (each output is handed to the loop and published as a
+  token event, on the worker's own cores): the profile's `plane.worker` points (B, seconds);
 - plane TTFT = the median of (a lone request's TTFT - its prompt's prefill alone, costs.PrefillCost.alone_s, and
   the per-step and per-token time of its prefill steps): HTTP, the gateway, the job's publish and fetch, the token
   event's way back;
@@ -31,7 +31,7 @@ from services.bench.prompts import PromptMaker
 from services.bench.runner import BenchConfig, run
 from services.local.infra import free_port
 from services.local.stack import Stack, StackSpec
-from services.planning.costs import WorkerCosts, line
+from services.planning.costs import WorkerCosts, WorkerOverhead
 from services.planning.profile import ProfileRequest
 from services.planning.profile_file import PlaneCosts, Profile
 from shared.model.tokenizer import Tokenizer
@@ -142,10 +142,8 @@ def plane_costs(profile: Profile, lone: list[PlaneSample], batches: list[BatchSa
     at_one = [gap - costs.decode.step_s(1, s.prompt + 2 + k) for s in lone for k, gap in enumerate(s.later_gaps_s)]
     xs = [1.0] + [float(b.batch) for b in batches]
     ys = [statistics.median(at_one)] + [b.gap_s - costs.decode.step_s(b.batch, b.context) for b in batches]
-    per_step, per_token = line(xs, ys)
-    token_s = max(per_token, 0.0)
-    step_s = max(per_step, 0.0) if token_s > 0 else max(statistics.fmean(ys), 0.0)
-    worker = step_s + token_s  # a step of one sequence
+    points = WorkerOverhead.of(list(zip(xs, ys, strict=True))).points
+    worker = WorkerOverhead(points).at(1)  # a step of one sequence
     ttft = [s.ttft_s - costs.prefill.alone_s(s.prompt, budget) - worker * -(-s.prompt // budget) for s in lone]
     pull = [t.overhead_s + s.prompt * t.bytes_per_token * t.s_per_byte for s in lone]
     gap = [s.first_gap_s - costs.decode.step_s(1, s.prompt + 1) - worker - p for s, p in zip(lone, pull, strict=True)]
@@ -154,7 +152,7 @@ def plane_costs(profile: Profile, lone: list[PlaneSample], batches: list[BatchSa
     source = (f"measured on a local stack (config {profile.configs[0].config.name}, {len(lone)} lone requests, "
               f"batches {[b.batch for b in batches]}): gap - decode step {residuals}; TTFT - prefill alone "
               f"{ttft_s * 1e3:.1f} ms; first gap - decode step - worker - pull {gap_s * 1e3:.1f} ms")  # fmt: skip
-    return PlaneCosts(ttft_s=max(ttft_s, 0.0), handoff_s=max(gap_s, 0.0), step_s=step_s, token_s=token_s, source=source)
+    return PlaneCosts(ttft_s=max(ttft_s, 0.0), handoff_s=max(gap_s, 0.0), worker=points, source=source)
 
 
 def measure_plane(profile: Profile, req: ProfileRequest) -> Profile:

@@ -127,8 +127,7 @@ def run_profile(req: ProfileRequest, log=print) -> Profile:
         plane=PlaneCosts(
             ttft_s=req.plane_ttft_ms / 1e3,
             handoff_s=req.plane_handoff_ms / 1e3,
-            step_s=req.plane_step_ms / 1e3,
-            token_s=req.plane_token_ms / 1e3,
+            worker=_worker_line(req.plane_step_ms / 1e3, req.plane_token_ms / 1e3),
             source="--plane-ttft-ms / --plane-handoff-ms / --plane-step-ms / --plane-token-ms",
         ),
         configs=tuple(measured),
@@ -138,6 +137,11 @@ def run_profile(req: ProfileRequest, log=print) -> Profile:
             "contexts": list(req.grid.contexts),
         },  # fmt: skip
     )
+
+
+def _worker_line(step_s: float, token_s: float) -> tuple[tuple[float, float], ...]:
+    """A worker's time outside the engine as step_s + token_s per output (PlaneCosts.worker points); () for none."""
+    return ((1.0, step_s + token_s), (2.0, step_s + 2 * token_s)) if step_s or token_s else ()
 
 
 @contextmanager

@@ -95,6 +95,16 @@ def test_decode_cost_interpolates_in_batch_and_context_and_extrapolates_past_the
     assert cost.step_s(8, 200) == pytest.approx(0.020 + 4 * (0.020 - 0.011) / 3)
 
 
+def test_worker_overhead_between_and_past_its_points():
+    from services.planning.costs import WorkerOverhead
+
+    w = WorkerOverhead.of([(16, 0.016), (1, 0.002), (4, 0.001)])  # sorted, made non-decreasing
+    assert w.points == ((1, 0.002), (4, 0.002), (16, 0.016))
+    assert w.at(0) == w.at(1) == 0.002
+    assert w.at(10) == pytest.approx(0.009) and w.at(32) == pytest.approx(0.016 + 16 * 0.014 / 12)
+    assert WorkerOverhead.of([]).at(8) == 0.0
+
+
 def test_decode_cost_of_a_batch_measured_at_one_context_takes_the_others_slope_per_sequence():
     cost = DecodeCost.fit((*DECODE[:2], DecodePoint(8, 100, 0.030)))
     assert cost.step_s(8, 300) == pytest.approx(0.030 + 8 * 1e-5 * 200)
@@ -327,7 +337,7 @@ def test_a_gpu_profile_is_planned_in_gpus(tmp_path, capsys):
     assert "give --gpus" in capsys.readouterr().err
 
 
-def test_plane_costs_split_the_workers_time_into_per_step_and_per_token():
+def test_plane_costs_take_the_workers_time_outside_the_engine_per_batch_size():
     from services.bench.metrics import RequestRecord
     from services.planning.plane import BatchSample, PlaneSample, plane_costs, together
 
@@ -340,7 +350,8 @@ def test_plane_costs_split_the_workers_time_into_per_step_and_per_token():
                         tuple(cost.step_s(1, 102 + k) + worker for k in range(5)))] * 3  # fmt: skip
     batches = [BatchSample(b, cost.step_s(b, 150) + 0.001 + 0.0005 * b, 150) for b in (4, 16)]
     plane = plane_costs(profile, lone, batches)
-    assert plane.step_s == pytest.approx(0.001) and plane.token_s == pytest.approx(0.0005)
+    assert [n for n, _ in plane.worker] == [1, 4, 16]
+    assert [t for _, t in plane.worker] == pytest.approx([0.0015, 0.003, 0.009])  # the gaps less the engine's steps
     assert plane.ttft_s == pytest.approx(0.007) and plane.handoff_s == pytest.approx(0.004)
 
     # two requests decoding together from 1.25 s to 2.0 s: only the gaps inside that window count
