@@ -233,6 +233,12 @@ def _add_service_commands(sub) -> None:
         _add_service_flags(w, WorkerSettings, skip=("role",))  # the subcommand is the role
         w.set_defaults(func=_worker, role=role)
 
+    from services.planner import main as planner
+
+    pl = sub.add_parser("planner", help="the SLO planner: switches workers' roles and publishes wanted counts")
+    planner.add_arguments(pl)
+    pl.set_defaults(func=planner.run)
+
     up = sub.add_parser("up", help="start NATS, Redis, the gateway and workers locally")
     up.add_argument("--model", help="checkpoint directory (default: the tiny demo model, written if missing)")
     up.add_argument("--port", type=int, default=8000)
