@@ -287,6 +287,20 @@ def _add_service_commands(sub) -> None:
         up.add_argument(
             f"--kv-tls-{part}", metavar="FILE", help=f"--kv-tls with your own files: the {what} (all three)"
         )
+    up.add_argument(
+        "--planner",
+        action="store_true",
+        help="run the SLO planner beside the gateway: it switches workers between prefill and decode to keep the "
+        "TTFT and TPOT SLOs and publishes the counts it wants (docs/planning.md)",
+    )
+    up.add_argument("--planner-port", type=int, default=0, help="the planner's /plan and /metrics (default: any free)")
+    up.add_argument(
+        "--planner-args",
+        default="",
+        metavar="FLAGS",
+        help="extra flags for the planner, as one shell-quoted string after an = (e.g. --planner-args='--ttft-slo-ms "
+        "1000 --interval-s 2'); `pdserve planner --help` lists them",
+    )
     up.add_argument("--trace-file", help="every service appends its spans here (read with `pdserve trace`)")
     up.add_argument("--drain-timeout-s", type=float, help="on SIGTERM / Ctrl-C: how long services drain (default 60)")
     up.add_argument("--log-dir", help="each service's output in <dir>/<service>.log (default: this terminal)")
@@ -387,6 +401,9 @@ def _up(args: argparse.Namespace) -> int:
         trace_file=args.trace_file,
         env=drain_env,
         kv_tls=kv_tls,
+        planner=args.planner,
+        planner_port=args.planner_port,
+        planner_args=tuple(shlex.split(args.planner_args)),
     )
     drain_s = from_env(CommonSettings, drain_timeout_s=args.drain_timeout_s).drain_timeout_s
     stack = Stack(spec, log_dir=args.log_dir, quiet=args.log_dir is not None)
@@ -422,6 +439,8 @@ def _print_ready(args: argparse.Namespace):
         print(f'    -d \'{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello"}}]}}\'')
         print(f"  metrics: {stack.url}/metrics (gateway), " + ", ".join(stack.metrics_urls()))
         print(f"  supervisor: {supervisor.metrics_url} (pdserve:supervisor_restarts_total per service)")
+        if stack.planner_port is not None:
+            print(f"  planner: http://{stack.spec.host}:{stack.planner_port}/plan (decisions), /metrics")
         if args.log_dir:
             print(f"  logs: {stack.log_dir}/<service>.log")
         if args.trace_file:
