@@ -101,6 +101,15 @@ def reference(model_dir):
     return {p: tok.decode(out) for p, out in zip(PROMPTS, outputs, strict=True)}
 
 
+def _stalls(outcomes: list[Outcome], scenario: str) -> list[float]:
+    """Each stream's stall (its longest wait between two tokens), sorted; printed with p50 / p99 (`pytest -s`)."""
+    stalls = sorted(o.longest_gap_s for o in outcomes)
+    p99 = stalls[min(len(stalls) - 1, round(0.99 * (len(stalls) - 1)))]
+    print(f"\n{scenario}: stall p50 {statistics.median(stalls):.2f} s, p99 {p99:.2f} s, each "
+          f"{[round(s, 2) for s in stalls]}")  # fmt: skip
+    return stalls
+
+
 def _check(outcomes: list[Outcome], reference: dict[str, str], scenario: str) -> None:
     """Every stream completed (none lost, none failed) and equals the engine's."""
     counts = tally(outcomes)
@@ -152,6 +161,11 @@ def _busiest_decode(stack: Stack, watch: EventWatch) -> str:
     held = Counter(watch.holders().values())
     names = [name for name in stack.procs if name.startswith("decode")]
     return max(names, key=lambda name: sum(n for worker, n in held.items() if worker.startswith(f"{name}-")))
+
+
+def _held_by(watch: EventWatch, name: str) -> int:
+    """How many unfinished requests worker `name` holds now."""
+    return sum(1 for worker in watch.holders().values() if worker.startswith(f"{name}-"))
 
 
 def _back(stack: Stack, name: str, timeout_s: float = 120.0) -> None:
@@ -215,6 +229,7 @@ def test_decode_worker_killed_mid_stream_moves_to_the_other_host(stack, referenc
         load = Load(stack.url, PROMPTS, MAX_TOKENS)
         load.progress.wait(lambda p: min(p.counts) >= 3)
         victim = _busiest_decode(stack, watch)
+        on_it = _held_by(watch, victim)
         stack.procs[victim].send_signal(signal.SIGKILL)
         stack.procs[victim].wait(10)
         outcomes = load.results()
@@ -222,6 +237,7 @@ def test_decode_worker_killed_mid_stream_moves_to_the_other_host(stack, referenc
         watch.close()
     _check(outcomes, reference, "decode host's worker killed mid-stream")
     assert _moves(stack) > moved
+    _stalls(outcomes, f"decode worker killed, {on_it} of {len(outcomes)} streams on it")
     stack.respawn(victim)  # on its own host again
     _back(stack, victim)
     _only_over_the_network(stack)  # the moved requests' KV crossed the network too
@@ -241,7 +257,7 @@ def test_a_cable_cut_mid_stream_moves_the_cut_off_hosts_requests(stack, network,
         load = Load(stack.url, PROMPTS, MAX_TOKENS)
         load.progress.wait(lambda p: min(p.counts) >= 3)
         victim = _busiest_decode(stack, watch)
-        cut_off = sum(1 for worker in watch.holders().values() if worker.startswith(f"{victim}-"))
+        cut_off = _held_by(watch, victim)
         host = placement.host(victim)
         network.cut(host)
         outcomes = load.results()
@@ -251,12 +267,7 @@ def test_a_cable_cut_mid_stream_moves_the_cut_off_hosts_requests(stack, network,
         watch.close()
     _check(outcomes, reference, "decode host's cable cut mid-stream")
     assert _moves(stack) > moved
-    stalls = sorted(o.longest_gap_s for o in outcomes)
-    p99 = stalls[min(len(stalls) - 1, round(0.99 * (len(stalls) - 1)))]
-    print(
-        f"\ncable cut: {cut_off} of {len(stalls)} streams on the cut-off host; stall (longest gap between two "
-        f"tokens) p50 {statistics.median(stalls):.2f} s, p99 {p99:.2f} s, each {[round(s, 2) for s in stalls]}"
-    )
+    stalls = _stalls(outcomes, f"cable cut, {cut_off} of {len(outcomes)} streams on the cut-off host")
     assert stalls[-1] >= 1.0  # the cut streams waited out the worker's silence (worker_ttl_s 2, beats each 1 s)
     assert stalls[-1] < 30.0
     settled(stack)  # the cut-off worker, back on the LAN, freed what it held for the moved requests
