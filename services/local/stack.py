@@ -195,8 +195,9 @@ class Stack:
     def _prefix(self, service: str) -> list[str]:
         return self.spec.hosts.prefix(service) if self.spec.hosts is not None else []
 
-    def _free_port(self, service: str) -> int:
-        return self.spec.hosts.port(service) if self.spec.hosts is not None else free_port(self.address(service))
+    def _port(self, service: str) -> int | None:
+        """A port free on `service`'s host with spec.hosts; None without (a free one here is the caller's pick)."""
+        return self.spec.hosts.port(service) if self.spec.hosts is not None else None
 
     def start(self, ready_timeout_s: float = 120.0) -> Stack:
         """launch(), then wait_ready(): a stack that serves, or an error (and everything it started stopped)."""
@@ -215,14 +216,14 @@ class Stack:
             self.prepare_kv_tls()
             if self.nats_url is None:
                 user, password = "pdserve", secrets.token_urlsafe(24)
-                self.infra.append(start_nats(self._infra_port("nats"), self.address("nats"), user, password,
+                self.infra.append(start_nats(self._port("nats"), self.address("nats"), user, password,
                                              prefix=self._prefix("nats")))  # fmt: skip
                 self.nats_url = self.infra[-1].url
                 self._infra_env |= {"PDSERVE_NATS_URL": split_credentials(self.nats_url)[0],
                                     "PDSERVE_NATS_USER": user, "PDSERVE_NATS_PASSWORD": password}  # fmt: skip
             if self.redis_url is None:
                 password = secrets.token_urlsafe(24)
-                self.infra.append(start_redis(self._infra_port("redis"), self.address("redis"), password,
+                self.infra.append(start_redis(self._port("redis"), self.address("redis"), password,
                                               prefix=self._prefix("redis")))  # fmt: skip
                 self.redis_url = self.infra[-1].url
                 self._infra_env |= {"PDSERVE_REDIS_URL": split_credentials(self.redis_url)[0],
@@ -230,7 +231,7 @@ class Stack:
             spec = self.spec
             for i, (role, device) in enumerate(zip(spec.roles(), spec.worker_devices(), strict=True)):
                 name = f"{role}-{i}"
-                self.metrics_ports[name] = port = self._free_port(name)
+                self.metrics_ports[name] = port = self._port(name) or free_port(self.address(name))
                 flags = ["--worker-id", f"{name}-{os.getpid()}", "--metrics-port", str(port)]
                 flags += ["--metrics-host", self.address(name)]
                 if self.spec.hosts is not None:  # the KV transfer server binds, and advertises, its host's address
@@ -241,10 +242,6 @@ class Stack:
         except BaseException:
             self.stop()
             raise
-
-    def _infra_port(self, service: str) -> int | None:
-        """The port of a private server: one free on its host with spec.hosts; None, any free one, without."""
-        return self.spec.hosts.port(service) if self.spec.hosts is not None else None
 
     def prepare_kv_tls(self) -> None:
         """The files of spec.kv_tls: generated afresh in the run directory (kept with the logs; the CA's key is
