@@ -16,7 +16,8 @@ Who records what:
                  moe_expert_tokens (routed tokens per layer and expert); with expert parallelism
                  moe_rank_tokens (pairs each EP rank computed) and moe_rank_imbalance (busiest rank / mean);
                  with --eplb eplb_rebalances, eplb_bytes_moved, eplb_pause_seconds, eplb_window_imbalance
-    transfers    kv_transfer_seconds / bytes / failures: decode side (pull) and prefill side (send)
+    transfers    kv_transfer_seconds / bytes / failures: decode side (pull) and prefill side (send); kv_pulls by
+                 `transport` (same-host shared memory or over the pair's network connection)
 
 Summed over the workers of a P/D stack, generation tokens equal the gateway's: a worker counts the tokens it
 emits (the prefill worker each request's first token, the decode worker the rest, or all of them for a request
@@ -172,6 +173,14 @@ KV_BORROWED_PULLS = Counter(
     LABELS,
 )
 KV_TRANSFER_FAILURES = Counter(f"{PREFIX}kv_transfer_failures", "Failed KV transfers.", (*LABELS, "reason"))
+# Which way each pull's bytes went (shared/kv/transfer/transports/registry.py names them): "borrowed" and "segment"
+# are same-host paths (shared memory), "streamed", "posted" and "pair" go over the pair's network connection.
+KV_PULLS = Counter(
+    f"{PREFIX}kv_pulls",
+    "KV pulls by the transport that carried them: prefill, pulls each transport took; decode, pulls received "
+    "through each (docs/kv_transfer.md).",
+    (*LABELS, "transport"),
+)
 REQUEST_MIGRATIONS = Counter(
     f"{PREFIX}request_migrations",
     "Requests moved to another worker (their worker died or stalled), by the phase they were in.",
