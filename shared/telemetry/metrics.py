@@ -83,7 +83,7 @@ REQUEST_SUCCESS = Counter(
 )
 REQUESTS_REJECTED = Counter(
     f"{PREFIX}requests_rejected",
-    "Requests the gateway refused before dispatch: queue | kv (admission bounds, 429), draining (503).",
+    "Requests the gateway refused before dispatch: queue | kv | ttft_slo (admission bounds, 429), draining (503).",
     (*LABELS, "reason"),
 )
 PREFILL_ROUTES = Counter(
