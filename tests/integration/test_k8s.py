@@ -383,7 +383,7 @@ def test_keda_scaled_objects(rendered):
         assert behavior == hpas[name]["spec"]["behavior"]  # the same policy, whichever autoscaler applies it
 
 
-def test_the_gpu_overlay_gives_each_worker_a_gpu_and_nccl(rendered, tmp_path):
+def test_the_gpu_overlay_gives_each_worker_a_gpu_and_nccl(rendered):
     for overlay in ("hpa", "keda"):
         assert "nvidia.com/gpu" not in json.dumps(rendered[overlay]), overlay
     objects = rendered["gpu"]
