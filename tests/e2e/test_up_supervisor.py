@@ -6,7 +6,10 @@ ignored, as it does from any script's `... &`), signalled and killed for real, i
   - SIGKILL to it: its children notice (parent-death signal) and exit within seconds;
   - SIGKILL to its only decode worker mid-stream: a replacement serves, the stream completes token for token
     as the single-process engine writes it, the restart is counted; redis-server killed: restarted too;
-  - a worker that cannot start: after five quick exits it stops the stack naming the worker and its log.
+  - a configuration it would refuse (a missing checkpoint, a port in use, a bad flag): said at once, exit 2,
+    nothing started; a service that refuses its configuration later (exit 2) is not restarted: the stack stops
+    with its reason (a service that crashes is restarted until it crash-loops:
+    tests/integration/test_supervisor_standins.py).
 """
 
 from __future__ import annotations
@@ -237,18 +240,56 @@ def test_a_dead_worker_is_replaced_while_the_rest_serves(launch, reference):
     assert_all_gone(up, 2.0)
 
 
-@pytest.mark.slow  # a whole stack or spawned ranks, > ~30 s on 2 cores: the slow tier (CI runs it)
-def test_a_crash_looping_worker_stops_the_stack(launch):
-    up = launch("--mixed", "1", env={"PDSERVE_BLOCK_SIZE": "not-a-number"})  # the worker exits at once (2)
-    deadline = time.monotonic() + 150
+REFUSED_WITHIN_S = 10.0  # the issue's bound for a configuration refused before anything starts
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing checkpoint", "/nonexistent: no config.json"),
+        ("port in use", "is in use (another pdserve up, or another server?): choose another with --port"),
+        ("bad flag", "the decode workers' settings: unrecognized arguments: --bogus 3"),
+    ],
+)
+def test_a_refused_configuration_starts_nothing_and_exits_at_once(launch, taken_port, case, message):
+    """The preflight (services/local/preflight.py): the one message, exit status 2 within seconds, no process
+    started — not services restarted until the supervisor gives up."""
+    flags = {"missing checkpoint": ["--model", "/nonexistent"], "port in use": ["--port", str(taken_port)],
+             "bad flag": ["--decode-args=--bogus 3"]}[case]  # fmt: skip
+    began = time.monotonic()
+    up = launch(*flags)  # later flags win over the launcher's own --model and --port
+    while up.shell.poll() is None and time.monotonic() - began < REFUSED_WITHIN_S + 20:
+        up.children()  # every process it starts (none, if it works)
+        time.sleep(0.05)
+    assert up.exit_status(5) == 2
+    took = time.monotonic() - began
+    out = up.output()
+    assert out.startswith("pdserve: error: ") and message in out and out.count("error") == 1, out
+    assert took < REFUSED_WITHIN_S, f"{took:.1f} s: {out}"
+    assert up.seen == set(), described(list(up.seen))  # nothing started: no server, no service
+    assert "restarting" not in out
+
+
+def test_a_service_that_refuses_its_configuration_is_not_restarted(launch):
+    """What the preflight cannot see (the engine refuses a KV budget smaller than one request, at its build):
+    the worker exits 2, and the stack stops with its reason at once instead of restarting it."""
+    up = launch("--mixed", "1", "--mixed-args=--kv-cache-bytes 1")
+    deadline = time.monotonic() + 120
     while up.shell.poll() is None and time.monotonic() < deadline:
         up.children()  # every process it starts, for the check that none is left
         time.sleep(0.2)
-    assert up.exit_status(5) == 1
+    assert up.exit_status(5) == 2
     out = up.output()
     log = up.log_dir / "mixed-0.log"
-    assert "mixed-0 exited (exit code 2)" in out and f"5 exits within 60 s. Its log: {log}" in out, out
-    assert "stopping the stack" in out
-    assert re.findall(r"mixed-0 exited .* restarting it in ([\d.]+) s", out) == ["0.5", "1", "2", "4"]
-    assert "PDSERVE_BLOCK_SIZE" in log.read_text()  # the log named holds the reason
+    assert f"mixed-0 refused its configuration (exit code 2), so it is not restarted. The end of its log ({log})" in out
+    assert "raise kv_cache_bytes" in out  # its reason, quoted from its log
+    assert "restarting" not in out and "stopping the stack" in out
     assert_all_gone(up, 2.0)
