@@ -326,8 +326,9 @@ def roll_references(model_dir) -> dict[str, str]:
 
 def worker_metrics(up: Up) -> list[str]:
     """The workers' /metrics URLs, as the ready message lists them (prefill-0, decode-1)."""
-    line = re.search(r"metrics: \S+ \(gateway\), (.*)", up.output()).group(1)
-    return [url.strip() for url in line.split(",")]
+    found = re.search(r"metrics: \S+ \(gateway\), (.*)", up.output())
+    assert found is not None, up.output()
+    return [url.strip() for url in found.group(1).split(",")]
 
 
 @pytest.mark.slow  # a whole stack or spawned ranks, > ~30 s on 2 cores: the slow tier (CI runs it)
