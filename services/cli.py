@@ -299,33 +299,34 @@ def _worker(args: argparse.Namespace) -> int:
 
     from shared.settings import WorkerSettings, from_args
     from shared.telemetry.lifecycle import EXIT_GRACE_S, exit_by, exit_now, observe
+    from shared.worker.host import WorkerHost
 
-    settings = from_args(WorkerSettings, args)  # the role: the subcommand's default
+    settings = from_args(WorkerSettings, args)  # the role: the subcommand's default (it may switch: host.py)
     observe(args.role, settings.worker_id, args.log_level, settings.trace_file)
-    worker_cls = _worker_class(args.role)
 
     async def serve() -> bool:
-        worker = worker_cls(settings)
+        host = WorkerHost(settings, _worker_class)
         loop = asyncio.get_running_loop()
 
         def stop() -> None:  # drains; and ends this process by the supervisor's bound, supervisor or not
             exit_by(settings.drain_timeout_s + EXIT_GRACE_S)
-            worker.stop()
+            host.stop()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop)
         try:
-            await worker.run()
+            await host.run()
         finally:
-            group = worker.group
+            group = host.group
             if group is not None:  # a planned stop: the followers leave their loops (no rank-death exit)
                 group.close()
-        return worker.failure is None
+        return host.failure is None
 
     return exit_now(0 if asyncio.run(serve()) else 1)  # 1: the engine failed (logged)
 
 
 def _worker_class(role: str):
+    """The Worker class of a role (the host builds one per role it serves)."""
     if role == "prefill":
         from services.prefill.worker import PrefillWorker
 

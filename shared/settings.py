@@ -311,6 +311,10 @@ class WorkerSettings(CommonSettings):
     record_expert_trace: str | None = None
     """Append every step's tokens per expert, per sparse layer, to this expert routing trace (JSON lines, with
     the role; shared/sharding/expert_trace.py) for benchmarks/eplb_sim.py and `pdserve experts show`. MoE only."""
+    switch_finish_s: float = 10.0
+    """Switching role (docs/architecture.md, "Role switching"): how long a decode or mixed worker lets the requests
+    it decodes run on before it hands the rest to the prefill queue with their tokens so far (an order may say
+    otherwise). 0: hand them on at once."""
 
     @property
     def served_model_name(self) -> str:
@@ -331,6 +335,8 @@ class WorkerSettings(CommonSettings):
             raise ValueError(f"role must be prefill, decode or mixed, got {self.role!r}")
         if self.job_ack_wait_s <= 0:
             raise ValueError("job_ack_wait_s must be positive")
+        if self.switch_finish_s < 0:
+            raise ValueError("switch_finish_s must be >= 0")
         if self.role in (WorkerRole.PREFILL, WorkerRole.DECODE) and not self.cluster_secret:
             raise ValueError(
                 f"a {self.role} worker needs cluster_secret (PDSERVE_CLUSTER_SECRET or PDSERVE_CLUSTER_SECRET_FILE): "
