@@ -407,6 +407,7 @@ def _kv_tls(args: argparse.Namespace) -> bool | KvTlsFiles:
 
 
 def _print_ready(args: argparse.Namespace):
+    import os
     from pathlib import Path
 
     def announce(supervisor) -> None:
@@ -417,6 +418,8 @@ def _print_ready(args: argparse.Namespace):
         print(f'    -d \'{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello"}}]}}\'')
         print(f"  metrics: {stack.url}/metrics (gateway), " + ", ".join(stack.metrics_urls()))
         print(f"  supervisor: {supervisor.metrics_url} (pdserve:supervisor_restarts_total per service)")
+        if "PDSERVE_ADMIN_KEYS" in os.environ | stack.spec.env:  # the admin API is on (docs/api.md, "Admin API")
+            print(f"  workers and their roles: {stack.url}/admin/workers (Authorization: Bearer <admin key>)")
         if args.log_dir:
             print(f"  logs: {stack.log_dir}/<service>.log")
         if args.trace_file:
