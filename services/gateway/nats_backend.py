@@ -128,11 +128,25 @@ class NatsBackend:
                 continue
             for stream in list(self._streams.values()):
                 why = stream.why_move(self.workers.last_seen, ttl, self.settings.stall_timeout_s, reconnected_at)
+                why = why or self._left_its_queue(stream)
                 if why is not None:
                     try:
                         await self._move(stream, why)
                     except Exception:  # never let one request stop the watchdog
                         log.exception("moving request %s failed", stream.request_id)
+
+    def _left_its_queue(self, stream: RequestUpdates) -> str | None:
+        """A job waiting in a worker's own queue whose worker no longer takes that queue: it switched role
+        (docs/architecture.md, "Role switching") after the job was routed there and after handing its queue back.
+        Nothing would take the job: it moves."""
+        worker = stream.queued_for
+        beat = self.workers.beat(worker) if worker is not None else None
+        if beat is None or beat.switching_to is not None:  # switching: it hands its own queue back meanwhile
+            return None
+        takes = (Role.DECODE,) if stream.queued_for_decode else (Role.PREFILL, Role.MIXED)
+        if beat.role in takes:
+            return None
+        return f"worker {worker} is a {beat.role} worker now: the queue the request waits in has no taker"
 
     async def _move(self, stream: RequestUpdates, why: str) -> None:
         """Cancel the stream's attempt and dispatch the next one elsewhere, or fail it after max_migrations."""
