@@ -83,25 +83,31 @@ class WorkerHost:
         return self.state.role
 
     async def run(self) -> None:
-        worker = self.worker
-        if not await worker.connect():
+        if not await self.worker.connect():
             return
-        subscription = await worker.conn.nc.subscribe(control_subject(self.settings.worker_id), cb=self._on_control)
+        nc = self.worker.conn.nc
+        subscription = await nc.subscribe(control_subject(self.settings.worker_id), cb=self._on_control)
         try:
             while True:
                 self._record_role()
-                await self._serve(worker)
+                await self._serve(self.worker)  # the role that served last is self.worker (a fallback replaces it)
+                worker = self.worker
                 if worker.failure is not None:
                     self.failure = worker.failure
                     return
                 if self.state.phase is not Phase.STARTING:
                     return  # stopped
-                worker = self._successor(worker)
+                try:
+                    self._successor(worker)
+                except Exception as exc:  # the new role cannot even be built: the old one serves again
+                    self._fall_back(worker, exc)
                 if self.state.phase is Phase.STOPPING:  # a stop while it was being built: not started at all
                     return
         finally:
             await _quietly(subscription.unsubscribe())
-            if self._switching is not None:  # its answer out (a stop called it off), or given up
+            if self._started is not None and not self._started.done():  # a switch's answer: called off
+                self._started.set_result((self.state.role, "the worker is shutting down"))
+            if self._switching is not None:  # its answer out, or given up
                 await asyncio.wait({self._switching}, timeout=2.0)
                 self._switching.cancel()
             await self.worker.close()
@@ -227,6 +233,8 @@ class WorkerHost:
             self.state.left()
             serving, why = await self._started
             outcome = SwitchOutcome.SWITCHED if serving is to else SwitchOutcome.INVALID
+            if self.state.phase is Phase.STOPPING:
+                outcome = SwitchOutcome.STOPPING
             reply = self._reply(outcome, why, received, leaving, previous=old.role)
         self._started = None
         span.set_attribute(SWITCH_OUTCOME, reply.outcome.value)

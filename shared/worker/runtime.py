@@ -384,9 +384,9 @@ class Worker(Generic[Job]):
             nonlocal handed_on
             handed_on += await self.hand_on_in_hand()
 
-        idle = await self._until_idle(min(started + finish_s, deadline), hand_back_until)
-        if not idle:
-            idle = await self._until_idle(deadline, hand_back_until, then=hand_on)
+        await self._until_idle(min(started + finish_s, deadline))  # what it holds may finish here
+        # then what still runs is handed on, and the own queue handed back for HAND_BACK_S at least
+        idle = await self._until_idle(deadline, hand_back_until, then=hand_on)
         leaving = Leaving(idle, max(0, in_hand - handed_on), handed_on, time.monotonic() - started)
         if not idle and not self.stop_asked:
             self._own_feed_back_in_service()

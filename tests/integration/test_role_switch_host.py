@@ -11,6 +11,7 @@ a worker that does not exist), and A switched back to decode, with nothing left 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import nats
@@ -163,5 +164,64 @@ def test_a_decode_worker_switches_to_prefill_and_back_handing_its_request_on(mod
             await asyncio.wait_for(asyncio.gather(*running, return_exceptions=True), 30)
             await nc.close()
             await redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_switch_that_cannot_start_or_settle_leaves_the_old_role_serving_and_a_stop_calls_one_off(
+    model_dir, servers, monkeypatch
+):
+    """The host's other ends: the new role's setup fails (the old role is set up again: `invalid`); what the old
+    role holds does not settle in time (it serves on: `timed_out`); a stop during a switch calls it off (`stopping`,
+    and the process ends)."""
+    from services.decode.worker import DecodeWorker
+    from services.mixed.worker import MixedWorker
+    from shared.worker import host as host_module
+
+    class StuckMixed(MixedWorker):
+        stuck = False  # something in hand never settles
+
+        def idle(self) -> bool:
+            return not StuckMixed.stuck and super().idle()
+
+    class BrokenPrefill(roles(Role.PREFILL)):  # type: ignore[misc]
+        async def setup(self) -> None:
+            raise RuntimeError("the KV transfer port is taken")
+
+    kinds = {Role.MIXED: StuckMixed, Role.PREFILL: BrokenPrefill, Role.DECODE: DecodeWorker}
+    monkeypatch.setattr(host_module, "SETTLE_MARGIN_S", 0.5)
+    nats_url, _ = servers
+
+    async def scenario() -> None:
+        m = host(model_dir, servers, "M", WorkerRole.MIXED)
+        m.roles = kinds.__getitem__
+        m.worker = StuckMixed(m.settings, engine=m.worker.engine.engine)
+        m.settings = dataclasses.replace(m.settings, kv=dataclasses.replace(m.settings.kv, lease_s=0.5))
+        running = asyncio.create_task(m.run())
+        nc = await nats.connect(nats_url)
+        try:
+            await until(lambda: m.worker.serving.is_set(), what="the worker")
+            broken = await request_switch(nc, "M", Role.PREFILL, SECRET)
+            assert broken.outcome is SwitchOutcome.INVALID and "port is taken" in broken.detail, broken
+            await until(lambda: m.worker.serving.is_set() and isinstance(m.worker, StuckMixed), what="mixed again")
+            assert m.role is Role.MIXED and m.state.switches == 0
+
+            StuckMixed.stuck = True
+            stuck = await request_switch(nc, "M", Role.DECODE, SECRET, finish_s=0)
+            assert stuck.outcome is SwitchOutcome.TIMED_OUT and m.role is Role.MIXED, stuck
+            assert not m.worker.draining and m.worker.switching_to is None  # it takes jobs again
+
+            answer = asyncio.create_task(request_switch(nc, "M", Role.DECODE, SECRET, finish_s=0))
+            await until(lambda: m.worker.switching_to is Role.DECODE, what="the switch to begin")
+            m.stop()  # SIGTERM: the switch is called off, the process ends once the old role has drained
+            StuckMixed.stuck = False
+            assert (await answer).outcome is SwitchOutcome.STOPPING
+            await asyncio.wait_for(running, 30)
+            assert m.role is Role.MIXED
+        finally:
+            StuckMixed.stuck = False
+            m.stop()
+            await asyncio.wait_for(asyncio.gather(running, return_exceptions=True), 30)
+            await nc.close()
 
     asyncio.run(scenario())
