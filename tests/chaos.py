@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import httpx
 import nats
@@ -40,6 +41,7 @@ class Outcome:
     max_tokens: int
     status: int | None = None
     pieces: list[str] = field(default_factory=list)  # one per streamed token
+    arrivals: list[float] = field(default_factory=list)  # time.monotonic() when each piece came
     finish_reason: str | None = None
     completion_tokens: int | None = None
     error: str | None = None  # the error the gateway reported
@@ -49,6 +51,11 @@ class Outcome:
     @property
     def text(self) -> str:
         return "".join(self.pieces)
+
+    @property
+    def longest_gap_s(self) -> float:
+        """The stream's stall: the longest wait between two of its tokens (0 with fewer than two)."""
+        return max((b - a for a, b in pairwise(self.arrivals)), default=0.0)
 
     @property
     def verdict(self) -> str:
@@ -116,6 +123,7 @@ def stream_completion(
                 else:
                     choice = chunk["choices"][0]
                     out.pieces.append(choice["text"])
+                    out.arrivals.append(time.monotonic())
                     out.finish_reason = choice.get("finish_reason") or out.finish_reason
                     if progress is not None:
                         progress.bump(i)

@@ -129,7 +129,7 @@ class WorkerHost:
         try:
             await worker.serve()
         except Exception as exc:
-            if not starting or worker.serving.is_set():
+            if not starting or worker.taking_jobs.is_set():
                 raise
             if announcing is not None:
                 announcing.cancel()
@@ -138,7 +138,7 @@ class WorkerHost:
 
     async def _announce(self, worker: Worker[Any]) -> None:
         """Once the new role serves: the switch is done (the state's role is the one serving)."""
-        await worker.serving.wait()
+        await worker.taking_jobs.wait()
         if self.state.phase is Phase.STARTING:
             self.state.started(worker.role)
         self._record_role()

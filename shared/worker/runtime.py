@@ -58,6 +58,7 @@ from shared.worker.heartbeat import HEARTBEAT_S, beat_facts, build_heartbeat, pu
 from shared.worker.job_feed import JobFeed
 from shared.worker.ledger import Entry, JobLedger, Phase, settle
 from shared.worker.outbox import Outbox
+from shared.worker.probes import WorkerProbes
 
 if TYPE_CHECKING:
     from shared.parallel.group_engine import WorkerGroup
@@ -132,7 +133,7 @@ class Worker(Generic[Job]):
         self.engine = AsyncEngine(engine, self._outputs_ready, self._engine_failed, on_state=self._observe)
         self.failure: BaseException | None = None  # why the engine thread died; the worker then exits non-zero
         self.stopping = asyncio.Event()
-        self.serving = asyncio.Event()  # set once serve() takes jobs (its loops started)
+        self.taking_jobs = asyncio.Event()  # set once serve() takes jobs (its loops started): a switch is done
         self._conn: Connections | None = None  # set by connect(): read through `conn`
         self.rpc_address: str | None = None
         self._tasks: list[asyncio.Task] = []
@@ -141,21 +142,27 @@ class Worker(Generic[Job]):
         self.stop_asked = False  # stop() was called once: the drain ends the process (a second call stops now)
         self.switching_to: Role | None = None  # leave(): the role that follows this one, in every heartbeat
         self._fetching = False  # a job fetch is in flight (its job may still come: not idle)
+        self.serving = False  # connected, engine started, tasks running: /ready (probes.py) until it stops
+        self.last_beat: float | None = None  # when the heartbeat task last built a beat: /health (probes.py)
         self.cancels = CancelMemory()
         self._cancels_from: int | None = None  # the cancel stream's sequence to read from (a successor's start)
-        if succeeds is not None:
-            self._take_over(succeeds)
-        self.ledger: JobLedger[Job] = JobLedger(self.cancels)
         self._integrity: str | None = None  # the engine's last integrity verdict (refreshed off the beat)
         # a decode (or mixed) worker's recent hot experts, in its heartbeat for expert-affinity routing (MoE models)
         self.hot_experts = HotExpertsWindow()
         self.blocks_announcer: BlockAnnouncer | None = None  # prefix-cache blocks out to the gateways, if any
         self._own_feed: JobFeed | None = None  # the queue of jobs routed to this worker alone, once bound
         self._handing_back: asyncio.Task | None = None  # draining or leaving: the own queue's jobs to the shared one
+        self._probes: WorkerProbes | None = None  # what the metrics server's /health and /ready ask (connect)
+        if succeeds is not None:
+            self._take_over(succeeds)
+        self.ledger: JobLedger[Job] = JobLedger(self.cancels)  # the cancels remembered (a predecessor's too)
 
     def _take_over(self, old: Worker) -> None:
         """What carries over from the role this one succeeds: the process's, not the role's."""
         self._conn, self.metrics_port = old._conn, old.metrics_port
+        self._probes = old._probes
+        if self._probes is not None:  # the metrics server's /health and /ready read this role from now on
+            self._probes.worker = self
         self.cancels, self._cancels_from = old.cancels, old._cancels_from
         self.step_costs, self.pull_costs = old.step_costs, old.pull_costs
 
@@ -203,6 +210,9 @@ class Worker(Generic[Job]):
         if self.expert_trace is not None:
             self.expert_trace.observe(engine)
 
+    def nats_connected(self) -> bool:
+        return self._conn is not None and self._conn.nc.is_connected
+
     def has_room(self) -> bool:
         """Fetch a job only when the engine can start it soon (EngineLoad.has_room, on the latest snapshot)."""
         return self.load.has_room()
@@ -236,7 +246,9 @@ class Worker(Generic[Job]):
         self._conn = Connections(nc, nc.jetstream(), redis_client(self.settings))
         await bus.ensure_streams(self.conn.js)
         if self.settings.metrics_port is not None:
-            self.metrics_port = metrics.serve_metrics(self.settings.metrics_host, self.settings.metrics_port)
+            self._probes = WorkerProbes(self)  # /health, /ready beside /metrics: of the role serving (a successor's)
+            routes = self._probes.routes()
+            self.metrics_port = metrics.serve_metrics(self.settings.metrics_host, self.settings.metrics_port, routes)
             log.info("metrics at http://%s:%d/metrics", self.settings.metrics_host, self.metrics_port)
         return True
 
@@ -266,9 +278,11 @@ class Worker(Generic[Job]):
                 load.total_blocks * load.block_size,
                 load.max_model_len,
             )
-            self.serving.set()
+            self.serving = True
+            self.taking_jobs.set()
             await self.stopping.wait()
         finally:
+            self.serving = False
             await self._shut_down()
 
     async def _read_cancels(self, cancels: CancelFeed) -> None:
@@ -619,6 +633,7 @@ class Worker(Generic[Job]):
 
     def heartbeat(self) -> Heartbeat:
         """This worker's beat now (from the latest load snapshot); sets the load gauges on the way."""
+        self.last_beat = time.monotonic()
         load = self.load
         gauges.record_load(self.labels, load)
         return build_heartbeat(

@@ -85,6 +85,8 @@ def test_a_prefill_worker_switches_to_decode_and_back_under_streaming_load(stack
         assert listed["role"] == "decode" and listed["switching_to"] is None
         assert scraped_total(p0_metrics, "pdserve:worker_role", role="decode") == 1
         assert scraped_total(p0_metrics, "pdserve:worker_role", role="prefill") == 0
+        ready = httpx.get(p0_metrics.replace("/metrics", "/ready"), timeout=10)
+        assert ready.status_code == 200, ready.text  # the probes follow the role serving now
 
         # 2. new streams: decoded on decode-2 and on the switched worker; back to prefill while it decodes some
         second = Load(stack.url, prompts(SHORT), MAX_TOKENS)

@@ -107,7 +107,7 @@ def test_a_tp2_group_switches_between_prefill_and_decode_with_its_ranks(model_di
             assert result.outcome is SwitchOutcome.SWITCHED and host.role is role, result
 
         try:
-            await until(lambda: g.worker.serving.is_set() and s.worker.serving.is_set(), 120, "the workers")
+            await until(lambda: g.worker.taking_jobs.is_set() and s.worker.taking_jobs.is_set(), 120, "the workers")
             # the group prefills, each rank serves its heads; S pulls them
             assert await served("r1", prefill_subject(MODEL), prefill_job("r1")) == (reference, {"G", "S"})
             await switch(g, "G", Role.DECODE)

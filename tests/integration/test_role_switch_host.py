@@ -104,7 +104,7 @@ def test_a_decode_worker_switches_to_prefill_and_back_handing_its_request_on(mod
             events.append(decode_event(msg.data))
 
         try:
-            await until(lambda: a.worker.serving.is_set() and b.worker.serving.is_set(), what="the workers")
+            await until(lambda: a.worker.taking_jobs.is_set() and b.worker.taking_jobs.is_set(), what="the workers")
             reply = "pd.tokens.gw.r1"
             await nc.subscribe(reply, cb=on_event)
             sampling = Sampling(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -200,10 +200,10 @@ def test_a_switch_that_cannot_start_or_settle_leaves_the_old_role_serving_and_a_
         running = asyncio.create_task(m.run())
         nc = await nats.connect(nats_url)
         try:
-            await until(lambda: m.worker.serving.is_set(), what="the worker")
+            await until(lambda: m.worker.taking_jobs.is_set(), what="the worker")
             broken = await request_switch(nc, "M", Role.PREFILL, SECRET)
             assert broken.outcome is SwitchOutcome.INVALID and "port is taken" in broken.detail, broken
-            await until(lambda: m.worker.serving.is_set() and isinstance(m.worker, StuckMixed), what="mixed again")
+            await until(lambda: m.worker.taking_jobs.is_set() and isinstance(m.worker, StuckMixed), what="mixed again")
             assert m.role is Role.MIXED and m.state.switches == 0
 
             StuckMixed.stuck = True
