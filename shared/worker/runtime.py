@@ -580,6 +580,10 @@ class Worker(Generic[Job]):
             await asyncio.sleep(0.5)
             return
         for msg in msgs:
+            if self.switching_to is not None:  # leaving this role (a fetch sent before): another worker of it takes it
+                log.info("leaving the %s role: a job fetched meanwhile goes back to its queue", self.role)
+                await settle(msg.nak())
+                continue
             try:
                 await self.handle_job(msg)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:

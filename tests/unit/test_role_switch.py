@@ -168,3 +168,15 @@ def test_forged_misaddressed_expired_and_malformed_orders_are_refused():
 def test_a_short_secret_is_refused():
     with pytest.raises(ValueError, match="at least 16 bytes"):
         ControlSigner("short")
+
+
+def test_the_cluster_view_shows_each_workers_role_now():
+    from services.local.cluster_state import describe
+
+    workers = beats(P, D)
+    workers[0] = msgspec.structs.replace(workers[0], switching_to=D, draining=True, running=1, total_blocks=8)
+    workers[1] = msgspec.structs.replace(workers[1], parallel="tp=2 ep=1", free_blocks=6, total_blocks=8)
+    assert describe({b.worker_id: b for b in workers}) == [
+        "w0: prefill → decode (switching), 1 running, 0 waiting, 8/8 KV blocks used, 0 held",
+        "w1: decode [tp=2 ep=1], 0 running, 0 waiting, 2/8 KV blocks used, 0 held",
+    ]
