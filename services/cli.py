@@ -305,23 +305,23 @@ def _worker(args: argparse.Namespace) -> int:
 
     from shared.settings import WorkerSettings, from_args
     from shared.telemetry.lifecycle import EXIT_GRACE_S, exit_by, exit_now, observe
+    from shared.worker.host import WorkerHost
 
-    settings = from_args(WorkerSettings, args)  # the role: the subcommand's default
+    settings = from_args(WorkerSettings, args)  # the role: the subcommand's default (it may switch: host.py)
     observe(args.role, settings.worker_id, args.log_level, settings.trace_file)
-    worker_cls = _worker_class(args.role)
 
     async def serve() -> int:
-        worker = worker_cls(settings)  # loads the checkpoint
+        host = WorkerHost(settings, _worker_class)  # loads the checkpoint
         loop = asyncio.get_running_loop()
 
         def stop() -> None:  # drains; and ends this process by the supervisor's bound, supervisor or not
             exit_by(settings.drain_timeout_s + EXIT_GRACE_S)
-            worker.stop()
+            host.stop()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop)
         try:
-            await worker.run()
+            await host.run()
         except Exception as exc:
             if _port_refused(exc):
                 raise ValueError(f"the {args.role} worker cannot bind its port: {exc}") from exc
@@ -329,10 +329,10 @@ def _worker(args: argparse.Namespace) -> int:
             logging.getLogger("pdserve.worker").critical("the %s worker crashed", args.role, exc_info=exc)
             return 1
         finally:
-            group = worker.group
+            group = host.group
             if group is not None:  # a planned stop: the followers leave their loops (no rank-death exit)
                 group.close()
-        return 0 if worker.failure is None else 1  # 1: the engine failed (logged)
+        return 0 if host.failure is None else 1  # 1: the engine failed (logged)
 
     return exit_now(asyncio.run(serve()))
 
@@ -346,6 +346,7 @@ def _port_refused(exc: BaseException) -> bool:
 
 
 def _worker_class(role: str):
+    """The Worker class of a role (the host builds one per role it serves)."""
     if role == "prefill":
         from services.prefill.worker import PrefillWorker
 
@@ -463,6 +464,8 @@ def _print_ready(args: argparse.Namespace):
         print(f"  metrics: {stack.url}/metrics (gateway), " + ", ".join(stack.metrics_urls()))
         print(f"  supervisor: {supervisor.metrics_url} (pdserve:supervisor_restarts_total per service)")
         print(f"  rolling restart of the workers: kill -HUP {os.getpid()}")
+        if "PDSERVE_ADMIN_KEYS" in os.environ | stack.spec.env:  # the admin API is on (docs/api.md, "Admin API")
+            print(f"  workers and their roles: {stack.url}/admin/workers (Authorization: Bearer <admin key>)")
         if args.log_dir:
             print(f"  logs: {stack.log_dir}/<service>.log")
         if args.trace_file:
