@@ -133,6 +133,12 @@ class GatewaySettings(CommonSettings):
     """This gateway's name on the bus (its token subjects); default: host name + a random suffix."""
     api_keys: tuple[str, ...] = field(default=(), repr=False, metadata={"flag": True})
     """Accepted `Authorization: Bearer` keys, comma-separated; empty = no authentication."""
+    admin_keys: tuple[str, ...] = field(default=(), repr=False, metadata={"flag": True})
+    """Keys of the admin API (/admin: list the workers, switch a worker's role), `Authorization: Bearer`,
+    comma-separated; empty = the admin API is off (403). Apart from api_keys: an API key is not an admin key."""
+    cluster_secret: str | None = field(default=None, repr=False)
+    """The workers' cluster secret (PDSERVE_CLUSTER_SECRET): the admin API signs role-switch orders with it; without
+    it the admin API can list workers but not switch them."""
     max_body_bytes: int = 4 << 20
     """Largest request body accepted (413 past it)."""
     request_timeout_s: float = 600.0
@@ -151,6 +157,14 @@ class GatewaySettings(CommonSettings):
     """Admission: requests dispatched and still waiting for their first token; past it, 429."""
     kv_overcommit: float = 1.0
     """Admission: in-flight tokens may reach this multiple of the live workers' KV capacity; past it, 429."""
+    admission_ttft_refuse: bool = False
+    """Admission: refuse (429) a request whose predicted time to first token, on the prefill path chosen for it,
+    exceeds admission_ttft_factor × ttft_slo_ms because of the backlog ahead of it (behind no queue it would meet
+    that), with Retry-After the predicted time until the backlog has drained that far. Off: such a request is
+    accepted and waits (services/gateway/admission.py)."""
+    admission_ttft_factor: float = 1.0
+    """Admission with admission_ttft_refuse: the multiple of ttft_slo_ms past which a predicted TTFT is refused
+    (above 1 refuses only clear misses; the predictions run under measured TTFTs: docs/benchmarks.md)."""
     tool_call_parser: ToolCallParser = ToolCallParser.AUTO
     """How model output is read back into tool_calls: hermes (Qwen), llama3_json, or auto (from the chat template)."""
     max_n: int = 16
@@ -187,7 +201,7 @@ class GatewaySettings(CommonSettings):
             raise ValueError("max_body_bytes must be at least 1024")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError("max_prompt_tokens must be positive")
-        for name in ("worker_ttl_s", "stall_timeout_s", "kv_overcommit"):
+        for name in ("worker_ttl_s", "stall_timeout_s", "kv_overcommit", "admission_ttft_factor"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.max_n < 1:
@@ -198,6 +212,8 @@ class GatewaySettings(CommonSettings):
             raise ValueError("max_migrations must be >= 0 and max_pending_requests >= 1")
         if not 1 <= self.expert_affinity_top_k <= 256:
             raise ValueError(f"expert_affinity_top_k must be in 1-256, got {self.expert_affinity_top_k}")
+        if self.cluster_secret is not None and len(self.cluster_secret.encode()) < 16:
+            raise ValueError("cluster_secret must be at least 16 bytes (the workers' own)")
 
 
 @dataclass(frozen=True)
@@ -365,6 +381,10 @@ class WorkerSettings(CommonSettings):
     record_expert_trace: str | None = None
     """Append every step's tokens per expert, per sparse layer, to this expert routing trace (JSON lines, with
     the role; shared/sharding/expert_trace.py) for benchmarks/eplb_sim.py and `pdserve experts show`. MoE only."""
+    switch_finish_s: float = 10.0
+    """Switching role (docs/architecture.md, "Role switching"): how long a decode or mixed worker lets the requests
+    it decodes run on before it hands the rest to the prefill queue with their tokens so far (an order may say
+    otherwise). 0: hand them on at once."""
 
     @property
     def served_model_name(self) -> str:
@@ -385,6 +405,8 @@ class WorkerSettings(CommonSettings):
             raise ValueError(f"role must be prefill, decode or mixed, got {self.role!r}")
         if self.job_ack_wait_s <= 0:
             raise ValueError("job_ack_wait_s must be positive")
+        if self.switch_finish_s < 0:
+            raise ValueError("switch_finish_s must be >= 0")
         if self.role in (WorkerRole.PREFILL, WorkerRole.DECODE) and not self.cluster_secret:
             raise ValueError(
                 f"a {self.role} worker needs cluster_secret (PDSERVE_CLUSTER_SECRET or PDSERVE_CLUSTER_SECRET_FILE): "

@@ -54,6 +54,7 @@ from shared.messages import (
     token_wildcard,
 )
 from shared.redis_client import explain_redis_error, redis_client
+from shared.role_control import SwitchResult, switch_role
 from shared.settings import GatewaySettings, PrefillPath
 from shared.telemetry import metrics, tracing
 
@@ -72,7 +73,12 @@ class NatsBackend:
         self.deadlines = Deadlines(settings.first_token_timeout_s, settings.request_timeout_s, gap_timeout_s)
         bus.tls_context(settings)  # unreadable TLS files stop the gateway at start, not in the background task
         self.workers = WorkerTable(settings.worker_ttl_s)
-        self.admission = Admission(settings.max_pending_requests, settings.kv_overcommit)
+        ttft_limit_s = settings.path.ttft_slo_ms / 1e3 * settings.admission_ttft_factor
+        self.admission = Admission(
+            settings.max_pending_requests,
+            settings.kv_overcommit,
+            ttft_limit_s=ttft_limit_s if settings.admission_ttft_refuse else None,
+        )
         self.paths = PathChooser(settings.path)  # remote (prefill worker + hand-off) or local, per request
         self.routing = prefill_routing(settings)  # where fresh prompts go: the shared queue, or a worker's own
         self._streams: dict[str, RequestUpdates] = {}  # request id → its stream, while the gateway listens
@@ -131,11 +137,25 @@ class NatsBackend:
                 continue
             for stream in list(self._streams.values()):
                 why = stream.why_move(self.workers.last_seen, ttl, self.settings.stall_timeout_s, reconnected_at)
+                why = why or self._left_its_queue(stream)
                 if why is not None:
                     try:
                         await self._move(stream, why)
                     except Exception:  # never let one request stop the watchdog
                         log.exception("moving request %s failed", stream.request_id)
+
+    def _left_its_queue(self, stream: RequestUpdates) -> str | None:
+        """A job waiting in a worker's own queue whose worker no longer takes that queue: it switched role
+        (docs/architecture.md, "Role switching") after the job was routed there and after handing its queue back.
+        Nothing would take the job: it moves."""
+        worker = stream.queued_for
+        beat = self.workers.beat(worker) if worker is not None else None
+        if beat is None or beat.switching_to is not None:  # switching: it hands its own queue back meanwhile
+            return None
+        takes = (Role.DECODE,) if stream.queued_for_decode else (Role.PREFILL, Role.MIXED)
+        if beat.role in takes:
+            return None
+        return f"worker {worker} is a {beat.role} worker now: the queue the request waits in has no taker"
 
     async def _move(self, stream: RequestUpdates, why: str) -> None:
         """Cancel the stream's attempt and dispatch the next one elsewhere, or fail it after max_migrations."""
@@ -221,14 +241,10 @@ class NatsBackend:
             )
             for s in singles
         ]
-        # each stream keeps its choice's own job: a choice moves on alone, as the single request it equals
-        streams = [RequestUpdates(p.request_id, self.deadlines, self.cancel, self.forget, job=p) for p in prefills]
-        for stream in streams:
-            self._streams[stream.request_id] = stream  # subscribe before dispatch
         siblings = [Sibling(p.request_id, p.reply_subject, p.sampling.seed) for p in prefills[1:]]
         group = msgspec.structs.replace(prefills[0], siblings=siblings)
         # the prefill worker it would go to (the shared queue, or one whose cache helps), whose expected hit the
-        # path's cost model counts; then the path
+        # path's cost model counts; then the path (neither reads this request's streams: they are not open yet)
         serving = self.workers.serving(job.model, time.monotonic())
         route = self.routing.route(job, serving, self._routed_backlog())
         hit = {route.worker_id: route.hit_tokens} if route.worker_id is not None else {}
@@ -241,7 +257,14 @@ class NatsBackend:
             hit,
             self._own_load(job.model, now, PrefillPath.REMOTE),
             self._own_load(job.model, now, PrefillPath.LOCAL),
+            remember=False,
         )
+        self.admission.admit_path(choice, job)  # raises Overloaded (429) where the backlog misses the TTFT SLO
+        self.paths.remember(choice, job.model, now, len(job.prompt_token_ids))
+        # each stream keeps its choice's own job: a choice moves on alone, as the single request it equals
+        streams = [RequestUpdates(p.request_id, self.deadlines, self.cancel, self.forget, job=p) for p in prefills]
+        for stream in streams:
+            self._streams[stream.request_id] = stream  # subscribe before dispatch
         subject, message = dispatch(choice, group)
         if choice.path is PrefillPath.REMOTE:
             count_route(job.model, route)
@@ -339,6 +362,33 @@ class NatsBackend:
 
     def forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+
+    # ---- the admin API's (admin.py) -----------------------------------------------------------------
+
+    def live_workers(self) -> list[tuple[Heartbeat, float]]:
+        """Every live worker's latest heartbeat, and how old it is (seconds)."""
+        now = time.monotonic()
+        return [(beat, now - (self.workers.last_seen(beat.worker_id) or now)) for beat in self.workers.live(now)]
+
+    async def switch_role(self, worker_id: str, role: Role, finish_s: float | None) -> SwitchResult:
+        """Switch one worker's role the safe way (shared/role_control.switch_role: the deployment's lock, the
+        safety rule judged on this gateway's live workers, the signed order), under a span of its own."""
+        nc, secret = self._connected(), self.settings.cluster_secret
+        if nc is None:
+            raise BackendUnavailable("not connected to NATS")
+        if not secret:
+            raise BackendUnavailable("the gateway has no cluster_secret to sign role-switch orders with")
+        span = tracing.start_span(f"role_switch {self.settings.served_model_name}", attributes={
+            tracing.WORKER_ID: worker_id, "pdserve.role.to": role.value})  # fmt: skip
+        with tracing.use_span(span, end_on_exit=False):
+            result = await switch_role(
+                nc, self._redis, worker_id, role, secret, workers=lambda: self.workers.live(time.monotonic()),
+                finish_s=finish_s, holder=f"gateway {self.settings.gateway_id}", headers=tracing.carrier(),
+            )  # fmt: skip
+        span.set_attribute("pdserve.role_switch.outcome", result.outcome.value)
+        tracing.end_span(span, error=None if result.switched else result.detail or result.outcome.value)
+        log.info("role switch of %s to %s: %s %s", worker_id, role, result.outcome, result.detail)
+        return result
 
     async def readiness(self) -> tuple[bool, str]:
         if self._setup_error is not None:
