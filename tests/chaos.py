@@ -40,6 +40,7 @@ class Outcome:
     max_tokens: int
     status: int | None = None
     pieces: list[str] = field(default_factory=list)  # one per streamed token
+    times: list[float] = field(default_factory=list)  # when each piece arrived (time.monotonic())
     finish_reason: str | None = None
     completion_tokens: int | None = None
     error: str | None = None  # the error the gateway reported
@@ -49,6 +50,11 @@ class Outcome:
     @property
     def text(self) -> str:
         return "".join(self.pieces)
+
+    @property
+    def stall_s(self) -> float:
+        """The longest wait between two of its tokens (0 with fewer than two)."""
+        return max((b - a for a, b in zip(self.times, self.times[1:], strict=False)), default=0.0)
 
     @property
     def verdict(self) -> str:
@@ -116,6 +122,7 @@ def stream_completion(
                 else:
                     choice = chunk["choices"][0]
                     out.pieces.append(choice["text"])
+                    out.times.append(time.monotonic())
                     out.finish_reason = choice.get("finish_reason") or out.finish_reason
                     if progress is not None:
                         progress.bump(i)
@@ -167,7 +174,7 @@ class EventWatch:
 
     async def _run(self, nats_url: str) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        nc = await nats.connect(nats_url)
+        nc = await nats.connect(nats_url.split(","))  # one URL, or a cluster's, comma-separated
 
         async def on_event(msg) -> None:
             with self._lock:
@@ -178,6 +185,11 @@ class EventWatch:
         self._ready.set()
         await self._stop.wait()
         await nc.close()
+
+    def snapshot(self) -> list[TokenEvent]:
+        """Every event seen so far, in arrival order."""
+        with self._lock:
+            return list(self.events)
 
     def taken_without_token(self, worker_prefix: str) -> set[str]:
         """Requests a worker announced (took) and has published no token for yet."""
