@@ -275,7 +275,7 @@ def test_a_nats_node_killed_under_streaming_load(ha_stack, reference, victim):
             arrivals=new_counts,
             stall_p50_s=round(percentile(stalls, 50), 3) if stalls else None,
             stall_p99_s=round(percentile(stalls, 99), 3) if stalls else None,
-            arrivals_first_token_max_s=round(max(o.times[0] - killed_at for o in arrived if o.times), 2),
+            arrivals_first_token_max_s=round(max((o.times[0] - killed_at for o in arrived if o.times), default=-1), 2),
             wire_duplicates=wire_duplicates(watch),
             rejoined_s=round(rejoined_s, 2),
         )
