@@ -41,6 +41,7 @@ class Outcome:
     status: int | None = None
     pieces: list[str] = field(default_factory=list)  # one per streamed token
     times: list[float] = field(default_factory=list)  # when each piece arrived (time.monotonic())
+    started: float = field(default_factory=time.monotonic)  # when the request was sent
     finish_reason: str | None = None
     completion_tokens: int | None = None
     error: str | None = None  # the error the gateway reported
