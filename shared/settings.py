@@ -166,6 +166,14 @@ class GatewaySettings(CommonSettings):
     """Admission: requests dispatched and still waiting for their first token; past it, 429."""
     kv_overcommit: float = 1.0
     """Admission: in-flight tokens may reach this multiple of the live workers' KV capacity; past it, 429."""
+    admission_ttft_refuse: bool = False
+    """Admission: refuse (429) a request whose predicted time to first token, on the prefill path chosen for it,
+    exceeds admission_ttft_factor × ttft_slo_ms because of the backlog ahead of it (behind no queue it would meet
+    that), with Retry-After the predicted time until the backlog has drained that far. Off: such a request is
+    accepted and waits (services/gateway/admission.py)."""
+    admission_ttft_factor: float = 1.0
+    """Admission with admission_ttft_refuse: the multiple of ttft_slo_ms past which a predicted TTFT is refused
+    (above 1 refuses only clear misses; the predictions run under measured TTFTs: docs/benchmarks.md)."""
     tool_call_parser: ToolCallParser = ToolCallParser.AUTO
     """How model output is read back into tool_calls: hermes (Qwen), llama3_json, or auto (from the chat template)."""
     max_n: int = 16
@@ -203,7 +211,7 @@ class GatewaySettings(CommonSettings):
             raise ValueError("max_body_bytes must be at least 1024")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError("max_prompt_tokens must be positive")
-        for name in ("worker_ttl_s", "stall_timeout_s", "kv_overcommit"):
+        for name in ("worker_ttl_s", "stall_timeout_s", "kv_overcommit", "admission_ttft_factor"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.max_n < 1:

@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import httpx
 import nats
@@ -40,7 +41,7 @@ class Outcome:
     max_tokens: int
     status: int | None = None
     pieces: list[str] = field(default_factory=list)  # one per streamed token
-    times: list[float] = field(default_factory=list)  # when each piece arrived (time.monotonic())
+    arrivals: list[float] = field(default_factory=list)  # time.monotonic() when each piece came
     started: float = field(default_factory=time.monotonic)  # when the request was sent
     finish_reason: str | None = None
     completion_tokens: int | None = None
@@ -53,9 +54,9 @@ class Outcome:
         return "".join(self.pieces)
 
     @property
-    def stall_s(self) -> float:
-        """The longest wait between two of its tokens (0 with fewer than two)."""
-        return max((b - a for a, b in zip(self.times, self.times[1:], strict=False)), default=0.0)
+    def longest_gap_s(self) -> float:
+        """The stream's stall: the longest wait between two of its tokens (0 with fewer than two)."""
+        return max((b - a for a, b in pairwise(self.arrivals)), default=0.0)
 
     @property
     def verdict(self) -> str:
@@ -123,7 +124,7 @@ def stream_completion(
                 else:
                     choice = chunk["choices"][0]
                     out.pieces.append(choice["text"])
-                    out.times.append(time.monotonic())
+                    out.arrivals.append(time.monotonic())
                     out.finish_reason = choice.get("finish_reason") or out.finish_reason
                     if progress is not None:
                         progress.bump(i)

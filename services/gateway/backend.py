@@ -25,7 +25,7 @@ class BackendUnavailable(Exception):
 
 class Overloaded(Exception):
     """The workers are busy past the admission bounds (admission.py): HTTP 429 with `Retry-After`.
-    `reason` says which bound ("queue" | "kv"), for the rejection counter."""
+    `reason` says which bound ("queue" | "kv" | "ttft_slo"), for the rejection counter."""
 
     def __init__(self, message: str, retry_after_s: int, reason: str = "queue") -> None:
         super().__init__(message)

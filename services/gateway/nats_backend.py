@@ -69,7 +69,12 @@ class NatsBackend:
         self.deadlines = Deadlines(settings.first_token_timeout_s, settings.request_timeout_s, gap_timeout_s)
         bus.tls_context(settings)  # unreadable TLS files stop the gateway at start, not in the background task
         self.workers = WorkerTable(settings.worker_ttl_s)
-        self.admission = Admission(settings.max_pending_requests, settings.kv_overcommit)
+        ttft_limit_s = settings.path.ttft_slo_ms / 1e3 * settings.admission_ttft_factor
+        self.admission = Admission(
+            settings.max_pending_requests,
+            settings.kv_overcommit,
+            ttft_limit_s=ttft_limit_s if settings.admission_ttft_refuse else None,
+        )
         self.paths = PathChooser(settings.path)  # remote (prefill worker + hand-off) or local, per request
         self.routing = prefill_routing(settings)  # where fresh prompts go: the shared queue, or a worker's own
         self._streams: dict[str, RequestUpdates] = {}  # request id → its stream, while the gateway listens
@@ -216,14 +221,10 @@ class NatsBackend:
             )
             for s in singles
         ]
-        # each stream keeps its choice's own job: a choice moves on alone, as the single request it equals
-        streams = [RequestUpdates(p.request_id, self.deadlines, self.cancel, self.forget, job=p) for p in prefills]
-        for stream in streams:
-            self._streams[stream.request_id] = stream  # subscribe before dispatch
         siblings = [Sibling(p.request_id, p.reply_subject, p.sampling.seed) for p in prefills[1:]]
         group = msgspec.structs.replace(prefills[0], siblings=siblings)
         # the prefill worker it would go to (the shared queue, or one whose cache helps), whose expected hit the
-        # path's cost model counts; then the path
+        # path's cost model counts; then the path (neither reads this request's streams: they are not open yet)
         serving = self.workers.serving(job.model, time.monotonic())
         route = self.routing.route(job, serving, self._routed_backlog())
         hit = {route.worker_id: route.hit_tokens} if route.worker_id is not None else {}
@@ -236,7 +237,14 @@ class NatsBackend:
             hit,
             self._own_load(job.model, now, PrefillPath.REMOTE),
             self._own_load(job.model, now, PrefillPath.LOCAL),
+            remember=False,
         )
+        self.admission.admit_path(choice, job)  # raises Overloaded (429) where the backlog misses the TTFT SLO
+        self.paths.remember(choice, job.model, now, len(job.prompt_token_ids))
+        # each stream keeps its choice's own job: a choice moves on alone, as the single request it equals
+        streams = [RequestUpdates(p.request_id, self.deadlines, self.cancel, self.forget, job=p) for p in prefills]
+        for stream in streams:
+            self._streams[stream.request_id] = stream  # subscribe before dispatch
         subject, message = dispatch(choice, group)
         if choice.path is PrefillPath.REMOTE:
             count_route(job.model, route)

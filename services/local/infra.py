@@ -144,14 +144,17 @@ def start_nats(
     user: str | None = None,
     password: str | None = None,
     tls: ServerTls | None = None,
+    prefix: Sequence[str] = (),
     name: str = "nats",
     extra_conf: Sequence[str] = (),
 ) -> ServerProcess:
     """nats-server with JetStream on `port` (a free one by default). With `user` and `password` clients must
     log in; a `password` alone is a token. The secrets go in a configuration file inside the server's private
     data directory, not on its command line (which any local user can read). `url` carries them: it is what a
-    client needs (besides the CA, with `tls`). `name`: the server's, for the supervisor and the logs;
-    `extra_conf`: more lines of its configuration (a cluster node's, replicated.py)."""
+    client needs (besides the CA, with `tls`). prefix: the command runs under it, e.g. `ip netns exec NS` for
+    a server on another (emulated) host, then `port` must be given (free there) and `host` reachable from here.
+    `name`: the server's, for the supervisor and the logs; `extra_conf`: more lines of its configuration (a
+    cluster node's, replicated.py)."""
     port = port or free_port(host)
     data = tempfile.TemporaryDirectory(prefix=f"pdserve-{name}-")
     conf: list[str] = list(extra_conf)
@@ -165,7 +168,7 @@ def start_nats(
         if tls.ca is not None:
             files.append(f"ca_file: {_quoted(tls.ca)}")
         conf.append(f"tls {{ {', '.join(files)}, verify: {'true' if tls.verify_clients else 'false'} }}")
-    cmd = [find_binary("nats-server"), "-js", "-a", host, "-p", str(port), "-sd", data.name]
+    cmd = [*prefix, find_binary("nats-server"), "-js", "-a", host, "-p", str(port), "-sd", data.name]
     if conf:
         conf_path = Path(data.name) / "nats.conf"
         conf_path.write_text("\n".join(conf) + "\n")
@@ -181,12 +184,13 @@ def start_redis(
     host: str = "127.0.0.1",
     password: str | None = None,
     tls: ServerTls | None = None,
+    prefix: Sequence[str] = (),
     name: str = "redis",
     extra_conf: Sequence[str] = (),
 ) -> ServerProcess:
     """redis-server on `port` (a free one by default), nothing persisted. With `password` clients must log in
-    (the default user's requirepass); with `tls` it speaks TLS only (rediss://). Secrets as in start_nats;
-    `name` and `extra_conf` too (a replica's lines, replicated.py)."""
+    (the default user's requirepass); with `tls` it speaks TLS only (rediss://). Secrets, prefix, `name` and
+    `extra_conf` (a replica's lines, replicated.py) as in start_nats."""
     port = port or free_port(host)
     data = tempfile.TemporaryDirectory(prefix=f"pdserve-{name}-")
     conf = [f"bind {host}", f"dir {_quoted(data.name)}", 'save ""', "appendonly no", *extra_conf]
@@ -203,4 +207,4 @@ def start_redis(
     conf_path.write_text("\n".join(conf) + "\n")
     scheme = "rediss" if tls else "redis"
     url = with_credentials(f"{scheme}://{host}:{port}/0", None, password)
-    return _start(name, [find_binary("redis-server"), str(conf_path)], data, url, host, port)
+    return _start(name, [*prefix, find_binary("redis-server"), str(conf_path)], data, url, host, port)

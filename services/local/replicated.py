@@ -140,7 +140,7 @@ class SentinelledRedis(ServerProcess):
 
     def _follow(self, primary: tuple[str, int] | None) -> None:
         """Its configuration file, made to replicate `primary` (None: to be a primary)."""
-        conf = Path(self.cmd[1])
+        conf = Path(self.cmd[-1])  # its configuration file, the command's last word
         lines = [line for line in conf.read_text().splitlines() if not line.startswith("replicaof ")]
         if primary is not None:
             lines.append(f"replicaof {primary[0]} {primary[1]}")

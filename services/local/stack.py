@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.local.children import popen_options
+from services.local.hosts import INFRA, ServiceHosts
 from services.local.infra import ServerProcess, free_port, start_nats, start_redis
 from services.local.kv_certs import KV_TLS_DIR, KvTlsFiles, dialled_hosts, generate, refuse_other_kv_tls, without_kv_tls
 from services.local.replicated import (
@@ -79,8 +80,12 @@ class StackSpec:
     # generated at launch in <log dir>/kv-tls (kv_certs.generate); files = the user's own; False = the
     # workers' own settings apply (PDSERVE_KV_TLS_* inherited, if any).
     kv_tls: bool | KvTlsFiles = False
+    # Each service on a host of its own (services/local/hosts.py): the address it binds and is reached at, the
+    # prefix that starts it there, its ports. None: all on this machine (infra on 127.0.0.1, the rest on host).
+    # Only with private servers: one given by URL is wherever that URL says.
+    hosts: ServiceHosts | None = None
     # The private servers replicated (replicated.py): a 3-node NATS cluster with streams at 3 replicas, and Redis
-    # with a replica under 3 Sentinels. A server given by URL is used as it is.
+    # with a replica under 3 Sentinels, all on this machine's loopback. A server given by URL is used as it is.
     ha: bool = False
 
     def __post_init__(self) -> None:
@@ -88,6 +93,8 @@ class StackSpec:
             raise ValueError("worker counts must be non-negative")
         if self.mixed == 0 and (self.prefill == 0 or self.decode == 0):
             raise ValueError("need at least one prefill and one decode worker, or --mixed workers")
+        if self.ha and self.hosts is not None:
+            raise ValueError("ha: the replicated servers run on this machine's loopback, not on separate hosts (yet)")
         for name, per_role in (
             ("threads", self.threads),
             ("cpu_affinity", self.cpu_affinity),
@@ -195,7 +202,21 @@ class Stack:
 
     @property
     def url(self) -> str:
-        return f"http://{self.spec.host}:{self.spec.port}"
+        return f"http://{self.address('gateway')}:{self.spec.port}"
+
+    def address(self, service: str) -> str:
+        """Where `service` ("nats", "redis", "gateway", a worker's name) listens: its host's address with
+        spec.hosts; else 127.0.0.1 for the private servers and spec.host for the rest."""
+        if self.spec.hosts is not None:
+            return self.spec.hosts.address(service)
+        return "127.0.0.1" if service in INFRA else self.spec.host
+
+    def _prefix(self, service: str) -> list[str]:
+        return self.spec.hosts.prefix(service) if self.spec.hosts is not None else []
+
+    def _port(self, service: str) -> int | None:
+        """A port free on `service`'s host with spec.hosts; None without (a free one here is the caller's pick)."""
+        return self.spec.hosts.port(service) if self.spec.hosts is not None else None
 
     @property
     def redis_url(self) -> str | None:
@@ -227,10 +248,13 @@ class Stack:
             spec = self.spec
             for i, (role, device) in enumerate(zip(spec.roles(), spec.worker_devices(), strict=True)):
                 name = f"{role}-{i}"
-                self.metrics_ports[name] = port = free_port(self.spec.host)
+                self.metrics_ports[name] = port = self._port(name) or free_port(self.address(name))
                 flags = ["--worker-id", f"{name}-{os.getpid()}", "--metrics-port", str(port)]
+                flags += ["--metrics-host", self.address(name)]
+                if self.spec.hosts is not None:  # the KV transfer server binds, and advertises, its host's address
+                    flags += ["--rpc-host", self.address(name)]
                 self.spawn(name, [role, *flags, *self._worker_flags(role, device)], env=self.worker_env())
-            self.spawn("gateway", ["gateway", "--port", str(self.spec.port), "--host", self.spec.host,
+            self.spawn("gateway", ["gateway", "--port", str(self.spec.port), "--host", self.address("gateway"),
                                    *self._common_flags(), *self.spec.gateway_args])  # fmt: skip
         except BaseException:
             self.stop()
@@ -246,7 +270,8 @@ class Stack:
             create_streams(cluster.url, replicas)
             self.nats_url, bare = cluster.url, cluster.bare_url
         else:
-            self.infra.append(start_nats(user=user, password=password))
+            self.infra.append(start_nats(self._port("nats"), self.address("nats"), user, password,
+                                         prefix=self._prefix("nats")))  # fmt: skip
             replicas = 1
             self.nats_url = self.infra[-1].url
             bare = split_credentials(self.nats_url)[0]
@@ -263,17 +288,21 @@ class Stack:
             self._infra_env |= {"PDSERVE_REDIS_SENTINELS": plane.addresses,
                                 "PDSERVE_REDIS_SENTINEL_MASTER": plane.master}  # fmt: skip
         else:
-            self.infra.append(start_redis(password=password))
+            self.infra.append(start_redis(self._port("redis"), self.address("redis"), password,
+                                          prefix=self._prefix("redis")))  # fmt: skip
             self._redis_url = self.infra[-1].url
         bare = split_credentials(self._redis_url)[0]
         self._infra_env |= {"PDSERVE_REDIS_URL": bare, "PDSERVE_REDIS_PASSWORD": password}
 
     def prepare_kv_tls(self) -> None:
         """The files of spec.kv_tls: generated afresh in the run directory (kept with the logs; the CA's key is
-        deleted once it has signed), or the user's."""
+        deleted once it has signed), or the user's. Generated ones name every host a decode worker may dial,
+        with spec.hosts every worker's address too."""
         if self.spec.kv_tls is True:
             hosts = dialled_hosts(os.environ | self.spec.env, self.spec.worker_flags_of("prefill"))
-            self.kv_tls = generate(self.log_dir / KV_TLS_DIR, hosts)
+            if self.spec.hosts is not None:
+                hosts += [self.address(f"{role}-{i}") for i, role in enumerate(self.spec.roles())]
+            self.kv_tls = generate(self.log_dir / KV_TLS_DIR, list(dict.fromkeys(hosts)))
         elif isinstance(self.spec.kv_tls, KvTlsFiles):
             self.kv_tls = self.spec.kv_tls
 
@@ -289,12 +318,12 @@ class Stack:
 
     def metrics_urls(self) -> list[str]:
         """The /metrics URL of every worker (the gateway's is at url + "/metrics")."""
-        return [f"http://{self.spec.host}:{port}/metrics" for port in self.metrics_ports.values()]
+        return [f"http://{self.address(name)}:{port}/metrics" for name, port in self.metrics_ports.items()]
 
     def _worker_flags(self, role: str, device: str | None = None) -> list[str]:
         """Flags of one worker: common ones, the device placement's (before the user's, which win), the user's
         worker_args and role_args, threads."""
-        flags = self._common_flags() + ["--metrics-host", self.spec.host]
+        flags = self._common_flags()
         if device is not None:
             flags += ["--device", device] + self._placement_flags(role, device)
         flags += list(self.spec.worker_args) + list(self.spec.role_args.get(role, ()))
@@ -360,7 +389,8 @@ class Stack:
             self._log_files.append(out)
         self._spawned[name] = (args, env)
         env = self.service_env() | (env or {})
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", *args], stdout=out, stderr=subprocess.STDOUT
+        argv = [*self._prefix(name), sys.executable, "-m", "services.cli", *args]
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT
                                 if out else None, env=env, **popen_options())  # fmt: skip
         if (role := args[0]) in self.spec.cpu_affinity:  # before the interpreter has started any thread
             os.sched_setaffinity(proc.pid, self.spec.cpu_affinity[role])
@@ -399,7 +429,7 @@ class Stack:
         if not gateway:
             return False, why
         waiting = [
-            n for n, port in self.metrics_ports.items() if not _answers(f"http://{self.spec.host}:{port}/metrics")[0]
+            n for n, port in self.metrics_ports.items() if not _answers(f"http://{self.address(n)}:{port}/metrics")[0]
         ]
         return (False, f"waiting for {', '.join(waiting)} to connect") if waiting else (True, "HTTP 200")
 

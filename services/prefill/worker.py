@@ -268,7 +268,11 @@ class PrefillWorker(Worker[PrefillJob]):
                 self.ledger.finish(e.key)
             return
         fingerprint = self.held.layout.fingerprint
-        location = KvLocation(key, worker_id, self.rpc_address or "", group[0][1].num_prompt_tokens, fingerprint)
+        # The KV held covers every token but the last sampled: the prompt, and a moved request's tokens so far (the
+        # decode side posts its receives for exactly this many; a count short of it cost the pair and the pull)
+        head_out = group[0][1]
+        kv_tokens = head_out.num_prompt_tokens + head_out.num_output_tokens - 1
+        location = KvLocation(key, worker_id, self.rpc_address or "", kv_tokens, fingerprint)
         # False: Redis unreachable, so no decode worker could find the KV: it is freed and decode recomputes
         # held for the first choice that goes on: its cancel (the client went away) frees the group's KV
         head = going_on[0][0].request_id

@@ -54,6 +54,7 @@ from shared.worker.heartbeat import HEARTBEAT_S, beat_facts, build_heartbeat, pu
 from shared.worker.job_feed import JobFeed
 from shared.worker.ledger import Entry, JobLedger, Phase, settle
 from shared.worker.outbox import Outbox
+from shared.worker.probes import WorkerProbes
 
 if TYPE_CHECKING:
     from shared.parallel.group_engine import WorkerGroup
@@ -114,6 +115,8 @@ class Worker(Generic[Job]):
         self._tasks: list[asyncio.Task] = []
         self.outbox = Outbox()  # token events leave in order, through one publisher
         self.draining = False
+        self.serving = False  # connected, engine started, tasks running: /ready (probes.py) until it stops
+        self.last_beat: float | None = None  # when the heartbeat task last built a beat: /health (probes.py)
         self.cancels = CancelMemory()
         self.ledger: JobLedger[Job] = JobLedger(self.cancels)
         self._integrity: str | None = None  # the engine's last integrity verdict (refreshed off the beat)
@@ -166,6 +169,9 @@ class Worker(Generic[Job]):
         if self.expert_trace is not None:
             self.expert_trace.observe(engine)
 
+    def nats_connected(self) -> bool:
+        return self._conn is not None and self._conn.nc.is_connected
+
     def has_room(self) -> bool:
         """Fetch a job only when the engine can start it soon (EngineLoad.has_room, on the latest snapshot)."""
         return self.load.has_room()
@@ -190,7 +196,8 @@ class Worker(Generic[Job]):
         self._conn = Connections(nc, nc.jetstream(), redis)
         await bus.ensure_streams(self.conn.js, self.settings.jetstream_replicas)
         if self.settings.metrics_port is not None:
-            self.metrics_port = metrics.serve_metrics(self.settings.metrics_host, self.settings.metrics_port)
+            probes = WorkerProbes(self).routes()  # /health, /ready beside /metrics
+            self.metrics_port = metrics.serve_metrics(self.settings.metrics_host, self.settings.metrics_port, probes)
             log.info("metrics at http://%s:%d/metrics", self.settings.metrics_host, self.metrics_port)
         self.engine.start()
         try:
@@ -215,8 +222,10 @@ class Worker(Generic[Job]):
                 load.total_blocks * load.block_size,
                 load.max_model_len,
             )
+            self.serving = True
             await self.stopping.wait()
         finally:
+            self.serving = False
             await self._shut_down()
 
     async def _shut_down(self) -> None:
@@ -489,6 +498,7 @@ class Worker(Generic[Job]):
 
     def heartbeat(self) -> Heartbeat:
         """This worker's beat now (from the latest load snapshot); sets the load gauges on the way."""
+        self.last_beat = time.monotonic()
         load = self.load
         gauges.record_load(self.labels, load)
         return build_heartbeat(

@@ -258,10 +258,10 @@ def test_a_nats_node_killed_under_streaming_load(ha_stack, reference, victim):
         server.proc.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         server.proc.wait(10)
-        arrivals = Load(stack.url, prompts(N), 24)  # jobs published as the cluster reacts
+        newcomers = Load(stack.url, prompts(N), 24)  # jobs published as the cluster reacts
         for leaver in leavers:  # cancels likewise
             leaver.leave.set()
-        outcomes, arrived = load.results(), arrivals.results()
+        outcomes, arrived = load.results(), newcomers.results()
         for leaver in leavers:
             leaver.join()
         server.restart()  # as `pdserve up` does: same ports, same store; it rejoins
@@ -269,15 +269,17 @@ def test_a_nats_node_killed_under_streaming_load(ha_stack, reference, victim):
 
         counts, failures = check_streams(outcomes, reference, f"{node} killed ({victim})")
         new_counts, new_failures = check_streams(arrived, reference, f"arrivals after {node} killed")
-        stalls = [o.stall_s for o in outcomes if o.verdict == "completed"]  # each was open at the kill
+        stalls = [o.longest_gap_s for o in outcomes if o.verdict == "completed"]  # each was open at the kill
         report(
             f"nats node killed ({victim})",
             node=node,
             streams=counts,
-            arrivals=new_counts,
+            new_requests=new_counts,
             stall_p50_s=round(percentile(stalls, 50), 3) if stalls else None,
             stall_p99_s=round(percentile(stalls, 99), 3) if stalls else None,
-            arrivals_first_token_max_s=round(max((o.times[0] - killed_at for o in arrived if o.times), default=-1), 2),
+            new_requests_first_token_max_s=round(
+                max((o.arrivals[0] - killed_at for o in arrived if o.arrivals), default=-1), 2
+            ),
             wire_duplicates=wire_duplicates(watch),
             rejoined_s=round(rejoined_s, 2),
         )
@@ -352,7 +354,9 @@ def test_the_redis_primary_killed_at_a_hand_off(ha_stack, reference):
     assert promoted_s is not None, "the Sentinels never promoted the replica"
     assert first_read_s is not None, "no KV location was ever read on the new primary"
     counts, failures = check_streams(outcomes, reference, "redis primary killed")
-    stalls = [o.stall_s for o in outcomes if o.started < killed_at < (o.times or [0.0])[-1]]  # open at the kill
+    stalls = [
+        o.longest_gap_s for o in outcomes if o.started < killed_at < (o.arrivals or [0.0])[-1]
+    ]  # open at the kill
     recomputed = scraped_total(decode_metrics, "pdserve:prompt_tokens_total") - recomputed_before
     pulls = scraped_total(decode_metrics, "pdserve:kv_transfer_seconds_count") - pulls_before
     report(

@@ -31,7 +31,7 @@ import redis as redis_lib
 import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import choose_encoder
 
 from services.cli import main as cli_main
@@ -237,10 +237,28 @@ def test_gateway_publishes_8000():
 
 
 def test_workers_scale():
+    """`docker compose up --scale prefill=N --scale decode=M` (docs/deploy.md, "Compose scaling"): each replica
+    is its own worker: no fixed container name, published port or host name; its worker id and the address a
+    prefill worker advertises come from its own host name (the container's), never from a value every replica
+    would share; and a replica stopped by a scale-down drains (stop_grace_period), a prefill worker until its held
+    KV is pulled or its lease expires."""
     for name in WORKERS:
         svc = SERVICES[name]
-        for key in ("container_name", "ports", "hostname"):
+        for key in ("container_name", "ports", "hostname", "domainname", "mac_address"):
             assert key not in svc, f"{name}: {key} prevents --scale"
+        env = environment(name)
+        for var in ("PDSERVE_WORKER_ID", "PDSERVE_ADVERTISE_HOST", "PDSERVE_TRACE_FILE", "PDSERVE_RECORD_EXPERT_TRACE"):
+            assert var not in env, f"{name}: {var} would be the same in every replica"
+        one, other = (from_env(WorkerSettings, env, role=role(name)) for _ in range(2))
+        assert socket.gethostname() in one.worker_id and one.worker_id != other.worker_id, name
+        assert one.kv.advertise_host is None, name  # the wildcard rpc_host: the container's own name
+        if one.role == "prefill":
+            assert one.kv.lease_s < one.drain_timeout_s < _seconds(SERVICES[name]["stop_grace_period"]), name
+        assert all(str(m).split(":")[-1] == "ro" for m in SERVICES[name]["volumes"]), f"{name}: replicas share them"
+    header = (ROOT / "compose.yaml").read_text().split("\nx-pdserve")[0]
+    assert "docker compose up --scale prefill=2 --scale decode=2" in header
+    deploy = (ROOT / "docs" / "deploy.md").read_text()
+    assert "docker compose up -d --scale prefill=" in deploy and "python3 docker/compose_autoscale.py" in deploy
 
 
 def test_stop_waits_for_the_drain():
@@ -1228,3 +1246,72 @@ def _with_requirements(names: set[str]) -> set[str]:
             if req.marker is None or req.marker.evaluate({"extra": ""}):
                 todo.append(req.name)
     return seen
+
+
+# ---- docker/compose_autoscale.py: --scale from the planner's desired counts, for real ------------------------------
+
+
+PLANNER_METRIC = "pdserve:planner_desired_workers"  # the planner's desired worker count per role (label `role`)
+
+
+@pytest.fixture(scope="module")
+def autoscale():
+    return _load_script("pdserve_compose_autoscale", "docker/compose_autoscale.py")
+
+
+def _planner_exposition(counts: dict[str, float]) -> bytes:
+    """What a planner serves: the desired count per role (labels model_name and role), with other series around."""
+    registry = CollectorRegistry()
+    gauge = Gauge(PLANNER_METRIC, "Workers the planner wants.", ("model_name", "role"), registry=registry)
+    for worker_role, count in counts.items():
+        gauge.labels("demo", worker_role).set(count)
+    Counter("pdserve:requests", "Other series.", ("role",), registry=registry).labels("prefill").inc()
+    encoder, _ = choose_encoder("text/plain;version=0.0.4")
+    return encoder(registry)
+
+
+def test_compose_autoscale_follows_the_planner(autoscale, tmp_path, monkeypatch):
+    """The script reads the counts from a planner's /metrics over HTTP and runs `docker compose up --scale` (a
+    stand-in `docker` on PATH records it) when they change; within 1..--max; nothing while the planner is away."""
+    assert autoscale.METRIC == PLANNER_METRIC
+    served = {"body": _planner_exposition({"prefill": 3, "decode": 2})}
+
+    class Planner(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(served["body"])
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Planner)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    calls = tmp_path / "calls"
+    docker = tmp_path / "bin" / "docker"
+    docker.parent.mkdir()
+    docker.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    docker.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{docker.parent}:{os.environ['PATH']}")
+    try:
+        assert autoscale.main([url, "--once"]) == 0
+        assert calls.read_text().splitlines() == [
+            "compose up -d --no-recreate --scale prefill=3 --scale decode=2 prefill decode"
+        ]
+        served["body"] = _planner_exposition({"prefill": 0, "decode": 20})  # kept within 1..--max
+        assert autoscale.main([url, "--once", "--max", "6"]) == 0
+        assert calls.read_text().splitlines()[-1].endswith("--scale prefill=1 --scale decode=6 prefill decode")
+        served["body"] = _planner_exposition({"decode": 2})  # no count for prefill: nothing changes
+        assert autoscale.main([url, "--once"]) == 1 and len(calls.read_text().splitlines()) == 2
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert autoscale.main([url, "--once"]) == 1 and len(calls.read_text().splitlines()) == 2  # the planner is gone
+    # a round with the counts already applied runs nothing
+    ran: list[list[str]] = []
+    applied = autoscale.step({"prefill": 2, "decode": 1}, None, 8, lambda c: ran.append(c) or 0)
+    assert autoscale.step({"prefill": 2, "decode": 1}, applied, 8, lambda c: ran.append(c) or 0) == applied
+    assert len(ran) == 1
+    assert autoscale.step({"prefill": 5, "decode": 1}, applied, 8, lambda c: 1) == applied  # compose failed: retried
+    assert autoscale.desired('pdserve:planner_desired_workers{role="decode",model_name="a"} 2.5\n') == {"decode": 3}
