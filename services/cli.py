@@ -4,6 +4,7 @@ single-process generation."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import shlex
 import sys
@@ -14,6 +15,7 @@ from services.bench.cli import add_bench_command
 from services.experts_cli import add_experts_command
 from services.trace.timeline import add_trace_command
 from shared.model.config import ARCHITECTURES
+from shared.telemetry.lifecycle import EXIT_REFUSED  # argparse's own status: a bad flag exits with it too
 
 if TYPE_CHECKING:
     from services.local.kv_certs import KvTlsFiles
@@ -67,12 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     add_trace_command(sub)
     add_bench_command(sub)
     add_experts_command(sub)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # a bad flag: argparse exits EXIT_REFUSED
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, PermissionError) as exc:  # a setting, checkpoint or port refused
         print(f"pdserve: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
 
 
 def _demo_model(args: argparse.Namespace) -> int:
@@ -300,38 +302,57 @@ def _add_service_commands(sub) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    """A worker process. Exit status: EXIT_REFUSED (2) when it refuses its configuration — a flag or PDSERVE_*
+    value (`from_args`), the checkpoint (the engine's build: missing, unreadable, refused), a port it cannot bind
+    — raised to `main`, which says why; 1 when its engine failed or it crashed (logged); 0 after a drain."""
     import asyncio
+    import logging
     import signal
 
     from shared.settings import WorkerSettings, from_args
     from shared.telemetry.lifecycle import EXIT_GRACE_S, exit_by, exit_now, observe
+    from shared.worker.host import WorkerHost
 
-    settings = from_args(WorkerSettings, args)  # the role: the subcommand's default
+    settings = from_args(WorkerSettings, args)  # the role: the subcommand's default (it may switch: host.py)
     observe(args.role, settings.worker_id, args.log_level, settings.trace_file)
-    worker_cls = _worker_class(args.role)
 
-    async def serve() -> bool:
-        worker = worker_cls(settings)
+    async def serve() -> int:
+        host = WorkerHost(settings, _worker_class)  # loads the checkpoint
         loop = asyncio.get_running_loop()
 
         def stop() -> None:  # drains; and ends this process by the supervisor's bound, supervisor or not
             exit_by(settings.drain_timeout_s + EXIT_GRACE_S)
-            worker.stop()
+            host.stop()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop)
         try:
-            await worker.run()
+            await host.run()
+        except Exception as exc:
+            if _port_refused(exc):
+                raise ValueError(f"the {args.role} worker cannot bind its port: {exc}") from exc
+            # anything else is a crash, whatever its type: exit 1 (restarted), never main's refusal status
+            logging.getLogger("pdserve.worker").critical("the %s worker crashed", args.role, exc_info=exc)
+            return 1
         finally:
-            group = worker.group
+            group = host.group
             if group is not None:  # a planned stop: the followers leave their loops (no rank-death exit)
                 group.close()
-        return worker.failure is None
+        return 0 if host.failure is None else 1  # 1: the engine failed (logged)
 
-    return exit_now(0 if asyncio.run(serve()) else 1)  # 1: the engine failed (logged)
+    return exit_now(asyncio.run(serve()))
+
+
+def _port_refused(exc: BaseException) -> bool:
+    """Whether a worker's start failed on a port it cannot bind: its /metrics (an OSError) or its KV transfer
+    gRPC server (grpc's RuntimeError says so in words)."""
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        return True
+    return isinstance(exc, RuntimeError) and str(exc).startswith("Failed to bind to address")
 
 
 def _worker_class(role: str):
+    """The Worker class of a role (the host builds one per role it serves)."""
     if role == "prefill":
         from services.prefill.worker import PrefillWorker
 
@@ -346,14 +367,16 @@ def _worker_class(role: str):
 
 
 def _up(args: argparse.Namespace) -> int:
-    from services.demo_model import ensure_demo_checkpoint
     from services.local.kv_certs import KvCertError
+    from services.local.preflight import preflight
     from services.local.stack import Stack, StackSpec
     from services.local.supervisor import Supervisor
     from shared.settings import CommonSettings, from_env
 
     model = args.model
     if model is None:
+        from services.demo_model import ensure_demo_checkpoint  # torch: only when it writes one
+
         model = str(ensure_demo_checkpoint("models/demo-tiny-qwen3_moe"))
     # every service drains this long on SIGTERM; the supervisor waits that (and a grace) before SIGKILL
     drain_env = {} if args.drain_timeout_s is None else {"PDSERVE_DRAIN_TIMEOUT_S": str(args.drain_timeout_s)}
@@ -389,6 +412,8 @@ def _up(args: argparse.Namespace) -> int:
         kv_tls=kv_tls,
         ha=args.ha,
     )
+    # what every service would refuse is said now, before anything starts (a refusal later stops the stack too)
+    preflight(spec, _worker_settings, [(args.supervisor_metrics_port, "--supervisor-metrics-port")])
     drain_s = from_env(CommonSettings, drain_timeout_s=args.drain_timeout_s).drain_timeout_s
     stack = Stack(spec, log_dir=args.log_dir, quiet=args.log_dir is not None)
     supervisor = Supervisor(stack, drain_s, metrics_port=args.supervisor_metrics_port, on_ready=_print_ready(args))
@@ -397,6 +422,27 @@ def _up(args: argparse.Namespace) -> int:
     except KvCertError as exc:  # openssl refused a step of --kv-tls's generation (at launch): nothing was started
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
+
+
+class _RefusingParser(argparse.ArgumentParser):
+    """A parser whose errors are raised (a ValueError), not printed with an exit: `up` checks flags it passes on."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ValueError(message)
+
+
+def _worker_settings(role: str, flags, environ):
+    """A `role` worker's settings from `flags` and `environ`, as `pdserve <role>` would build them; a ValueError
+    names a flag it would refuse (`up`'s preflight)."""
+    from shared.settings import WorkerSettings, from_args
+
+    parser = _RefusingParser(prog=f"pdserve {role}", add_help=False)
+    _add_service_flags(parser, WorkerSettings, skip=("role",))
+    try:
+        args = parser.parse_args(list(flags))
+        return from_args(WorkerSettings, argparse.Namespace(**vars(args), role=role), environ)
+    except ValueError as exc:
+        raise ValueError(f"the {role} workers' settings: {exc}") from exc
 
 
 def _kv_tls(args: argparse.Namespace) -> bool | KvTlsFiles:
@@ -413,6 +459,7 @@ def _kv_tls(args: argparse.Namespace) -> bool | KvTlsFiles:
 
 
 def _print_ready(args: argparse.Namespace):
+    import os
     from pathlib import Path
 
     def announce(supervisor) -> None:
@@ -423,6 +470,9 @@ def _print_ready(args: argparse.Namespace):
         print(f'    -d \'{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello"}}]}}\'')
         print(f"  metrics: {stack.url}/metrics (gateway), " + ", ".join(stack.metrics_urls()))
         print(f"  supervisor: {supervisor.metrics_url} (pdserve:supervisor_restarts_total per service)")
+        print(f"  rolling restart of the workers: kill -HUP {os.getpid()}")
+        if "PDSERVE_ADMIN_KEYS" in os.environ | stack.spec.env:  # the admin API is on (docs/api.md, "Admin API")
+            print(f"  workers and their roles: {stack.url}/admin/workers (Authorization: Bearer <admin key>)")
         if args.log_dir:
             print(f"  logs: {stack.log_dir}/<service>.log")
         if args.trace_file:

@@ -17,6 +17,8 @@ Subjects:
     pd.kv.blocks.<model>.<worker>     core NATS: the prefix-cache blocks a worker stored / removed (KvBlockUpdate)
     pd.kv.snapshot.<model>            core NATS request: every worker named answers, to the reply subject, with
                                       its whole list of held blocks (KvBlockSnapshot parts)
+    pd.control.<worker>               core NATS request/reply: a signed order to one worker (RoleControl: switch
+                                      role), answered with a RoleSwitchReply once done (shared/role_control/)
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ ROUTED_PREFILL_JOBS = Subject("pd.jobs.prefill.{model}.{worker}")
 ROUTED_DECODE_JOBS = Subject("pd.jobs.decode.{model}.{worker}")
 KV_BLOCKS = Subject("pd.kv.blocks.{model}.{worker}")
 KV_SNAPSHOT_REQUESTS = Subject("pd.kv.snapshot.{model}")
+CONTROL = Subject("pd.control.{worker}")
 
 JOBS_SUBJECTS = "pd.jobs.>"  # the jobs stream holds both queues
 CANCEL_WILDCARD = CANCELS.wildcard()
@@ -156,6 +159,11 @@ def cancel_subject(request_id: str) -> str:
 
 def heartbeat_subject(role: str, worker_id: str) -> str:
     return HEARTBEATS.make(role=role, worker=worker_id)
+
+
+def control_subject(worker_id: str) -> str:
+    """Where one worker takes control orders (role switches), request/reply."""
+    return CONTROL.make(worker=worker_id)
 
 
 def attempt_key(request_id: str, attempt: int) -> str:
@@ -485,6 +493,9 @@ class Heartbeat(msgspec.Struct, frozen=True):
     # an MoE decode (or mixed) worker's recent hot experts (shared/expert_affinity.py HotExpertsWindow), for the
     # gateway's expert-affinity routing; None: no routed experts, nothing routed yet, or a worker that predates it
     hot_experts: HotExperts | None = None
+    # switching role (docs/architecture.md, "Role switching"): the role it becomes once what it holds is done; it
+    # takes no new job meanwhile (`draining` is set too); None: not switching
+    switching_to: Role | None = None
 
 
 # Prefix-cache block announcements (KV-aware routing): what a prefill (or mixed) worker holds, as block hashes
@@ -527,6 +538,57 @@ class KvSnapshotRequest(msgspec.Struct, frozen=True):
 
     def names(self, worker_id: str) -> bool:
         return not self.workers or worker_id in self.workers
+
+
+# Role switching (docs/architecture.md, "Role switching"; shared/role_control/ signs, sends and checks these).
+class RoleSwitchOrder(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Switch `worker_id` to `role`: the claims of a signed RoleControl (readable, unforgeable without the cluster
+    secret). `nonce` makes each order single-use; `expires_ms` (wall clock, ms since the epoch) bounds its life."""
+
+    worker_id: str
+    role: Role
+    expires_ms: int
+    nonce: str
+    # decode and mixed workers: how long the requests they decode may run on before they are handed on to the
+    # prefill queue (their tokens so far kept); None: the worker's switch_finish_s
+    finish_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
+
+
+class RoleControl(msgspec.Struct, frozen=True):
+    """The request on `pd.control.<worker>`: an order (base64url JSON of a RoleSwitchOrder) and its HMAC-SHA256
+    under the cluster secret (base64url)."""
+
+    order: str
+    mac: str
+
+
+class SwitchOutcome(StrEnum):
+    """How a role switch ended: the worker's answer, or the client's reason not to ask (shared/role_control/)."""
+
+    SWITCHED = "switched"  # done: the worker serves its new role
+    SAME_ROLE = "same_role"  # it has that role already
+    BUSY = "busy"  # this worker is switching already
+    LOCKED = "locked"  # another switch holds the deployment's lock (pd:admin:role-lock)
+    UNSAFE = "unsafe"  # it is the last live worker of a role the deployment needs
+    UNKNOWN_WORKER = "unknown_worker"  # no live worker of that id
+    REFUSED = "refused"  # the order's signature, worker, expiry or nonce did not pass
+    INVALID = "invalid"  # the worker cannot take that role (e.g. it has no cluster secret)
+    TIMED_OUT = "timed_out"  # what it held did not settle in time: it serves its old role again
+    STOPPING = "stopping"  # the worker is shutting down
+    NO_REPLY = "no_reply"  # no answer in time (the switch may still complete: its heartbeat tells)
+
+
+class RoleSwitchReply(msgspec.Struct, frozen=True):
+    """A worker's answer to a RoleControl, sent once the switch is done (or refused, or given up)."""
+
+    worker_id: str
+    outcome: SwitchOutcome
+    role: Role  # the worker's role now
+    previous_role: Role | None = None
+    detail: str = ""  # why, for every outcome but switched
+    took_s: float = 0.0  # order received → the new role serving (or the refusal)
+    finished: int = 0  # requests in hand that finished (or were handed on to decode as usual) in the old role
+    handed_on: int = 0  # decode / mixed: requests moved to the prefill queue with their tokens so far
 
 
 _encoder = msgspec.json.Encoder()

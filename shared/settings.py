@@ -148,6 +148,12 @@ class GatewaySettings(CommonSettings):
     """This gateway's name on the bus (its token subjects); default: host name + a random suffix."""
     api_keys: tuple[str, ...] = field(default=(), repr=False, metadata={"flag": True})
     """Accepted `Authorization: Bearer` keys, comma-separated; empty = no authentication."""
+    admin_keys: tuple[str, ...] = field(default=(), repr=False, metadata={"flag": True})
+    """Keys of the admin API (/admin: list the workers, switch a worker's role), `Authorization: Bearer`,
+    comma-separated; empty = the admin API is off (403). Apart from api_keys: an API key is not an admin key."""
+    cluster_secret: str | None = field(default=None, repr=False)
+    """The workers' cluster secret (PDSERVE_CLUSTER_SECRET): the admin API signs role-switch orders with it; without
+    it the admin API can list workers but not switch them."""
     max_body_bytes: int = 4 << 20
     """Largest request body accepted (413 past it)."""
     request_timeout_s: float = 600.0
@@ -222,6 +228,8 @@ class GatewaySettings(CommonSettings):
             raise ValueError("max_migrations must be >= 0 and max_pending_requests >= 1")
         if not 1 <= self.expert_affinity_top_k <= 256:
             raise ValueError(f"expert_affinity_top_k must be in 1-256, got {self.expert_affinity_top_k}")
+        if self.cluster_secret is not None and len(self.cluster_secret.encode()) < 16:
+            raise ValueError("cluster_secret must be at least 16 bytes (the workers' own)")
 
 
 class WorkerRole(StrEnum):
@@ -336,6 +344,10 @@ class WorkerSettings(CommonSettings):
     record_expert_trace: str | None = None
     """Append every step's tokens per expert, per sparse layer, to this expert routing trace (JSON lines, with
     the role; shared/sharding/expert_trace.py) for benchmarks/eplb_sim.py and `pdserve experts show`. MoE only."""
+    switch_finish_s: float = 10.0
+    """Switching role (docs/architecture.md, "Role switching"): how long a decode or mixed worker lets the requests
+    it decodes run on before it hands the rest to the prefill queue with their tokens so far (an order may say
+    otherwise). 0: hand them on at once."""
 
     @property
     def served_model_name(self) -> str:
@@ -357,6 +369,8 @@ class WorkerSettings(CommonSettings):
             raise ValueError(f"role must be prefill, decode or mixed, got {self.role!r}")
         if self.job_ack_wait_s <= 0:
             raise ValueError("job_ack_wait_s must be positive")
+        if self.switch_finish_s < 0:
+            raise ValueError("switch_finish_s must be >= 0")
         if self.role in (WorkerRole.PREFILL, WorkerRole.DECODE) and not self.cluster_secret:
             raise ValueError(
                 f"a {self.role} worker needs cluster_secret (PDSERVE_CLUSTER_SECRET or PDSERVE_CLUSTER_SECRET_FILE): "

@@ -154,6 +154,42 @@ class Load:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+class SteadyLoad:
+    """`clients` client loops, each streaming one request after another (the prompts in turn) until `stop()`: a
+    closed-loop load that runs across an event (a rolling restart). `outcomes` holds (start, end, outcome) of every
+    request, times monotonic."""
+
+    def __init__(self, url: str, prompts: list[str], max_tokens: int, clients: int) -> None:
+        self.outcomes: list[tuple[float, float, Outcome]] = []
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(url, prompts, max_tokens, i), daemon=True)
+                         for i in range(clients)]  # fmt: skip
+        for thread in self._threads:
+            thread.start()
+
+    def _loop(self, url: str, prompts: list[str], max_tokens: int, client: int) -> None:
+        n = client
+        while not self._stopping.is_set():
+            began = time.monotonic()
+            outcome = stream_completion(url, prompts[n % len(prompts)], max_tokens)
+            with self._lock:
+                self.outcomes.append((began, time.monotonic(), outcome))
+            n += 1
+
+    def completed_by(self, when: float) -> int:
+        with self._lock:
+            return sum(end <= when and o.verdict == "completed" for _, end, o in self.outcomes)
+
+    def stop(self, timeout_s: float = CLIENT_TIMEOUT_S + 30) -> list[tuple[float, float, Outcome]]:
+        """Let every client finish the request it is in, then stop; every request's (start, end, outcome)."""
+        self._stopping.set()
+        for thread in self._threads:
+            thread.join(timeout_s)
+        with self._lock:
+            return list(self.outcomes)
+
+
 def tally(outcomes: list[Outcome]) -> dict[str, int]:
     verdicts = Counter(o.verdict for o in outcomes)
     return {"sent": len(outcomes), "completed": verdicts["completed"],

@@ -52,6 +52,7 @@ from shared.messages import (
     token_wildcard,
 )
 from shared.redis_client import explain_redis_error, redis_client
+from shared.role_control import SwitchResult, switch_role
 from shared.settings import GatewaySettings, PrefillPath
 from shared.telemetry import metrics, tracing
 
@@ -131,11 +132,25 @@ class NatsBackend:
                 continue
             for stream in list(self._streams.values()):
                 why = stream.why_move(self.workers.last_seen, ttl, self.settings.stall_timeout_s, reconnected_at)
+                why = why or self._left_its_queue(stream)
                 if why is not None:
                     try:
                         await self._move(stream, why)
                     except Exception:  # never let one request stop the watchdog
                         log.exception("moving request %s failed", stream.request_id)
+
+    def _left_its_queue(self, stream: RequestUpdates) -> str | None:
+        """A job waiting in a worker's own queue whose worker no longer takes that queue: it switched role
+        (docs/architecture.md, "Role switching") after the job was routed there and after handing its queue back.
+        Nothing would take the job: it moves."""
+        worker = stream.queued_for
+        beat = self.workers.beat(worker) if worker is not None else None
+        if beat is None or beat.switching_to is not None:  # switching: it hands its own queue back meanwhile
+            return None
+        takes = (Role.DECODE,) if stream.queued_for_decode else (Role.PREFILL, Role.MIXED)
+        if beat.role in takes:
+            return None
+        return f"worker {worker} is a {beat.role} worker now: the queue the request waits in has no taker"
 
     async def _move(self, stream: RequestUpdates, why: str) -> None:
         """Cancel the stream's attempt and dispatch the next one elsewhere, or fail it after max_migrations."""
@@ -328,6 +343,33 @@ class NatsBackend:
 
     def forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+
+    # ---- the admin API's (admin.py) -----------------------------------------------------------------
+
+    def live_workers(self) -> list[tuple[Heartbeat, float]]:
+        """Every live worker's latest heartbeat, and how old it is (seconds)."""
+        now = time.monotonic()
+        return [(beat, now - (self.workers.last_seen(beat.worker_id) or now)) for beat in self.workers.live(now)]
+
+    async def switch_role(self, worker_id: str, role: Role, finish_s: float | None) -> SwitchResult:
+        """Switch one worker's role the safe way (shared/role_control.switch_role: the deployment's lock, the
+        safety rule judged on this gateway's live workers, the signed order), under a span of its own."""
+        nc, secret = self._connected(), self.settings.cluster_secret
+        if nc is None:
+            raise BackendUnavailable("not connected to NATS")
+        if not secret:
+            raise BackendUnavailable("the gateway has no cluster_secret to sign role-switch orders with")
+        span = tracing.start_span(f"role_switch {self.settings.served_model_name}", attributes={
+            tracing.WORKER_ID: worker_id, "pdserve.role.to": role.value})  # fmt: skip
+        with tracing.use_span(span, end_on_exit=False):
+            result = await switch_role(
+                nc, self._redis, worker_id, role, secret, workers=lambda: self.workers.live(time.monotonic()),
+                finish_s=finish_s, holder=f"gateway {self.settings.gateway_id}", headers=tracing.carrier(),
+            )  # fmt: skip
+        span.set_attribute("pdserve.role_switch.outcome", result.outcome.value)
+        tracing.end_span(span, error=None if result.switched else result.detail or result.outcome.value)
+        log.info("role switch of %s to %s: %s %s", worker_id, role, result.outcome, result.detail)
+        return result
 
     async def readiness(self) -> tuple[bool, str]:
         if self._setup_error is not None:

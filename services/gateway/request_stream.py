@@ -54,6 +54,7 @@ class RequestUpdates:
         self.prompt_tokens = len(job.prompt_token_ids) if job is not None else 0
         self.holder: str | None = None  # worker id, or None while the request waits in a job queue
         self.queued_for: str | None = None  # the worker whose own queue holds the job, until an event arrives
+        self.queued_for_decode = False  # ... and whether that queue is its decode one (else its prefill one)
         self.migrations = 0
         self.trace_headers: dict[str, str] = {}  # NATS headers carrying the request's trace context
         self.prefill_path: PathChoice | None = None  # the path its first dispatch took, and why (prefill_path.py)
@@ -117,6 +118,7 @@ class RequestUpdates:
             elif queued and event.worker_id == self.holder:  # a later stage's taker may have spoken first
                 # a job in a worker's own queue (a routed decode job) is that worker's: it moves if it dies
                 self.holder, self._held_since, self.queued_for = event.routed_to, now, event.routed_to
+                self.queued_for_decode = True
         for update in updates:
             self._queue.put_nowait(update)
         gap = self._order.gap()
@@ -141,6 +143,7 @@ class RequestUpdates:
     def routed(self, worker_id: str) -> None:
         """The job was published to `worker_id`'s own queue: that worker holds the request from now."""
         self.holder, self._held_since, self.queued_for = worker_id, self._clock(), worker_id
+        self.queued_for_decode = False
 
     def put(self, update: Update) -> None:
         """An update from the gateway itself (shutdown)."""

@@ -165,6 +165,17 @@ class StackSpec:
         return not prefill & {d for r, d in placed if r == "decode"}
 
 
+@dataclass(frozen=True)
+class Replacement:
+    """A worker's new process, started by `Stack.start_replacement`: what `swap_in` registers."""
+
+    name: str
+    proc: subprocess.Popen
+    args: list[str]
+    env: dict[str, str] | None
+    metrics_port: int
+
+
 def device_name(spec: str) -> str:
     """A device as a worker's --device takes it: "cpu", "cuda", "cuda:N"; a bare N is cuda:N."""
     spec = spec.strip()
@@ -199,6 +210,11 @@ class Stack:
         self.cluster_secret = secrets.token_urlsafe(32)
         # The KV transfer TLS files every prefill and decode worker gets (spec.kv_tls), set at launch.
         self.kv_tls: KvTlsFiles | None = None
+        self._placement: dict[str, tuple[str, str | None]] = {}  # worker name → its role and device
+        self._generation: dict[str, int] = {}  # worker name → replacements started for it (rolling restarts)
+        # Processes of a worker hand-over (rolling.py), outside `procs`: a replacement not serving yet, a replaced
+        # worker draining. stop() stops them too.
+        self.handover: list[subprocess.Popen] = []
 
     @property
     def url(self) -> str:
@@ -248,12 +264,9 @@ class Stack:
             spec = self.spec
             for i, (role, device) in enumerate(zip(spec.roles(), spec.worker_devices(), strict=True)):
                 name = f"{role}-{i}"
-                self.metrics_ports[name] = port = self._port(name) or free_port(self.address(name))
-                flags = ["--worker-id", f"{name}-{os.getpid()}", "--metrics-port", str(port)]
-                flags += ["--metrics-host", self.address(name)]
-                if self.spec.hosts is not None:  # the KV transfer server binds, and advertises, its host's address
-                    flags += ["--rpc-host", self.address(name)]
-                self.spawn(name, [role, *flags, *self._worker_flags(role, device)], env=self.worker_env())
+                self._placement[name] = (role, device)
+                args, self.metrics_ports[name] = self._worker_args(name)
+                self.spawn(name, args, env=self.worker_env())
             self.spawn("gateway", ["gateway", "--port", str(self.spec.port), "--host", self.address("gateway"),
                                    *self._common_flags(), *self.spec.gateway_args])  # fmt: skip
         except BaseException:
@@ -293,6 +306,62 @@ class Stack:
             self._redis_url = self.infra[-1].url
         bare = split_credentials(self._redis_url)[0]
         self._infra_env |= {"PDSERVE_REDIS_URL": bare, "PDSERVE_REDIS_PASSWORD": password}
+
+    def _worker_args(self, name: str, generation: int = 0) -> tuple[list[str], int]:
+        """The command line of worker `name` and the /metrics port it names (a free one). Its worker id is
+        "<name>-<launcher pid>", and "-<generation>" for a rolling restart's replacement, which runs beside the
+        worker it replaces for a while: ids, own queues and /metrics ports must differ."""
+        role, device = self._placement[name]
+        port = self._port(name) or free_port(self.address(name))
+        worker_id = f"{name}-{os.getpid()}" + (f"-{generation}" if generation else "")
+        flags = ["--worker-id", worker_id, "--metrics-port", str(port), "--metrics-host", self.address(name)]
+        if self.spec.hosts is not None:  # the KV transfer server binds, and advertises, its host's address
+            flags += ["--rpc-host", self.address(name)]
+        return [role, *flags, *self._worker_flags(role, device)], port
+
+    def role_of(self, name: str) -> str | None:
+        """The role of worker `name`; None for the gateway (or a name this stack never started)."""
+        placed = self._placement.get(name)
+        return None if placed is None else placed[0]
+
+    def start_replacement(self, name: str) -> Replacement:
+        """A new process for worker `name` — the same role, device and flags, a new worker id and /metrics port —
+        started now but not in `procs` (a supervisor does not restart it) until `swap_in`; in `handover` till then."""
+        generation = self._generation[name] = self._generation.get(name, 0) + 1
+        args, port = self._worker_args(name, generation)
+        env = self.worker_env()
+        proc = self._start(name, args, env)
+        self.handover.append(proc)
+        return Replacement(name, proc, args, env, port)
+
+    def swap_in(self, replacement: Replacement) -> None:
+        """`replacement` becomes its worker's process in `procs` (a respawn starts it as it was started); the
+        name must have been retired."""
+        name = replacement.name
+        if name in self.procs:
+            raise RuntimeError(f"{name} is still in the stack: retire it first")
+        self.handover.remove(replacement.proc)
+        self.procs[name] = replacement.proc
+        self._spawned[name] = (replacement.args, replacement.env)
+        self.metrics_ports[name] = replacement.metrics_port
+
+    def retire(self, name: str) -> subprocess.Popen:
+        """Take worker `name`'s process out of `procs` (no supervisor restarts it once it exits) into `handover`;
+        the caller stops it."""
+        proc = self.procs.pop(name)
+        self.handover.append(proc)
+        return proc
+
+    def beats(self, name: str, metrics_port: int) -> bool:
+        """Whether worker `name`'s process serving /metrics on `metrics_port` has sent its first heartbeat: each
+        beat sets its load gauges (shared/worker/gauges.py), which its /metrics shows from then on. The gateways
+        have the beat then: they count the worker live and route to it."""
+        url = f"http://{self.address(name)}:{metrics_port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                return b"pdserve:num_requests_running{" in resp.read()
+        except OSError:
+            return False
 
     def prepare_kv_tls(self) -> None:
         """The files of spec.kv_tls: generated afresh in the run directory (kept with the logs; the CA's key is
@@ -383,18 +452,22 @@ class Stack:
         """Start `pdserve <args>` as a child named `name` (logs in log_path(name) unless not quiet), with
         service_env() and then `env`; a worker of a role in spec.cpu_affinity is pinned to its CPUs. The child
         has its own process group and stops when this process dies (children.popen_options)."""
+        self._spawned[name] = (args, env)
+        self.procs[name] = proc = self._start(name, args, env)
+        return proc
+
+    def _start(self, name: str, args: list[str], env: dict[str, str] | None) -> subprocess.Popen:
+        """The process of `spawn`, not registered anywhere."""
         path = self.log_path(name)  # None exactly when not quiet
         out = open(path, "ab") if path is not None else None  # closed in stop()
         if out is not None:
             self._log_files.append(out)
-        self._spawned[name] = (args, env)
         env = self.service_env() | (env or {})
         argv = [*self._prefix(name), sys.executable, "-m", "services.cli", *args]
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT
                                 if out else None, env=env, **popen_options())  # fmt: skip
         if (role := args[0]) in self.spec.cpu_affinity:  # before the interpreter has started any thread
             os.sched_setaffinity(proc.pid, self.spec.cpu_affinity[role])
-        self.procs[name] = proc
         return proc
 
     def log_path(self, name: str) -> Path | None:
@@ -435,19 +508,22 @@ class Stack:
 
     def stop(self, timeout_s: float = 15.0, abort: Callable[[], bool] = lambda: False) -> None:
         """SIGTERM to every service (they drain), SIGKILL to those still running after `timeout_s` or as soon
-        as `abort()` says so (a second signal to the supervisor); then the private servers stop."""
-        for proc in self.procs.values():
+        as `abort()` says so (a second signal to the supervisor); then the private servers stop. The processes of
+        a hand-over in progress (`handover`) are stopped with them."""
+        services = list(self.procs.items()) + [(f"a worker of a hand-over (pid {p.pid})", p) for p in self.handover]
+        for _, proc in services:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        while any(p.poll() is None for p in self.procs.values()) and time.monotonic() < deadline and not abort():
+        while any(p.poll() is None for _, p in services) and time.monotonic() < deadline and not abort():
             time.sleep(0.05)
-        for name, proc in self.procs.items():
+        for name, proc in services:
             if proc.poll() is None:
                 why = "at once (asked to)" if abort() else f"after {timeout_s}s of draining"
                 print(f"pdserve: {name} still running {why}; killing it", file=sys.stderr)
                 proc.kill()
                 proc.wait()
+        self.handover.clear()
         for server in reversed(self.infra):
             server.stop()
         self.infra.clear()

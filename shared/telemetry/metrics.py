@@ -15,7 +15,9 @@ Who records what:
                  prefix_cache_blocks (cached now), prefix_cache_evictions (KV cache group 0's),
                  moe_expert_tokens (routed tokens per layer and expert); with expert parallelism
                  moe_rank_tokens (pairs each EP rank computed) and moe_rank_imbalance (busiest rank / mean);
-                 with --eplb eplb_rebalances, eplb_bytes_moved, eplb_pause_seconds, eplb_window_imbalance
+                 with --eplb eplb_rebalances, eplb_bytes_moved, eplb_pause_seconds, eplb_window_imbalance;
+                 worker_role (1 for the role served now), role_switches by from/to role and outcome,
+                 role_switch_seconds, role_switch_handed_on
     transfers    kv_transfer_seconds / bytes / failures: decode side (pull) and prefill side (send); kv_pulls by
                  `transport` (same-host shared memory or over the pair's network connection)
 
@@ -227,6 +229,29 @@ EPLB_WINDOW_IMBALANCE = Gauge(
     f"{PREFIX}eplb_window_imbalance",
     "Live expert re-placement: the serving placement's predicted busiest-rank / mean load over the window, at the "
     "last plan (moe_rank_imbalance is the measured one, per heartbeat interval).",
+    LABELS,
+)
+
+# role switching (shared/worker/host.py, docs/architecture.md "Role switching")
+WORKER_ROLE = Gauge(
+    f"{PREFIX}worker_role", "1 for the role this worker serves now, 0 for the others (it may switch).", LABELS
+)
+ROLE_SWITCHES = Counter(
+    f"{PREFIX}role_switches",
+    "Role switches asked of this worker, by the role left, the role asked for and how it ended (switched, "
+    "timed_out, same_role, busy, refused, invalid, stopping).",
+    ("model_name", "from_role", "to_role", "outcome"),
+)
+ROLE_SWITCH_SECONDS = Histogram(
+    f"{PREFIX}role_switch_seconds",
+    "Completed role switches: order received → the new role serving (what the old role held finished, was "
+    "handed on or pulled first).",
+    ("model_name", "from_role", "to_role"),
+    buckets=_LATENCY_BUCKETS,
+)
+ROLE_SWITCH_HANDED_ON = Counter(
+    f"{PREFIX}role_switch_handed_on",
+    "Requests a decode or mixed worker leaving its role handed to the prefill queue with their tokens so far.",
     LABELS,
 )
 

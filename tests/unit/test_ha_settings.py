@@ -82,6 +82,7 @@ def test_up_ha_asks_the_stack_for_the_replicated_servers(monkeypatch, tmp_path):
             return 0
 
     monkeypatch.setattr(supervisor, "Supervisor", FakeSupervisor)
+    monkeypatch.setattr("services.local.preflight.preflight", lambda *_a, **_kw: None)  # no checkpoint here
     model = tmp_path / "m"
     model.mkdir()
     assert cli.main(["up", "--model", str(model), "--ha"]) == 0
