@@ -55,6 +55,7 @@ from shared.worker.job_feed import JobFeed
 from shared.worker.ledger import Entry, JobLedger, Phase, settle
 from shared.worker.outbox import Outbox
 from shared.worker.probes import WorkerProbes
+from shared.worker.resend import Resender, SentEvents
 
 if TYPE_CHECKING:
     from shared.parallel.group_engine import WorkerGroup
@@ -116,6 +117,10 @@ class Worker(Generic[Job]):
         self.last_beat: float | None = None  # when the heartbeat task last built a beat: /health (probes.py)
         self.cancels = CancelMemory()
         self.ledger: JobLedger[Job] = JobLedger(self.cancels)
+        # every token event sent, kept while the request is in hand and a while after: sent again when a gateway
+        # lacks some or NATS reconnects (resend.py)
+        self.sent = SentEvents(lambda key: self.ledger.get(key) is not None)
+        self.resender = Resender(self.sent, self.model_name, self.outbox.emit, self.labels)
         self._integrity: str | None = None  # the engine's last integrity verdict (refreshed off the beat)
         # a decode (or mixed) worker's recent hot experts, in its heartbeat for expert-affinity routing (MoE models)
         self.hot_experts = HotExpertsWindow()
@@ -200,10 +205,12 @@ class Worker(Generic[Job]):
             await self.setup()
             cancels = CancelFeed(self.conn.nc, self._cancel_received)
             await cancels.start()
+            await self.resender.start(self.conn.nc)
             announcing = await self._start_announcing_blocks()
             self._tasks = [
                 *announcing,
                 asyncio.create_task(cancels.run()),
+                asyncio.create_task(self.resender.run(self.conn.nc)),
                 asyncio.create_task(self._heartbeats()),
                 asyncio.create_task(self._engine_facts()),
                 asyncio.create_task(self._job_loop()),
@@ -376,6 +383,7 @@ class Worker(Generic[Job]):
         """The one cancel path: remember it (a job of a covered attempt may still arrive), then drop every entry
         it covers."""
         self.cancels.remember(cancel)
+        self.sent.forget(cancel)
         for entry in self.ledger.covered_by(cancel):
             await self.drop(entry)
 
@@ -460,7 +468,8 @@ class Worker(Generic[Job]):
             log.exception("handling engine outputs failed")
 
     def emit(self, subject: str, event: TokenEvent) -> None:
-        """Queue a token event for publishing (callable from the loop without awaiting)."""
+        """Queue a token event for publishing (callable from the loop without awaiting), kept to send again."""
+        self.sent.record(subject, event)
         self.outbox.emit(subject, event)
 
     # ---- heartbeats and block announcements --------------------------------------------------------------
