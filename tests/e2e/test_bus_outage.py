@@ -29,7 +29,7 @@ from services.demo_model import write_demo_checkpoint
 from services.local.infra import free_port
 from services.local.stack import StackSpec
 from tests.chaos import gateway_metric, settled
-from tests.e2e_support import start_stack
+from tests.e2e_support import scraped_total, start_stack
 
 # A stack start, two rounds of six 300-token streams and a NATS restart: about a minute on 2 cores.
 pytestmark = pytest.mark.slow
@@ -132,10 +132,19 @@ def reference(stack) -> list[TimedStream]:
     return streams
 
 
-def outage_round(stack, reference: list[TimedStream], fault, scenario: str) -> list[TimedStream]:
+def resends(stack) -> tuple[float, float]:
+    """(requests the gateway asked the workers for again, token events the workers sent again) so far."""
+    asked = gateway_metric(stack, "pdserve:token_resend_asks_total")
+    resent = sum(scraped_total(url, "pdserve:token_events_resent_total") for url in stack.metrics_urls())
+    return asked, resent
+
+
+def outage_round(stack, reference: list[TimedStream], fault, scenario: str) -> tuple[float, float]:
     """The six streams again with `fault()` KILL_AFTER_S in; every one must end whole, equal to its reference,
-    with nothing duplicated or lost, and no request moved. Returns the streams; prints their stalls."""
+    with nothing duplicated or lost, and no request moved. Prints their stalls; returns the resends it took
+    (resends())."""
     moved = gateway_metric(stack, "pdserve:request_migrations_total")
+    asked_before, resent_before = resends(stack)
     struck_at: list[float] = []
 
     def strike(started_at: float) -> None:
@@ -146,13 +155,17 @@ def outage_round(stack, reference: list[TimedStream], fault, scenario: str) -> l
     outcomes = run_streams(stack.url, strike)
     kill = struck_at[0]
     for o in outcomes:  # the fault came while every stream was mid-way: tokens before it and after it
-        assert o.times and o.times[0] < kill < o.times[-1], f"{o.prompt!r}: not streaming at the kill ({o.error})"
+        assert o.times and o.times[0] < kill, f"{o.prompt!r}: no token before the kill ({o.error})"
+        assert kill < o.times[-1] - DOWN_S, f"{o.prompt!r}: ended before NATS was back ({o.error})"
+    asked_after, resent_after = resends(stack)
+    asked, resent = asked_after - asked_before, resent_after - resent_before
     counts = [duplicated_and_lost(r.pieces, o.pieces) for r, o in zip(reference, outcomes, strict=True)]
     stalls = sorted(o.stall_s for o in outcomes)
     print(
         f"\n{scenario}: NATS killed {kill - min(o.times[0] for o in outcomes):.2f} s after the first tokens; stalls "
         f"{', '.join(f'{s:.2f}' for s in stalls)} s; p50 {statistics.median(stalls):.2f} s, "
-        f"p99 {stalls[-1]:.2f} s (of {N}); duplicated/lost per stream {counts}"
+        f"p99 {stalls[-1]:.2f} s (of {N}); duplicated/lost per stream {counts}; the gateway asked again for "
+        f"{asked:g} requests' events, the workers sent {resent:g} events again"
     )
     for r, o in zip(reference, outcomes, strict=True):
         assert o.error is None, f"{o.prompt!r} failed: {o.error}"
@@ -161,7 +174,7 @@ def outage_round(stack, reference: list[TimedStream], fault, scenario: str) -> l
     assert counts == [(0, 0)] * N
     # repaired, not recomputed: no request moved to another worker
     assert gateway_metric(stack, "pdserve:request_migrations_total") == moved
-    return outcomes
+    return asked, resent
 
 
 def test_a_nats_kill_mid_stream_loses_no_token(stack, reference):
@@ -188,5 +201,6 @@ def test_events_lost_while_the_gateway_is_away_are_asked_for_again(stack, refere
         finally:
             gateway.send_signal(signal.SIGCONT)
 
-    outage_round(stack, reference, freeze_gateway_across_the_restart, "NATS kill -9, the gateway back last")
+    asked, resent = outage_round(stack, reference, freeze_gateway_across_the_restart, "NATS kill -9, gateway last")
+    assert asked >= N and resent > 0  # every stream lacked events, and they came again
     settled(stack)
