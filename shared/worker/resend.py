@@ -8,8 +8,9 @@ of ints per request, not one struct per step). It answers with the events again:
   - when a gateway asks (`ResendRequest` on `pd.resend.<model>`: request, attempt, the first position it lacks):
     the attempt's events from that position on — taken and queued events at or past it, its tokens from it (in
     pieces of at most RESEND_TOKENS_PER_EVENT), and its end;
-  - when this worker reconnects to NATS (nothing asked: the gateway may not know what it lost): every attempt's
-    events, from its first.
+  - when this worker reconnects to NATS (nothing asked: the gateway may not know what it lost): the events of every
+    attempt that sent any since shortly before the connection was lost (REPLAY_LOOKBACK_S: what was sent earlier
+    reached the server while it was up), from its first.
 The gateway's ordering drops what it already delivered, so a resent event is never a duplicate for the client.
 
 Bounds: an attempt is kept while the worker has it in hand (`in_hand(key)`: its ledger entry) and for `keep_s` after
@@ -56,6 +57,9 @@ KEEP_S = 60.0  # an attempt no longer in hand is kept this long after its last e
 MAX_ENDED = 4096  # ... and at most this many such attempts
 RESEND_TOKENS_PER_EVENT = 1024  # a resent run of tokens goes in events of at most this many (a message stays small)
 WATCH_S = 0.1  # how often the Resender looks for a reconnect
+# After a reconnect, the attempts that sent anything since this long before the connection was seen lost are sent
+# again: events written just before a server died can be lost with it, and noticing takes up to a WATCH_S tick
+REPLAY_LOOKBACK_S = 5.0
 PRUNE_S = 1.0
 
 
@@ -147,7 +151,7 @@ class SentEvents:
         self.in_hand = in_hand
         self.keep_s = keep_s
         self.max_ended = max_ended
-        self._clock = clock
+        self.clock = clock
         self._sent: OrderedDict[str, _Sent] = OrderedDict()  # attempt key → its events, least recently sent first
 
     def __len__(self) -> int:
@@ -159,7 +163,7 @@ class SentEvents:
         if sent is None:
             sent = self._sent[key] = _Sent(event.request_id, event.attempt, subject)
         self._sent.move_to_end(key)
-        sent.last_at = self._clock()
+        sent.last_at = self.clock()
         if isinstance(event, TokensEvent | FinishedEvent):
             last = sent.events[-1] if sent.events else None
             if not (isinstance(last, _Run) and last.extends(event)):
@@ -174,9 +178,14 @@ class SentEvents:
         sent = self._sent.get(attempt_key(request_id, attempt))
         return None if sent is None else (sent.subject, sent.events_from(from_seq))
 
-    def replay_all(self) -> list[tuple[str, list[TokenEvent]]]:
-        """Every attempt kept, all its events (after a reconnect: what the gateways lost is not known here)."""
-        return [(sent.subject, sent.events_from(0)) for sent in self._sent.values()]
+    def replay_all(self, since: float | None = None) -> list[tuple[str, list[TokenEvent]]]:
+        """Every attempt kept that sent anything at or after `since` (all of them: None), all its events (after a
+        reconnect: what the gateways lost is not known here)."""
+        return [
+            (sent.subject, sent.events_from(0))
+            for sent in self._sent.values()
+            if since is None or sent.last_at >= since
+        ]
 
     def forget(self, cancel: Cancel) -> None:
         """The attempts `cancel` covers: nobody listens for them any more."""
@@ -187,7 +196,7 @@ class SentEvents:
     def prune(self) -> None:
         """Drop the attempts not in hand whose last event is older than keep_s, then the oldest such past
         max_ended."""
-        now = self._clock()
+        now = self.clock()
         ended = [k for k in self._sent if not self.in_hand(k)]  # least recently sent first
         for key in ended:
             if now - self._sent[key].last_at > self.keep_s:
@@ -213,17 +222,25 @@ class Resender:
         await nc.subscribe(resend_subject(self.model), cb=self._asked)
 
     async def run(self, nc: NATS) -> None:
-        """Resend everything after each reconnect; prune now and then."""
-        reconnects, pruned_at = nc.stats["reconnects"], time.monotonic()
+        """After each reconnect, resend what was sent since shortly before the connection was lost; prune now and
+        then."""
+        clock = self.sent.clock
+        reconnects, pruned_at = nc.stats["reconnects"], clock()
+        lost_at: float | None = None  # when the connection was first seen lost
         while True:
             await asyncio.sleep(WATCH_S)
-            if nc.stats["reconnects"] != reconnects and nc.is_connected:
+            now = clock()
+            if not nc.is_connected:
+                lost_at = lost_at if lost_at is not None else now
+            elif nc.stats["reconnects"] != reconnects:  # (a blip shorter than a tick is seen only here)
                 reconnects = nc.stats["reconnects"]
-                count = self._send(self.sent.replay_all())
-                log.info("reconnected to NATS: sent the token events of %d requests again (%d)", len(self.sent), count)
-            if time.monotonic() - pruned_at >= PRUNE_S:
+                replays = self.sent.replay_all(since=(lost_at if lost_at is not None else now) - REPLAY_LOOKBACK_S)
+                lost_at = None
+                count = self._send(replays)
+                log.info("reconnected to NATS: sent the token events of %d requests again (%d)", len(replays), count)
+            if now - pruned_at >= PRUNE_S:
                 self.sent.prune()
-                pruned_at = time.monotonic()
+                pruned_at = now
 
     async def _asked(self, msg: Msg) -> None:
         asked = decode_or_drop(msg.data, ResendRequest, msg.subject)

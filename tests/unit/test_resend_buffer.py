@@ -136,15 +136,20 @@ def test_attempts_are_kept_apart_and_a_new_worker_starts_a_new_run():
     assert len(sent) == 0
 
 
-def test_replay_all_sends_every_kept_attempt_from_its_first_event():
-    sent = SentEvents(lambda _: True)
+def test_replay_all_sends_every_attempt_that_sent_since_from_its_first_event():
+    clock = Clock()
+    sent = SentEvents(lambda _: True, clock=clock)
     decode_stream(sent, [1, 2], rid="a")
+    clock.now += 10
     decode_stream(sent, [3], finish=False, rid="b")
     replays = sent.replay_all()
     assert [[type(e).__name__ for e in events] for _, events in replays] == [
         ["TakenEvent", "FinishedEvent"],
         ["TakenEvent", "TokensEvent"],
     ]
+    # after a reconnect: only what sent anything since shortly before the connection was lost (a finished long
+    # before reached the gateway while the server was up)
+    assert [[e.request_id for e in events][0] for _, events in sent.replay_all(since=clock.now - 5)] == ["b"]
 
 
 def test_in_hand_attempts_stay_and_ended_ones_go_after_the_window_or_past_the_cap():
