@@ -243,6 +243,12 @@ def _add_service_commands(sub) -> None:
     up.add_argument("--mixed", type=int, default=0, help="colocated workers instead of prefill + decode")
     up.add_argument("--nats-url", help="use this NATS (JetStream enabled) instead of starting one")
     up.add_argument("--redis-url", help="use this Redis instead of starting one")
+    up.add_argument(
+        "--ha",
+        action="store_true",
+        help="replicate the private servers: a 3-node nats-server cluster (JetStream streams at 3 replicas) and "
+        "Redis with a replica under 3 Sentinels, each node restarted when it dies (docs/reliability.md)",
+    )
     up.add_argument("--threads-per-worker", type=int, default=1)
     for role in ("prefill", "decode", "mixed"):  # settings are per process: a role's own, e.g. its KV budget
         up.add_argument(
@@ -404,6 +410,7 @@ def _up(args: argparse.Namespace) -> int:
         trace_file=args.trace_file,
         env=drain_env,
         kv_tls=kv_tls,
+        ha=args.ha,
     )
     # what every service would refuse is said now, before anything starts (a refusal later stops the stack too)
     preflight(spec, _worker_settings, [(args.supervisor_metrics_port, "--supervisor-metrics-port")])
@@ -472,6 +479,13 @@ def _print_ready(args: argparse.Namespace):
             print(f"  spans: {args.trace_file} (pdserve trace {args.trace_file})")
         if stack.kv_tls is not None:
             print(f"  KV transfer: mutual TLS (CA {stack.kv_tls.ca}, certificate {stack.kv_tls.cert})")
+        if stack.nats_cluster is not None:
+            nodes = ", ".join(f"{name} {url}" for name, url in stack.nats_cluster.monitor_urls.items())
+            print(f"  NATS cluster, monitoring: {nodes}")
+        if stack.redis_sentinels is not None:
+            nodes = ", ".join(f"{n.name} {n.host}:{n.port}" for n in stack.redis_sentinels.nodes)
+            print(f"  Redis: {nodes}; Sentinels {stack.redis_sentinels.addresses} (primary: SENTINEL "
+                  f"GET-MASTER-ADDR-BY-NAME {stack.redis_sentinels.master})")  # fmt: skip
         print(flush=True)
 
     return announce

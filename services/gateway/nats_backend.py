@@ -63,7 +63,6 @@ from shared.telemetry import metrics, tracing
 
 log = logging.getLogger(__name__)
 
-PUBLISH_TIMEOUT_S = 5.0
 REDIS_PING_TIMEOUT_S = 2.0
 SETUP_RETRY_S = 1.0
 DRAIN_TIMEOUT_S = 5.0
@@ -113,7 +112,7 @@ class NatsBackend:
         js = nc.jetstream()
         while True:
             try:
-                await bus.ensure_streams(js)
+                await bus.ensure_streams(js, self.settings.jetstream_replicas)
                 break
             except Exception as exc:  # JetStream not ready yet (server starting): keep trying
                 log.warning("jobs stream setup failed (%s); retrying", exc)
@@ -189,8 +188,8 @@ class NatsBackend:
         # _move's one caller, the watchdog, starts once _connect has set both, and neither is unset after
         assert nc is not None and js is not None
         try:  # the stream is already on the new attempt: a failure here must end it, not leave it unwatched
-            await js.publish(cancel_subject(rid), encode(Cancel(rid, up_to_attempt=old)), timeout=PUBLISH_TIMEOUT_S)
-            await js.publish(subject, encode(job), timeout=PUBLISH_TIMEOUT_S, headers=stream.trace_headers or None)
+            await bus.publish_durably(js, cancel_subject(rid), encode(Cancel(rid, up_to_attempt=old)))
+            await bus.publish_durably(js, subject, encode(job), headers=stream.trace_headers or None)
         except Exception as exc:
             stream.give_up(f"{why}; moving the request failed ({type(exc).__name__}: {exc})", 503)
             await self.cancel(rid)
@@ -295,7 +294,7 @@ class NatsBackend:
                 for stream in streams:
                     stream.trace_headers = headers or {}  # a moved request's jobs continue the same trace
                     stream.prefill_path = choice
-                await self._js.publish(subject, encode(message), timeout=PUBLISH_TIMEOUT_S, headers=headers)
+                await bus.publish_durably(self._js, subject, encode(message), headers=headers)
         except Exception as exc:
             for stream in streams:
                 self._streams.pop(stream.request_id, None)
@@ -339,9 +338,9 @@ class NatsBackend:
         return backlog
 
     async def cancel(self, request_id: str) -> None:
-        """Publish the cancel in the background: its JetStream ack may take up to PUBLISH_TIMEOUT_S (or never come
-        while the connection drains at shutdown), and the client's stream must not wait for it to end. While NATS
-        is away it waits for it to come back (CANCEL_GIVE_UP_S at most)."""
+        """Publish the cancel in the background: its JetStream ack may take up to bus.PUBLISH_DEADLINE_S (a cluster
+        electing the stream's leader), or never come while the connection drains at shutdown, and the client's stream
+        must not wait for it to end. While NATS is away it waits for it to come back (CANCEL_GIVE_UP_S at most)."""
         if self._js is None:  # never connected: no worker can have the request
             return
         task = asyncio.get_running_loop().create_task(self._publish_cancel(self._js, request_id))
@@ -354,7 +353,8 @@ class NatsBackend:
             try:  # into the cancels stream: a worker disconnected now reads it when it is back (shared/bus.py)
                 if self._connected() is not None:
                     cancel = encode(Cancel(request_id))
-                    await js.publish(cancel_subject(request_id), cancel, timeout=PUBLISH_TIMEOUT_S)
+                    left = max(1.0, give_up_at - time.monotonic())  # through a stream leader's election too
+                    await bus.publish_durably(js, cancel_subject(request_id), cancel, deadline_s=left)
                     return
                 problem = "not connected to NATS"
             except Exception as exc:

@@ -67,6 +67,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 TEARDOWN_TIMEOUT_S = 30.0
 IDLE_POLL_S = 0.005  # how often a worker without room looks again
+# A KV location read or written waits at most this long: a primary gone without a word (its host lost) is a miss,
+# and the request is recomputed, not held up for TCP's own timeout of minutes.
+REDIS_TIMEOUT_S = 5.0
 # A draining worker's own queue is handed back at least this long: until the gateways have its `draining` beat,
 # they may still route jobs to it
 HAND_BACK_S = 2 * HEARTBEAT_S
@@ -254,8 +257,9 @@ class Worker(Generic[Job]):
             connecting.cancel()
             return False
         nc = connecting.result()
-        self._conn = Connections(nc, nc.jetstream(), redis_client(self.settings))
-        await bus.ensure_streams(self.conn.js)
+        redis = redis_client(self.settings, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S)
+        self._conn = Connections(nc, nc.jetstream(), redis)
+        await bus.ensure_streams(self.conn.js, self.settings.jetstream_replicas)
         if self.settings.metrics_port is not None:
             self._probes = WorkerProbes(self)  # /health, /ready beside /metrics: of the role serving (a successor's)
             routes = self._probes.routes()
