@@ -8,8 +8,9 @@ engine_bench's scheduler and KV sizing), one with `overlap_scheduling` off and o
 (shared/engine/overlap.py). For each batch size B, each repeat runs B greedy requests of engine_bench's
 DECODE_PROMPT random tokens through both engines, one after the other, the order alternating between repeats
 (off first in even repeats): decode tokens per second is the tokens after the first of every request over the
-time from the last request's first token to the last token. Medians over the repeats; the greedy tokens of the
-two engines are checked identical.
+time from the last request's first token to the last token. Medians over the repeats, and the median of each
+repeat's on/off ratio (a pair runs back to back, so a shared host's load drifts less within it than across the
+run); the greedy tokens of the two engines are checked identical.
 
 Drivers: `async` (default) steps each engine on AsyncEngine's thread while an asyncio loop receives its
 outputs, as a worker does (what the loop does between steps is what overlap hides); `sync` calls
@@ -155,10 +156,13 @@ def main(argv: list[str] | None = None) -> dict:
         if tokens[False] != tokens[True]:
             raise RuntimeError(f"batch {batch}: overlap changed the greedy tokens")
         off, on = statistics.median(rates[False]), statistics.median(rates[True])
-        row = dict(batch=batch, off_tok_s=off, on_tok_s=on, ratio=on / off, off_runs=rates[False], on_runs=rates[True])
+        paired = statistics.median(b / a for a, b in zip(rates[False], rates[True], strict=True))
+        row = dict(batch=batch, off_tok_s=off, on_tok_s=on, ratio=on / off, paired_ratio=paired,
+                   off_runs=rates[False], on_runs=rates[True])  # fmt: skip
         rows.append(row)
+        runs = f"off {', '.join(f'{x:.0f}' for x in rates[False])}; on {', '.join(f'{x:.0f}' for x in rates[True])}"
         print(f"batch {batch:>3}: off {off:8.1f} tok/s  on {on:8.1f} tok/s  on/off {on / off:.3f}  "
-              f"(off {', '.join(f'{x:.0f}' for x in rates[False])}; on {', '.join(f'{x:.0f}' for x in rates[True])})")  # fmt: skip
+              f"paired {paired:.3f}  ({runs})")  # fmt: skip
     cfg = cpu_info() | dict(
         model_dir=str(model_dir),
         model_type=model.config.model_type,
@@ -175,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
         load_after=load_average(),
     )
     print(f"\n{describe(cfg)}\n{args.driver} driver, {args.threads} threads, load average "
-          f"{cfg['load_before'][0]:.2f} before, {cfg['load_after'][0]:.2f} after")  # fmt: skip
+          f"{load_before[0]:.2f} before, {load_average()[0]:.2f} after")  # fmt: skip
     report = dict(timestamp=datetime.now(UTC).isoformat(timespec="seconds"), config=cfg, batches=rows)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

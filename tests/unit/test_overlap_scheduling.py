@@ -6,6 +6,7 @@ overlap."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from collections.abc import Callable
@@ -13,12 +14,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from benchmarks import overlap_bench
 from shared.config_fields import from_env
 from shared.engine.config import EngineConfig, SchedulerConfig
 from shared.engine.engine import Engine, RequestOutput
 from shared.engine.fork import Choice, choice_params
 from shared.engine.request import FinishReason
 from shared.engine.sampling import SamplingParams
+from shared.engine.step_clock import StepClock
 from shared.settings import WorkerSettings
 from shared.structured import spec as specs
 
@@ -237,3 +240,27 @@ def test_a_prefill_workers_held_kv_continues_the_same_on_a_decode_engine(checkpo
     lockstep, overlapped, engine = both(checkpoint, model, drive)
     assert overlapped.tokens == lockstep.tokens and overlapped.reasons == lockstep.reasons
     assert engine.stats.prefill_tokens == 0  # every prompt came with its KV
+
+
+def test_the_benchmark_drives_both_engines_through_asyncengine(checkpoint, tmp_path):
+    """benchmarks/overlap_bench.py at a tiny size, on AsyncEngine's thread as a worker drives it: it raises if the
+    two engines' greedy tokens differ, and writes a rate per run."""
+    out = tmp_path / "overlap.json"
+    argv = ["--model", str(checkpoint), "--batches", "1,3", "--steps", "3", "--repeats", "2", "--threads", "1"]
+    overlap_bench.main([*argv, "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert [r["batch"] for r in report["batches"]] == [1, 3] and report["config"]["driver"] == "async"
+    for row in report["batches"]:
+        assert len(row["off_runs"]) == len(row["on_runs"]) == 2 and row["on_tok_s"] > 0 and row["off_tok_s"] > 0
+
+
+def test_an_overlapped_steps_clock_stamps_the_engine_threads_phases(checkpoint, model):
+    """With overlap the step clock (shared/engine/step_clock.py) stamps what the engine thread does: planning,
+    inputs and launch, the wait for the step in flight (`model`), the update."""
+    engine = make_engine(checkpoint, model, overlap=True)
+    engine.add_request("a", [1, 2, 3, 4], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    clock = StepClock()
+    engine.time_steps(clock)
+    serve(engine)
+    assert clock.steps and all(set(s.phases) <= {"schedule", "inputs", "model", "update"} for s in clock.steps)
+    assert sum("model" in s.phases for s in clock.steps) == engine.stats.overlapped_steps == 6
