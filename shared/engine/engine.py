@@ -362,12 +362,6 @@ class Engine:
         ready, self._ready = self._ready, []
         return ready
 
-    def close(self) -> None:
-        """Finish the step in flight and stop the forward thread (overlap scheduling; nothing otherwise)."""
-        if self._forward is not None:
-            self._drain()
-            self._forward.close()
-
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion; output token ids in prompt order (a convenience for tools and tests)."""
         ids = [f"generate-{i}-{id(prompts)}" for i in range(len(prompts))]

@@ -73,7 +73,8 @@ class InFlight:
 
 
 class ForwardThread:
-    """One thread that runs launched steps in launch order (so a step's KV writes come before the next's)."""
+    """One thread that runs launched steps in launch order (so a step's KV writes come before the next's). Its
+    thread ends with the engine (the executor's, when it is collected) or at interpreter exit."""
 
     def __init__(self, runner: ModelRunner, stops: Stops) -> None:
         self._runner, self._stops = runner, stops
@@ -89,6 +90,3 @@ class ForwardThread:
         # done already (it ran before on this thread); a step that failed fails the one that follows it too
         sampled = previous.result().sampled if previous is not None else {}
         return self._runner.run_prepared(step, sampled, self._stops)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
