@@ -249,6 +249,12 @@ def _add_service_commands(sub) -> None:
     up.add_argument("--mixed", type=int, default=0, help="colocated workers instead of prefill + decode")
     up.add_argument("--nats-url", help="use this NATS (JetStream enabled) instead of starting one")
     up.add_argument("--redis-url", help="use this Redis instead of starting one")
+    up.add_argument(
+        "--ha",
+        action="store_true",
+        help="replicate the private servers: a 3-node nats-server cluster (JetStream streams at 3 replicas) and "
+        "Redis with a replica under 3 Sentinels, each node restarted when it dies (docs/reliability.md)",
+    )
     up.add_argument("--threads-per-worker", type=int, default=1)
     for role in ("prefill", "decode", "mixed"):  # settings are per process: a role's own, e.g. its KV budget
         up.add_argument(
@@ -427,9 +433,11 @@ def _up(args: argparse.Namespace) -> int:
         planner=args.planner,
         planner_port=args.planner_port,
         planner_args=tuple(shlex.split(args.planner_args)),
+        ha=args.ha,
     )
     # what every service would refuse is said now, before anything starts (a refusal later stops the stack too)
-    preflight(spec, _worker_settings, [(args.supervisor_metrics_port, "--supervisor-metrics-port")])
+    ports = [(args.supervisor_metrics_port, "--supervisor-metrics-port"), (args.planner_port, "--planner-port")]
+    preflight(spec, _worker_settings, ports, parse_planner=_planner_settings)
     drain_s = from_env(CommonSettings, drain_timeout_s=args.drain_timeout_s).drain_timeout_s
     stack = Stack(spec, log_dir=args.log_dir, quiet=args.log_dir is not None)
     supervisor = Supervisor(stack, drain_s, metrics_port=args.supervisor_metrics_port, on_ready=_print_ready(args))
@@ -459,6 +467,19 @@ def _worker_settings(role: str, flags, environ):
         return from_args(WorkerSettings, argparse.Namespace(**vars(args), role=role), environ)
     except ValueError as exc:
         raise ValueError(f"the {role} workers' settings: {exc}") from exc
+
+
+def _planner_settings(flags, environ):
+    """The planner's settings from `flags` and `environ`, as `pdserve planner` would build them (`up`'s preflight)."""
+    from services.planner.main import add_arguments
+    from shared.settings import PlannerSettings, from_args
+
+    parser = _RefusingParser(prog="pdserve planner", add_help=False)
+    add_arguments(parser)
+    try:
+        return from_args(PlannerSettings, parser.parse_args(list(flags)), environ)
+    except ValueError as exc:
+        raise ValueError(f"the planner's settings (--planner-args): {exc}") from exc
 
 
 def _kv_tls(args: argparse.Namespace) -> bool | KvTlsFiles:
@@ -497,6 +518,13 @@ def _print_ready(args: argparse.Namespace):
             print(f"  spans: {args.trace_file} (pdserve trace {args.trace_file})")
         if stack.kv_tls is not None:
             print(f"  KV transfer: mutual TLS (CA {stack.kv_tls.ca}, certificate {stack.kv_tls.cert})")
+        if stack.nats_cluster is not None:
+            nodes = ", ".join(f"{name} {url}" for name, url in stack.nats_cluster.monitor_urls.items())
+            print(f"  NATS cluster, monitoring: {nodes}")
+        if stack.redis_sentinels is not None:
+            nodes = ", ".join(f"{n.name} {n.host}:{n.port}" for n in stack.redis_sentinels.nodes)
+            print(f"  Redis: {nodes}; Sentinels {stack.redis_sentinels.addresses} (primary: SENTINEL "
+                  f"GET-MASTER-ADDR-BY-NAME {stack.redis_sentinels.master})")  # fmt: skip
         print(flush=True)
 
     return announce

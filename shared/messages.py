@@ -21,6 +21,8 @@ Subjects:
                                       (RequestStat), what the SLO planner forecasts from (services/planner)
     pd.control.<worker>               core NATS request/reply: a signed order to one worker (RoleControl: switch
                                       role), answered with a RoleSwitchReply once done (shared/role_control/)
+    pd.resend.<model>                 core NATS: a gateway asks every worker of the model for token events it
+                                      lacks (ResendRequest); each worker that sent any publishes them again
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ KV_BLOCKS = Subject("pd.kv.blocks.{model}.{worker}")
 KV_SNAPSHOT_REQUESTS = Subject("pd.kv.snapshot.{model}")
 REQUEST_STATS = Subject("pd.stats.requests.{model}")
 CONTROL = Subject("pd.control.{worker}")
+RESEND_REQUESTS = Subject("pd.resend.{model}")
 
 JOBS_SUBJECTS = "pd.jobs.>"  # the jobs stream holds both queues
 CANCEL_WILDCARD = CANCELS.wildcard()
@@ -145,6 +148,11 @@ def kv_blocks_wildcard(model: str) -> str:
 
 def kv_snapshot_subject(model: str) -> str:
     return KV_SNAPSHOT_REQUESTS.make(model=model)
+
+
+def resend_subject(model: str) -> str:
+    """Where a gateway asks the workers of `model` for token events again (every one of them listens)."""
+    return RESEND_REQUESTS.make(model=model)
 
 
 def token_subject(gateway_id: str, request_id: str) -> str:
@@ -450,6 +458,28 @@ class Cancel(msgspec.Struct, frozen=True):
 
     def covers(self, attempt: int) -> bool:
         return self.up_to_attempt is None or attempt <= self.up_to_attempt
+
+
+# Token events travel on core NATS: one published while the bus was away (restarting, failing over) is lost. Every
+# worker keeps what it sent (shared/worker/resend.py) and a gateway whose stream lacks positions asks for them again
+# (services/gateway/resend_asks.py): docs/architecture.md, "Token events: resend".
+RESEND_ITEMS_PER_MESSAGE = 1024  # the most requests one ResendRequest names: a longer list goes in several
+
+
+class ResendItem(msgspec.Struct, frozen=True, array_like=True):
+    """One request's events wanted again: those of `attempt` at output positions from `from_seq` on (the first the
+    gateway has not delivered), and its end. Only the events of `attempt`: older attempts' are stale."""
+
+    request_id: str
+    attempt: _Count
+    from_seq: _Count
+
+
+class ResendRequest(msgspec.Struct, frozen=True):
+    """A gateway's streams lack events: every worker that sent any of them sends them again, to the subject it first
+    sent them to (the same token subject: the gateway's ordering drops what it already has)."""
+
+    items: Annotated[list[ResendItem], msgspec.Meta(max_length=RESEND_ITEMS_PER_MESSAGE)]
 
 
 class PathCalibration(msgspec.Struct, frozen=True):

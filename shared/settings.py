@@ -47,6 +47,14 @@ class CommonSettings:
     """NATS server (JetStream enabled); tls:// turns TLS on."""
     redis_url: str = "redis://127.0.0.1:6379/0"
     """Redis server; rediss:// turns TLS on."""
+    redis_sentinels: tuple[str, ...] = ()
+    """Redis Sentinels (host:port, comma-separated): when set, the services ask them for the primary named
+    redis_sentinel_master and follow its failovers; redis_url then gives only the scheme, database and credentials."""
+    redis_sentinel_master: str = "pdserve"
+    """The name the Sentinels monitor the Redis primary under."""
+    jetstream_replicas: int = 1
+    """Replicas of the JetStream streams and their consumers (1-5; 3 on a 3-node nats-server cluster). Every service
+    creates or updates the streams at start with this; one that says fewer than a stream has never scales it down."""
     trace_file: str | None = None
     """Also append this service's spans to this JSON-lines file (`pdserve trace` reads it). OTLP export is
     configured by the standard OTEL_* variables."""
@@ -78,6 +86,14 @@ class CommonSettings:
 
     def _served_name(self, checkpoint: str) -> str:
         return self.model_name or os.path.basename(os.path.normpath(checkpoint))
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.jetstream_replicas <= 5:
+            raise ValueError(f"jetstream_replicas must be 1-5 (JetStream's limit), got {self.jetstream_replicas}")
+        for address in self.redis_sentinels:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"redis_sentinels: {address!r} is not host:port")
 
 
 class ToolCallParser(StrEnum):
@@ -195,6 +211,7 @@ class GatewaySettings(CommonSettings):
         return self._served_name(self.model)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be 1-65535, got {self.port}")
         if self.max_body_bytes < 1024:
@@ -399,6 +416,7 @@ class WorkerSettings(CommonSettings):
         return self.cluster_secret
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be 0-65535, got {self.metrics_port}")
         if self.role not in tuple(WorkerRole):

@@ -42,6 +42,7 @@ class Outcome:
     status: int | None = None
     pieces: list[str] = field(default_factory=list)  # one per streamed token
     arrivals: list[float] = field(default_factory=list)  # time.monotonic() when each piece came
+    started: float = field(default_factory=time.monotonic)  # when the request was sent
     finish_reason: str | None = None
     completion_tokens: int | None = None
     error: str | None = None  # the error the gateway reported
@@ -211,7 +212,7 @@ class EventWatch:
 
     async def _run(self, nats_url: str) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        nc = await nats.connect(nats_url)
+        nc = await nats.connect(nats_url.split(","))  # one URL, or a cluster's, comma-separated
 
         async def on_event(msg) -> None:
             with self._lock:
@@ -222,6 +223,11 @@ class EventWatch:
         self._ready.set()
         await self._stop.wait()
         await nc.close()
+
+    def snapshot(self) -> list[TokenEvent]:
+        """Every event seen so far, in arrival order."""
+        with self._lock:
+            return list(self.events)
 
     def taken_without_token(self, worker_prefix: str) -> set[str]:
         """Requests a worker announced (took) and has published no token for yet."""

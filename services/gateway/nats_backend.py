@@ -12,6 +12,10 @@ the old attempt (`Cancel.up_to_attempt`) and dispatches the next one to the pref
 token delivered so far: a prefill (or mixed) worker recomputes prompt + tokens, samples the next one and hands
 on as usual. The client's stream goes on: positions already delivered are dropped.
 While the gateway itself is cut off from NATS it judges nobody: heartbeats could not reach it.
+
+Token events lost on the way (core NATS: a restart, a failover) are asked for again (resend_asks.py), not moved
+for: a request moves only when its holder is gone (or a gap outlives the asking: nobody can send it again). A
+cancel published while NATS is away is retried until JetStream has it (`PD_CANCELS` keeps it for the workers).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from services.gateway.liveness import WorkerTable
 from services.gateway.path_dispatch import PathChooser, dispatch
 from services.gateway.path_signals import OwnLoad
 from services.gateway.request_stream import Deadlines, RequestUpdates
+from services.gateway.resend_asks import ResendAsks
 from shared import bus
 from shared.messages import (
     HEARTBEAT_WILDCARD,
@@ -60,11 +65,12 @@ from shared.telemetry import metrics, tracing
 
 log = logging.getLogger(__name__)
 
-PUBLISH_TIMEOUT_S = 5.0
 REDIS_PING_TIMEOUT_S = 2.0
 SETUP_RETRY_S = 1.0
 DRAIN_TIMEOUT_S = 5.0
 WATCH_INTERVAL_S = 0.25
+CANCEL_RETRY_S = 0.5  # a cancel that could not be published is tried again this often ...
+CANCEL_GIVE_UP_S = 120.0  # ... for this long (NATS away longer: the workers run the request to its end)
 
 
 class NatsBackend:
@@ -88,6 +94,9 @@ class NatsBackend:
         self._setup: asyncio.Task[None] | None = None
         self._setup_error: str | None = None  # why connecting failed for good (a bad URL, say)
         self._watchdog: asyncio.Task[None] | None = None
+        # asks the workers for token events the streams lack; knows when the client last reconnected
+        self.resend = ResendAsks(settings.served_model_name, self._streams.values)
+        self._asking: asyncio.Task[None] | None = None
         self._cancelling: set[asyncio.Task[None]] = set()  # cancels being published (held: the loop keeps weak refs)
         self._stats_out: set[asyncio.Task[None]] = set()  # request statistics being handed to the client
         self.gateway_id = settings.gateway_id
@@ -107,7 +116,7 @@ class NatsBackend:
         js = nc.jetstream()
         while True:
             try:
-                await bus.ensure_streams(js)
+                await bus.ensure_streams(js, self.settings.jetstream_replicas)
                 break
             except Exception as exc:  # JetStream not ready yet (server starting): keep trying
                 log.warning("jobs stream setup failed (%s); retrying", exc)
@@ -117,21 +126,23 @@ class NatsBackend:
         await self.routing.start(nc)
         self._nc, self._js = nc, js
         self._watchdog = asyncio.create_task(self._watch(), name="gateway-watchdog")
+        self._asking = asyncio.create_task(self.resend.run(nc), name="gateway-resend-asks")
         log.info("gateway %s connected to NATS", self.settings.gateway_id)
 
     async def _watch(self) -> None:
         """Every WATCH_INTERVAL_S: move the requests whose holder died or stalled."""
         ttl = self.settings.worker_ttl_s
         judge_from = time.monotonic() + ttl  # heartbeats need a ttl to arrive after (re)connecting
-        away, reconnected_at = False, None
+        seen_reconnect = None
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             now = time.monotonic()
             if self._connected() is None:
-                judge_from, away = now + ttl, True
+                judge_from = now + ttl
                 continue
-            if away:
-                away, reconnected_at = False, now
+            reconnected_at = self.resend.reconnected_at
+            if reconnected_at != seen_reconnect:  # however short the absence, the beats sent meanwhile were lost
+                seen_reconnect, judge_from = reconnected_at, max(judge_from, (reconnected_at or now) + ttl)
             await self.routing.tick(self.workers.serving(self.settings.served_model_name, now), now)
             if now < judge_from:
                 continue
@@ -181,8 +192,8 @@ class NatsBackend:
         # _move's one caller, the watchdog, starts once _connect has set both, and neither is unset after
         assert nc is not None and js is not None
         try:  # the stream is already on the new attempt: a failure here must end it, not leave it unwatched
-            await js.publish(cancel_subject(rid), encode(Cancel(rid, up_to_attempt=old)), timeout=PUBLISH_TIMEOUT_S)
-            await js.publish(subject, encode(job), timeout=PUBLISH_TIMEOUT_S, headers=stream.trace_headers or None)
+            await bus.publish_durably(js, cancel_subject(rid), encode(Cancel(rid, up_to_attempt=old)))
+            await bus.publish_durably(js, subject, encode(job), headers=stream.trace_headers or None)
         except Exception as exc:
             stream.give_up(f"{why}; moving the request failed ({type(exc).__name__}: {exc})", 503)
             await self.cancel(rid)
@@ -287,7 +298,7 @@ class NatsBackend:
                 for stream in streams:
                     stream.trace_headers = headers or {}  # a moved request's jobs continue the same trace
                     stream.prefill_path = choice
-                await self._js.publish(subject, encode(message), timeout=PUBLISH_TIMEOUT_S, headers=headers)
+                await bus.publish_durably(self._js, subject, encode(message), headers=headers)
         except Exception as exc:
             for stream in streams:
                 self._streams.pop(stream.request_id, None)
@@ -331,19 +342,31 @@ class NatsBackend:
         return backlog
 
     async def cancel(self, request_id: str) -> None:
-        """Publish the cancel in the background: its JetStream ack may take up to PUBLISH_TIMEOUT_S (or never come
-        while the connection drains at shutdown), and the client's stream must not wait for it to end."""
-        if self._connected() is None or self._js is None:
+        """Publish the cancel in the background: its JetStream ack may take up to bus.PUBLISH_DEADLINE_S (a cluster
+        electing the stream's leader), or never come while the connection drains at shutdown, and the client's stream
+        must not wait for it to end. While NATS is away it waits for it to come back (CANCEL_GIVE_UP_S at most)."""
+        if self._js is None:  # never connected: no worker can have the request
             return
         task = asyncio.get_running_loop().create_task(self._publish_cancel(self._js, request_id))
         self._cancelling.add(task)
         task.add_done_callback(self._cancelling.discard)
 
     async def _publish_cancel(self, js: JetStreamContext, request_id: str) -> None:
-        try:  # into the cancels stream: a worker disconnected now reads it when it is back (shared/bus.py)
-            await js.publish(cancel_subject(request_id), encode(Cancel(request_id)), timeout=PUBLISH_TIMEOUT_S)
-        except Exception as exc:
-            log.warning("could not publish the cancel of %s: %s", request_id, exc)
+        give_up_at = time.monotonic() + CANCEL_GIVE_UP_S
+        while True:
+            try:  # into the cancels stream: a worker disconnected now reads it when it is back (shared/bus.py)
+                if self._connected() is not None:
+                    cancel = encode(Cancel(request_id))
+                    left = max(1.0, give_up_at - time.monotonic())  # through a stream leader's election too
+                    await bus.publish_durably(js, cancel_subject(request_id), cancel, deadline_s=left)
+                    return
+                problem = "not connected to NATS"
+            except Exception as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() >= give_up_at or self._nc is None or self._nc.is_closed:
+                log.warning("could not publish the cancel of %s: %s", request_id, problem)
+                return
+            await asyncio.sleep(CANCEL_RETRY_S)
 
     def record_stat(self, stat: RequestStat) -> None:
         """Publish one request statistic (core NATS, fire and forget: while NATS is away it is not sent)."""
@@ -406,7 +429,7 @@ class NatsBackend:
         return self.workers.can_serve(self.settings.served_model_name, time.monotonic())
 
     async def close(self) -> None:
-        for task in (self._setup, self._watchdog):
+        for task in (self._setup, self._watchdog, self._asking):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(BaseException):
@@ -421,5 +444,7 @@ class NatsBackend:
                 log.warning("NATS drain failed (%s); closing", exc)
                 with contextlib.suppress(Exception):  # bounded: a dead server must not keep the gateway from exiting
                     await asyncio.wait_for(self._nc.close(), DRAIN_TIMEOUT_S)
+        for task in list(self._cancelling):  # those still waiting for NATS to come back: it will not, for us
+            task.cancel()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._redis.aclose(), DRAIN_TIMEOUT_S)

@@ -21,7 +21,7 @@ def heartbeats(nats_url: str, seconds: float = 2.5) -> dict[str, Heartbeat]:
     """The latest heartbeat of every worker heard within `seconds` (workers beat about once a second)."""
 
     async def collect() -> dict[str, Heartbeat]:
-        nc = await nats.connect(nats_url)
+        nc = await nats.connect(nats_url.split(","))  # one URL, or a cluster's, comma-separated
         seen: dict[str, Heartbeat] = {}
 
         async def on_beat(msg) -> None:

@@ -1,6 +1,10 @@
 """`pdserve up`: the whole stack on one machine — nats-server and redis-server (unless URLs are given),
 the gateway and the workers as separate processes — ready when the gateway's /ready says so.
 
+With `ha` the private servers are replicated instead (replicated.py): a 3-node nats-server cluster whose
+streams have 3 replicas, and a Redis primary with a replica under 3 Sentinels, through which the services find
+the primary.
+
 The private nats-server and redis-server require passwords generated here, as is the cluster secret that
 signs KV pull tickets; every service gets them, and the server URLs, in its environment (never on a command
 line, which any local user can read). With `kv_tls` the workers' KV transfer gRPC speaks mutual TLS, with
@@ -28,9 +32,16 @@ from services.local.children import popen_options
 from services.local.hosts import INFRA, ServiceHosts
 from services.local.infra import ServerProcess, free_port, start_nats, start_redis
 from services.local.kv_certs import KV_TLS_DIR, KvTlsFiles, dialled_hosts, generate, refuse_other_kv_tls, without_kv_tls
+from services.local.replicated import (
+    NatsCluster,
+    RedisSentinels,
+    create_streams,
+    start_nats_cluster,
+    start_redis_sentinels,
+)
 from shared.engine.config import EngineConfig
 from shared.sharding.layout import ParallelLayout
-from shared.urls import split_credentials
+from shared.urls import split_credentials, with_credentials
 
 
 @dataclass(frozen=True)
@@ -78,12 +89,17 @@ class StackSpec:
     # prefix that starts it there, its ports. None: all on this machine (infra on 127.0.0.1, the rest on host).
     # Only with private servers: one given by URL is wherever that URL says.
     hosts: ServiceHosts | None = None
+    # The private servers replicated (replicated.py): a 3-node NATS cluster with streams at 3 replicas, and Redis
+    # with a replica under 3 Sentinels, all on this machine's loopback. A server given by URL is used as it is.
+    ha: bool = False
 
     def __post_init__(self) -> None:
         if self.mixed < 0 or self.prefill < 0 or self.decode < 0:
             raise ValueError("worker counts must be non-negative")
         if self.mixed == 0 and (self.prefill == 0 or self.decode == 0):
             raise ValueError("need at least one prefill and one decode worker, or --mixed workers")
+        if self.ha and self.hosts is not None:
+            raise ValueError("ha: the replicated servers run on this machine's loopback, not on separate hosts (yet)")
         for name, per_role in (
             ("threads", self.threads),
             ("cpu_affinity", self.cpu_affinity),
@@ -185,9 +201,12 @@ class Stack:
         self.infra: list[ServerProcess] = []
         self.procs: dict[str, subprocess.Popen] = {}
         self._log_files: list = []
-        # URLs a client of this stack's servers can use as they are (credentials included): tests and tools.
+        # URLs a client of this stack's servers can use as they are (credentials included): tests and tools. A
+        # NATS cluster's is its nodes' URLs, comma-separated; redis_url follows the Sentinels' primary (ha).
         self.nats_url = spec.nats_url
-        self.redis_url = spec.redis_url
+        self._redis_url = spec.redis_url
+        self.nats_cluster: NatsCluster | None = None  # spec.ha: the private NATS cluster
+        self.redis_sentinels: RedisSentinels | None = None  # spec.ha: the private Redis primary, replica, Sentinels
         # The private servers' settings, for every service (see service_env).
         self._infra_env: dict[str, str] = {}
         self.metrics_ports: dict[str, int] = {}  # worker name → its /metrics port
@@ -221,6 +240,14 @@ class Stack:
         """A port free on `service`'s host with spec.hosts; None without (a free one here is the caller's pick)."""
         return self.spec.hosts.port(service) if self.spec.hosts is not None else None
 
+    @property
+    def redis_url(self) -> str | None:
+        """The Redis URL, credentials included; with private Sentinels, that of the primary they name now."""
+        plane = self.redis_sentinels
+        if plane is None or (primary := plane.primary()) is None:
+            return self._redis_url
+        return with_credentials(f"redis://{primary.host}:{primary.port}/0", None, plane.password)
+
     def start(self, ready_timeout_s: float = 120.0) -> Stack:
         """launch(), then wait_ready(): a stack that serves, or an error (and everything it started stopped)."""
         self.launch()
@@ -237,19 +264,9 @@ class Stack:
         try:
             self.prepare_kv_tls()
             if self.nats_url is None:
-                user, password = "pdserve", secrets.token_urlsafe(24)
-                self.infra.append(start_nats(self._port("nats"), self.address("nats"), user, password,
-                                             prefix=self._prefix("nats")))  # fmt: skip
-                self.nats_url = self.infra[-1].url
-                self._infra_env |= {"PDSERVE_NATS_URL": split_credentials(self.nats_url)[0],
-                                    "PDSERVE_NATS_USER": user, "PDSERVE_NATS_PASSWORD": password}  # fmt: skip
-            if self.redis_url is None:
-                password = secrets.token_urlsafe(24)
-                self.infra.append(start_redis(self._port("redis"), self.address("redis"), password,
-                                              prefix=self._prefix("redis")))  # fmt: skip
-                self.redis_url = self.infra[-1].url
-                self._infra_env |= {"PDSERVE_REDIS_URL": split_credentials(self.redis_url)[0],
-                                    "PDSERVE_REDIS_PASSWORD": password}  # fmt: skip
+                self._start_nats()
+            if self._redis_url is None:
+                self._start_redis()
             spec = self.spec
             for i, (role, device) in enumerate(zip(spec.roles(), spec.worker_devices(), strict=True)):
                 name = f"{role}-{i}"
@@ -265,6 +282,40 @@ class Stack:
         except BaseException:
             self.stop()
             raise
+
+    def _start_nats(self) -> None:
+        """The private nats-server (or, with spec.ha, cluster: its streams made at its size), and its settings."""
+        user, password = "pdserve", secrets.token_urlsafe(24)
+        if self.spec.ha:
+            cluster = self.nats_cluster = start_nats_cluster(user, password)
+            self.infra += cluster.nodes
+            replicas = len(cluster.nodes)
+            create_streams(cluster.url, replicas)
+            self.nats_url, bare = cluster.url, cluster.bare_url
+        else:
+            self.infra.append(start_nats(self._port("nats"), self.address("nats"), user, password,
+                                         prefix=self._prefix("nats")))  # fmt: skip
+            replicas = 1
+            self.nats_url = self.infra[-1].url
+            bare = split_credentials(self.nats_url)[0]
+        self._infra_env |= {"PDSERVE_NATS_URL": bare, "PDSERVE_NATS_USER": user, "PDSERVE_NATS_PASSWORD": password,
+                            "PDSERVE_JETSTREAM_REPLICAS": str(replicas)}  # fmt: skip
+
+    def _start_redis(self) -> None:
+        """The private redis-server (or, with spec.ha, primary, replica and Sentinels), and its settings."""
+        password = secrets.token_urlsafe(24)
+        if self.spec.ha:
+            plane = self.redis_sentinels = start_redis_sentinels(password)
+            self.infra += plane.servers
+            self._redis_url = plane.nodes[0].url
+            self._infra_env |= {"PDSERVE_REDIS_SENTINELS": plane.addresses,
+                                "PDSERVE_REDIS_SENTINEL_MASTER": plane.master}  # fmt: skip
+        else:
+            self.infra.append(start_redis(self._port("redis"), self.address("redis"), password,
+                                          prefix=self._prefix("redis")))  # fmt: skip
+            self._redis_url = self.infra[-1].url
+        bare = split_credentials(self._redis_url)[0]
+        self._infra_env |= {"PDSERVE_REDIS_URL": bare, "PDSERVE_REDIS_PASSWORD": password}
 
     def _worker_args(self, name: str, generation: int = 0) -> tuple[list[str], int]:
         """The command line of worker `name` and the /metrics port it names (a free one). Its worker id is

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import msgspec
 from nats.aio.msg import Msg
 
-from shared import expert_affinity
+from shared import bus, expert_affinity
 from shared.engine.engine import RequestOutput
 from shared.engine.request import FinishReason
 from shared.kv.prefill_kv import PrefillKv
@@ -171,7 +171,7 @@ class PrefillWorker(Worker[PrefillJob]):
                 decode_job = _decode_job([(job, None)], holder, key, streamed=True)
                 subject = handed_on_subject(self.model_name, job.decode_worker)
                 with tracing.producer_span(subject, job.request_id):
-                    await self.conn.js.publish(subject, encode(decode_job), headers=tracing.carrier() or None)
+                    await bus.publish_durably(self.conn.js, subject, encode(decode_job), tracing.carrier() or None)
                 self.emit(job.reply_subject, queued_event(job, worker_id, streamed=True))
             except Exception as exc:  # NATS away: the job stays unacked, so JetStream hands it out again
                 log.warning("handing %s on to decode failed (%s); freeing its KV", key, exc)
@@ -281,7 +281,7 @@ class PrefillWorker(Worker[PrefillJob]):
         decode_job = msgspec.structs.replace(_decode_job(going_on, holder, key), hot_experts=hot)
         subject = handed_on_subject(self.model_name, decode_worker)
         with tracing.producer_span(subject, rid):
-            await self.conn.js.publish(subject, encode(decode_job), headers=tracing.carrier() or None)
+            await bus.publish_durably(self.conn.js, subject, encode(decode_job), tracing.carrier() or None)
         for e, _ in group:
             self.ledger.finish(e.key)
         for one, _ in going_on:  # no worker holds them until a decode worker does (or the routed one, at once)

@@ -192,6 +192,16 @@ REQUEST_MIGRATIONS = Counter(
     "Requests moved to another worker (their worker died or stalled), by the phase they were in.",
     (*LABELS, "phase"),
 )
+TOKEN_EVENTS_RESENT = Counter(
+    f"{PREFIX}token_events_resent",
+    "Token events a worker published again: a gateway asked for positions it lacked, or NATS reconnected.",
+    LABELS,
+)
+TOKEN_RESEND_ASKS = Counter(
+    f"{PREFIX}token_resend_asks",
+    "Requests whose missing token events the gateway asked the workers for again, one per request and ask.",
+    (*LABELS, "why"),
+)
 MOE_EXPERT_TOKENS = Counter(
     f"{PREFIX}moe_expert_tokens", "Tokens routed to each expert (top-k counts each).", (*LABELS, "layer", "expert")
 )

@@ -81,6 +81,9 @@ class CancelFeed:
             opt_start_seq=self.next_seq,
             ack_policy=AckPolicy.NONE,
             inactive_threshold=INACTIVE_S,
+            # as many replicas as the stream (an ephemeral consumer is R1 unless told): on a cluster, the loss of
+            # the node that holds it does not cut this worker off its cancels
+            num_replicas=info.config.num_replicas,
         )
         return await self.js.pull_subscribe(CANCEL_WILDCARD, stream=CANCELS_STREAM, config=config)
 

@@ -59,6 +59,7 @@ from shared.worker.job_feed import JobFeed
 from shared.worker.ledger import Entry, JobLedger, Phase, settle
 from shared.worker.outbox import Outbox
 from shared.worker.probes import WorkerProbes
+from shared.worker.resend import Resender, SentEvents
 
 if TYPE_CHECKING:
     from shared.parallel.group_engine import WorkerGroup
@@ -66,6 +67,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 TEARDOWN_TIMEOUT_S = 30.0
 IDLE_POLL_S = 0.005  # how often a worker without room looks again
+# A KV location read or written waits at most this long: a primary gone without a word (its host lost) is a miss,
+# and the request is recomputed, not held up for TCP's own timeout of minutes.
+REDIS_TIMEOUT_S = 5.0
 # A draining worker's own queue is handed back at least this long: until the gateways have its `draining` beat,
 # they may still route jobs to it
 HAND_BACK_S = 2 * HEARTBEAT_S
@@ -146,6 +150,10 @@ class Worker(Generic[Job]):
         self.last_beat: float | None = None  # when the heartbeat task last built a beat: /health (probes.py)
         self.cancels = CancelMemory()
         self._cancels_from: int | None = None  # the cancel stream's sequence to read from (a successor's start)
+        # every token event sent, kept while the request is in hand and a while after: sent again when a gateway
+        # lacks some or NATS reconnects (resend.py). The process's: a successor role resends what this one sent.
+        self.sent = SentEvents(self._in_hand)
+        self.resender = Resender(self.sent, self.model_name, self.outbox.emit, self.labels)
         self._integrity: str | None = None  # the engine's last integrity verdict (refreshed off the beat)
         # a decode (or mixed) worker's recent hot experts, in its heartbeat for expert-affinity routing (MoE models)
         self.hot_experts = HotExpertsWindow()
@@ -157,6 +165,9 @@ class Worker(Generic[Job]):
             self._take_over(succeeds)
         self.ledger: JobLedger[Job] = JobLedger(self.cancels)  # the cancels remembered (a predecessor's too)
 
+    def _in_hand(self, key: str) -> bool:
+        return self.ledger.get(key) is not None
+
     def _take_over(self, old: Worker) -> None:
         """What carries over from the role this one succeeds: the process's, not the role's."""
         self._conn, self.metrics_port = old._conn, old.metrics_port
@@ -164,6 +175,9 @@ class Worker(Generic[Job]):
         if self._probes is not None:  # the metrics server's /health and /ready read this role from now on
             self._probes.worker = self
         self.cancels, self._cancels_from = old.cancels, old._cancels_from
+        self.sent, self.resender = old.sent, old.resender
+        self.sent.in_hand = self._in_hand  # in hand: in this role's ledger (what the old one held was handed on)
+        self.resender.emit_with(self.outbox.emit)  # resent events leave through this role's publisher
         self.step_costs, self.pull_costs = old.step_costs, old.pull_costs
 
     @property
@@ -243,8 +257,9 @@ class Worker(Generic[Job]):
             connecting.cancel()
             return False
         nc = connecting.result()
-        self._conn = Connections(nc, nc.jetstream(), redis_client(self.settings))
-        await bus.ensure_streams(self.conn.js)
+        redis = redis_client(self.settings, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S)
+        self._conn = Connections(nc, nc.jetstream(), redis)
+        await bus.ensure_streams(self.conn.js, self.settings.jetstream_replicas)
         if self.settings.metrics_port is not None:
             self._probes = WorkerProbes(self)  # /health, /ready beside /metrics: of the role serving (a successor's)
             routes = self._probes.routes()
@@ -260,10 +275,12 @@ class Worker(Generic[Job]):
             await self.setup()
             cancels = CancelFeed(self.conn.nc, self._cancel_received)
             await cancels.start(self._cancels_from)
+            await self.resender.start(self.conn.nc)  # once a process: a successor role's call finds it listening
             announcing = await self._start_announcing_blocks()
             self._tasks += [  # a drain begun during the setup (a stop) is among them already
                 *announcing,
                 asyncio.create_task(self._read_cancels(cancels)),
+                asyncio.create_task(self.resender.run(self.conn.nc)),
                 asyncio.create_task(self._heartbeats()),
                 asyncio.create_task(self._engine_facts()),
                 asyncio.create_task(self._job_loop()),
@@ -512,6 +529,7 @@ class Worker(Generic[Job]):
         """The one cancel path: remember it (a job of a covered attempt may still arrive), then drop every entry
         it covers."""
         self.cancels.remember(cancel)
+        self.sent.forget(cancel)
         for entry in self.ledger.covered_by(cancel):
             await self.drop(entry)
 
@@ -603,7 +621,8 @@ class Worker(Generic[Job]):
             log.exception("handling engine outputs failed")
 
     def emit(self, subject: str, event: TokenEvent) -> None:
-        """Queue a token event for publishing (callable from the loop without awaiting)."""
+        """Queue a token event for publishing (callable from the loop without awaiting), kept to send again."""
+        self.sent.record(subject, event)
         self.outbox.emit(subject, event)
 
     # ---- heartbeats and block announcements --------------------------------------------------------------

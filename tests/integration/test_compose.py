@@ -9,6 +9,7 @@ compose.yaml run for real against local servers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -19,12 +20,14 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import grimp
 import pytest
+import redis as redis_lib
 import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -52,6 +55,7 @@ PDSERVE_SERVICES = {name for name, svc in SERVICES.items() if svc.get("image") i
 ONE_SHOT = {name for name, svc in SERVICES.items() if svc.get("restart") == "no"}
 GPU_PROFILE = {name for name, svc in SERVICES.items() if "gpu" in svc.get("profiles", [])}
 OBSERVABILITY = {name for name, svc in SERVICES.items() if "observability" in svc.get("profiles", [])}
+HA_PROFILE = {name for name, svc in SERVICES.items() if "ha" in svc.get("profiles", [])}
 OBSERVABILITY_DIR = ROOT / "docker" / "observability"
 # The OpenTelemetry variables compose passes on (read by shared/telemetry/tracing.py and the OTLP exporter).
 OTEL_VARS = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL"}
@@ -435,7 +439,7 @@ def _secret(name: str) -> str:
 def test_secrets_volume_reaches_every_service_that_needs_it():
     assert "secrets" in COMPOSE["volumes"]
     assert volume_mounts("secrets-init")["secrets"] == SECRETS_MOUNT  # the only writer
-    assert SECRET_READERS == (PDSERVE_SERVICES - ONE_SHOT) | {"nats", "redis"}
+    assert SECRET_READERS == (PDSERVE_SERVICES - ONE_SHOT) | {"nats", "redis"} | HA_PROFILE
     for name in SECRET_READERS:
         assert volume_mounts(name)["secrets"] == f"{SECRETS_MOUNT}:ro", name
 
@@ -602,6 +606,154 @@ async def _redis_ping(settings) -> str:
         return explain_redis_error(exc)
     finally:
         await client.aclose()
+
+
+# ---- the ha profile: a 3-node NATS cluster, a Redis replica and 3 Sentinels ------------------------------
+
+HA_ENV = dict(
+    line.split("=", 1)
+    for line in (ROOT / "docker" / "ha.env").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+)  # what `docker compose --env-file docker/ha.env` interpolates with
+NATS_NODES = ["nats", "nats-2", "nats-3"]
+SENTINEL_SERVICES = ["sentinel-1", "sentinel-2", "sentinel-3"]
+
+
+def test_ha_profile_adds_the_replicated_control_plane():
+    assert HA_PROFILE == {"nats-2", "nats-3", "redis-replica", *SENTINEL_SERVICES}
+    assert HA_ENV["COMPOSE_PROFILES"] == "ha"
+    for name in HA_PROFILE:
+        assert SERVICES[name]["restart"] == "unless-stopped", name
+    # the NATS nodes: nats's image and command, a name each, the cluster's configuration (nats's too, with ha.env)
+    assert [SERVICES[n]["environment"]["NATS_NODE"] for n in NATS_NODES] == NATS_NODES
+    for name in NATS_NODES:
+        assert (SERVICES[name]["image"], SERVICES[name]["command"]) == (SERVICES["nats"]["image"], command("nats"))
+        assert "./docker/nats-cluster.conf:/etc/nats/pdserve.conf:ro" in interpolate(SERVICES[name]["volumes"], HA_ENV)
+    assert set(re.findall(r"@([a-z0-9-]+):6222", _shell_script("nats"))) == set(NATS_NODES)  # the routes: all
+    conf = (ROOT / "docker" / "nats-cluster.conf").read_text()
+    for line in ("server_name: $PDSERVE_NATS_NODE", "routes: $PDSERVE_NATS_ROUTES", 'http: "127.0.0.1:8222"'):
+        assert line in conf
+    # Redis: the replica follows redis; both can follow a promoted one (masterauth); 3 Sentinels, quorum 2
+    replica = _shell_script("redis-replica")
+    assert "replicaof redis 6379" in replica and 'masterauth "$password"' in replica
+    assert 'masterauth "$password"' in _shell_script("redis")
+    for name in SENTINEL_SERVICES:
+        script = _shell_script(name)
+        assert "sentinel monitor pdserve redis 6379 2" in script and "port 26379" in script
+        assert f"{SECRETS_MOUNT}/redis_password" in script and 'requirepass "$password"' in script
+        assert SERVICES[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert len({SERVICES[n]["environment"]["SENTINEL_NAME"] for n in SENTINEL_SERVICES}) == 3
+    # with ha.env, every pdserve service is given the three nodes, R3 streams and the Sentinels
+    for name in PDSERVE_SERVICES - ONE_SHOT:
+        cls = GatewaySettings if role(name) == "gateway" else WorkerSettings
+        kwargs = {} if cls is GatewaySettings else {"role": role(name)}
+        settings = from_env(cls, environment(name, HA_ENV), **kwargs)
+        assert settings.nats_url.split(",") == [f"nats://{n}:4222" for n in NATS_NODES], name
+        assert settings.jetstream_replicas == len(NATS_NODES), name
+        assert settings.redis_sentinels == tuple(f"{n}:26379" for n in SENTINEL_SERVICES), name
+        assert settings.redis_sentinel_master == "pdserve", name
+
+
+def test_compose_nats_cluster_forms(tmp_path):
+    """compose.yaml's nats command and docker/nats-cluster.conf, three of them run here (each node's name, routes
+    with the password, JetStream), the compose names swapped for loopback ports: the cluster forms and the
+    services' settings (with ha.env) make their streams at 3 replicas across it."""
+    ports = {name: (free_port(), free_port(), free_port()) for name in NATS_NODES}  # client, route, monitor
+    procs = []
+    try:
+        for name in NATS_NODES:
+            client, route, monitor = ports[name]
+            script = f"export NATS_NODE={name}\n" + _shell_script(name)
+            for other in NATS_NODES:
+                script = script.replace(f"@{other}:6222", f"@127.0.0.1:{ports[other][1]}")
+            conf = ROOT / "docker" / "nats-cluster.conf"
+            script = script.replace(
+                "--config /etc/nats/pdserve.conf",
+                f"--config {conf} -p {client} -m {monitor} --cluster nats://127.0.0.1:{route} -sd {tmp_path / name}",
+            )
+            procs.append(_run_infra(name, script, _local_secrets, client))
+        for _, _, monitor in ports.values():  # routed, and JetStream's meta group current on every node
+            _wait_ok(f"http://127.0.0.1:{monitor}/healthz")
+        urls = ",".join(f"nats://127.0.0.1:{client}" for client, _, _ in ports.values())
+        settings = from_env(GatewaySettings, environment("gateway", HA_ENV) | {"PDSERVE_NATS_URL": urls})
+        assert asyncio.run(_replicated_streams(settings)) == 3
+    finally:
+        for proc in procs:
+            _stop(proc)
+
+
+async def _replicated_streams(settings) -> int:
+    nc = await bus.connect(settings, "compose-ha")
+    try:
+        js = nc.jetstream(timeout=5)
+        for _ in range(100):  # the meta leader may still be settling
+            try:
+                await bus.ensure_streams(js, settings.jetstream_replicas)
+                break
+            except Exception:
+                await asyncio.sleep(0.2)
+        return (await js.stream_info("PD_JOBS")).config.num_replicas
+    finally:
+        await nc.close()
+
+
+def _wait_ok(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"{url} not ok after {timeout_s:g} s"
+        time.sleep(0.2)
+
+
+def test_compose_redis_replica_and_sentinel_run(tmp_path):
+    """compose.yaml's redis, redis-replica and sentinel-1 commands run here (compose names swapped for loopback
+    ports): the replica syncs with the password, the Sentinel takes its configuration, sees the replica, and the
+    services' settings (with ha.env) reach the primary through it; its healthcheck passes."""
+    primary_port, replica_port, sentinel_port = free_port(), free_port(), free_port()
+
+    def node(name: str, port: int) -> str:
+        script = _shell_script(name).replace(
+            "exec docker-entrypoint.sh redis-server -", f"exec redis-server - --port {port} --bind 127.0.0.1"
+        )
+        return re.sub(r"replica-announce-ip \S+", "replica-announce-ip 127.0.0.1", script).replace(
+            "replicaof redis 6379", f"replicaof 127.0.0.1 {primary_port}"
+        )
+
+    sentinel = (
+        _shell_script("sentinel-1")
+        .replace("/data/sentinel.conf", str(tmp_path / "sentinel.conf"))
+        .replace("exec docker-entrypoint.sh redis-server", "exec redis-server")
+        .replace("port 26379", f"port {sentinel_port}\nbind 127.0.0.1")
+        .replace("sentinel monitor pdserve redis 6379 2", f"sentinel monitor pdserve 127.0.0.1 {primary_port} 1")
+    )
+    procs = []
+    try:
+        procs.append(_run_infra("redis", node("redis", primary_port), _local_secrets, primary_port))
+        procs.append(_run_infra("redis-replica", node("redis-replica", replica_port), _local_secrets, replica_port))
+        sentinel = "export SENTINEL_NAME=127.0.0.1\n" + sentinel
+        procs.append(_run_infra("sentinel-1", sentinel, _local_secrets, sentinel_port))
+        password = _secret("redis_password")
+        deadline = time.monotonic() + 30
+        while True:  # the Sentinel learns the replica from the primary
+            with contextlib.closing(redis_lib.Redis(port=sentinel_port, password=password, socket_timeout=2)) as r:
+                if r.sentinel_master("pdserve")["num-slaves"] == 1:
+                    break
+            assert time.monotonic() < deadline, "the Sentinel never saw the replica"
+            time.sleep(0.2)
+        shell = HA_ENV | {"REDIS_SENTINELS": f"127.0.0.1:{sentinel_port}"}
+        settings = from_env(GatewaySettings, environment("gateway", shell))
+        assert asyncio.run(_redis_ping(settings)) == "PONG"
+        check = SERVICES["sentinel-1"]["healthcheck"]["test"][1].replace("-p 26379", f"-p {sentinel_port}")
+        check = interpolate(check).replace("$$", "$").replace(SECRETS_MOUNT, str(_local_secrets))
+        assert subprocess.run(["sh", "-c", check]).returncode == 0
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
 
 
 # ---- the observability profile: Jaeger, Prometheus, Grafana ----------------------------------------------
