@@ -67,12 +67,15 @@ def get_json(url: str) -> dict:
         return json.loads(r.read())
 
 
-def serve(name: str, spec: StackSpec, requests: list[BenchRequest], model_name: str, slos: dict, seed: int) -> dict:
+def serve(
+    name: str, spec: StackSpec, tok: Tokenizer, requests: list[BenchRequest], model_name: str, slos: dict, seed: int
+) -> dict:
     stack = Stack(spec, log_dir=None)
     stack.start(ready_timeout_s=300)
     try:
         url = stack.url
-        warm = [BenchRequest(r.prompt, r.prompt_len, 4, "warmup", 0.0) for r in requests[:3]]
+        # short and few: wakes every code path without giving the planner a load to act on before the clock starts
+        warm = [BenchRequest(r.prompt, r.prompt_len, 4, "warmup", 0.0) for r in random_requests(tok, 2, 16, 4)]
         run(BenchConfig(base_url=url, model=model_name, progress=False, timeout_s=300), warm)
         wall_start = time.time()
         config = BenchConfig(base_url=url, model=model_name, goodput_slos=slos, seed=seed, progress=False,
@@ -166,7 +169,7 @@ def main() -> int:
 
     model = Path(args.model) if args.model else ensure_demo_checkpoint(
         REPO / "models" / f"demo-{args.size}-qwen3_moe", size=args.size)  # fmt: skip
-    tok = Tokenizer.from_pretrained(model)
+    tok = Tokenizer(model)
     phases = parse_phases(args.phases)
     requests = phase_requests(tok, phases, args.seed)
     slos = {"ttft": args.ttft_ms, "tpot": args.tpot_ms}
@@ -176,12 +179,12 @@ def main() -> int:
     model_name = model.name
     runs = []
     for p, d in splits:
-        runs.append(serve(f"static {p}P+{d}D", StackSpec(prefill=p, decode=d, **base), requests, model_name, slos,
+        runs.append(serve(f"static {p}P+{d}D", StackSpec(prefill=p, decode=d, **base), tok, requests, model_name, slos,
                           args.seed))  # fmt: skip
     p0, d0 = map(int, args.planner_start.split(":"))
     planner_flags = ("--ttft-slo-ms", str(args.ttft_ms), "--tpot-slo-ms", str(args.tpot_ms), *args.planner_args.split())
     runs.append(serve(f"planner from {p0}P+{d0}D", StackSpec(prefill=p0, decode=d0, planner=True,
-                      planner_args=planner_flags, **base), requests, model_name, slos, args.seed))  # fmt: skip
+                      planner_args=planner_flags, **base), tok, requests, model_name, slos, args.seed))  # fmt: skip
     best_static = max(runs[:-1], key=lambda r: r["goodput_rps"])
     ratio = runs[-1]["goodput_rps"] / best_static["goodput_rps"] if best_static["goodput_rps"] else None
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()

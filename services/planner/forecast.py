@@ -16,7 +16,10 @@ from dataclasses import dataclass
 RATE_ALPHA = 0.5  # level: about the last two intervals
 RATE_BETA = 0.3  # trend
 FILL_ALPHA = 0.1  # the fill ratio: about the last ten requests that ended
-LENGTH_WINDOW_S = 60.0  # the lengths' window: long enough for percentiles, short enough for a phase change
+# the lengths' window: short enough that a phase change shows within a few intervals (a 60 s window held a phase's
+# long prompts for a minute after it ended: benchmarks/planner_phases.py), yet never fewer than MIN_SAMPLES arrivals
+LENGTH_WINDOW_S = 20.0
+MIN_SAMPLES = 16
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -90,10 +93,14 @@ class RateForecast:
 
 
 class LengthWindow:
-    """The recent arrivals' prompt lengths and expected output lengths (see the module)."""
+    """The recent arrivals' prompt lengths and expected output lengths (see the module): those of the last window_s,
+    or the last min_samples arrivals when fewer came in that window."""
 
-    def __init__(self, window_s: float = LENGTH_WINDOW_S, fill_alpha: float = FILL_ALPHA) -> None:
+    def __init__(
+        self, window_s: float = LENGTH_WINDOW_S, fill_alpha: float = FILL_ALPHA, min_samples: int = MIN_SAMPLES
+    ) -> None:
         self.window_s = window_s
+        self.min_samples = min_samples
         self.fill_alpha = fill_alpha
         self.fill = 1.0  # output / max_tokens of the requests that ended lately
         self._seen_fill = False
@@ -110,7 +117,7 @@ class LengthWindow:
         self._seen_fill = True
 
     def lengths(self, now: float) -> Lengths:
-        while self._arrivals and self._arrivals[0][0] < now - self.window_s:
+        while len(self._arrivals) > self.min_samples and self._arrivals[0][0] < now - self.window_s:
             self._arrivals.popleft()
         prompts = tuple(p for _, p, _ in self._arrivals)
         outputs = tuple(max(m * self.fill, 1.0) for _, _, m in self._arrivals)

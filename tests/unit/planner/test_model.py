@@ -38,13 +38,20 @@ def test_rate_forecast_tracks_level_and_trend():
 
 
 def test_output_lengths_count_at_arrival_with_the_fill_ratio():
-    w = LengthWindow(window_s=60)
+    w = LengthWindow(window_s=60, min_samples=0)
     for i in range(10):
         w.arrived(100.0 + i, 500, 200)
     assert w.lengths(110).output(0.5) == 200  # nothing ended yet: max_tokens as asked
     w.ended(50, 200)  # clients stop at a quarter of what they ask
     assert w.lengths(110).output(0.5) == pytest.approx(50)
     assert w.lengths(200).prompts == ()  # the window forgets
+
+
+def test_the_length_window_keeps_the_last_few_when_arrivals_are_sparse():
+    w = LengthWindow(window_s=20, min_samples=3)
+    for i, n in enumerate((100, 200, 300, 400, 500)):
+        w.arrived(float(i), n, 8)
+    assert w.lengths(1000).prompts == (300, 400, 500)
 
 
 def test_step_fit_recovers_a_line_and_defaults_with_one_batch_size():
