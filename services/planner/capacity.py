@@ -35,7 +35,10 @@ from shared.cost_defaults import (
 from shared.messages import Heartbeat, Role
 
 TAIL_Q = 0.9  # the planner keeps the p90s under the SLOs
-STEP_FIT_POINTS = 64  # (batch, step) points the decode step's line is fitted to, newest kept
+# (batch, step) points the decode step's line is fitted to, newest kept: a few intervals' worth, so a decode worker
+# whose step grows under a new load shows in the line within them (64 points held the idle phase's small batches
+# half a minute into a decode-heavy one: benchmarks/planner_phases.py)
+STEP_FIT_POINTS = 16
 CORRECTION_ALPHA = 0.2
 CORRECTION_BOUNDS = (0.5, 4.0)  # a model off by more than this is not corrected but noticed (the decision logs it)
 
