@@ -30,12 +30,14 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import httpx
 import nats
 import pytest
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from services.local.children import descendants, running
 from services.local.infra import free_port
@@ -293,10 +295,11 @@ def wait_watched(plane: RedisSentinels, timeout_s: float = 60.0) -> float:
         views = []
         for sentinel in plane.sentinels:
             with (
-                contextlib.suppress(RedisConnectionError),
+                contextlib.suppress(RedisError),  # not up yet: refused, or no answer
                 Redis(sentinel.host, sentinel.port, password=plane.password, socket_timeout=1) as c,
             ):
-                replicas, others = c.sentinel_slaves(plane.master), c.sentinel_sentinels(plane.master)
+                replicas: Any = c.sentinel_slaves(plane.master)  # redis-py parses each into a dict
+                others: Any = c.sentinel_sentinels(plane.master)
                 views.append(
                     len(replicas) == len(plane.nodes) - 1
                     and all(not r["is_sdown"] and r.get("master-link-status") == "ok" for r in replicas)
@@ -334,7 +337,7 @@ def test_the_redis_replica_or_a_sentinel_killed_under_streaming_load(ha_stack, r
         outcomes, arrived = load.results(), newcomers.results()
         settings = from_env(GatewaySettings, stack.service_env())
 
-        async def probe() -> bytes | None:  # what a service opening its Redis client now would get
+        async def probe() -> bytes | str | None:  # what a service opening its Redis client now would get
             client = redis_client(settings, socket_timeout=2.0, socket_connect_timeout=1.0)
             try:
                 await client.set("probe:node-loss", victim, ex=60)
