@@ -1,7 +1,8 @@
 """Faults under concurrent streaming load, with real processes killed for real (SIGKILL / SIGSTOP), real
-nats-server and redis-server restarts, and an injected KV transfer failure. After each: every request
-completed or failed cleanly (none lost), completed ones match the single-process engine token for token,
-and every live worker's KV pool is sound and empty with no `pd:*` key left once leases expire.
+nats-server and redis-server restarts, a gateway killed, and an injected KV transfer failure. After each: every
+request completed or failed cleanly (none lost; a killed gateway's own clients excepted: their connections drop),
+completed ones match the single-process engine token for token, and every live worker's KV pool is sound and
+empty with no `pd:*` key left once leases expire.
 
 The stacks run with short liveness and lease settings (FAST) so that a scenario takes seconds;
 benchmarks/reliability.py runs the same scenarios with more requests (CHAOS_REQUESTS) and reports the table

@@ -9,6 +9,8 @@
   - kill -9 of the Redis primary right after a hand-off, under a stream of new requests: the Sentinels promote
     the replica, the services follow, every request completes token-exact (none fails: a KV location lost with
     the old primary is recomputed), hand-offs resume through the new primary, nothing is left behind;
+  - kill -9 of the Redis replica, or of the Sentinel every service asks first, under the same load: nothing
+    visible (no failover, no request fails, a client opened meanwhile finds the primary); the node rejoins;
   - `pdserve up --ha` restarts a killed NATS node, which rejoins the cluster, and a killed Redis primary, which
     comes back as the new primary's replica.
 
