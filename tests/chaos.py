@@ -190,6 +190,19 @@ class SteadyLoad:
             return list(self.outcomes)
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank q-th percentile (0-100) of `values` (not empty): p99 of a few streams is their maximum."""
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))]
+
+
+def stall_percentiles(outcomes: list[Outcome]) -> tuple[float, float] | None:
+    """p50 and p99 of the streams' stalls (each one's longest gap between two tokens) over those that streamed
+    two tokens or more; None if none did."""
+    stalls = [o.longest_gap_s for o in outcomes if len(o.arrivals) >= 2]
+    return (percentile(stalls, 50), percentile(stalls, 99)) if stalls else None
+
+
 def tally(outcomes: list[Outcome]) -> dict[str, int]:
     verdicts = Counter(o.verdict for o in outcomes)
     return {"sent": len(outcomes), "completed": verdicts["completed"],

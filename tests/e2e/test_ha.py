@@ -9,6 +9,8 @@
   - kill -9 of the Redis primary right after a hand-off, under a stream of new requests: the Sentinels promote
     the replica, the services follow, every request completes token-exact (none fails: a KV location lost with
     the old primary is recomputed), hand-offs resume through the new primary, nothing is left behind;
+  - kill -9 of the Redis replica, or of the Sentinel every service asks first, under the same load: nothing
+    visible (no failover, no request fails, a client opened meanwhile finds the primary); the node rejoins;
   - `pdserve up --ha` restarts a killed NATS node, which rejoins the cluster, and a killed Redis primary, which
     comes back as the new primary's replica.
 
@@ -30,21 +32,26 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import httpx
 import nats
 import pytest
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from services.local.children import descendants, running
 from services.local.infra import free_port
+from services.local.replicated import RedisSentinels
 from services.local.stack import Stack, StackSpec
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.messages import CANCELS_STREAM, JOBS_STREAM, FinishedEvent, QueuedEvent, TokensEvent
 from shared.model.tokenizer import Tokenizer
-from tests.chaos import EventWatch, Load, Outcome, settled, stream_completion, tally
+from shared.redis_client import redis_client
+from shared.settings import GatewaySettings, from_env
+from tests.chaos import EventWatch, Load, Outcome, percentile, settled, stream_completion, tally
 from tests.e2e_support import scraped_total, start_stack
 
 pytestmark = pytest.mark.slow  # an 8-server control plane and a stack, nodes killed: minutes on 2 cores
@@ -89,12 +96,6 @@ def ha_stack(model_dir):
 
 def prompts(n: int) -> list[str]:
     return [PROMPTS[i % len(PROMPTS)] for i in range(n)]
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The nearest-rank q-th percentile (0-100)."""
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
 def report(what: str, **numbers: object) -> None:
@@ -286,6 +287,92 @@ def test_a_nats_node_killed_under_streaming_load(ha_stack, reference, victim):
         assert not failures + new_failures, failures + new_failures
     finally:
         watch.close()
+
+
+def wait_watched(plane: RedisSentinels, timeout_s: float = 60.0) -> float:
+    """Until every Sentinel answers and sees the replica up and in sync, and the other Sentinels up (a failover needs
+    them all); seconds it took."""
+    start = time.monotonic()
+    while True:
+        views = []
+        for sentinel in plane.sentinels:
+            with (
+                contextlib.suppress(RedisError),  # not up yet: refused, or no answer
+                Redis(sentinel.host, sentinel.port, password=plane.password, socket_timeout=1) as c,
+            ):
+                replicas: Any = c.sentinel_slaves(plane.master)  # redis-py parses each into a dict
+                others: Any = c.sentinel_sentinels(plane.master)
+                views.append(
+                    len(replicas) == len(plane.nodes) - 1
+                    and all(not r["is_sdown"] and r.get("master-link-status") == "ok" for r in replicas)
+                    and len(others) == len(plane.sentinels) - 1
+                    and all(not o["is_sdown"] for o in others)
+                )
+        if len(views) == len(plane.sentinels) and all(views):
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"the Sentinels do not all see the replica and each other up after {timeout_s:g} s")
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("victim", ["redis-replica", "sentinel"])
+def test_the_redis_replica_or_a_sentinel_killed_under_streaming_load(ha_stack, reference, victim):
+    """kill -9 of the Redis replica, or of the Sentinel every service asks first, while N streams run and N more
+    requests arrive (their hand-offs written while it is down): nothing visible. The primary serves, 2 Sentinels
+    still make a quorum, no failover happens; a Redis client opened now (as a starting service's) finds the
+    primary through the Sentinels left. Started again, the node rejoins: the replica resyncs, the Sentinel sees the
+    others."""
+    stack = ha_stack
+    plane = stack.redis_sentinels
+    assert plane is not None
+    primary = plane.primary()
+    assert primary is not None
+    server = next(n for n in plane.nodes if n is not primary) if victim == "redis-replica" else plane.sentinels[0]
+    assert server.proc is not None
+    watch = EventWatch(stack.nats_url)
+    try:
+        load = Load(stack.url, prompts(N), MAX_TOKENS)
+        load.progress.wait(lambda p: min(p.counts) >= 8)
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait(10)
+        newcomers = Load(stack.url, prompts(N), 24)  # hand-offs through Redis while the node is down
+        outcomes, arrived = load.results(), newcomers.results()
+        settings = from_env(GatewaySettings, stack.service_env())
+
+        async def probe() -> bytes | str | None:  # what a service opening its Redis client now would get
+            client = redis_client(settings, socket_timeout=2.0, socket_connect_timeout=1.0)
+            try:
+                await client.set("probe:node-loss", victim, ex=60)
+                return await client.get("probe:node-loss")
+            finally:
+                await client.delete("probe:node-loss")
+                await client.aclose()
+
+        assert asyncio.run(probe()) == victim.encode()
+        assert plane.primary() is primary  # no failover
+        server.restart()  # as `pdserve up` does (a replica comes back following the Sentinels' primary)
+        rejoined_s = wait_watched(plane)
+    finally:
+        watch.close()
+    counts, failures = check_streams(outcomes, reference, f"{victim} killed")
+    new_counts, new_failures = check_streams(arrived, reference, f"arrivals after {victim} killed")
+    stalls = [o.longest_gap_s for o in outcomes if o.verdict == "completed"]  # each was open at the kill
+    report(
+        f"{victim} killed",
+        node=server.name,
+        streams=counts,
+        new_requests=new_counts,
+        stall_p50_s=round(percentile(stalls, 50), 3) if stalls else None,
+        stall_p99_s=round(percentile(stalls, 99), 3) if stalls else None,
+        wire_duplicates=wire_duplicates(watch),
+        rejoined_s=round(rejoined_s, 2),
+    )
+    assert not failures + new_failures, failures + new_failures
+    assert counts["completed"] == counts["sent"] == N and new_counts["completed"] == new_counts["sent"] == N
+    settled(stack)  # nothing held or left behind: every KV block free, no pd:* key
+    if victim == "redis-replica":
+        with Redis.from_url(stack.redis_url) as client:
+            assert client.info("replication")["connected_slaves"] == 1
 
 
 def test_the_redis_primary_killed_at_a_hand_off(ha_stack, reference):
