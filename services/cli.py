@@ -235,6 +235,12 @@ def _add_service_commands(sub) -> None:
         _add_service_flags(w, WorkerSettings, skip=("role",))  # the subcommand is the role
         w.set_defaults(func=_worker, role=role)
 
+    from services.planner import main as planner
+
+    pl = sub.add_parser("planner", help="the SLO planner: switches workers' roles and publishes wanted counts")
+    planner.add_arguments(pl)
+    pl.set_defaults(func=planner.run)
+
     up = sub.add_parser("up", help="start NATS, Redis, the gateway and workers locally")
     up.add_argument("--model", help="checkpoint directory (default: the tiny demo model, written if missing)")
     up.add_argument("--port", type=int, default=8000)
@@ -289,6 +295,20 @@ def _add_service_commands(sub) -> None:
         up.add_argument(
             f"--kv-tls-{part}", metavar="FILE", help=f"--kv-tls with your own files: the {what} (all three)"
         )
+    up.add_argument(
+        "--planner",
+        action="store_true",
+        help="run the SLO planner beside the gateway: it switches workers between prefill and decode to keep the "
+        "TTFT and TPOT SLOs and publishes the counts it wants (docs/planning.md)",
+    )
+    up.add_argument("--planner-port", type=int, default=0, help="the planner's /plan and /metrics (default: any free)")
+    up.add_argument(
+        "--planner-args",
+        default="",
+        metavar="FLAGS",
+        help="extra flags for the planner, as one shell-quoted string after an = (e.g. --planner-args='--ttft-slo-ms "
+        "1000 --interval-s 2'); `pdserve planner --help` lists them",
+    )
     up.add_argument("--trace-file", help="every service appends its spans here (read with `pdserve trace`)")
     up.add_argument("--drain-timeout-s", type=float, help="on SIGTERM / Ctrl-C: how long services drain (default 60)")
     up.add_argument("--log-dir", help="each service's output in <dir>/<service>.log (default: this terminal)")
@@ -410,10 +430,14 @@ def _up(args: argparse.Namespace) -> int:
         trace_file=args.trace_file,
         env=drain_env,
         kv_tls=kv_tls,
+        planner=args.planner,
+        planner_port=args.planner_port,
+        planner_args=tuple(shlex.split(args.planner_args)),
         ha=args.ha,
     )
     # what every service would refuse is said now, before anything starts (a refusal later stops the stack too)
-    preflight(spec, _worker_settings, [(args.supervisor_metrics_port, "--supervisor-metrics-port")])
+    ports = [(args.supervisor_metrics_port, "--supervisor-metrics-port"), (args.planner_port, "--planner-port")]
+    preflight(spec, _worker_settings, ports, parse_planner=_planner_settings)
     drain_s = from_env(CommonSettings, drain_timeout_s=args.drain_timeout_s).drain_timeout_s
     stack = Stack(spec, log_dir=args.log_dir, quiet=args.log_dir is not None)
     supervisor = Supervisor(stack, drain_s, metrics_port=args.supervisor_metrics_port, on_ready=_print_ready(args))
@@ -445,6 +469,19 @@ def _worker_settings(role: str, flags, environ):
         raise ValueError(f"the {role} workers' settings: {exc}") from exc
 
 
+def _planner_settings(flags, environ):
+    """The planner's settings from `flags` and `environ`, as `pdserve planner` would build them (`up`'s preflight)."""
+    from services.planner.main import add_arguments
+    from shared.settings import PlannerSettings, from_args
+
+    parser = _RefusingParser(prog="pdserve planner", add_help=False)
+    add_arguments(parser)
+    try:
+        return from_args(PlannerSettings, parser.parse_args(list(flags)), environ)
+    except ValueError as exc:
+        raise ValueError(f"the planner's settings (--planner-args): {exc}") from exc
+
+
 def _kv_tls(args: argparse.Namespace) -> bool | KvTlsFiles:
     """What `up` does about KV transfer TLS: the user's three files, True (generate; openssl is checked now, so
     its absence is an error before anything starts), or False."""
@@ -470,6 +507,8 @@ def _print_ready(args: argparse.Namespace):
         print(f'    -d \'{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello"}}]}}\'')
         print(f"  metrics: {stack.url}/metrics (gateway), " + ", ".join(stack.metrics_urls()))
         print(f"  supervisor: {supervisor.metrics_url} (pdserve:supervisor_restarts_total per service)")
+        if stack.planner_port is not None:
+            print(f"  planner: http://{stack.spec.host}:{stack.planner_port}/plan (decisions), /metrics")
         print(f"  rolling restart of the workers: kill -HUP {os.getpid()}")
         if "PDSERVE_ADMIN_KEYS" in os.environ | stack.spec.env:  # the admin API is on (docs/api.md, "Admin API")
             print(f"  workers and their roles: {stack.url}/admin/workers (Authorization: Bearer <admin key>)")

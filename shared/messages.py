@@ -17,6 +17,8 @@ Subjects:
     pd.kv.blocks.<model>.<worker>     core NATS: the prefix-cache blocks a worker stored / removed (KvBlockUpdate)
     pd.kv.snapshot.<model>            core NATS request: every worker named answers, to the reply subject, with
                                       its whole list of held blocks (KvBlockSnapshot parts)
+    pd.stats.requests.<model>         core NATS: each request's arrival and end as a gateway saw them
+                                      (RequestStat), what the SLO planner forecasts from (services/planner)
     pd.control.<worker>               core NATS request/reply: a signed order to one worker (RoleControl: switch
                                       role), answered with a RoleSwitchReply once done (shared/role_control/)
     pd.resend.<model>                 core NATS: a gateway asks every worker of the model for token events it
@@ -103,6 +105,7 @@ ROUTED_PREFILL_JOBS = Subject("pd.jobs.prefill.{model}.{worker}")
 ROUTED_DECODE_JOBS = Subject("pd.jobs.decode.{model}.{worker}")
 KV_BLOCKS = Subject("pd.kv.blocks.{model}.{worker}")
 KV_SNAPSHOT_REQUESTS = Subject("pd.kv.snapshot.{model}")
+REQUEST_STATS = Subject("pd.stats.requests.{model}")
 CONTROL = Subject("pd.control.{worker}")
 RESEND_REQUESTS = Subject("pd.resend.{model}")
 
@@ -163,6 +166,10 @@ def token_wildcard(gateway_id: str) -> str:
 
 def cancel_subject(request_id: str) -> str:
     return CANCELS.make(request=request_id)
+
+
+def request_stats_subject(model: str) -> str:
+    return REQUEST_STATS.make(model=model)
 
 
 def heartbeat_subject(role: str, worker_id: str) -> str:
@@ -559,6 +566,40 @@ class KvBlockSnapshot(_KvBlockMessage, frozen=True, tag="snapshot", kw_only=True
 
 
 KvBlockUpdate = KvBlockEvents | KvBlockSnapshot
+
+
+# Request statistics (pd.stats.requests.<model>): what the SLO planner (services/planner) forecasts load and lengths
+# from. Fire and forget, as a metric: a lost one is a missing sample, never a lost request.
+class _RequestStatBase(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True):
+    gateway_id: str
+    request_id: str
+    prompt_tokens: _Count
+    at: float  # time.time() when it happened, at the gateway
+
+
+class RequestArrived(_RequestStatBase, frozen=True, tag="arrived"):
+    """A valid request was dispatched: its prompt's length and the most it may generate (its output length is
+    known only at its end)."""
+
+    max_tokens: _Count
+
+
+class RequestEnded(_RequestStatBase, frozen=True, tag="ended"):
+    """A request's last token reached its client (or it failed): what it cost and how it was served. ttft_s and
+    tpot_s are None when it had no first token (tpot_s also with a single token)."""
+
+    output_tokens: _Count
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    finish_reason: str = ""
+
+
+RequestStat = RequestArrived | RequestEnded
+_request_stat_decoder = msgspec.json.Decoder(RequestStat)
+
+
+def decode_request_stat_or_drop(data: bytes, subject: str) -> RequestStat | None:
+    return _or_drop(lambda: _guarded(lambda: _request_stat_decoder.decode(data)), "RequestStat", subject)
 
 
 class KvSnapshotRequest(msgspec.Struct, frozen=True):

@@ -25,6 +25,7 @@ __all__ = [
     "KvTransferSettings",
     "PrefillPath",
     "PrefillPathSettings",
+    "PlannerSettings",
     "WorkerRole",
     "WorkerSettings",
     "from_args",
@@ -230,6 +231,59 @@ class GatewaySettings(CommonSettings):
             raise ValueError(f"expert_affinity_top_k must be in 1-256, got {self.expert_affinity_top_k}")
         if self.cluster_secret is not None and len(self.cluster_secret.encode()) < 16:
             raise ValueError("cluster_secret must be at least 16 bytes (the workers' own)")
+
+
+@dataclass(frozen=True)
+class PlannerSettings(CommonSettings):
+    """The SLO planner (`pdserve planner`, services/planner; docs/planning.md)."""
+
+    model: str = DEFAULT_MODEL
+    """Checkpoint (or its served name's directory) whose workers it plans: the served model name is taken from it,
+    as the gateway's is."""
+    host: str = "127.0.0.1"
+    """Where its JSON (/plan) and Prometheus (/metrics) endpoint listens."""
+    port: int = 8090
+    """... and its port (0: any free port)."""
+    ttft_slo_ms: float = 2500.0
+    """The TTFT SLO it keeps the p90 under (the gateway's prefill path uses the same default)."""
+    tpot_slo_ms: float = 100.0
+    """The TPOT SLO it keeps the requests' TPOT under."""
+    interval_s: float = 5.0
+    """How often it decides."""
+    confirm_intervals: int = 2
+    """Intervals in a row the same better split must be seen before a worker is switched (hysteresis)."""
+    cooldown_s: float = 30.0
+    """The least time between two switches."""
+    margin: float = 0.2
+    """A better split must score this share below the current one (or rescue a missed SLO) to be acted on."""
+    switch_roles: bool = True
+    """Switch workers' roles; off: only forecast and publish the wanted counts (an autoscaler acts on them)."""
+    worker_ttl_s: float = 5.0
+    """A worker not heard from for this long is gone."""
+    cluster_secret: str | None = field(default=None, repr=False)
+    """The secret the cluster's control calls are signed with (role switches); required to switch roles."""
+
+    @property
+    def served_model_name(self) -> str:
+        return self._served_name(self.model)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be 0-65535, got {self.port}")
+        for name in ("ttft_slo_ms", "tpot_slo_ms", "interval_s", "worker_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.confirm_intervals < 1:
+            raise ValueError("confirm_intervals must be >= 1")
+        if self.cooldown_s < 0:
+            raise ValueError("cooldown_s must not be negative")
+        if not 0 <= self.margin < 1:
+            raise ValueError(f"margin must be in [0, 1), got {self.margin}")
+        if self.switch_roles and self.cluster_secret is None:
+            raise ValueError(
+                "the planner switches roles with the cluster's control calls: set cluster_secret "
+                "(PDSERVE_CLUSTER_SECRET or PDSERVE_CLUSTER_SECRET_FILE), or --no-switch-roles to only publish counts"
+            )
 
 
 class WorkerRole(StrEnum):

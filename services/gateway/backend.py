@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 import msgspec
 
 from shared.choices import choice_request_id, choice_seed
-from shared.messages import Logprob, Sampling
+from shared.messages import Logprob, RequestStat, Sampling
 
 
 class BackendUnavailable(Exception):
@@ -111,6 +111,16 @@ class GroupBackend(Protocol):
     async def open_group(self, job: GenerationJob) -> list[RequestStream]:
         """One stream per choice (`choice_requests`), every one registered before the one dispatch. Raises as open."""
         ...
+
+
+@runtime_checkable
+class RequestStatsSink(Protocol):
+    """A backend that passes each request's arrival and end on (NatsBackend: to pd.stats.requests.<model>, what
+    the SLO planner forecasts from). Never blocks and never raises: a statistic is not worth a request."""
+
+    gateway_id: str
+
+    def record_stat(self, stat: RequestStat) -> None: ...
 
 
 def choice_requests(job: GenerationJob) -> list[GenerationJob]:

@@ -46,6 +46,7 @@ from shared.messages import (
     Cancel,
     Heartbeat,
     PrefillJob,
+    RequestStat,
     Role,
     Sibling,
     cancel_subject,
@@ -53,6 +54,7 @@ from shared.messages import (
     decode_or_drop,
     encode,
     prefill_subject,
+    request_stats_subject,
     token_subject,
     token_wildcard,
 )
@@ -96,6 +98,8 @@ class NatsBackend:
         self.resend = ResendAsks(settings.served_model_name, self._streams.values)
         self._asking: asyncio.Task[None] | None = None
         self._cancelling: set[asyncio.Task[None]] = set()  # cancels being published (held: the loop keeps weak refs)
+        self._stats_out: set[asyncio.Task[None]] = set()  # request statistics being handed to the client
+        self.gateway_id = settings.gateway_id
 
     async def start(self) -> None:
         """Connect in the background: until then, readiness says why not and dispatch answers 503."""
@@ -363,6 +367,21 @@ class NatsBackend:
                 log.warning("could not publish the cancel of %s: %s", request_id, problem)
                 return
             await asyncio.sleep(CANCEL_RETRY_S)
+
+    def record_stat(self, stat: RequestStat) -> None:
+        """Publish one request statistic (core NATS, fire and forget: while NATS is away it is not sent)."""
+        nc = self._connected()
+        if nc is None:
+            return
+        subject = request_stats_subject(self.settings.served_model_name)
+        task = asyncio.get_running_loop().create_task(nc.publish(subject, encode(stat)))
+        self._stats_out.add(task)
+        task.add_done_callback(self._stats_sent)
+
+    def _stats_sent(self, task: asyncio.Task[None]) -> None:
+        self._stats_out.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("a request statistic was not sent: %s", task.exception())
 
     def forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -6,7 +6,7 @@ restarted until the supervisor gives up.
     uses); the weights are left to the workers (a worker that cannot load them refuses: exit status 2, which the
     supervisor does not restart either);
   - the settings: the gateway's from PDSERVE_* variables, and each role's from them and its flags (worker_args,
-    --<role>-args), parsed and validated as the services will;
+    --<role>-args), parsed and validated as the services will; the planner's (--planner-args) with --planner;
   - the ports `pdserve up` binds itself or names: the gateway's, the supervisor's /metrics (when not 0).
 
 Each failure is a ValueError (or the loader's FileNotFoundError / PermissionError) whose message is the one line
@@ -28,9 +28,15 @@ from shared.settings import GatewaySettings, from_env
 WorkerSettingsParser = Callable[[str, Sequence[str], Mapping[str, str]], object]
 
 
-def preflight(spec: StackSpec, parse_worker: WorkerSettingsParser, ports: Sequence[tuple[int, str]] = ()) -> None:
+def preflight(
+    spec: StackSpec,
+    parse_worker: WorkerSettingsParser,
+    ports: Sequence[tuple[int, str]] = (),
+    parse_planner: Callable[[Sequence[str], Mapping[str, str]], object] | None = None,
+) -> None:
     """Raise (see the module docstring) unless the stack's configuration passes what can be checked now. `ports`:
-    (port, the flag that chose it) on spec.host, beside the gateway's (spec.port); a 0 is skipped."""
+    (port, the flag that chose it) on spec.host, beside the gateway's (spec.port); a 0 is skipped. parse_planner:
+    the planner's flags and environment → its settings (with spec.planner)."""
     check_checkpoint(spec.model)
     environ = dict(os.environ) | spec.env  # what every service's environment starts from (Stack.service_env)
     if "PDSERVE_CLUSTER_SECRET_FILE" not in environ:  # the stack makes one unless the user names theirs
@@ -41,6 +47,8 @@ def preflight(spec: StackSpec, parse_worker: WorkerSettingsParser, ports: Sequen
         raise ValueError(f"the gateway's settings: {exc}") from exc
     for role in dict.fromkeys(spec.roles()):
         parse_worker(role, ["--model", spec.model, *spec.worker_flags_of(role)], environ)
+    if spec.planner and parse_planner is not None:
+        parse_planner(["--model", spec.model, *spec.planner_args], environ)
     for port, flag in [(spec.port, "--port"), *ports]:
         if port:
             check_port_free(spec.host, port, flag)

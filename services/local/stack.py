@@ -80,6 +80,11 @@ class StackSpec:
     # generated at launch in <log dir>/kv-tls (kv_certs.generate); files = the user's own; False = the
     # workers' own settings apply (PDSERVE_KV_TLS_* inherited, if any).
     kv_tls: bool | KvTlsFiles = False
+    # The SLO planner (services/planner) beside the gateway: it switches the workers' roles to keep the SLOs and
+    # serves /plan and /metrics on planner_port (0: a free one); planner_args are its extra flags.
+    planner: bool = False
+    planner_port: int = 0
+    planner_args: tuple[str, ...] = ()
     # Each service on a host of its own (services/local/hosts.py): the address it binds and is reached at, the
     # prefix that starts it there, its ports. None: all on this machine (infra on 127.0.0.1, the rest on host).
     # Only with private servers: one given by URL is wherever that URL says.
@@ -205,6 +210,7 @@ class Stack:
         # The private servers' settings, for every service (see service_env).
         self._infra_env: dict[str, str] = {}
         self.metrics_ports: dict[str, int] = {}  # worker name → its /metrics port
+        self.planner_port: int | None = None  # the planner's /plan and /metrics, with spec.planner
         self._spawned: dict[str, tuple[list[str], dict[str, str] | None]] = {}  # name → spawn()'s arguments
         # Signs KV pull tickets between this stack's workers; one given in the environment wins.
         self.cluster_secret = secrets.token_urlsafe(32)
@@ -269,6 +275,10 @@ class Stack:
                 self.spawn(name, args, env=self.worker_env())
             self.spawn("gateway", ["gateway", "--port", str(self.spec.port), "--host", self.address("gateway"),
                                    *self._common_flags(), *self.spec.gateway_args])  # fmt: skip
+            if spec.planner:
+                self.planner_port = spec.planner_port or free_port(spec.host)
+                self.spawn("planner", ["planner", "--port", str(self.planner_port), "--host", spec.host,
+                                       *self._common_flags(), *spec.planner_args])  # fmt: skip
         except BaseException:
             self.stop()
             raise

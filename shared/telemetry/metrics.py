@@ -20,6 +20,8 @@ Who records what:
                  role_switch_seconds, role_switch_handed_on
     transfers    kv_transfer_seconds / bytes / failures: decode side (pull) and prefill side (send); kv_pulls by
                  `transport` (same-host shared memory or over the pair's network connection)
+    planner      planner_desired_workers (label `role`: the worker role wanted), planner_forecast_requests_per_second,
+                 planner_decisions by action
 
 Summed over the workers of a P/D stack, generation tokens equal the gateway's: a worker counts the tokens it
 emits (the prefill worker each request's first token, the decode worker the rest, or all of them for a request
@@ -242,6 +244,24 @@ EPLB_WINDOW_IMBALANCE = Gauge(
     LABELS,
 )
 
+# the SLO planner (services/planner): here `role` is the worker role it plans for, not the recording service's
+PLANNER_DESIRED_WORKERS = Gauge(
+    f"{PREFIX}planner_desired_workers",
+    "The SLO planner: the workers of this role it wants (the fewest that keep the role's SLO with headroom, under "
+    "the forecast load): what an autoscaler scales the role's replicas to.",
+    LABELS,
+)
+PLANNER_FORECAST_RATE = Gauge(
+    f"{PREFIX}planner_forecast_requests_per_second",
+    "The SLO planner: the request rate it forecasts for the next interval.",
+    ("model_name",),
+)
+PLANNER_DECISIONS = Counter(
+    f"{PREFIX}planner_decisions",
+    "The SLO planner's decisions by action: hold | switch (a worker told to change role) | failed (the switch was "
+    "refused or did not complete).",
+    ("model_name", "action"),
+)
 # role switching (shared/worker/host.py, docs/architecture.md "Role switching")
 WORKER_ROLE = Gauge(
     f"{PREFIX}worker_role", "1 for the role this worker serves now, 0 for the others (it may switch).", LABELS
