@@ -152,7 +152,7 @@ class Worker(Generic[Job]):
         self._cancels_from: int | None = None  # the cancel stream's sequence to read from (a successor's start)
         # every token event sent, kept while the request is in hand and a while after: sent again when a gateway
         # lacks some or NATS reconnects (resend.py). The process's: a successor role resends what this one sent.
-        self.sent = SentEvents(self._in_hand)
+        self.sent = SentEvents(self._holds_attempt)
         self.resender = Resender(self.sent, self.model_name, self.outbox.emit, self.labels)
         self._integrity: str | None = None  # the engine's last integrity verdict (refreshed off the beat)
         # a decode (or mixed) worker's recent hot experts, in its heartbeat for expert-affinity routing (MoE models)
@@ -165,7 +165,7 @@ class Worker(Generic[Job]):
             self._take_over(succeeds)
         self.ledger: JobLedger[Job] = JobLedger(self.cancels)  # the cancels remembered (a predecessor's too)
 
-    def _in_hand(self, key: str) -> bool:
+    def _holds_attempt(self, key: str) -> bool:
         return self.ledger.get(key) is not None
 
     def _take_over(self, old: Worker) -> None:
@@ -176,7 +176,7 @@ class Worker(Generic[Job]):
             self._probes.worker = self
         self.cancels, self._cancels_from = old.cancels, old._cancels_from
         self.sent, self.resender = old.sent, old.resender
-        self.sent.in_hand = self._in_hand  # in hand: in this role's ledger (what the old one held was handed on)
+        self.sent.in_hand = self._holds_attempt  # in hand: in this role's ledger (what the old one held was handed on)
         self.resender.emit_with(self.outbox.emit)  # resent events leave through this role's publisher
         self.step_costs, self.pull_costs = old.step_costs, old.pull_costs
 
