@@ -1,5 +1,5 @@
-"""`pdserve` command line: the services (up, gateway, prefill, decode, mixed), demo checkpoints, and
-single-process generation."""
+"""`pdserve` command line: the services (up, gateway, prefill, decode, mixed), demo checkpoints,
+single-process generation, and deployment planning (profile, plan)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from services.bench.cli import add_bench_command
 from services.experts_cli import add_experts_command
+from services.planning.cli import add_planning_commands
 from services.trace.timeline import add_trace_command
 from shared.model.config import ARCHITECTURES
 from shared.telemetry.lifecycle import EXIT_REFUSED  # argparse's own status: a bad flag exits with it too
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     add_trace_command(sub)
     add_bench_command(sub)
     add_experts_command(sub)
+    add_planning_commands(sub)
     args = parser.parse_args(argv)  # a bad flag: argparse exits EXIT_REFUSED
     try:
         return args.func(args)
