@@ -1,17 +1,31 @@
-"""An emulated link between two machines on one host: two network namespaces joined by a veth pair, its rate
-capped by a token-bucket qdisc (`tc ... tbf`) on both ends.
+"""Emulated networks on one machine, made of network namespaces (root and iproute2 needed):
+
+- `VethLink`, a link between two machines: two namespaces joined by a veth pair, its rate capped by a
+  token-bucket qdisc (`tc ... tbf`) on both ends (benchmarks/kv_link_bench.py);
 
     with VethLink.create() as link:          # pdbench-<pid>-p and pdbench-<pid>-d, 10.213.0.1 ↔ 10.213.0.2
         link.cap(10)                          # 10 Gb/s each way; link.cap(None): uncapped
         subprocess.run([*link.exec_in("p"), "python", ...])
 
-Only the rate is emulated: `tbf` works here, `netem` (added delay, loss) does not, so the link has loopback-like
+- `HostNetwork`, a LAN of hosts: one namespace per host, each with its own `eth0` cabled (a veth pair) to a
+  bridge in a namespace of its own (the switch), and this machine plugged in too as a client of the network;
+  a cable can be capped (`cap`) or cut and mended (`cut`, `mend`: its switch port down/up, the host sees its
+  carrier go). A host's commands (`exec_in`) also get a hostname and a /dev/shm of their own, so that nothing
+  of one host's looks shared with another's (shared/kv/transfer/shm.py's host identity differs, as it does
+  between machines). `placement` spreads a local stack's services over the hosts (services/local/hosts.py):
+  tests/e2e/test_across_hosts.py.
+
+    with HostNetwork.create(["infra", "prefill", "decode0"]) as net:   # 10.77.0.1, .2, .3; this machine .254
+        subprocess.run([*net.exec_in("prefill"), "python", ...])
+
+Only the rate is emulated: `tbf` works here, `netem` (added delay, loss) does not, so links have loopback-like
 latency. Needs root and iproute2 (`ip`, `tc`); `unavailable()` says why not, for a caller to skip with a message.
 
-Nothing stays behind: the veth pair is created inside the two namespaces (never in the host's), so deleting
-them removes everything; `close()` runs on exit from the `with` block, and `terminate_on_signals()` turns
-SIGTERM/SIGHUP into SystemExit so that exit happens on those too (SIGINT already raises KeyboardInterrupt).
-A SIGKILL leaves the namespaces, named after the dead pid: `sweep_stale()`, run by `create()`, removes them.
+Nothing stays behind: every device lives in a namespace of ours (but this machine's end of its cable into a
+HostNetwork, whose other end is in the switch's), so deleting the namespaces removes everything; `close()` runs
+on exit from the `with` block, and `terminate_on_signals()` turns SIGTERM/SIGHUP into SystemExit so that exit
+happens on those too (SIGINT already raises KeyboardInterrupt). A SIGKILL leaves the namespaces, named after
+the dead pid: `sweep_stale()`, run by each `create()`, removes them.
 """
 
 from __future__ import annotations
@@ -22,11 +36,11 @@ import re
 import shutil
 import signal
 import subprocess
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 PREFIX = "pdbench-"
-_OURS = re.compile(rf"^{PREFIX}(\d+)-[pd]$")
+_OURS = re.compile(rf"^{PREFIX}(\d+)-[a-z0-9]+$")  # <prefix><creator's pid>-<side or host>
 SUBNET = "10.213.0"  # a /30 inside each pair of namespaces; namespaces do not share routes, so pairs never clash
 ADDRESS = {"p": f"{SUBNET}.1", "d": f"{SUBNET}.2"}
 TBF_LATENCY = "20ms"  # queue bound of the bucket: packets that would wait longer are dropped (TCP backs off)
@@ -40,6 +54,13 @@ def unavailable() -> str | None:
     if missing:
         return f"{' and '.join(missing)} not found (iproute2)"
     return None
+
+
+def hosts_unavailable() -> str | None:
+    """Why a HostNetwork cannot be built here (None: it can): unavailable()'s reasons, or no `unshare`."""
+    if reason := unavailable():
+        return reason
+    return None if shutil.which("unshare") else "unshare not found (util-linux)"
 
 
 def _run(*argv: str) -> None:
@@ -126,13 +147,7 @@ class VethLink:
     def cap(self, gbit: float | None) -> None:
         """Cap both directions at `gbit` Gb/s (token bucket); None removes the caps."""
         for side in "pd":
-            ns, dev = self.netns(side), self.device(side)
-            if gbit is None:
-                with contextlib.suppress(RuntimeError):  # no qdisc of ours there: nothing to remove
-                    _run("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root")
-                continue
-            _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-                 "rate", f"{gbit}gbit", "burst", str(tbf_burst_bytes(gbit)), "latency", TBF_LATENCY)  # fmt: skip
+            _cap_device(self.netns(side), self.device(side), gbit)
 
     def close(self) -> None:
         """Delete both namespaces (their veth ends go with them). Idempotent."""
@@ -147,6 +162,175 @@ class VethLink:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _cap_device(ns: str, dev: str, gbit: float | None) -> None:
+    """Cap what `dev` (in namespace `ns`) sends at `gbit` Gb/s (token bucket); None removes the cap."""
+    if gbit is None:
+        with contextlib.suppress(RuntimeError):  # no qdisc of ours there: nothing to remove
+            _run("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root")
+        return
+    _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+         "rate", f"{gbit}gbit", "burst", str(tbf_burst_bytes(gbit)), "latency", TBF_LATENCY)  # fmt: skip
+
+
+HOST_NAME = re.compile(r"^[a-z][a-z0-9]{0,9}$")  # a namespace suffix, a switch port's name and a hostname at once
+SWITCH = "switch"  # the namespace of the bridge (never a host's name)
+CLIENT_OCTET = 254  # this machine's address on a HostNetwork: <subnet>.254
+# A host's commands run with a hostname and a /dev/shm of their own (fresh UTS and mount namespaces; `ip netns
+# exec` shares neither): $0 is the hostname, the command follows. Each `exec`: the pid stays the command's.
+_OWN_HOST = 'hostname "$0" && mount -t tmpfs -o mode=1777 tmpfs /dev/shm && exec "$@"'
+
+
+def free_subnet() -> str:
+    """The first 10.77.<n> (/24) that no route of this machine's already covers: ours becomes reachable from
+    here without hiding anything this machine reaches now."""
+    for n in range(256):
+        subnet = f"10.77.{n}"
+        route = subprocess.run(["ip", "-4", "route", "get", f"{subnet}.1"], capture_output=True, text=True)
+        if route.returncode != 0 or " via " in route.stdout:  # unreachable, or only by the default route
+            return subnet
+    raise RuntimeError("no free 10.77.<n>.0/24 subnet on this machine")
+
+
+@dataclass
+class HostNetwork:
+    """Hosts on one LAN (see the module docstring): namespace `<prefix><pid>-<host>` each, with `eth0` at
+    <subnet>.<i> (i = 1, 2, ... in the order given); the bridge `br0` in `<prefix><pid>-switch`, a port per host
+    named as the host; this machine's end of its cable `pdh<pid>` at <subnet>.254."""
+
+    tag: str  # the creator's pid, in every name
+    subnet: str  # the first three octets
+    hosts: tuple[str, ...]
+
+    @classmethod
+    def create(cls, hosts: Sequence[str]) -> HostNetwork:
+        """Sweep stale namespaces, then build the network (a failure midway removes what was made)."""
+        if bad := [h for h in hosts if not HOST_NAME.match(h) or h == SWITCH]:
+            raise ValueError(f"host names must match {HOST_NAME.pattern} (not {SWITCH!r}): {bad}")
+        if len(set(hosts)) != len(hosts) or not 0 < len(hosts) < CLIENT_OCTET:
+            raise ValueError(f"1 to {CLIENT_OCTET - 1} distinct hosts, got {list(hosts)}")
+        sweep_stale()
+        net = cls(str(os.getpid()), free_subnet(), tuple(hosts))
+        try:
+            switch = net.netns(SWITCH)
+            _run("ip", "netns", "add", switch)
+            _run("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
+            _run("ip", "-n", switch, "link", "set", "br0", "up")
+            for host in hosts:
+                ns = net.netns(host)
+                _run("ip", "netns", "add", ns)
+                _run("ip", "-n", switch, "link", "add", "name", host, "type", "veth",
+                     "peer", "name", "eth0", "netns", ns)  # fmt: skip
+                net._plug(host)
+                _run("ip", "-n", ns, "addr", "add", f"{net.address(host)}/24", "dev", "eth0")
+                _run("ip", "-n", ns, "link", "set", "eth0", "up")
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "link", "add", "name", net.client_device, "type", "veth",
+                 "peer", "name", "client", "netns", switch)  # fmt: skip
+            net._plug("client")
+            _run("ip", "addr", "add", f"{net.client_address}/24", "dev", net.client_device)
+            _run("ip", "link", "set", net.client_device, "up")
+        except BaseException:
+            net.close()
+            raise
+        return net
+
+    def _plug(self, port: str) -> None:
+        switch = self.netns(SWITCH)
+        _run("ip", "-n", switch, "link", "set", "dev", port, "master", "br0")
+        _run("ip", "-n", switch, "link", "set", "dev", port, "up")
+
+    def netns(self, host: str) -> str:
+        return f"{PREFIX}{self.tag}-{host}"
+
+    def address(self, host: str) -> str:
+        return f"{self.subnet}.{self.hosts.index(host) + 1}"
+
+    @property
+    def client_address(self) -> str:
+        """This machine's address on the network."""
+        return f"{self.subnet}.{CLIENT_OCTET}"
+
+    @property
+    def client_device(self) -> str:
+        return f"pdh{self.tag}"  # at most 3 + 7 characters: within IFNAMSIZ (15)
+
+    def exec_in(self, host: str) -> list[str]:
+        """The argv prefix that runs a command on `host`: in its namespace, with its own hostname and /dev/shm."""
+        return ["ip", "netns", "exec", self.netns(host), "unshare", "--uts", "--mount", "sh", "-c", _OWN_HOST, host]
+
+    def cap(self, host: str, gbit: float | None) -> None:
+        """Cap `host`'s cable at `gbit` Gb/s each way (its eth0 and its switch port); None removes the caps."""
+        _cap_device(self.netns(host), "eth0", gbit)
+        _cap_device(self.netns(SWITCH), host, gbit)
+
+    def cut(self, host: str) -> None:
+        """Pull `host`'s cable at the switch: its packets go nowhere (its eth0 loses carrier, its addresses
+        stay), as when a link between machines fails; no connection is closed, they time out."""
+        _run("ip", "-n", self.netns(SWITCH), "link", "set", "dev", host, "down")
+
+    def mend(self, host: str) -> None:
+        """Plug `host`'s cable back in."""
+        _run("ip", "-n", self.netns(SWITCH), "link", "set", "dev", host, "up")
+
+    def placement(self, where: dict[str, str]) -> HostPlacement:
+        """A local stack's services on these hosts: `where` maps each service ("nats", "redis", "gateway",
+        "prefill-0", ...) to its host (services/local/hosts.py)."""
+        if unknown := {h for h in where.values() if h not in self.hosts}:
+            raise ValueError(f"no such hosts on this network: {sorted(unknown)}")
+        return HostPlacement(self, dict(where))
+
+    def close(self) -> None:
+        """Delete this machine's cable end and every namespace (the devices in them go along). Idempotent."""
+        with contextlib.suppress(RuntimeError):  # gone already, or never made
+            _run("ip", "link", "del", "dev", self.client_device)
+        present = set(namespaces())
+        for host in (*self.hosts, SWITCH):
+            if self.netns(host) in present:
+                with contextlib.suppress(RuntimeError):
+                    _run("ip", "netns", "del", self.netns(host))
+
+    def __enter__(self) -> HostNetwork:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+WELL_KNOWN_PORTS = {"nats": 4222, "redis": 6379}  # each host is a fresh namespace: nothing else listens there
+METRICS_PORT = 9090  # a worker's /metrics; the next ones up for more services on one host
+
+
+@dataclass
+class HostPlacement:
+    """services/local/hosts.py's ServiceHosts over a HostNetwork: each service at its host's address, started
+    under its host's `exec_in`, on the ports a deployment would give it (a namespace of ours has nothing else
+    listening, so the standard ones are free)."""
+
+    network: HostNetwork
+    where: dict[str, str]  # service → host
+    _ports: dict[str, int] = field(default_factory=dict)
+
+    def host(self, service: str) -> str:
+        if service not in self.where:
+            raise KeyError(f"{service!r} has no host in this placement ({sorted(self.where)})")
+        return self.where[service]
+
+    def address(self, service: str) -> str:
+        return self.network.address(self.host(service))
+
+    def prefix(self, service: str) -> list[str]:
+        return self.network.exec_in(self.host(service))
+
+    def port(self, service: str) -> int:
+        if service not in self._ports:
+            taken = {p for s, p in self._ports.items() if self.where[s] == self.host(service)}
+            port = WELL_KNOWN_PORTS.get(service, METRICS_PORT)
+            while port in taken:
+                port += 1
+            self._ports[service] = port
+        return self._ports[service]
 
 
 @contextlib.contextmanager

@@ -5,8 +5,9 @@
     pdserve-healthcheck prefill|decode|mixed    a heartbeat from *this* container's worker on NATS
 
 A worker is healthy once its engine is loaded and it publishes heartbeats (pd.hb.<role>.<worker>): the
-check listens on NATS for one of this role whose worker id is PDSERVE_WORKER_ID, or, by default, contains this
-container's hostname (worker ids default to `worker-<hostname>-<random>`). It connects as the services do
+check listens on NATS for one whose worker id is PDSERVE_WORKER_ID, or, by default, contains this container's
+hostname (worker ids default to `worker-<hostname>-<random>`), whatever role it serves now (a worker may switch
+role: the container's name is the role it started with). It connects as the services do
 (shared.bus.connect with the PDSERVE_* settings: URL, credentials, TLS), so a check that passes also proves
 the credentials. Exit 0 = healthy; otherwise the reason is on stderr.
 """
@@ -59,7 +60,8 @@ async def _heartbeat_seen(role: str) -> bool:
             beat = decode(msg.data, Heartbeat)
         except Exception:
             return
-        if beat.role == role and _is_mine(beat.worker_id) and not seen.done():
+        # this container's worker, whatever role it serves now: it may have switched (docs/architecture.md)
+        if _is_mine(beat.worker_id) and not seen.done():
             seen.set_result(True)
 
     try:

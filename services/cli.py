@@ -4,6 +4,7 @@ single-process generation, and deployment planning (profile, plan)."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import shlex
 import sys
@@ -15,6 +16,7 @@ from services.experts_cli import add_experts_command
 from services.planning.cli import add_planning_commands
 from services.trace.timeline import add_trace_command
 from shared.model.config import ARCHITECTURES
+from shared.telemetry.lifecycle import EXIT_REFUSED  # argparse's own status: a bad flag exits with it too
 
 if TYPE_CHECKING:
     from services.local.kv_certs import KvTlsFiles
@@ -69,12 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_command(sub)
     add_experts_command(sub)
     add_planning_commands(sub)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # a bad flag: argparse exits EXIT_REFUSED
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, PermissionError) as exc:  # a setting, checkpoint or port refused
         print(f"pdserve: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
 
 
 def _demo_model(args: argparse.Namespace) -> int:
@@ -235,6 +237,12 @@ def _add_service_commands(sub) -> None:
         _add_service_flags(w, WorkerSettings, skip=("role",))  # the subcommand is the role
         w.set_defaults(func=_worker, role=role)
 
+    from services.planner import main as planner
+
+    pl = sub.add_parser("planner", help="the SLO planner: switches workers' roles and publishes wanted counts")
+    planner.add_arguments(pl)
+    pl.set_defaults(func=planner.run)
+
     up = sub.add_parser("up", help="start NATS, Redis, the gateway and workers locally")
     up.add_argument("--model", help="checkpoint directory (default: the tiny demo model, written if missing)")
     up.add_argument("--port", type=int, default=8000)
@@ -243,6 +251,12 @@ def _add_service_commands(sub) -> None:
     up.add_argument("--mixed", type=int, default=0, help="colocated workers instead of prefill + decode")
     up.add_argument("--nats-url", help="use this NATS (JetStream enabled) instead of starting one")
     up.add_argument("--redis-url", help="use this Redis instead of starting one")
+    up.add_argument(
+        "--ha",
+        action="store_true",
+        help="replicate the private servers: a 3-node nats-server cluster (JetStream streams at 3 replicas) and "
+        "Redis with a replica under 3 Sentinels, each node restarted when it dies (docs/reliability.md)",
+    )
     up.add_argument("--threads-per-worker", type=int, default=1)
     for role in ("prefill", "decode", "mixed"):  # settings are per process: a role's own, e.g. its KV budget
         up.add_argument(
@@ -283,6 +297,20 @@ def _add_service_commands(sub) -> None:
         up.add_argument(
             f"--kv-tls-{part}", metavar="FILE", help=f"--kv-tls with your own files: the {what} (all three)"
         )
+    up.add_argument(
+        "--planner",
+        action="store_true",
+        help="run the SLO planner beside the gateway: it switches workers between prefill and decode to keep the "
+        "TTFT and TPOT SLOs and publishes the counts it wants (docs/planning.md)",
+    )
+    up.add_argument("--planner-port", type=int, default=0, help="the planner's /plan and /metrics (default: any free)")
+    up.add_argument(
+        "--planner-args",
+        default="",
+        metavar="FLAGS",
+        help="extra flags for the planner, as one shell-quoted string after an = (e.g. --planner-args='--ttft-slo-ms "
+        "1000 --interval-s 2'); `pdserve planner --help` lists them",
+    )
     up.add_argument("--trace-file", help="every service appends its spans here (read with `pdserve trace`)")
     up.add_argument("--drain-timeout-s", type=float, help="on SIGTERM / Ctrl-C: how long services drain (default 60)")
     up.add_argument("--log-dir", help="each service's output in <dir>/<service>.log (default: this terminal)")
@@ -296,38 +324,57 @@ def _add_service_commands(sub) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    """A worker process. Exit status: EXIT_REFUSED (2) when it refuses its configuration — a flag or PDSERVE_*
+    value (`from_args`), the checkpoint (the engine's build: missing, unreadable, refused), a port it cannot bind
+    — raised to `main`, which says why; 1 when its engine failed or it crashed (logged); 0 after a drain."""
     import asyncio
+    import logging
     import signal
 
     from shared.settings import WorkerSettings, from_args
     from shared.telemetry.lifecycle import EXIT_GRACE_S, exit_by, exit_now, observe
+    from shared.worker.host import WorkerHost
 
-    settings = from_args(WorkerSettings, args)  # the role: the subcommand's default
+    settings = from_args(WorkerSettings, args)  # the role: the subcommand's default (it may switch: host.py)
     observe(args.role, settings.worker_id, args.log_level, settings.trace_file)
-    worker_cls = _worker_class(args.role)
 
-    async def serve() -> bool:
-        worker = worker_cls(settings)
+    async def serve() -> int:
+        host = WorkerHost(settings, _worker_class)  # loads the checkpoint
         loop = asyncio.get_running_loop()
 
         def stop() -> None:  # drains; and ends this process by the supervisor's bound, supervisor or not
             exit_by(settings.drain_timeout_s + EXIT_GRACE_S)
-            worker.stop()
+            host.stop()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop)
         try:
-            await worker.run()
+            await host.run()
+        except Exception as exc:
+            if _port_refused(exc):
+                raise ValueError(f"the {args.role} worker cannot bind its port: {exc}") from exc
+            # anything else is a crash, whatever its type: exit 1 (restarted), never main's refusal status
+            logging.getLogger("pdserve.worker").critical("the %s worker crashed", args.role, exc_info=exc)
+            return 1
         finally:
-            group = worker.group
+            group = host.group
             if group is not None:  # a planned stop: the followers leave their loops (no rank-death exit)
                 group.close()
-        return worker.failure is None
+        return 0 if host.failure is None else 1  # 1: the engine failed (logged)
 
-    return exit_now(0 if asyncio.run(serve()) else 1)  # 1: the engine failed (logged)
+    return exit_now(asyncio.run(serve()))
+
+
+def _port_refused(exc: BaseException) -> bool:
+    """Whether a worker's start failed on a port it cannot bind: its /metrics (an OSError) or its KV transfer
+    gRPC server (grpc's RuntimeError says so in words)."""
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        return True
+    return isinstance(exc, RuntimeError) and str(exc).startswith("Failed to bind to address")
 
 
 def _worker_class(role: str):
+    """The Worker class of a role (the host builds one per role it serves)."""
     if role == "prefill":
         from services.prefill.worker import PrefillWorker
 
@@ -342,14 +389,16 @@ def _worker_class(role: str):
 
 
 def _up(args: argparse.Namespace) -> int:
-    from services.demo_model import ensure_demo_checkpoint
     from services.local.kv_certs import KvCertError
+    from services.local.preflight import preflight
     from services.local.stack import Stack, StackSpec
     from services.local.supervisor import Supervisor
     from shared.settings import CommonSettings, from_env
 
     model = args.model
     if model is None:
+        from services.demo_model import ensure_demo_checkpoint  # torch: only when it writes one
+
         model = str(ensure_demo_checkpoint("models/demo-tiny-qwen3_moe"))
     # every service drains this long on SIGTERM; the supervisor waits that (and a grace) before SIGKILL
     drain_env = {} if args.drain_timeout_s is None else {"PDSERVE_DRAIN_TIMEOUT_S": str(args.drain_timeout_s)}
@@ -383,7 +432,14 @@ def _up(args: argparse.Namespace) -> int:
         trace_file=args.trace_file,
         env=drain_env,
         kv_tls=kv_tls,
+        planner=args.planner,
+        planner_port=args.planner_port,
+        planner_args=tuple(shlex.split(args.planner_args)),
+        ha=args.ha,
     )
+    # what every service would refuse is said now, before anything starts (a refusal later stops the stack too)
+    ports = [(args.supervisor_metrics_port, "--supervisor-metrics-port"), (args.planner_port, "--planner-port")]
+    preflight(spec, _worker_settings, ports, parse_planner=_planner_settings)
     drain_s = from_env(CommonSettings, drain_timeout_s=args.drain_timeout_s).drain_timeout_s
     stack = Stack(spec, log_dir=args.log_dir, quiet=args.log_dir is not None)
     supervisor = Supervisor(stack, drain_s, metrics_port=args.supervisor_metrics_port, on_ready=_print_ready(args))
@@ -392,6 +448,40 @@ def _up(args: argparse.Namespace) -> int:
     except KvCertError as exc:  # openssl refused a step of --kv-tls's generation (at launch): nothing was started
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
+
+
+class _RefusingParser(argparse.ArgumentParser):
+    """A parser whose errors are raised (a ValueError), not printed with an exit: `up` checks flags it passes on."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ValueError(message)
+
+
+def _worker_settings(role: str, flags, environ):
+    """A `role` worker's settings from `flags` and `environ`, as `pdserve <role>` would build them; a ValueError
+    names a flag it would refuse (`up`'s preflight)."""
+    from shared.settings import WorkerSettings, from_args
+
+    parser = _RefusingParser(prog=f"pdserve {role}", add_help=False)
+    _add_service_flags(parser, WorkerSettings, skip=("role",))
+    try:
+        args = parser.parse_args(list(flags))
+        return from_args(WorkerSettings, argparse.Namespace(**vars(args), role=role), environ)
+    except ValueError as exc:
+        raise ValueError(f"the {role} workers' settings: {exc}") from exc
+
+
+def _planner_settings(flags, environ):
+    """The planner's settings from `flags` and `environ`, as `pdserve planner` would build them (`up`'s preflight)."""
+    from services.planner.main import add_arguments
+    from shared.settings import PlannerSettings, from_args
+
+    parser = _RefusingParser(prog="pdserve planner", add_help=False)
+    add_arguments(parser)
+    try:
+        return from_args(PlannerSettings, parser.parse_args(list(flags)), environ)
+    except ValueError as exc:
+        raise ValueError(f"the planner's settings (--planner-args): {exc}") from exc
 
 
 def _kv_tls(args: argparse.Namespace) -> bool | KvTlsFiles:
@@ -408,6 +498,7 @@ def _kv_tls(args: argparse.Namespace) -> bool | KvTlsFiles:
 
 
 def _print_ready(args: argparse.Namespace):
+    import os
     from pathlib import Path
 
     def announce(supervisor) -> None:
@@ -418,12 +509,24 @@ def _print_ready(args: argparse.Namespace):
         print(f'    -d \'{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello"}}]}}\'')
         print(f"  metrics: {stack.url}/metrics (gateway), " + ", ".join(stack.metrics_urls()))
         print(f"  supervisor: {supervisor.metrics_url} (pdserve:supervisor_restarts_total per service)")
+        if stack.planner_port is not None:
+            print(f"  planner: http://{stack.spec.host}:{stack.planner_port}/plan (decisions), /metrics")
+        print(f"  rolling restart of the workers: kill -HUP {os.getpid()}")
+        if "PDSERVE_ADMIN_KEYS" in os.environ | stack.spec.env:  # the admin API is on (docs/api.md, "Admin API")
+            print(f"  workers and their roles: {stack.url}/admin/workers (Authorization: Bearer <admin key>)")
         if args.log_dir:
             print(f"  logs: {stack.log_dir}/<service>.log")
         if args.trace_file:
             print(f"  spans: {args.trace_file} (pdserve trace {args.trace_file})")
         if stack.kv_tls is not None:
             print(f"  KV transfer: mutual TLS (CA {stack.kv_tls.ca}, certificate {stack.kv_tls.cert})")
+        if stack.nats_cluster is not None:
+            nodes = ", ".join(f"{name} {url}" for name, url in stack.nats_cluster.monitor_urls.items())
+            print(f"  NATS cluster, monitoring: {nodes}")
+        if stack.redis_sentinels is not None:
+            nodes = ", ".join(f"{n.name} {n.host}:{n.port}" for n in stack.redis_sentinels.nodes)
+            print(f"  Redis: {nodes}; Sentinels {stack.redis_sentinels.addresses} (primary: SENTINEL "
+                  f"GET-MASTER-ADDR-BY-NAME {stack.redis_sentinels.master})")  # fmt: skip
         print(flush=True)
 
     return announce

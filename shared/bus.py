@@ -5,10 +5,19 @@ consumer and deleted once acked. Every worker of a role shares one durable pull 
 workers fetch jobs only when they have room (capacity-gated load balancing), and a job whose worker
 dies unacked is redelivered after `ack_wait`. A prefill (or mixed) worker also has its own consumer, of the
 jobs the gateway routed to it (KV-aware routing): those only it takes, and the gateway moves them when it dies.
+
+On a nats-server cluster the streams are replicated (`jetstream_replicas`, 3 on three nodes) and so are their
+consumers: losing a node costs a leader election (its raft timeout, seconds), not the messages. While a stream has
+no leader a publish gets no answer, so messages that must not be lost (jobs, cancels) go through
+`publish_durably`, which retries until the stream takes them, each retry the same message to JetStream's
+duplicate detection.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import hashlib
 import logging
 import ssl
 import time
@@ -18,8 +27,8 @@ from typing import Any
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError
+from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, PubAck, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import APIError, BadRequestError, NoStreamResponseError
 
 from shared.messages import CANCEL_RETENTION_S, CANCEL_WILDCARD, CANCELS_STREAM, JOBS_STREAM, JOBS_SUBJECTS
 from shared.settings import CommonSettings
@@ -164,7 +173,7 @@ def _explain(exc: Exception) -> tuple[str, bool]:
     return f"{type(exc).__name__}: {text}", False
 
 
-async def ensure_jobs_stream(js: JetStreamContext) -> None:
+async def ensure_jobs_stream(js: JetStreamContext, replicas: int = 1) -> None:
     """Create the jobs stream if missing (idempotent: every service calls it at start)."""
     config = StreamConfig(
         name=JOBS_STREAM,
@@ -172,14 +181,12 @@ async def ensure_jobs_stream(js: JetStreamContext) -> None:
         retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE,
         max_age=3600.0,  # a job nobody took within an hour is stale: its client gave up long ago
+        num_replicas=replicas,
     )
-    try:
-        await js.add_stream(config)
-    except BadRequestError:
-        await js.update_stream(config)
+    await _ensure_stream(js, config)
 
 
-async def ensure_cancels_stream(js: JetStreamContext) -> None:
+async def ensure_cancels_stream(js: JetStreamContext, replicas: int = 1) -> None:
     """Create the cancels stream if missing (idempotent). Cancels are kept (limits retention, CANCEL_RETENTION_S)
     so that a worker that was disconnected when one was published still reads it after reconnecting; every
     worker reads every cancel (shared/worker/cancel_feed.py), so nothing is removed on delivery."""
@@ -191,17 +198,61 @@ async def ensure_cancels_stream(js: JetStreamContext) -> None:
         max_age=CANCEL_RETENTION_S,
         max_msgs=100_000,
         discard=DiscardPolicy.OLD,
+        num_replicas=replicas,
     )
+    await _ensure_stream(js, config)
+
+
+async def ensure_streams(js: JetStreamContext, replicas: int = 1) -> None:
+    """Every stream the services use: jobs and cancels, each at `replicas` (settings.jetstream_replicas)."""
+    await ensure_jobs_stream(js, replicas)
+    await ensure_cancels_stream(js, replicas)
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    """Create the stream, or bring an existing one to `config` — but never to fewer replicas than it has: a
+    service started with the default (1) beside an R3 deployment must not scale its streams down."""
+    assert config.name is not None
     try:
         await js.add_stream(config)
-    except BadRequestError:
-        await js.update_stream(config)
+    except BadRequestError:  # it exists, configured otherwise
+        have = (await js.stream_info(config.name)).config.num_replicas or 1
+        await js.update_stream(dataclasses.replace(config, num_replicas=max(have, config.num_replicas or 1)))
 
 
-async def ensure_streams(js: JetStreamContext) -> None:
-    """Every stream the services use: jobs and cancels."""
-    await ensure_jobs_stream(js)
-    await ensure_cancels_stream(js)
+PUBLISH_DEADLINE_S = 30.0  # past a cluster's leader election (nats-server's raft timeout is 4-9 s) with room
+PUBLISH_ATTEMPT_S = 2.0  # one attempt's wait for the stream's ack
+PUBLISH_RETRY_S = 0.25  # pause after an attempt that failed at once (no stream leader answered)
+
+
+async def publish_durably(
+    js: JetStreamContext,
+    subject: str,
+    payload: bytes,
+    headers: dict[str, str] | None = None,
+    deadline_s: float = PUBLISH_DEADLINE_S,
+) -> PubAck:
+    """Publish into a stream and wait until the stream has it, retrying for up to `deadline_s` while nobody
+    answers (the stream's leader died and its replicas are electing another; the client is reconnecting) or the
+    ack is lost. Every attempt carries the same Nats-Msg-Id, a digest of subject and payload, so a stored
+    message whose ack was lost is not stored twice (JetStream's duplicate window, 2 minutes): the same bytes on
+    the same subject within it are one message. Raises the last error past the deadline, or at once for a
+    refusal that retrying cannot change (an API error other than 503)."""
+    msg_id = hashlib.blake2b(subject.encode() + b"\0" + payload, digest_size=16).hexdigest()
+    headers = (headers or {}) | {"Nats-Msg-Id": msg_id}
+    deadline, retries = time.monotonic() + deadline_s, 0
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return await js.publish(subject, payload, timeout=max(0.1, min(PUBLISH_ATTEMPT_S, left)), headers=headers)
+        except (NoStreamResponseError, nats.errors.TimeoutError, APIError) as exc:
+            if isinstance(exc, APIError) and exc.code != 503 or time.monotonic() >= deadline:
+                raise
+            retries += 1
+            level = logging.INFO if retries == 1 else logging.DEBUG  # one line per message, not per attempt
+            log.log(level, "publishing to %s: %s; retrying for up to %g s", subject, type(exc).__name__, deadline_s)
+            if not isinstance(exc, nats.errors.TimeoutError):
+                await asyncio.sleep(PUBLISH_RETRY_S)
 
 
 OWN_QUEUE_INACTIVE_S = 3600.0  # a worker's own consumer outlives its worker by this long (JetStream deletes it)

@@ -17,6 +17,12 @@ Subjects:
     pd.kv.blocks.<model>.<worker>     core NATS: the prefix-cache blocks a worker stored / removed (KvBlockUpdate)
     pd.kv.snapshot.<model>            core NATS request: every worker named answers, to the reply subject, with
                                       its whole list of held blocks (KvBlockSnapshot parts)
+    pd.stats.requests.<model>         core NATS: each request's arrival and end as a gateway saw them
+                                      (RequestStat), what the SLO planner forecasts from (services/planner)
+    pd.control.<worker>               core NATS request/reply: a signed order to one worker (RoleControl: switch
+                                      role), answered with a RoleSwitchReply once done (shared/role_control/)
+    pd.resend.<model>                 core NATS: a gateway asks every worker of the model for token events it
+                                      lacks (ResendRequest); each worker that sent any publishes them again
 """
 
 from __future__ import annotations
@@ -99,6 +105,9 @@ ROUTED_PREFILL_JOBS = Subject("pd.jobs.prefill.{model}.{worker}")
 ROUTED_DECODE_JOBS = Subject("pd.jobs.decode.{model}.{worker}")
 KV_BLOCKS = Subject("pd.kv.blocks.{model}.{worker}")
 KV_SNAPSHOT_REQUESTS = Subject("pd.kv.snapshot.{model}")
+REQUEST_STATS = Subject("pd.stats.requests.{model}")
+CONTROL = Subject("pd.control.{worker}")
+RESEND_REQUESTS = Subject("pd.resend.{model}")
 
 JOBS_SUBJECTS = "pd.jobs.>"  # the jobs stream holds both queues
 CANCEL_WILDCARD = CANCELS.wildcard()
@@ -141,6 +150,11 @@ def kv_snapshot_subject(model: str) -> str:
     return KV_SNAPSHOT_REQUESTS.make(model=model)
 
 
+def resend_subject(model: str) -> str:
+    """Where a gateway asks the workers of `model` for token events again (every one of them listens)."""
+    return RESEND_REQUESTS.make(model=model)
+
+
 def token_subject(gateway_id: str, request_id: str) -> str:
     return TOKENS.make(gateway=gateway_id, request=request_id)
 
@@ -154,8 +168,17 @@ def cancel_subject(request_id: str) -> str:
     return CANCELS.make(request=request_id)
 
 
+def request_stats_subject(model: str) -> str:
+    return REQUEST_STATS.make(model=model)
+
+
 def heartbeat_subject(role: str, worker_id: str) -> str:
     return HEARTBEATS.make(role=role, worker=worker_id)
+
+
+def control_subject(worker_id: str) -> str:
+    """Where one worker takes control orders (role switches), request/reply."""
+    return CONTROL.make(worker=worker_id)
 
 
 def attempt_key(request_id: str, attempt: int) -> str:
@@ -437,6 +460,28 @@ class Cancel(msgspec.Struct, frozen=True):
         return self.up_to_attempt is None or attempt <= self.up_to_attempt
 
 
+# Token events travel on core NATS: one published while the bus was away (restarting, failing over) is lost. Every
+# worker keeps what it sent (shared/worker/resend.py) and a gateway whose stream lacks positions asks for them again
+# (services/gateway/resend_asks.py): docs/architecture.md, "Token events: resend".
+RESEND_ITEMS_PER_MESSAGE = 1024  # the most requests one ResendRequest names: a longer list goes in several
+
+
+class ResendItem(msgspec.Struct, frozen=True, array_like=True):
+    """One request's events wanted again: those of `attempt` at output positions from `from_seq` on (the first the
+    gateway has not delivered), and its end. Only the events of `attempt`: older attempts' are stale."""
+
+    request_id: str
+    attempt: _Count
+    from_seq: _Count
+
+
+class ResendRequest(msgspec.Struct, frozen=True):
+    """A gateway's streams lack events: every worker that sent any of them sends them again, to the subject it first
+    sent them to (the same token subject: the gateway's ordering drops what it already has)."""
+
+    items: Annotated[list[ResendItem], msgspec.Meta(max_length=RESEND_ITEMS_PER_MESSAGE)]
+
+
 class PathCalibration(msgspec.Struct, frozen=True):
     """A worker's live cost coefficients (shared/worker/calibration.py), in its heartbeat: what the gateway's choice
     between prefilling remotely (prefill worker + KV hand-off) and locally (on the decode worker) is computed from.
@@ -485,6 +530,9 @@ class Heartbeat(msgspec.Struct, frozen=True):
     # an MoE decode (or mixed) worker's recent hot experts (shared/expert_affinity.py HotExpertsWindow), for the
     # gateway's expert-affinity routing; None: no routed experts, nothing routed yet, or a worker that predates it
     hot_experts: HotExperts | None = None
+    # switching role (docs/architecture.md, "Role switching"): the role it becomes once what it holds is done; it
+    # takes no new job meanwhile (`draining` is set too); None: not switching
+    switching_to: Role | None = None
 
 
 # Prefix-cache block announcements (KV-aware routing): what a prefill (or mixed) worker holds, as block hashes
@@ -520,6 +568,40 @@ class KvBlockSnapshot(_KvBlockMessage, frozen=True, tag="snapshot", kw_only=True
 KvBlockUpdate = KvBlockEvents | KvBlockSnapshot
 
 
+# Request statistics (pd.stats.requests.<model>): what the SLO planner (services/planner) forecasts load and lengths
+# from. Fire and forget, as a metric: a lost one is a missing sample, never a lost request.
+class _RequestStatBase(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True):
+    gateway_id: str
+    request_id: str
+    prompt_tokens: _Count
+    at: float  # time.time() when it happened, at the gateway
+
+
+class RequestArrived(_RequestStatBase, frozen=True, tag="arrived"):
+    """A valid request was dispatched: its prompt's length and the most it may generate (its output length is
+    known only at its end)."""
+
+    max_tokens: _Count
+
+
+class RequestEnded(_RequestStatBase, frozen=True, tag="ended"):
+    """A request's last token reached its client (or it failed): what it cost and how it was served. ttft_s and
+    tpot_s are None when it had no first token (tpot_s also with a single token)."""
+
+    output_tokens: _Count
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    finish_reason: str = ""
+
+
+RequestStat = RequestArrived | RequestEnded
+_request_stat_decoder = msgspec.json.Decoder(RequestStat)
+
+
+def decode_request_stat_or_drop(data: bytes, subject: str) -> RequestStat | None:
+    return _or_drop(lambda: _guarded(lambda: _request_stat_decoder.decode(data)), "RequestStat", subject)
+
+
 class KvSnapshotRequest(msgspec.Struct, frozen=True):
     """A gateway asks for snapshots (it started late, or lost updates): the workers named, every one if empty."""
 
@@ -527,6 +609,57 @@ class KvSnapshotRequest(msgspec.Struct, frozen=True):
 
     def names(self, worker_id: str) -> bool:
         return not self.workers or worker_id in self.workers
+
+
+# Role switching (docs/architecture.md, "Role switching"; shared/role_control/ signs, sends and checks these).
+class RoleSwitchOrder(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Switch `worker_id` to `role`: the claims of a signed RoleControl (readable, unforgeable without the cluster
+    secret). `nonce` makes each order single-use; `expires_ms` (wall clock, ms since the epoch) bounds its life."""
+
+    worker_id: str
+    role: Role
+    expires_ms: int
+    nonce: str
+    # decode and mixed workers: how long the requests they decode may run on before they are handed on to the
+    # prefill queue (their tokens so far kept); None: the worker's switch_finish_s
+    finish_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
+
+
+class RoleControl(msgspec.Struct, frozen=True):
+    """The request on `pd.control.<worker>`: an order (base64url JSON of a RoleSwitchOrder) and its HMAC-SHA256
+    under the cluster secret (base64url)."""
+
+    order: str
+    mac: str
+
+
+class SwitchOutcome(StrEnum):
+    """How a role switch ended: the worker's answer, or the client's reason not to ask (shared/role_control/)."""
+
+    SWITCHED = "switched"  # done: the worker serves its new role
+    SAME_ROLE = "same_role"  # it has that role already
+    BUSY = "busy"  # this worker is switching already
+    LOCKED = "locked"  # another switch holds the deployment's lock (pd:admin:role-lock)
+    UNSAFE = "unsafe"  # it is the last live worker of a role the deployment needs
+    UNKNOWN_WORKER = "unknown_worker"  # no live worker of that id
+    REFUSED = "refused"  # the order's signature, worker, expiry or nonce did not pass
+    INVALID = "invalid"  # the worker cannot take that role (e.g. it has no cluster secret)
+    TIMED_OUT = "timed_out"  # what it held did not settle in time: it serves its old role again
+    STOPPING = "stopping"  # the worker is shutting down
+    NO_REPLY = "no_reply"  # no answer in time (the switch may still complete: its heartbeat tells)
+
+
+class RoleSwitchReply(msgspec.Struct, frozen=True):
+    """A worker's answer to a RoleControl, sent once the switch is done (or refused, or given up)."""
+
+    worker_id: str
+    outcome: SwitchOutcome
+    role: Role  # the worker's role now
+    previous_role: Role | None = None
+    detail: str = ""  # why, for every outcome but switched
+    took_s: float = 0.0  # order received → the new role serving (or the refusal)
+    finished: int = 0  # requests in hand that finished (or were handed on to decode as usual) in the old role
+    handed_on: int = 0  # decode / mixed: requests moved to the prefill queue with their tokens so far
 
 
 _encoder = msgspec.json.Encoder()

@@ -25,6 +25,7 @@ __all__ = [
     "KvTransferSettings",
     "PrefillPath",
     "PrefillPathSettings",
+    "PlannerSettings",
     "WorkerRole",
     "WorkerSettings",
     "from_args",
@@ -46,6 +47,14 @@ class CommonSettings:
     """NATS server (JetStream enabled); tls:// turns TLS on."""
     redis_url: str = "redis://127.0.0.1:6379/0"
     """Redis server; rediss:// turns TLS on."""
+    redis_sentinels: tuple[str, ...] = ()
+    """Redis Sentinels (host:port, comma-separated): when set, the services ask them for the primary named
+    redis_sentinel_master and follow its failovers; redis_url then gives only the scheme, database and credentials."""
+    redis_sentinel_master: str = "pdserve"
+    """The name the Sentinels monitor the Redis primary under."""
+    jetstream_replicas: int = 1
+    """Replicas of the JetStream streams and their consumers (1-5; 3 on a 3-node nats-server cluster). Every service
+    creates or updates the streams at start with this; one that says fewer than a stream has never scales it down."""
     trace_file: str | None = None
     """Also append this service's spans to this JSON-lines file (`pdserve trace` reads it). OTLP export is
     configured by the standard OTEL_* variables."""
@@ -77,6 +86,14 @@ class CommonSettings:
 
     def _served_name(self, checkpoint: str) -> str:
         return self.model_name or os.path.basename(os.path.normpath(checkpoint))
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.jetstream_replicas <= 5:
+            raise ValueError(f"jetstream_replicas must be 1-5 (JetStream's limit), got {self.jetstream_replicas}")
+        for address in self.redis_sentinels:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"redis_sentinels: {address!r} is not host:port")
 
 
 class ToolCallParser(StrEnum):
@@ -132,6 +149,12 @@ class GatewaySettings(CommonSettings):
     """This gateway's name on the bus (its token subjects); default: host name + a random suffix."""
     api_keys: tuple[str, ...] = field(default=(), repr=False, metadata={"flag": True})
     """Accepted `Authorization: Bearer` keys, comma-separated; empty = no authentication."""
+    admin_keys: tuple[str, ...] = field(default=(), repr=False, metadata={"flag": True})
+    """Keys of the admin API (/admin: list the workers, switch a worker's role), `Authorization: Bearer`,
+    comma-separated; empty = the admin API is off (403). Apart from api_keys: an API key is not an admin key."""
+    cluster_secret: str | None = field(default=None, repr=False)
+    """The workers' cluster secret (PDSERVE_CLUSTER_SECRET): the admin API signs role-switch orders with it; without
+    it the admin API can list workers but not switch them."""
     max_body_bytes: int = 4 << 20
     """Largest request body accepted (413 past it)."""
     request_timeout_s: float = 600.0
@@ -150,6 +173,14 @@ class GatewaySettings(CommonSettings):
     """Admission: requests dispatched and still waiting for their first token; past it, 429."""
     kv_overcommit: float = 1.0
     """Admission: in-flight tokens may reach this multiple of the live workers' KV capacity; past it, 429."""
+    admission_ttft_refuse: bool = False
+    """Admission: refuse (429) a request whose predicted time to first token, on the prefill path chosen for it,
+    exceeds admission_ttft_factor × ttft_slo_ms because of the backlog ahead of it (behind no queue it would meet
+    that), with Retry-After the predicted time until the backlog has drained that far. Off: such a request is
+    accepted and waits (services/gateway/admission.py)."""
+    admission_ttft_factor: float = 1.0
+    """Admission with admission_ttft_refuse: the multiple of ttft_slo_ms past which a predicted TTFT is refused
+    (above 1 refuses only clear misses; the predictions run under measured TTFTs: docs/benchmarks.md)."""
     tool_call_parser: ToolCallParser = ToolCallParser.AUTO
     """How model output is read back into tool_calls: hermes (Qwen), llama3_json, or auto (from the chat template)."""
     max_n: int = 16
@@ -180,13 +211,14 @@ class GatewaySettings(CommonSettings):
         return self._served_name(self.model)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be 1-65535, got {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError("max_prompt_tokens must be positive")
-        for name in ("worker_ttl_s", "stall_timeout_s", "kv_overcommit"):
+        for name in ("worker_ttl_s", "stall_timeout_s", "kv_overcommit", "admission_ttft_factor"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.max_n < 1:
@@ -197,6 +229,61 @@ class GatewaySettings(CommonSettings):
             raise ValueError("max_migrations must be >= 0 and max_pending_requests >= 1")
         if not 1 <= self.expert_affinity_top_k <= 256:
             raise ValueError(f"expert_affinity_top_k must be in 1-256, got {self.expert_affinity_top_k}")
+        if self.cluster_secret is not None and len(self.cluster_secret.encode()) < 16:
+            raise ValueError("cluster_secret must be at least 16 bytes (the workers' own)")
+
+
+@dataclass(frozen=True)
+class PlannerSettings(CommonSettings):
+    """The SLO planner (`pdserve planner`, services/planner; docs/planning.md)."""
+
+    model: str = DEFAULT_MODEL
+    """Checkpoint (or its served name's directory) whose workers it plans: the served model name is taken from it,
+    as the gateway's is."""
+    host: str = "127.0.0.1"
+    """Where its JSON (/plan) and Prometheus (/metrics) endpoint listens."""
+    port: int = 8090
+    """... and its port (0: any free port)."""
+    ttft_slo_ms: float = 2500.0
+    """The TTFT SLO it keeps the p90 under (the gateway's prefill path uses the same default)."""
+    tpot_slo_ms: float = 100.0
+    """The TPOT SLO it keeps the requests' TPOT under."""
+    interval_s: float = 5.0
+    """How often it decides."""
+    confirm_intervals: int = 2
+    """Intervals in a row the same better split must be seen before a worker is switched (hysteresis)."""
+    cooldown_s: float = 30.0
+    """The least time between two switches."""
+    margin: float = 0.2
+    """A better split must score this share below the current one (or rescue a missed SLO) to be acted on."""
+    switch_roles: bool = True
+    """Switch workers' roles; off: only forecast and publish the wanted counts (an autoscaler acts on them)."""
+    worker_ttl_s: float = 5.0
+    """A worker not heard from for this long is gone."""
+    cluster_secret: str | None = field(default=None, repr=False)
+    """The secret the cluster's control calls are signed with (role switches); required to switch roles."""
+
+    @property
+    def served_model_name(self) -> str:
+        return self._served_name(self.model)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be 0-65535, got {self.port}")
+        for name in ("ttft_slo_ms", "tpot_slo_ms", "interval_s", "worker_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.confirm_intervals < 1:
+            raise ValueError("confirm_intervals must be >= 1")
+        if self.cooldown_s < 0:
+            raise ValueError("cooldown_s must not be negative")
+        if not 0 <= self.margin < 1:
+            raise ValueError(f"margin must be in [0, 1), got {self.margin}")
+        if self.switch_roles and self.cluster_secret is None:
+            raise ValueError(
+                "the planner switches roles with the cluster's control calls: set cluster_secret "
+                "(PDSERVE_CLUSTER_SECRET or PDSERVE_CLUSTER_SECRET_FILE), or --no-switch-roles to only publish counts"
+            )
 
 
 class WorkerRole(StrEnum):
@@ -311,6 +398,10 @@ class WorkerSettings(CommonSettings):
     record_expert_trace: str | None = None
     """Append every step's tokens per expert, per sparse layer, to this expert routing trace (JSON lines, with
     the role; shared/sharding/expert_trace.py) for benchmarks/eplb_sim.py and `pdserve experts show`. MoE only."""
+    switch_finish_s: float = 10.0
+    """Switching role (docs/architecture.md, "Role switching"): how long a decode or mixed worker lets the requests
+    it decodes run on before it hands the rest to the prefill queue with their tokens so far (an order may say
+    otherwise). 0: hand them on at once."""
 
     @property
     def served_model_name(self) -> str:
@@ -325,12 +416,15 @@ class WorkerSettings(CommonSettings):
         return self.cluster_secret
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be 0-65535, got {self.metrics_port}")
         if self.role not in tuple(WorkerRole):
             raise ValueError(f"role must be prefill, decode or mixed, got {self.role!r}")
         if self.job_ack_wait_s <= 0:
             raise ValueError("job_ack_wait_s must be positive")
+        if self.switch_finish_s < 0:
+            raise ValueError("switch_finish_s must be >= 0")
         if self.role in (WorkerRole.PREFILL, WorkerRole.DECODE) and not self.cluster_secret:
             raise ValueError(
                 f"a {self.role} worker needs cluster_secret (PDSERVE_CLUSTER_SECRET or PDSERVE_CLUSTER_SECRET_FILE): "

@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import httpx
 import nats
@@ -40,6 +41,8 @@ class Outcome:
     max_tokens: int
     status: int | None = None
     pieces: list[str] = field(default_factory=list)  # one per streamed token
+    arrivals: list[float] = field(default_factory=list)  # time.monotonic() when each piece came
+    started: float = field(default_factory=time.monotonic)  # when the request was sent
     finish_reason: str | None = None
     completion_tokens: int | None = None
     error: str | None = None  # the error the gateway reported
@@ -49,6 +52,11 @@ class Outcome:
     @property
     def text(self) -> str:
         return "".join(self.pieces)
+
+    @property
+    def longest_gap_s(self) -> float:
+        """The stream's stall: the longest wait between two of its tokens (0 with fewer than two)."""
+        return max((b - a for a, b in pairwise(self.arrivals)), default=0.0)
 
     @property
     def verdict(self) -> str:
@@ -116,6 +124,7 @@ def stream_completion(
                 else:
                     choice = chunk["choices"][0]
                     out.pieces.append(choice["text"])
+                    out.arrivals.append(time.monotonic())
                     out.finish_reason = choice.get("finish_reason") or out.finish_reason
                     if progress is not None:
                         progress.bump(i)
@@ -145,6 +154,55 @@ class Load:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+class SteadyLoad:
+    """`clients` client loops, each streaming one request after another (the prompts in turn) until `stop()`: a
+    closed-loop load that runs across an event (a rolling restart). `outcomes` holds (start, end, outcome) of every
+    request, times monotonic."""
+
+    def __init__(self, url: str, prompts: list[str], max_tokens: int, clients: int) -> None:
+        self.outcomes: list[tuple[float, float, Outcome]] = []
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(url, prompts, max_tokens, i), daemon=True)
+                         for i in range(clients)]  # fmt: skip
+        for thread in self._threads:
+            thread.start()
+
+    def _loop(self, url: str, prompts: list[str], max_tokens: int, client: int) -> None:
+        n = client
+        while not self._stopping.is_set():
+            began = time.monotonic()
+            outcome = stream_completion(url, prompts[n % len(prompts)], max_tokens)
+            with self._lock:
+                self.outcomes.append((began, time.monotonic(), outcome))
+            n += 1
+
+    def completed_by(self, when: float) -> int:
+        with self._lock:
+            return sum(end <= when and o.verdict == "completed" for _, end, o in self.outcomes)
+
+    def stop(self, timeout_s: float = CLIENT_TIMEOUT_S + 30) -> list[tuple[float, float, Outcome]]:
+        """Let every client finish the request it is in, then stop; every request's (start, end, outcome)."""
+        self._stopping.set()
+        for thread in self._threads:
+            thread.join(timeout_s)
+        with self._lock:
+            return list(self.outcomes)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank q-th percentile (0-100) of `values` (not empty): p99 of a few streams is their maximum."""
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))]
+
+
+def stall_percentiles(outcomes: list[Outcome]) -> tuple[float, float] | None:
+    """p50 and p99 of the streams' stalls (each one's longest gap between two tokens) over those that streamed
+    two tokens or more; None if none did."""
+    stalls = [o.longest_gap_s for o in outcomes if len(o.arrivals) >= 2]
+    return (percentile(stalls, 50), percentile(stalls, 99)) if stalls else None
+
+
 def tally(outcomes: list[Outcome]) -> dict[str, int]:
     verdicts = Counter(o.verdict for o in outcomes)
     return {"sent": len(outcomes), "completed": verdicts["completed"],
@@ -167,7 +225,7 @@ class EventWatch:
 
     async def _run(self, nats_url: str) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        nc = await nats.connect(nats_url)
+        nc = await nats.connect(nats_url.split(","))  # one URL, or a cluster's, comma-separated
 
         async def on_event(msg) -> None:
             with self._lock:
@@ -178,6 +236,11 @@ class EventWatch:
         self._ready.set()
         await self._stop.wait()
         await nc.close()
+
+    def snapshot(self) -> list[TokenEvent]:
+        """Every event seen so far, in arrival order."""
+        with self._lock:
+            return list(self.events)
 
     def taken_without_token(self, worker_prefix: str) -> set[str]:
         """Requests a worker announced (took) and has published no token for yet."""

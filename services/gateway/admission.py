@@ -10,6 +10,14 @@ streams, the new request not yet among them):
 
 A request alone is never refused for KV: with nothing in flight, waiting cannot make room for it.
 
+A third bound, off unless `admission_ttft_refuse` is set, follows the TTFT target once the request's prefill path
+is chosen (prefill_path.py, which already takes the local path where that meets the target and the remote one
+does not): the request is refused when its predicted TTFT on that path exceeds the limit
+(`admission_ttft_factor` × `ttft_slo_ms`) and the backlog ahead of it is why, i.e. the same prompt would meet the
+limit behind no queued prompt. A prompt that misses even on an idle worker is admitted: waiting cannot help it.
+Its `Retry-After` is the predicted time until the backlog has drained enough for the limit to hold: the queue
+shrinks by a second of work per second, so predicted TTFT - limit.
+
 `Retry-After` comes from the rate at which in-flight requests recently left (finished, failed or were
 cancelled): the number that must leave before the refused request fits, divided by that rate, in whole
 seconds within [RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S]. The pure part (`Admission`) takes the clock and the
@@ -27,6 +35,7 @@ from typing import Protocol
 
 from services.gateway.backend import GenerationJob, Overloaded
 from services.gateway.liveness import WorkerTable
+from services.gateway.prefill_path import PathChoice
 from shared.telemetry import metrics
 
 RETRY_AFTER_MIN_S = 1
@@ -68,15 +77,43 @@ class Load:
         return cls(requests, pending, kv_tokens)
 
 
-class Admission:
-    """The two bounds and the departure rate behind Retry-After. Not thread-safe: one event loop calls it."""
+def ttft_overload(choice: PathChoice, limit_s: float) -> Overloaded | None:
+    """The refusal of a request whose first token, on the path chosen for it, is predicted past `limit_s` because
+    of the backlog ahead of it (see the module); None: admit it."""
+    chosen = choice.chosen
+    if chosen is None or chosen.ttft_s <= limit_s:
+        return None
+    if chosen.ttft_s - chosen.queue_s > limit_s:
+        return None  # it misses behind no queue too: refusing it now would refuse it forever
+    retry = min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, math.ceil(chosen.ttft_s - limit_s)))
+    return Overloaded(
+        f"the server cannot meet the time-to-first-token target now: this request's first token is predicted in "
+        f"{chosen.ttft_s:.1f} s on the {choice.path} prefill path, {chosen.queue_s:.1f} s of it behind queued "
+        f"prompts, over the limit of {limit_s:.1f} s (ttft_slo_ms × admission_ttft_factor); retry in {retry} s",
+        retry,
+        reason="ttft_slo",
+    )
 
-    def __init__(self, max_pending_requests: int, kv_overcommit: float, window_s: float = RATE_WINDOW_S) -> None:
+
+class Admission:
+    """The bounds and the departure rate behind Retry-After. Not thread-safe: one event loop calls it."""
+
+    def __init__(
+        self,
+        max_pending_requests: int,
+        kv_overcommit: float,
+        window_s: float = RATE_WINDOW_S,
+        ttft_limit_s: float | None = None,
+    ) -> None:
+        """ttft_limit_s: the TTFT bound's limit (see the module); None = that bound is off."""
         if max_pending_requests < 1 or kv_overcommit <= 0:
             raise ValueError("max_pending_requests must be >= 1 and kv_overcommit positive")
+        if ttft_limit_s is not None and ttft_limit_s <= 0:
+            raise ValueError("the TTFT limit must be positive")
         self.max_pending_requests = max_pending_requests
         self.kv_overcommit = kv_overcommit
         self.window_s = window_s
+        self.ttft_limit_s = ttft_limit_s
         self._known: set[str] = set()  # request ids in flight at the last check, plus those admitted by it
         self._departures: deque[tuple[float, int]] = deque()  # (when noticed, how many), oldest first
         self._observing_since: float | None = None
@@ -157,3 +194,15 @@ class Admission:
         except Overloaded as exc:
             metrics.REQUESTS_REJECTED.labels(job.model, "gateway", exc.reason).inc()
             raise
+
+    def admit_path(self, choice: PathChoice, job: GenerationJob) -> None:
+        """The NatsBackend's hook once `job`'s prefill path is chosen (after `admit`): returns, or raises Overloaded
+        (reason ttft_slo, counted) where the TTFT bound is on and refuses it."""
+        if self.ttft_limit_s is None:
+            return
+        refusal = ttft_overload(choice, self.ttft_limit_s)
+        if refusal is None:
+            return
+        self._known.discard(job.request_id)  # admitted by `check`, but never in flight: not a departure later
+        metrics.REQUESTS_REJECTED.labels(job.model, "gateway", refusal.reason).inc()
+        raise refusal

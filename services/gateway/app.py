@@ -18,10 +18,11 @@ from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components
 
+from services.gateway.admin import ADMIN_ROUTES
 from services.gateway.backend import GatewayBackend
 from services.gateway.draining import Drain
 from services.gateway.errors import EXCEPTION_HANDLERS
-from services.gateway.middleware import api_key_guard, echo_request_id
+from services.gateway.middleware import admin_key_guard, api_key_guard, echo_request_id
 from services.gateway.nats_backend import NatsBackend
 from services.gateway.routes import PROBE_ROUTES, V1_ROUTES
 from services.gateway.schemas import API_KEY_REQUIRED, SECURITY_SCHEMES, declare_limits
@@ -85,8 +86,10 @@ def create_app(
         guards=[api_key_guard(settings.api_keys)] if settings.api_keys else None,
         security=API_KEY_REQUIRED if settings.api_keys else None,
     )
+    # the operator's API (admin.py): its own keys; off (403) without them
+    admin = Router("/admin", route_handlers=ADMIN_ROUTES, guards=[admin_key_guard(settings.admin_keys)])
     app = Litestar(
-        route_handlers=[v1, tokenizer, *PROBE_ROUTES],
+        route_handlers=[v1, tokenizer, admin, *PROBE_ROUTES],
         dependencies={
             "backend": Provide(_backend, sync_to_thread=False),
             "model": Provide(_model, sync_to_thread=False),

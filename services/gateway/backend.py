@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 import msgspec
 
 from shared.choices import choice_request_id, choice_seed
-from shared.messages import Logprob, Sampling
+from shared.messages import Logprob, RequestStat, Sampling
 
 
 class BackendUnavailable(Exception):
@@ -25,7 +25,7 @@ class BackendUnavailable(Exception):
 
 class Overloaded(Exception):
     """The workers are busy past the admission bounds (admission.py): HTTP 429 with `Retry-After`.
-    `reason` says which bound ("queue" | "kv"), for the rejection counter."""
+    `reason` says which bound ("queue" | "kv" | "ttft_slo"), for the rejection counter."""
 
     def __init__(self, message: str, retry_after_s: int, reason: str = "queue") -> None:
         super().__init__(message)
@@ -111,6 +111,16 @@ class GroupBackend(Protocol):
     async def open_group(self, job: GenerationJob) -> list[RequestStream]:
         """One stream per choice (`choice_requests`), every one registered before the one dispatch. Raises as open."""
         ...
+
+
+@runtime_checkable
+class RequestStatsSink(Protocol):
+    """A backend that passes each request's arrival and end on (NatsBackend: to pd.stats.requests.<model>, what
+    the SLO planner forecasts from). Never blocks and never raises: a statistic is not worth a request."""
+
+    gateway_id: str
+
+    def record_stat(self, stat: RequestStat) -> None: ...
 
 
 def choice_requests(job: GenerationJob) -> list[GenerationJob]:

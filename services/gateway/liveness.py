@@ -24,6 +24,11 @@ class WorkerTable:
     def record(self, beat: Heartbeat, now: float) -> None:
         self._seen[beat.worker_id] = (now, beat)
 
+    def beat(self, worker_id: str) -> Heartbeat | None:
+        """The worker's last heartbeat (live or not yet forgotten); None if never heard."""
+        entry = self._seen.get(worker_id)
+        return None if entry is None else entry[1]
+
     def last_seen(self, worker_id: str) -> float | None:
         """When the worker's last heartbeat arrived (the caller's clock); None if never, or forgotten."""
         entry = self._seen.get(worker_id)

@@ -1,4 +1,4 @@
-"""Cross-cutting HTTP concerns: who may call /v1 (API keys), and the X-Request-Id echo."""
+"""Cross-cutting HTTP concerns: who may call /v1 (API keys) and /admin (admin keys), and the X-Request-Id echo."""
 
 from __future__ import annotations
 
@@ -42,6 +42,25 @@ def api_key_guard(keys: tuple[str, ...]) -> Guard:
         if not matched:
             raise APIError(401, "invalid API key")
         connection.scope.setdefault("state", {})[TENANT_STATE] = tenant_of(matched[0])
+
+    return guard
+
+
+def admin_key_guard(keys: tuple[str, ...]) -> Guard:
+    """Require `Authorization: Bearer <one of the admin keys>` (constant-time compare): 401 without one or with
+    another key (an API key is not an admin key); with no admin key configured, every call is refused (403): the
+    admin API is off."""
+    accepted = [k.encode() for k in keys]
+
+    def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+        if not accepted:
+            raise APIError(403, "the admin API is disabled: the gateway has no admin_keys (set PDSERVE_ADMIN_KEYS)")
+        scheme, _sep, token = connection.headers.get("authorization", "").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "missing admin key: send the header `Authorization: Bearer <admin key>`")
+        if not any(secrets.compare_digest(token.encode(), key) for key in accepted):
+            raise APIError(401, "invalid admin key")
 
     return guard
 

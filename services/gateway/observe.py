@@ -15,7 +15,9 @@ from collections.abc import Mapping
 from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
+from services.gateway.backend import RequestStatsSink
 from services.gateway.prefill_path import PathChoice
+from shared.messages import RequestArrived, RequestEnded
 from shared.telemetry import metrics, tracing
 
 ROLE = "gateway"
@@ -32,8 +34,15 @@ class RequestObserver:
         arrived: tuple[float, float],  # (time.time(), time.perf_counter()) when the handler took it
         max_tokens: int,
         prompt_tokens: int,
+        stats: RequestStatsSink | None = None,  # where the request's arrival and end are told (the SLO planner)
     ) -> None:
         self.labels = (model, ROLE)
+        self.request_id = request_id
+        self.max_tokens = max_tokens
+        self._stats = stats
+        self._ttft: float | None = None
+        self._tpot: float | None = None
+        self._sent = False
         self.path = NOT_DISPATCHED
         self.prompt_tokens = prompt_tokens
         self._arrived = arrived[1]
@@ -62,11 +71,22 @@ class RequestObserver:
         return tracing.carrier(trace.set_span_in_context(self.span))
 
     def dispatched(self, choice: PathChoice | None) -> None:
-        """The request's job left down `choice`'s path (None: a backend that does not choose one)."""
-        if choice is None:
-            return
-        self.path = choice.path.value
-        self.span.set_attributes(path_attributes(choice))
+        """The request's job left down `choice`'s path (None: a backend that does not choose one). From here on it
+        counts as an arrival of the load the SLO planner forecasts."""
+        self._sent = True
+        if choice is not None:
+            self.path = choice.path.value
+            self.span.set_attributes(path_attributes(choice))
+        if self._stats is not None:
+            self._stats.record_stat(
+                RequestArrived(
+                    gateway_id=self._stats.gateway_id,
+                    request_id=self.request_id,
+                    prompt_tokens=self.prompt_tokens,
+                    at=time.time(),
+                    max_tokens=self.max_tokens,
+                )
+            )
 
     def tokens(self, n: int) -> None:
         """`n` more tokens reach the client now."""
@@ -102,13 +122,26 @@ class RequestObserver:
             m.PROMPT_TOKENS.labels(*self.labels).inc(self.prompt_tokens)
             m.E2E_LATENCY.labels(*self.labels, self.path).observe(e2e)
             attributes[tracing.E2E_TIME] = e2e
-            attributes[tracing.GEN_AI_TTFT] = self._first - self._arrived
+            attributes[tracing.GEN_AI_TTFT] = self._ttft = self._first - self._arrived
             if completion_tokens > 1:
-                tpot = (self._last - self._first) / (completion_tokens - 1)
+                tpot = self._tpot = (self._last - self._first) / (completion_tokens - 1)
                 m.TIME_PER_OUTPUT_TOKEN.labels(*self.labels, self.path).observe(tpot)
                 attributes[tracing.GEN_AI_TPOT] = tpot
         self.span.set_attributes(attributes)
         tracing.end_span(self.span, error=error)
+        if self._stats is not None and self._sent:
+            self._stats.record_stat(
+                RequestEnded(
+                    gateway_id=self._stats.gateway_id,
+                    request_id=self.request_id,
+                    prompt_tokens=self.prompt_tokens,
+                    at=time.time(),
+                    output_tokens=completion_tokens,
+                    ttft_s=self._ttft,
+                    tpot_s=self._tpot,
+                    finish_reason=finish_reason,
+                )
+            )
 
 
 def path_attributes(choice: PathChoice) -> dict[str, AttributeValue]:

@@ -88,11 +88,13 @@ class PathChooser:
         prefill_cached: Mapping[str, int] | None = None,
         prefill_load: OwnLoad | None = None,
         decode_load: OwnLoad | None = None,
+        remember: bool = True,
     ) -> PathChoice:
         """The path of a request of `prompt_tokens` for `model`, from the workers live at `now`; `prefill_cached`:
         the prompt tokens a prefill worker is expected to find in its prefix cache, by worker id; `prefill_load`,
         `decode_load`: this gateway's requests the heartbeats do not show yet (PathSignals). A local choice is
-        remembered for the decode load of the choices after it."""
+        remembered for the decode load of the choices after it; `remember=False` leaves that to `remember()`, once
+        the request is known to be sent (admission may still refuse it)."""
         live = self.settings.prefill_path_live_calibration
         serving = workers.serving(model, now)
         recent = self.local_load.recent(model, now)
@@ -106,9 +108,14 @@ class PathChooser:
             self.settings.prefill_path,
             self.plane.overhead() if live else PlaneOverhead(),
         )
+        if remember:
+            self.remember(choice, model, now, prompt_tokens)
+        return choice
+
+    def remember(self, choice: PathChoice, model: str, now: float, prompt_tokens: int) -> None:
+        """Count a sent request's prompt in the decode load of the choices after it, if it went local."""
         if choice.path is PrefillPath.LOCAL:
             self.local_load.add(model, now, prompt_tokens)  # (a decode worker's cache hit is not predicted)
-        return choice
 
 
 def dispatch(choice: PathChoice, job: PrefillJob) -> tuple[str, PrefillJob | DecodeJob]:

@@ -1,17 +1,7 @@
 """The prefill path's signals (prefill_path.py) from the live workers' heartbeats: each worker's load and the cost
 coefficients it measured (`Heartbeat.path_calibration`, shared/worker/calibration.py), and the documented defaults
-wherever a worker has not measured one yet, or where live calibration is off (`prefill_path_live_calibration`).
-
-The defaults were measured on the project's 2-core AMD EPYC host with the `small` demo model (Qwen3-MoE, 106M
-parameters, float32, 8 KiB of KV per token); docs/benchmarks.md and its journal:
-
-    prefill 1236 tokens/s     engine_bench, 512-token prompts, batch 1, 2 threads (journal, "Result: packed and
-                              plain side by side", 2026-12-01)
-    prefill step 8 ms         a step's cost before its prompt tokens: taken as a one-sequence decode step (below)
-    decode step 8 ms          engine_bench, decode at 1 sequence: 7.6-9.1 ms ("Issue 36 architecture pass")
-    pull 2 ms + 0.6 ms/MB     "the fixed cost of a pull is 1-4 ms on every transport"; 4096 tokens (33.55 MB) over
-                              the same-host segment in 22.0 ms ("Break-even: KV transfer against prefill")
-    8192 KV bytes per token   the small model's; every worker reports its own (a fact of its model, not a measure)
+(shared/cost_defaults.py) wherever a worker has not measured one yet, or where live calibration is off
+(`prefill_path_live_calibration`).
 
 A decode worker that has computed no prompt yet is assumed as fast at prompts as the prefill workers measured (the
 same model, on hardware of the same kind), else the default; a transfer coefficient is the mean of what the decode
@@ -25,14 +15,15 @@ from dataclasses import dataclass, field
 from statistics import fmean
 
 from services.gateway.prefill_path import DecodeSide, PrefillSide, Transfer
+from shared.cost_defaults import (
+    DEFAULT_DECODE_STEP_MS,
+    DEFAULT_KV_BYTES_PER_TOKEN,
+    DEFAULT_KV_PULL_OVERHEAD_MS,
+    DEFAULT_KV_TRANSFER_MS_PER_MB,
+    DEFAULT_PREFILL_STEP_MS,
+    DEFAULT_PREFILL_TOKENS_PER_S,
+)
 from shared.messages import Heartbeat, PathCalibration, Role
-
-DEFAULT_PREFILL_TOKENS_PER_S = 1236.0
-DEFAULT_PREFILL_STEP_MS = 8.0
-DEFAULT_DECODE_STEP_MS = 8.0
-DEFAULT_KV_TRANSFER_MS_PER_MB = 0.6
-DEFAULT_KV_PULL_OVERHEAD_MS = 2.0
-DEFAULT_KV_BYTES_PER_TOKEN = 8192
 
 
 def _measured(beats: Sequence[Heartbeat], read: Callable[[PathCalibration], float | None]) -> list[float]:

@@ -112,6 +112,7 @@ class Prediction:
     ttft_s: float
     ready_s: float  # when the request can decode on (remote: after the hand-off)
     plane_s: float = 0.0  # the serving-plane time included in ttft_s (PlaneOverhead)
+    queue_s: float = 0.0  # the part of ttft_s spent behind the worker's queued prompt tokens (what waiting drains)
 
 
 @dataclass(frozen=True)
@@ -140,9 +141,10 @@ def predict_remote(
     best: Prediction | None = None
     for w in workers:
         uncached = max(prompt_tokens - w.cached_tokens, 0)
-        ttft = max((w.queued_tokens + uncached) / w.tokens_per_s + w.step_s + plane_s, 0.0)
+        queue = w.queued_tokens / w.tokens_per_s
+        ttft = max(queue + uncached / w.tokens_per_s + w.step_s + plane_s, 0.0)
         if best is None or ttft < best.ttft_s:
-            best = Prediction(w.worker_id, ttft, ttft + handoff_s, plane_s)
+            best = Prediction(w.worker_id, ttft, ttft + handoff_s, plane_s, queue)
     return best
 
 
@@ -162,11 +164,12 @@ def predict_local(prompt_tokens: int, workers: Sequence[DecodeSide], plane_s: fl
     for w in workers:
         uncached = max(prompt_tokens - w.cached_tokens, 0)
         slowdown = uncached / w.prefill_tokens_per_s
-        ttft = max(w.step_s + (w.queued_tokens + uncached) / w.prefill_tokens_per_s + plane_s, 0.0)
+        queue = w.queued_tokens / w.prefill_tokens_per_s
+        ttft = max(w.step_s + queue + slowdown + plane_s, 0.0)
         load = (w.recent_local_tokens + uncached) / (w.prefill_tokens_per_s * LOCAL_WINDOW_S)
         tpot = w.step_s / (1.0 - load) if load < 1.0 else float("inf")
         if best is None or ttft < best.prediction.ttft_s:
-            best = LocalPrediction(w, Prediction(w.worker_id, ttft, ttft, plane_s), slowdown, tpot)
+            best = LocalPrediction(w, Prediction(w.worker_id, ttft, ttft, plane_s, queue), slowdown, tpot)
     return best
 
 

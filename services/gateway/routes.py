@@ -19,7 +19,13 @@ from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
 from services.gateway import sse
-from services.gateway.backend import BackendUnavailable, GatewayBackend, GenerationJob, Overloaded
+from services.gateway.backend import (
+    BackendUnavailable,
+    GatewayBackend,
+    GenerationJob,
+    Overloaded,
+    RequestStatsSink,
+)
 from services.gateway.choices import ChoiceSet
 from services.gateway.decoding import StrictJSON
 from services.gateway.disconnect import until_disconnect
@@ -109,7 +115,14 @@ async def _complete(
     operation = tracing.CHAT if chat else tracing.TEXT_COMPLETION
     prompt_tokens = len(prepared.prompt_token_ids)
     observer = RequestObserver(
-        operation, model.name, request_id, request.headers, arrived, prepared.sampling.max_tokens, prompt_tokens
+        operation,
+        model.name,
+        request_id,
+        request.headers,
+        arrived,
+        prepared.sampling.max_tokens,
+        prompt_tokens,
+        stats=backend if isinstance(backend, RequestStatsSink) else None,
     )
     job = GenerationJob(
         request_id,

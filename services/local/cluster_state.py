@@ -1,6 +1,7 @@
 """What a running deployment reports about itself, read from outside: the workers' latest heartbeats (NATS)
-and the KV location keys in Redis — and whether a run left anything behind (blocks in use, KV held, requests
-still running, keys). Tests, the fault scenarios and the soak benchmark check their runs with it."""
+and the KV location keys in Redis — each worker's role now (roles may switch while they run: `describe`), and
+whether a run left anything behind (blocks in use, KV held, requests still running, keys). Tests, the fault
+scenarios and the soak benchmark check their runs with it."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def heartbeats(nats_url: str, seconds: float = 2.5) -> dict[str, Heartbeat]:
     """The latest heartbeat of every worker heard within `seconds` (workers beat about once a second)."""
 
     async def collect() -> dict[str, Heartbeat]:
-        nc = await nats.connect(nats_url)
+        nc = await nats.connect(nats_url.split(","))  # one URL, or a cluster's, comma-separated
         seen: dict[str, Heartbeat] = {}
 
         async def on_beat(msg) -> None:
@@ -33,6 +34,19 @@ def heartbeats(nats_url: str, seconds: float = 2.5) -> dict[str, Heartbeat]:
         return seen
 
     return asyncio.run(collect())
+
+
+def describe(beats: dict[str, Heartbeat]) -> list[str]:
+    """One line per worker, by id: its role now (and the one it is switching to), its group and load."""
+    lines = []
+    for worker_id, b in sorted(beats.items()):
+        role = f"{b.role} → {b.switching_to} (switching)" if b.switching_to else str(b.role)
+        state = " draining" if b.draining and not b.switching_to else ""
+        group = f" [{b.parallel}]" if b.parallel else ""
+        used = b.total_blocks - b.free_blocks
+        lines.append(f"{worker_id}: {role}{state}{group}, {b.running} running, {b.waiting} waiting, "
+                     f"{used}/{b.total_blocks} KV blocks used, {b.held_kv} held")  # fmt: skip
+    return lines
 
 
 def kv_keys(redis_url: str) -> list[str]:

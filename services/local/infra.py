@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,14 +144,20 @@ def start_nats(
     user: str | None = None,
     password: str | None = None,
     tls: ServerTls | None = None,
+    prefix: Sequence[str] = (),
+    name: str = "nats",
+    extra_conf: Sequence[str] = (),
 ) -> ServerProcess:
     """nats-server with JetStream on `port` (a free one by default). With `user` and `password` clients must
     log in; a `password` alone is a token. The secrets go in a configuration file inside the server's private
     data directory, not on its command line (which any local user can read). `url` carries them: it is what a
-    client needs (besides the CA, with `tls`)."""
+    client needs (besides the CA, with `tls`). prefix: the command runs under it, e.g. `ip netns exec NS` for
+    a server on another (emulated) host, then `port` must be given (free there) and `host` reachable from here.
+    `name`: the server's, for the supervisor and the logs; `extra_conf`: more lines of its configuration (a
+    cluster node's, replicated.py)."""
     port = port or free_port(host)
-    data = tempfile.TemporaryDirectory(prefix="pdserve-nats-")
-    conf: list[str] = []
+    data = tempfile.TemporaryDirectory(prefix=f"pdserve-{name}-")
+    conf: list[str] = list(extra_conf)
     if user is not None and password is None:
         raise ValueError("a NATS user needs a password")
     if password is not None:
@@ -161,7 +168,7 @@ def start_nats(
         if tls.ca is not None:
             files.append(f"ca_file: {_quoted(tls.ca)}")
         conf.append(f"tls {{ {', '.join(files)}, verify: {'true' if tls.verify_clients else 'false'} }}")
-    cmd = [find_binary("nats-server"), "-js", "-a", host, "-p", str(port), "-sd", data.name]
+    cmd = [*prefix, find_binary("nats-server"), "-js", "-a", host, "-p", str(port), "-sd", data.name]
     if conf:
         conf_path = Path(data.name) / "nats.conf"
         conf_path.write_text("\n".join(conf) + "\n")
@@ -169,17 +176,24 @@ def start_nats(
     base = f"{'tls' if tls else 'nats'}://{host}:{port}"
     # a token rides in the user's place (nats://token@host), as nats clients expect
     url = with_credentials(base, user, password) if user else with_credentials(base, password, None)
-    return _start("nats", cmd, data, url, host, port)
+    return _start(name, cmd, data, url, host, port)
 
 
 def start_redis(
-    port: int | None = None, host: str = "127.0.0.1", password: str | None = None, tls: ServerTls | None = None
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    password: str | None = None,
+    tls: ServerTls | None = None,
+    prefix: Sequence[str] = (),
+    name: str = "redis",
+    extra_conf: Sequence[str] = (),
 ) -> ServerProcess:
     """redis-server on `port` (a free one by default), nothing persisted. With `password` clients must log in
-    (the default user's requirepass); with `tls` it speaks TLS only (rediss://). Secrets as in start_nats."""
+    (the default user's requirepass); with `tls` it speaks TLS only (rediss://). Secrets, prefix, `name` and
+    `extra_conf` (a replica's lines, replicated.py) as in start_nats."""
     port = port or free_port(host)
-    data = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
-    conf = [f"bind {host}", f"dir {_quoted(data.name)}", 'save ""', "appendonly no"]
+    data = tempfile.TemporaryDirectory(prefix=f"pdserve-{name}-")
+    conf = [f"bind {host}", f"dir {_quoted(data.name)}", 'save ""', "appendonly no", *extra_conf]
     if password is not None:
         conf.append(f"requirepass {_quoted(password)}")
     if tls is None:
@@ -193,4 +207,4 @@ def start_redis(
     conf_path.write_text("\n".join(conf) + "\n")
     scheme = "rediss" if tls else "redis"
     url = with_credentials(f"{scheme}://{host}:{port}/0", None, password)
-    return _start("redis", [find_binary("redis-server"), str(conf_path)], data, url, host, port)
+    return _start(name, [*prefix, find_binary("redis-server"), str(conf_path)], data, url, host, port)

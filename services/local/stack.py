@@ -1,6 +1,10 @@
 """`pdserve up`: the whole stack on one machine — nats-server and redis-server (unless URLs are given),
 the gateway and the workers as separate processes — ready when the gateway's /ready says so.
 
+With `ha` the private servers are replicated instead (replicated.py): a 3-node nats-server cluster whose
+streams have 3 replicas, and a Redis primary with a replica under 3 Sentinels, through which the services find
+the primary.
+
 The private nats-server and redis-server require passwords generated here, as is the cluster secret that
 signs KV pull tickets; every service gets them, and the server URLs, in its environment (never on a command
 line, which any local user can read). With `kv_tls` the workers' KV transfer gRPC speaks mutual TLS, with
@@ -25,11 +29,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.local.children import popen_options
+from services.local.hosts import INFRA, ServiceHosts
 from services.local.infra import ServerProcess, free_port, start_nats, start_redis
 from services.local.kv_certs import KV_TLS_DIR, KvTlsFiles, dialled_hosts, generate, refuse_other_kv_tls, without_kv_tls
+from services.local.replicated import (
+    NatsCluster,
+    RedisSentinels,
+    create_streams,
+    start_nats_cluster,
+    start_redis_sentinels,
+)
 from shared.engine.config import EngineConfig
 from shared.sharding.layout import ParallelLayout
-from shared.urls import split_credentials
+from shared.urls import split_credentials, with_credentials
 
 
 @dataclass(frozen=True)
@@ -68,12 +80,26 @@ class StackSpec:
     # generated at launch in <log dir>/kv-tls (kv_certs.generate); files = the user's own; False = the
     # workers' own settings apply (PDSERVE_KV_TLS_* inherited, if any).
     kv_tls: bool | KvTlsFiles = False
+    # The SLO planner (services/planner) beside the gateway: it switches the workers' roles to keep the SLOs and
+    # serves /plan and /metrics on planner_port (0: a free one); planner_args are its extra flags.
+    planner: bool = False
+    planner_port: int = 0
+    planner_args: tuple[str, ...] = ()
+    # Each service on a host of its own (services/local/hosts.py): the address it binds and is reached at, the
+    # prefix that starts it there, its ports. None: all on this machine (infra on 127.0.0.1, the rest on host).
+    # Only with private servers: one given by URL is wherever that URL says.
+    hosts: ServiceHosts | None = None
+    # The private servers replicated (replicated.py): a 3-node NATS cluster with streams at 3 replicas, and Redis
+    # with a replica under 3 Sentinels, all on this machine's loopback. A server given by URL is used as it is.
+    ha: bool = False
 
     def __post_init__(self) -> None:
         if self.mixed < 0 or self.prefill < 0 or self.decode < 0:
             raise ValueError("worker counts must be non-negative")
         if self.mixed == 0 and (self.prefill == 0 or self.decode == 0):
             raise ValueError("need at least one prefill and one decode worker, or --mixed workers")
+        if self.ha and self.hosts is not None:
+            raise ValueError("ha: the replicated servers run on this machine's loopback, not on separate hosts (yet)")
         for name, per_role in (
             ("threads", self.threads),
             ("cpu_affinity", self.cpu_affinity),
@@ -144,6 +170,17 @@ class StackSpec:
         return not prefill & {d for r, d in placed if r == "decode"}
 
 
+@dataclass(frozen=True)
+class Replacement:
+    """A worker's new process, started by `Stack.start_replacement`: what `swap_in` registers."""
+
+    name: str
+    proc: subprocess.Popen
+    args: list[str]
+    env: dict[str, str] | None
+    metrics_port: int
+
+
 def device_name(spec: str) -> str:
     """A device as a worker's --device takes it: "cpu", "cuda", "cuda:N"; a bare N is cuda:N."""
     spec = spec.strip()
@@ -164,21 +201,52 @@ class Stack:
         self.infra: list[ServerProcess] = []
         self.procs: dict[str, subprocess.Popen] = {}
         self._log_files: list = []
-        # URLs a client of this stack's servers can use as they are (credentials included): tests and tools.
+        # URLs a client of this stack's servers can use as they are (credentials included): tests and tools. A
+        # NATS cluster's is its nodes' URLs, comma-separated; redis_url follows the Sentinels' primary (ha).
         self.nats_url = spec.nats_url
-        self.redis_url = spec.redis_url
+        self._redis_url = spec.redis_url
+        self.nats_cluster: NatsCluster | None = None  # spec.ha: the private NATS cluster
+        self.redis_sentinels: RedisSentinels | None = None  # spec.ha: the private Redis primary, replica, Sentinels
         # The private servers' settings, for every service (see service_env).
         self._infra_env: dict[str, str] = {}
         self.metrics_ports: dict[str, int] = {}  # worker name → its /metrics port
+        self.planner_port: int | None = None  # the planner's /plan and /metrics, with spec.planner
         self._spawned: dict[str, tuple[list[str], dict[str, str] | None]] = {}  # name → spawn()'s arguments
         # Signs KV pull tickets between this stack's workers; one given in the environment wins.
         self.cluster_secret = secrets.token_urlsafe(32)
         # The KV transfer TLS files every prefill and decode worker gets (spec.kv_tls), set at launch.
         self.kv_tls: KvTlsFiles | None = None
+        self._placement: dict[str, tuple[str, str | None]] = {}  # worker name → its role and device
+        self._generation: dict[str, int] = {}  # worker name → replacements started for it (rolling restarts)
+        # Processes of a worker hand-over (rolling.py), outside `procs`: a replacement not serving yet, a replaced
+        # worker draining. stop() stops them too.
+        self.handover: list[subprocess.Popen] = []
 
     @property
     def url(self) -> str:
-        return f"http://{self.spec.host}:{self.spec.port}"
+        return f"http://{self.address('gateway')}:{self.spec.port}"
+
+    def address(self, service: str) -> str:
+        """Where `service` ("nats", "redis", "gateway", a worker's name) listens: its host's address with
+        spec.hosts; else 127.0.0.1 for the private servers and spec.host for the rest."""
+        if self.spec.hosts is not None:
+            return self.spec.hosts.address(service)
+        return "127.0.0.1" if service in INFRA else self.spec.host
+
+    def _prefix(self, service: str) -> list[str]:
+        return self.spec.hosts.prefix(service) if self.spec.hosts is not None else []
+
+    def _port(self, service: str) -> int | None:
+        """A port free on `service`'s host with spec.hosts; None without (a free one here is the caller's pick)."""
+        return self.spec.hosts.port(service) if self.spec.hosts is not None else None
+
+    @property
+    def redis_url(self) -> str | None:
+        """The Redis URL, credentials included; with private Sentinels, that of the primary they name now."""
+        plane = self.redis_sentinels
+        if plane is None or (primary := plane.primary()) is None:
+            return self._redis_url
+        return with_credentials(f"redis://{primary.host}:{primary.port}/0", None, plane.password)
 
     def start(self, ready_timeout_s: float = 120.0) -> Stack:
         """launch(), then wait_ready(): a stack that serves, or an error (and everything it started stopped)."""
@@ -196,35 +264,124 @@ class Stack:
         try:
             self.prepare_kv_tls()
             if self.nats_url is None:
-                user, password = "pdserve", secrets.token_urlsafe(24)
-                self.infra.append(start_nats(user=user, password=password))
-                self.nats_url = self.infra[-1].url
-                self._infra_env |= {"PDSERVE_NATS_URL": split_credentials(self.nats_url)[0],
-                                    "PDSERVE_NATS_USER": user, "PDSERVE_NATS_PASSWORD": password}  # fmt: skip
-            if self.redis_url is None:
-                password = secrets.token_urlsafe(24)
-                self.infra.append(start_redis(password=password))
-                self.redis_url = self.infra[-1].url
-                self._infra_env |= {"PDSERVE_REDIS_URL": split_credentials(self.redis_url)[0],
-                                    "PDSERVE_REDIS_PASSWORD": password}  # fmt: skip
+                self._start_nats()
+            if self._redis_url is None:
+                self._start_redis()
             spec = self.spec
             for i, (role, device) in enumerate(zip(spec.roles(), spec.worker_devices(), strict=True)):
                 name = f"{role}-{i}"
-                self.metrics_ports[name] = port = free_port(self.spec.host)
-                flags = ["--worker-id", f"{name}-{os.getpid()}", "--metrics-port", str(port)]
-                self.spawn(name, [role, *flags, *self._worker_flags(role, device)], env=self.worker_env())
-            self.spawn("gateway", ["gateway", "--port", str(self.spec.port), "--host", self.spec.host,
+                self._placement[name] = (role, device)
+                args, self.metrics_ports[name] = self._worker_args(name)
+                self.spawn(name, args, env=self.worker_env())
+            self.spawn("gateway", ["gateway", "--port", str(self.spec.port), "--host", self.address("gateway"),
                                    *self._common_flags(), *self.spec.gateway_args])  # fmt: skip
+            if spec.planner:
+                self.planner_port = spec.planner_port or free_port(spec.host)
+                self.spawn("planner", ["planner", "--port", str(self.planner_port), "--host", spec.host,
+                                       *self._common_flags(), *spec.planner_args])  # fmt: skip
         except BaseException:
             self.stop()
             raise
 
+    def _start_nats(self) -> None:
+        """The private nats-server (or, with spec.ha, cluster: its streams made at its size), and its settings."""
+        user, password = "pdserve", secrets.token_urlsafe(24)
+        if self.spec.ha:
+            cluster = self.nats_cluster = start_nats_cluster(user, password)
+            self.infra += cluster.nodes
+            replicas = len(cluster.nodes)
+            create_streams(cluster.url, replicas)
+            self.nats_url, bare = cluster.url, cluster.bare_url
+        else:
+            self.infra.append(start_nats(self._port("nats"), self.address("nats"), user, password,
+                                         prefix=self._prefix("nats")))  # fmt: skip
+            replicas = 1
+            self.nats_url = self.infra[-1].url
+            bare = split_credentials(self.nats_url)[0]
+        self._infra_env |= {"PDSERVE_NATS_URL": bare, "PDSERVE_NATS_USER": user, "PDSERVE_NATS_PASSWORD": password,
+                            "PDSERVE_JETSTREAM_REPLICAS": str(replicas)}  # fmt: skip
+
+    def _start_redis(self) -> None:
+        """The private redis-server (or, with spec.ha, primary, replica and Sentinels), and its settings."""
+        password = secrets.token_urlsafe(24)
+        if self.spec.ha:
+            plane = self.redis_sentinels = start_redis_sentinels(password)
+            self.infra += plane.servers
+            self._redis_url = plane.nodes[0].url
+            self._infra_env |= {"PDSERVE_REDIS_SENTINELS": plane.addresses,
+                                "PDSERVE_REDIS_SENTINEL_MASTER": plane.master}  # fmt: skip
+        else:
+            self.infra.append(start_redis(self._port("redis"), self.address("redis"), password,
+                                          prefix=self._prefix("redis")))  # fmt: skip
+            self._redis_url = self.infra[-1].url
+        bare = split_credentials(self._redis_url)[0]
+        self._infra_env |= {"PDSERVE_REDIS_URL": bare, "PDSERVE_REDIS_PASSWORD": password}
+
+    def _worker_args(self, name: str, generation: int = 0) -> tuple[list[str], int]:
+        """The command line of worker `name` and the /metrics port it names (a free one). Its worker id is
+        "<name>-<launcher pid>", and "-<generation>" for a rolling restart's replacement, which runs beside the
+        worker it replaces for a while: ids, own queues and /metrics ports must differ."""
+        role, device = self._placement[name]
+        port = self._port(name) or free_port(self.address(name))
+        worker_id = f"{name}-{os.getpid()}" + (f"-{generation}" if generation else "")
+        flags = ["--worker-id", worker_id, "--metrics-port", str(port), "--metrics-host", self.address(name)]
+        if self.spec.hosts is not None:  # the KV transfer server binds, and advertises, its host's address
+            flags += ["--rpc-host", self.address(name)]
+        return [role, *flags, *self._worker_flags(role, device)], port
+
+    def role_of(self, name: str) -> str | None:
+        """The role of worker `name`; None for the gateway (or a name this stack never started)."""
+        placed = self._placement.get(name)
+        return None if placed is None else placed[0]
+
+    def start_replacement(self, name: str) -> Replacement:
+        """A new process for worker `name` — the same role, device and flags, a new worker id and /metrics port —
+        started now but not in `procs` (a supervisor does not restart it) until `swap_in`; in `handover` till then."""
+        generation = self._generation[name] = self._generation.get(name, 0) + 1
+        args, port = self._worker_args(name, generation)
+        env = self.worker_env()
+        proc = self._start(name, args, env)
+        self.handover.append(proc)
+        return Replacement(name, proc, args, env, port)
+
+    def swap_in(self, replacement: Replacement) -> None:
+        """`replacement` becomes its worker's process in `procs` (a respawn starts it as it was started); the
+        name must have been retired."""
+        name = replacement.name
+        if name in self.procs:
+            raise RuntimeError(f"{name} is still in the stack: retire it first")
+        self.handover.remove(replacement.proc)
+        self.procs[name] = replacement.proc
+        self._spawned[name] = (replacement.args, replacement.env)
+        self.metrics_ports[name] = replacement.metrics_port
+
+    def retire(self, name: str) -> subprocess.Popen:
+        """Take worker `name`'s process out of `procs` (no supervisor restarts it once it exits) into `handover`;
+        the caller stops it."""
+        proc = self.procs.pop(name)
+        self.handover.append(proc)
+        return proc
+
+    def beats(self, name: str, metrics_port: int) -> bool:
+        """Whether worker `name`'s process serving /metrics on `metrics_port` has sent its first heartbeat: each
+        beat sets its load gauges (shared/worker/gauges.py), which its /metrics shows from then on. The gateways
+        have the beat then: they count the worker live and route to it."""
+        url = f"http://{self.address(name)}:{metrics_port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                return b"pdserve:num_requests_running{" in resp.read()
+        except OSError:
+            return False
+
     def prepare_kv_tls(self) -> None:
         """The files of spec.kv_tls: generated afresh in the run directory (kept with the logs; the CA's key is
-        deleted once it has signed), or the user's."""
+        deleted once it has signed), or the user's. Generated ones name every host a decode worker may dial,
+        with spec.hosts every worker's address too."""
         if self.spec.kv_tls is True:
             hosts = dialled_hosts(os.environ | self.spec.env, self.spec.worker_flags_of("prefill"))
-            self.kv_tls = generate(self.log_dir / KV_TLS_DIR, hosts)
+            if self.spec.hosts is not None:
+                hosts += [self.address(f"{role}-{i}") for i, role in enumerate(self.spec.roles())]
+            self.kv_tls = generate(self.log_dir / KV_TLS_DIR, list(dict.fromkeys(hosts)))
         elif isinstance(self.spec.kv_tls, KvTlsFiles):
             self.kv_tls = self.spec.kv_tls
 
@@ -240,12 +397,12 @@ class Stack:
 
     def metrics_urls(self) -> list[str]:
         """The /metrics URL of every worker (the gateway's is at url + "/metrics")."""
-        return [f"http://{self.spec.host}:{port}/metrics" for port in self.metrics_ports.values()]
+        return [f"http://{self.address(name)}:{port}/metrics" for name, port in self.metrics_ports.items()]
 
     def _worker_flags(self, role: str, device: str | None = None) -> list[str]:
         """Flags of one worker: common ones, the device placement's (before the user's, which win), the user's
         worker_args and role_args, threads."""
-        flags = self._common_flags() + ["--metrics-host", self.spec.host]
+        flags = self._common_flags()
         if device is not None:
             flags += ["--device", device] + self._placement_flags(role, device)
         flags += list(self.spec.worker_args) + list(self.spec.role_args.get(role, ()))
@@ -305,17 +462,22 @@ class Stack:
         """Start `pdserve <args>` as a child named `name` (logs in log_path(name) unless not quiet), with
         service_env() and then `env`; a worker of a role in spec.cpu_affinity is pinned to its CPUs. The child
         has its own process group and stops when this process dies (children.popen_options)."""
+        self._spawned[name] = (args, env)
+        self.procs[name] = proc = self._start(name, args, env)
+        return proc
+
+    def _start(self, name: str, args: list[str], env: dict[str, str] | None) -> subprocess.Popen:
+        """The process of `spawn`, not registered anywhere."""
         path = self.log_path(name)  # None exactly when not quiet
         out = open(path, "ab") if path is not None else None  # closed in stop()
         if out is not None:
             self._log_files.append(out)
-        self._spawned[name] = (args, env)
         env = self.service_env() | (env or {})
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", *args], stdout=out, stderr=subprocess.STDOUT
+        argv = [*self._prefix(name), sys.executable, "-m", "services.cli", *args]
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT
                                 if out else None, env=env, **popen_options())  # fmt: skip
         if (role := args[0]) in self.spec.cpu_affinity:  # before the interpreter has started any thread
             os.sched_setaffinity(proc.pid, self.spec.cpu_affinity[role])
-        self.procs[name] = proc
         return proc
 
     def log_path(self, name: str) -> Path | None:
@@ -350,25 +512,28 @@ class Stack:
         if not gateway:
             return False, why
         waiting = [
-            n for n, port in self.metrics_ports.items() if not _answers(f"http://{self.spec.host}:{port}/metrics")[0]
+            n for n, port in self.metrics_ports.items() if not _answers(f"http://{self.address(n)}:{port}/metrics")[0]
         ]
         return (False, f"waiting for {', '.join(waiting)} to connect") if waiting else (True, "HTTP 200")
 
     def stop(self, timeout_s: float = 15.0, abort: Callable[[], bool] = lambda: False) -> None:
         """SIGTERM to every service (they drain), SIGKILL to those still running after `timeout_s` or as soon
-        as `abort()` says so (a second signal to the supervisor); then the private servers stop."""
-        for proc in self.procs.values():
+        as `abort()` says so (a second signal to the supervisor); then the private servers stop. The processes of
+        a hand-over in progress (`handover`) are stopped with them."""
+        services = list(self.procs.items()) + [(f"a worker of a hand-over (pid {p.pid})", p) for p in self.handover]
+        for _, proc in services:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        while any(p.poll() is None for p in self.procs.values()) and time.monotonic() < deadline and not abort():
+        while any(p.poll() is None for _, p in services) and time.monotonic() < deadline and not abort():
             time.sleep(0.05)
-        for name, proc in self.procs.items():
+        for name, proc in services:
             if proc.poll() is None:
                 why = "at once (asked to)" if abort() else f"after {timeout_s}s of draining"
                 print(f"pdserve: {name} still running {why}; killing it", file=sys.stderr)
                 proc.kill()
                 proc.wait()
+        self.handover.clear()
         for server in reversed(self.infra):
             server.stop()
         self.infra.clear()

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import msgspec
 from nats.aio.msg import Msg
 
-from shared import expert_affinity
+from shared import bus, expert_affinity
 from shared.engine.engine import RequestOutput
 from shared.engine.request import FinishReason
 from shared.kv.prefill_kv import PrefillKv
@@ -171,7 +171,7 @@ class PrefillWorker(Worker[PrefillJob]):
                 decode_job = _decode_job([(job, None)], holder, key, streamed=True)
                 subject = handed_on_subject(self.model_name, job.decode_worker)
                 with tracing.producer_span(subject, job.request_id):
-                    await self.conn.js.publish(subject, encode(decode_job), headers=tracing.carrier() or None)
+                    await bus.publish_durably(self.conn.js, subject, encode(decode_job), tracing.carrier() or None)
                 self.emit(job.reply_subject, queued_event(job, worker_id, streamed=True))
             except Exception as exc:  # NATS away: the job stays unacked, so JetStream hands it out again
                 log.warning("handing %s on to decode failed (%s); freeing its KV", key, exc)
@@ -268,7 +268,11 @@ class PrefillWorker(Worker[PrefillJob]):
                 self.ledger.finish(e.key)
             return
         fingerprint = self.held.layout.fingerprint
-        location = KvLocation(key, worker_id, self.rpc_address or "", group[0][1].num_prompt_tokens, fingerprint)
+        # The KV held covers every token but the last sampled: the prompt, and a moved request's tokens so far (the
+        # decode side posts its receives for exactly this many; a count short of it cost the pair and the pull)
+        head_out = group[0][1]
+        kv_tokens = head_out.num_prompt_tokens + head_out.num_output_tokens - 1
+        location = KvLocation(key, worker_id, self.rpc_address or "", kv_tokens, fingerprint)
         # False: Redis unreachable, so no decode worker could find the KV: it is freed and decode recomputes
         # held for the first choice that goes on: its cancel (the client went away) frees the group's KV
         head = going_on[0][0].request_id
@@ -277,7 +281,7 @@ class PrefillWorker(Worker[PrefillJob]):
         decode_job = msgspec.structs.replace(_decode_job(going_on, holder, key), hot_experts=hot)
         subject = handed_on_subject(self.model_name, decode_worker)
         with tracing.producer_span(subject, rid):
-            await self.conn.js.publish(subject, encode(decode_job), headers=tracing.carrier() or None)
+            await bus.publish_durably(self.conn.js, subject, encode(decode_job), tracing.carrier() or None)
         for e, _ in group:
             self.ledger.finish(e.key)
         for one, _ in going_on:  # no worker holds them until a decode worker does (or the routed one, at once)

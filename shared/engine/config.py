@@ -143,6 +143,12 @@ class EngineConfig:
     cuda_graphs: bool = True
     """Replay decode-only steps from CUDA graphs captured at start, one per batch-size bucket (1, 2, 4, 8, 16,
     24, ... up to max_num_seqs); effective only on CUDA with kernels=triton, else every step runs eagerly."""
+    overlap_scheduling: bool = False
+    """Plan the next step and build its inputs while the current step's forward runs on a forward thread, one
+    step ahead of the sampled tokens (shared/engine/overlap.py); the same greedy and seeded tokens either way.
+    Steps run in lockstep while a request has a grammar, penalties or prompt logprobs, choices wait to be
+    forked, or on a worker group. Off by default: on the 2-core CPU hosts measured no speed-up showed
+    (docs/benchmarks.md, "Overlap scheduling")."""
     tp: int = 1
     """Tensor-parallel degree: attention heads, dense MLPs, the experts' intermediate size and the untied LM
     head's vocabulary split over this many ranks of the worker group (shared/sharding/layout.py)."""

@@ -1,7 +1,9 @@
 """One process's inference engine: the step loop (plan → execute → update) over parts it is handed.
 
 Single-threaded by design: callers (the services) drive `step()` from one loop and call `add_request`,
-`abort`, `export_kv`, `import_kv` between steps. `Engine.build(config)` (or `from_dir`) builds the parts
+`abort`, `export_kv`, `import_kv` between steps. (With overlap scheduling, overlap.py, a step's forward and
+sampling run on a forward thread while the caller's thread plans the next; the caller still sees one thread.)
+`Engine.build(config)` (or `from_dir`) builds the parts
 (build.py: device and kernel setup, KV planning, graph capture) and hands them in; the engine keeps the
 requests' lifecycle and the step loop, and delegates: a step's execution to its runner (runner.py), KV export,
 import, release and layer streams to `KvHandoff` (kv_handoff.py), n choices to `Forker` (forker.py).
@@ -20,6 +22,7 @@ and `group_blocks` all of them. Single-rank engines only: on a worker group a hy
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -36,10 +39,13 @@ from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVPool
 from shared.engine.layer_streams import OnStart
 from shared.engine.outputs import RequestOutput, request_output
+from shared.engine.overlap import ForwardThread, InFlight, needs_lockstep
 from shared.engine.prefix_cache import PrefixCacheEvents
 from shared.engine.prefix_caching import PrefixCacheStats
 from shared.engine.request import Request
+from shared.engine.runner import RunnerOutput
 from shared.engine.sampling import SamplingParams
+from shared.engine.scheduler import SchedulePlan, StepResult
 from shared.engine.step_clock import StepClock
 from shared.model.transformer import CausalLM
 from shared.sharding.group import RankGroup
@@ -56,6 +62,7 @@ class EngineStats:
     preemptions: int = 0
     steps: int = 0
     step_s: float = 0.0  # wall seconds inside steps that ran a batch (schedule, forward, sampling, update)
+    overlapped_steps: int = 0  # of `steps`: launched before the step ahead of them resolved (overlap scheduling)
 
 
 class Engine:
@@ -82,6 +89,12 @@ class Engine:
         self.kv_plans, self.kv_plan = self.kv.plans, self.kv.plans[0]
         self.pools = self.kv.pools  # the one list the runner, hand-off and forks share (a group's leader mirrors [0])
         self.group_blocks, self.blocks = self.kv.blocks, self.kv.blocks[0]
+        # overlap scheduling (overlap.py): the thread the forward runs on, the step launched and not yet resolved,
+        # and the outputs of one resolved outside `step` (an engine call drained it), for the next `step`
+        overlap = self.config.overlap_scheduling and self.group.world == 1
+        self._forward = ForwardThread(self.runner, self.scheduler.stops) if overlap else None
+        self._in_flight: InFlight | None = None
+        self._ready: list[RequestOutput] = []
 
     @classmethod
     def build(
@@ -166,6 +179,7 @@ class Engine:
 
     def fork(self, parent_id: str, children: list[Choice]) -> list[RequestOutput]:
         """Fork choices that already have tokens from a request whose KV covers its prompt (Forker.fork)."""
+        self._drain()
         return self.forker.fork(parent_id, children)
 
     def abort(self, request_id: str) -> bool:
@@ -189,7 +203,8 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests to run, or a launched step (overlap scheduling) whose outputs `step` has not returned yet."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._ready)
 
     @property
     def num_running(self) -> int:
@@ -210,17 +225,19 @@ class Engine:
         self.step_clock = self.runner.step_clock = clock
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return the new token of every request that produced one."""
+        """Run one scheduled batch; return the new token of every request that produced one. With overlap
+        scheduling (overlap.py) this launches the next batch and returns the tokens of the one launched before."""
+        if self._forward is None:
+            return self._step_lockstep()
+        if self._needs_lockstep():
+            self._drain()
+            return self._take_ready() + self._step_lockstep()
+        return self._step_overlapped()
+
+    def _step_lockstep(self) -> list[RequestOutput]:
         started = time.perf_counter()
         clock = self.step_clock
-        if clock is not None:
-            clock.begin()
-        plan = self.scheduler.schedule()
-        self.stats.preemptions += len(plan.preempted)
-        if clock is not None:
-            clock.mark("schedule")
-            decode_only = all(s.num_tokens == 1 and s.request.output_token_ids for s in plan.seqs)
-            clock.note(len(plan.seqs), plan.num_tokens, decode_only)
+        plan = self._plan(clock)
         if not plan.seqs:
             return []
         self.model.on_layer = self.layer_streams.begin(plan)  # None unless a watched prompt completes now
@@ -232,15 +249,73 @@ class Engine:
         finally:
             self.model.on_layer = None
         self.last_logits = out.logits
-        self.stats.steps += 1
+        self._counted(self._count_tokens(plan))
+        outputs = self._emit(self.scheduler.update_from_output(plan, out.sampled), out)
+        if clock is not None:
+            clock.mark("update")
+        self.stats.step_s += time.perf_counter() - started
+        return outputs
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Plan and launch the next batch, then resolve the one in flight (overlap.py). The clock's phases here:
+        schedule, inputs (the inputs built and the batch launched), model (the wait for the batch in flight),
+        update."""
+        assert self._forward is not None
+        started = time.perf_counter()
+        clock = self.step_clock
+        plan = self._plan(clock)
+        launched = None
+        if plan.seqs:
+            step = self.runner.prepare(plan)
+            tokens = self._count_tokens(plan)
+            samples, pending = self.scheduler.advance(plan)
+            launched = InFlight(plan, tokens, samples, pending, self._forward.launch(step))
+        if clock is not None:
+            clock.mark("inputs")
+        previous, self._in_flight = self._in_flight, launched
+        outputs = self._take_ready()
+        if previous is not None:
+            out = previous.output.result()
+            if clock is not None:
+                clock.mark("model")
+            outputs += self._resolve(previous, out)
+        if clock is not None:
+            clock.mark("update")
+        if launched is not None or previous is not None:
+            self.stats.step_s += time.perf_counter() - started
+        return outputs
+
+    def _plan(self, clock: StepClock | None) -> SchedulePlan:
+        if clock is not None:
+            clock.begin()
+        plan = self.scheduler.schedule()
+        self.stats.preemptions += len(plan.preempted)
+        if clock is not None:
+            clock.mark("schedule")
+            decode_only = all(s.num_tokens == 1 and s.request.output_token_ids for s in plan.seqs)
+            clock.note(len(plan.seqs), plan.num_tokens, decode_only)
+        return plan
+
+    def _count_tokens(self, plan: SchedulePlan) -> tuple[int, int]:
+        """(prefill, decode) tokens of a plan not run yet (nor `advance`d)."""
+        prefill = decode = 0
         for s in plan.seqs:
             req = s.request  # a decode feeds back the last sampled token; a 1-token prompt is a prefill
             if s.num_tokens == 1 and req.output_token_ids and req.num_computed_tokens == req.num_tokens - 1:
-                self.stats.decode_tokens += 1
+                decode += 1
             else:
-                self.stats.prefill_tokens += s.num_tokens
+                prefill += s.num_tokens
+        return prefill, decode
+
+    def _counted(self, tokens: tuple[int, int]) -> None:
+        self.stats.steps += 1
+        self.stats.prefill_tokens += tokens[0]
+        self.stats.decode_tokens += tokens[1]
+
+    def _emit(self, results: list[StepResult], out: RunnerOutput) -> list[RequestOutput]:
+        """The outputs of a step's results: grammars advanced, finished requests forgotten, forks made."""
         outputs = []
-        for r in self.scheduler.update_from_output(plan, out.sampled):
+        for r in results:
             req = r.request
             self.structured.accept(req.request_id, r.new_token_id)
             if r.finished:
@@ -252,10 +327,40 @@ class Engine:
             if req.request_id in self.forker.pending:  # a group's parent sampled its first token
                 outputs += self.forker.at_first_token(req, out.logits[req.request_id])
         self.layer_streams.end(out.sampled)  # last: a stream's sender may free the request once it ends
-        if clock is not None:
-            clock.mark("update")
-        self.stats.step_s += time.perf_counter() - started
         return outputs
+
+    # ---- overlap scheduling (overlap.py) -----------------------------------------------------------------
+
+    def _needs_lockstep(self) -> bool:
+        """Whether the next step runs in lockstep: a request that may be in it needs its previous token first, or
+        something of the engine watches the forward (overlap.py). The requests that may be in it: the running
+        ones and as many of the queue's first as there are free sequence slots (admission goes in order)."""
+        if self.forker.pending or self.layer_streams.active or self.runner.request_experts.active:
+            return True
+        scheduler = self.scheduler
+        if any(needs_lockstep(r.params) for r in scheduler.running):
+            return True
+        slots = scheduler.config.max_num_seqs - len(scheduler.running)
+        return any(needs_lockstep(r.params) for r in itertools.islice(scheduler.waiting, max(0, slots)))
+
+    def _resolve(self, launched: InFlight, out: RunnerOutput) -> list[RequestOutput]:
+        # counted now, not at launch: a step() call's step_s then holds the wait for the step it counts
+        self._counted(launched.tokens)
+        self.stats.overlapped_steps += 1
+        self.last_logits = out.logits
+        results = self.scheduler.resolve(launched.plan, launched.samples, launched.pending, out.sampled)
+        return self._emit(results, out)
+
+    def _drain(self) -> None:
+        """Wait for the step in flight and update with its tokens; its outputs go out with the next `step`. Every
+        call that reads or writes KV blocks on this thread, or needs the requests' tokens all known, drains first."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is not None:
+            self._ready += self._resolve(launched, launched.output.result())
+
+    def _take_ready(self) -> list[RequestOutput]:
+        ready, self._ready = self._ready, []
+        return ready
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion; output token ids in prompt order (a convenience for tools and tests)."""
@@ -274,18 +379,22 @@ class Engine:
         self, request_id: str, alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
     ) -> KVExport:
         """Copy out a decoding or held request's KV; no state changes (KvHandoff.export)."""
+        self._drain()
         return self.handoff.export(request_id, alloc)
 
     def kv_blocks(self, request_id: str) -> tuple[int, list[int], int]:
         """(tokens computed, pool blocks in order, the request's block they start at): KvHandoff.blocks."""
+        self._drain()
         return self.handoff.blocks(request_id)
 
     def group_kv_blocks(self, request_id: str) -> tuple[int, list[tuple[int, list[int]]]]:
         """(tokens computed, per KV cache group (first held block, pool blocks)): KvHandoff.group_blocks."""
+        self._drain()
         return self.handoff.group_blocks(request_id)
 
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks of a finished request that held them; False if there is none (KvHandoff.release)."""
+        self._drain()
         self.runner.request_experts.forget(request_id)
         return self.handoff.release(request_id)
 
@@ -313,16 +422,19 @@ class Engine:
         when the pool is full. `cache_salt`: as add_request's (its imported full blocks are offered to the prefix
         cache under it). `pinned`: the key of a `pin_prefix` whose blocks go in front of a partial pull's KV
         (consumed either way)."""
+        self._drain()
         self.handoff.import_(request_id, prompt_token_ids, output_token_ids, params, kv, cache_salt, pinned)
 
     def pin_prefix(self, key: str, prompt_token_ids: list[int], cache_salt: str = "") -> int:
         """Pin this engine's cached first blocks of a prompt under `key` until an import takes them (import_kv
         `pinned=key`) or `unpin_prefix`: → the tokens they hold (0: none pinned; prefix caching off, several KV
         cache groups, windows, a worker group). PrefixPins.pin."""
+        self._drain()
         return self.handoff.pins.pin(key, prompt_token_ids, cache_salt)
 
     def unpin_prefix(self, key: str) -> bool:
         """Give back the blocks pinned under `key` (a pull that failed or was not imported); False if none."""
+        self._drain()
         return self.handoff.pins.unpin(key)
 
     def can_stream_kv(self) -> bool:
@@ -331,6 +443,7 @@ class Engine:
 
     def stream_kv(self, request_id: str, on_start: OnStart) -> None:
         """Watch a fresh prefill holding its KV; `on_start` when its last chunk starts (KvHandoff.stream)."""
+        self._drain()
         self.handoff.stream(request_id, on_start)
 
     # ---- prefix cache (prefix_caching.py) ---------------------------------------------------------------

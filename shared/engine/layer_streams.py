@@ -122,6 +122,11 @@ class LayerStreams:
     def is_streaming(self, request_id: str) -> bool:
         return request_id in self._live
 
+    @property
+    def active(self) -> bool:
+        """Whether a request is watched or streaming (its steps run in lockstep: shared/engine/overlap.py)."""
+        return bool(self._watched or self._live)
+
     def begin(self, plan: SchedulePlan) -> Callable[[int], None] | None:
         """Before the step's forward: start the streams whose last chunk this step runs; → the per-layer hook
         for the model (None: nothing of this step is streamed)."""

@@ -36,6 +36,11 @@ class RequestExperts:
             shape = (len(self.trace.layers), self.trace.num_experts)
             self._counts.setdefault(request_id, torch.zeros(shape, dtype=torch.int64))
 
+    @property
+    def active(self) -> bool:
+        """Whether a request's prompt is being counted (the engine steps in lockstep then: overlap.py)."""
+        return bool(self._counts)
+
     def forget(self, request_id: str) -> None:
         self._counts.pop(request_id, None)
 

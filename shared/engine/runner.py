@@ -15,9 +15,9 @@ from shared.engine.prompt_scoring import plan_scoring, score
 from shared.engine.request import Request
 from shared.engine.request_experts import RequestExperts
 from shared.engine.sampling import Sampler, SamplingParams
-from shared.engine.scheduler import SchedulePlan
+from shared.engine.scheduler import PENDING, SchedulePlan
 from shared.engine.step_clock import StepClock
-from shared.engine.step_inputs import ScoredFn, StepInputs, forward_step
+from shared.engine.step_inputs import ScoredFn, StagedStep, StepInputs, forward_step, run_staged, stage_step
 from shared.engine.structured import StructuredDecoding
 from shared.model.device import to_device
 from shared.model.transformer import CausalLM
@@ -52,6 +52,27 @@ class RowLogits(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._ids)
+
+
+@dataclass
+class PreparedStep:
+    """A step made ready on the planning thread for the forward thread (overlap scheduling, overlap.py): nothing
+    in it refers to a request, whose state the planning thread goes on changing while the step runs.
+
+    `fills`: (flat row, request id, its sampling row) of the decodes whose input token is PENDING, the token
+    the previous step samples for that request. A row whose filled-in token ends its request (a stop token) is
+    not sampled: the request ends with the previous step, and its row here is wasted."""
+
+    staged: StagedStep | None  # the eager path's inputs; None: the graph path's below
+    inputs: StepInputs | None
+    graph_tables: list[list[int]] | None  # the graph path: per sequence a copy of its block table
+    context_lens: list[int]
+    input_ids: list[int]  # PENDING where `fills` point
+    sample_rows: list[int]  # the flat rows whose logits are sampled (on the graph path: the sequences)
+    fills: list[tuple[int, str, int]]
+    request_ids: list[str]  # per sampling row
+    params: list[SamplingParams]
+    output_positions: list[int]  # per sampling row: the index of the output token it samples
 
 
 class ModelRunner:
@@ -129,6 +150,92 @@ class ModelRunner:
         if clock is not None:
             clock.mark("sample")
         return out
+
+    def prepare(self, plan: SchedulePlan) -> PreparedStep:
+        """`plan`'s step made ready to run without the requests (overlap.py): the forward thread runs it with
+        `run_prepared`. Only plans that need no grammar, penalties, prompt scoring, expert trace or layer stream
+        (the engine steps those in lockstep) and a local model (no worker group)."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        fills: list[tuple[int, str, int]] = []
+        request_ids: list[str] = []
+        params: list[SamplingParams] = []
+        output_positions: list[int] = []
+        sample_rows: list[int] = []
+        for seq in plan.seqs:
+            req = seq.request
+            start = req.num_computed_tokens
+            input_ids += req.token_slice(start, start + seq.num_tokens)
+            positions += range(start, start + seq.num_tokens)
+            if input_ids[-1] == PENDING:  # only a decode's one token can be awaited
+                fills.append((len(input_ids) - 1, req.request_id, len(request_ids)))
+            if seq.samples:
+                sample_rows.append(len(input_ids) - 1)
+                request_ids.append(req.request_id)
+                params.append(req.params)
+                output_positions.append(len(req.output_token_ids))
+        context_lens = [s.request.num_computed_tokens + s.num_tokens for s in plan.seqs]
+        if self.graphs is not None and self.graphs.fits([s.num_tokens for s in plan.seqs]):
+            tables = [list(s.request.block_table) for s in plan.seqs]  # the scheduler grows them in place
+            staged, inputs = None, None
+        else:
+            tables = None
+            inputs = StepInputs(
+                input_ids=input_ids,
+                positions=positions,
+                block_tables=[s.request.block_table for s in plan.seqs],  # read now, by stage_step
+                context_lens=context_lens,
+                query_lens=[s.num_tokens for s in plan.seqs],
+                sample_rows=sample_rows,
+                score_rows=[],
+                group_tables=tuple(
+                    (w, [s.request.group_tables[g].blocks for s in plan.seqs])
+                    for g, w in enumerate(self.group_windows, start=1)
+                ),
+            )
+            staged = stage_step(self.model, inputs, self.pool.layout.block_size, self.device)
+        return PreparedStep(
+            staged, inputs, tables, context_lens, input_ids, sample_rows, fills, request_ids, params, output_positions
+        )
+
+    @torch.inference_mode()
+    def run_prepared(
+        self, step: PreparedStep, previous: Mapping[str, int], stops: Callable[[SamplingParams, int], bool]
+    ) -> RunnerOutput:
+        """Run a `prepare`d step on the forward thread: fill its PENDING ids from `previous` (the step before's
+        sampled tokens), run the model, and sample every row whose request goes on (`stops`: whether a token
+        ends a request by itself)."""
+        dead: set[int] = set()
+        if step.fills:
+            tokens = [previous[rid] for _, rid, _ in step.fills]
+            for (row, _, j), token in zip(step.fills, tokens, strict=True):
+                step.input_ids[row] = token
+                if stops(step.params[j], token):
+                    dead.add(j)
+            if step.staged is not None:
+                rows = torch.tensor([row for row, _, _ in step.fills], dtype=torch.int64)
+                step.staged.host[rows] = torch.tensor(tokens, dtype=torch.int64)
+        if step.graph_tables is not None:
+            assert self.graphs is not None
+            self.graph_steps += 1
+            logits = self.graphs.run(step.graph_tables, step.context_lens, step.input_ids)
+            if len(step.sample_rows) != len(step.input_ids):  # a one-token prompt chunk that does not sample
+                logits = logits[to_device(torch.tensor(step.sample_rows, dtype=torch.int64), self.device)]
+        else:
+            assert step.inputs is not None and step.staged is not None
+            logits = run_staged(self.model, self._caches, step.inputs, step.staged, self.device)
+        if logits is None or not step.request_ids:
+            return RunnerOutput({}, {})
+        ids_, params, positions = step.request_ids, step.params, step.output_positions
+        if dead:  # these rows draw nothing: the engine's own random stream stays the one lockstep draws from
+            live = [j for j in range(len(ids_)) if j not in dead]
+            if not live:
+                return RunnerOutput({}, {})
+            logits = logits[to_device(torch.tensor(live, dtype=torch.int64), self.device)]
+            ids_, params, positions = [ids_[j] for j in live], [params[j] for j in live], [positions[j] for j in live]
+        tokens, logprobs = self.sampler.sample_with_logprobs(logits, params, positions)
+        wanted = {rid: lp for rid, lp in zip(ids_, logprobs, strict=True) if lp is not None}
+        return RunnerOutput(dict(zip(ids_, tokens, strict=True)), RowLogits(ids_, logits), wanted)
 
     def _eager(
         self, plan: SchedulePlan, input_ids: list[int], positions: list[int], ends: list[int], sampling: list[int]

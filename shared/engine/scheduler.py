@@ -36,6 +36,9 @@ from shared.engine.block_manager import FREED, BlockManager
 from shared.engine.config import SchedulerConfig
 from shared.engine.prefix_caching import PrefixCaching
 from shared.engine.request import FinishReason, GroupTable, Request, RequestStatus
+from shared.engine.sampling import SamplingParams
+
+PENDING = -1  # an output token sampled by a step still in flight (overlap scheduling: `advance`)
 
 
 class ScheduledSeq(msgspec.Struct, frozen=True):
@@ -151,8 +154,8 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if self._is_decoding(req) or req not in self.running:
-                continue
+            if self._is_decoding(req) or req not in self.running or req.num_computed_tokens >= req.num_tokens:
+                continue  # the last: its last token is awaited from a step in flight that ends it (overlap.py)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._reserve(req, req.num_computed_tokens + n, plan):
                 continue
@@ -283,13 +286,80 @@ class Scheduler:
         """Why `req` ends with `token` as its last output token, or None when it goes on."""
         return self._finish_reason(req, token)
 
-    def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
-        p = req.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+    def _finish_reason(self, req: Request, token: int, num_output: int | None = None) -> FinishReason | None:
+        """`num_output`: the output tokens counted with `token` as the last (default: all of them)."""
+        if self.stops(req.params, token):
             return FinishReason.STOP
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        if num_output is None:
+            num_output = len(req.output_token_ids)
+        if num_output >= req.params.max_tokens or len(req.prompt_token_ids) + num_output >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def stops(self, params: SamplingParams, token: int) -> bool:
+        """Whether `token` ends a request of `params` by itself (a stop token id, or EOS unless ignored)."""
+        return token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+
+    # ---- overlap scheduling (shared/engine/overlap.py): the state runs one step ahead of the tokens ------
+
+    def advance(self, plan: SchedulePlan) -> tuple[list[bool], dict[str, int]]:
+        """A plan launched before its tokens are known: its tokens count as computed now, so the next plan can be
+        made while it runs. Every sequence that samples gets a PENDING output token (the next step's input, filled
+        in by the forward thread from this step's sample), unless its token ends it by length whatever it is: that
+        one gets none, so its computed tokens reach its num_tokens and no plan schedules it again. → (per
+        sequence, whether it samples; request id → the index of its PENDING token), for `resolve`."""
+        samples = [s.samples for s in plan.seqs]
+        pending: dict[str, int] = {}
+        for seq, sampling in zip(plan.seqs, samples, strict=True):
+            req = seq.request
+            req.num_computed_tokens += seq.num_tokens
+            if not sampling:
+                continue
+            after = len(req.output_token_ids) + 1
+            if after >= req.params.max_tokens or len(req.prompt_token_ids) + after >= self.max_model_len:
+                continue  # its last token
+            pending[req.request_id] = len(req.output_token_ids)
+            req.output_token_ids.append(PENDING)
+        return samples, pending
+
+    def resolve(
+        self, plan: SchedulePlan, samples: list[bool], pending: dict[str, int], sampled: dict[str, int]
+    ) -> list[StepResult]:
+        """`update_from_output` for an `advance`d plan, now that its tokens are known, while the next plan may be in
+        flight: each PENDING token is replaced by the sampled one (else it is appended). A request that ends drops
+        what a later plan already gave it (its next PENDING token, the next step's computed count) and finishes;
+        that step's row for it is wasted, and `resolve` skips it then (finished). A request preempted meanwhile
+        (waiting, nothing computed) takes its token too, and may end in the queue."""
+        results = []
+        for seq, sampling in zip(plan.seqs, samples, strict=True):
+            req = seq.request
+            if req.is_finished:
+                continue  # aborted, or ended by the step before (this row was wasted)
+            reason, token = None, 0
+            if sampling:
+                token = sampled[req.request_id]
+                at = pending.get(req.request_id)
+                if at is None:
+                    req.output_token_ids.append(token)
+                    at = len(req.output_token_ids) - 1
+                else:
+                    req.output_token_ids[at] = token
+                reason = self._finish_reason(req, token, at + 1)
+                if reason is not None:
+                    del req.output_token_ids[at + 1 :]
+                    req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            if self.prefix is not None:  # before a finish releases them; every token they cover is known now
+                self.prefix.offer(req, self.groups(), self.tables(req))
+            if not sampling:
+                continue
+            if reason is not None:
+                if req.status is RequestStatus.RUNNING:
+                    self.running.remove(req)
+                else:
+                    self.waiting.remove(req)
+                self._finish(req, reason)
+            results.append(StepResult(req, token, reason is not None))
+        return results
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.status = RequestStatus.FINISHED

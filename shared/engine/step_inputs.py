@@ -97,6 +97,23 @@ def forward_step(
     the sampling rows' logits. → (S, V) float32 logits of the sampling rows, None if none. Every rank of a
     group calls this with the same inputs. `caches`: per layer, its view of its KV cache group's pool. `clock`:
     stamps the metadata and model phases (step_clock.py)."""
+    staged = stage_step(model, inputs, block_size, device)
+    if clock is not None:
+        clock.mark("metadata")
+    return run_staged(model, caches, inputs, staged, device, on_scored)
+
+
+@dataclass
+class StagedStep:
+    """A step's inputs made ready for the model, on the host thread that plans (overlap scheduling builds the next
+    step's while the current one runs): the attention metadata, and ids + positions + sampling rows in one host
+    tensor, whose id entries a step launched before its inputs' last tokens were sampled gets written in later."""
+
+    meta: AttentionMetadata
+    host: torch.Tensor  # (2T + S,) int64: [ids | positions | sample_rows]
+
+
+def stage_step(model: CausalLM, inputs: StepInputs, block_size: int, device: torch.device) -> StagedStep:
     meta = AttentionMetadata.build(
         block_tables=inputs.block_tables,
         context_lens=inputs.context_lens,
@@ -109,12 +126,22 @@ def forward_step(
         window_tables=dict(inputs.group_tables),
         cpu_decode_kernel=model.cpu_attention,
     )
+    host = torch.tensor(inputs.input_ids + inputs.positions + inputs.sample_rows, dtype=torch.int64)
+    return StagedStep(meta, host)
+
+
+def run_staged(
+    model: CausalLM,
+    caches: list[torch.Tensor],
+    inputs: StepInputs,
+    staged: StagedStep,
+    device: torch.device,
+    on_scored: ScoredFn | None = None,
+) -> torch.Tensor | None:
+    """The model calls of `forward_step` over inputs `stage_step` made ready."""
     t = len(inputs.input_ids)
-    staged = torch.tensor(inputs.input_ids + inputs.positions + inputs.sample_rows, dtype=torch.int64)
-    ids, pos, rows = to_device(staged, device).split([t, t, len(inputs.sample_rows)])
-    if clock is not None:
-        clock.mark("metadata")
-    hidden = model(ids, pos, caches, meta)
+    ids, pos, rows = to_device(staged.host, device).split([t, t, len(inputs.sample_rows)])
+    hidden = model(ids, pos, caches, staged.meta)
     for i, (first, count) in enumerate(inputs.score_rows):
         logits = model.logits(hidden[first : first + count])
         if on_scored is not None:

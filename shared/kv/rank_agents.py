@@ -82,7 +82,8 @@ class AgentRankLink:
 
 
 def on_rank_reports(agents: GroupAgents, leader) -> None:
-    """Route the ranks' send events to `leader` (the group's HeldKv), on the calling loop."""
+    """Route the ranks' send events to `leader` (the group's HeldKv), on the calling loop; a later call (the worker
+    switched role and back: a new HeldKv) routes them to the new one."""
 
     async def began(rank: int, key: str) -> None:
         await leader.send_began(key, rank)
@@ -91,8 +92,8 @@ def on_rank_reports(agents: GroupAgents, leader) -> None:
         key, outcome, group_pulls = payload
         await leader.send_ended(key, rank, SendOutcome(outcome), group_pulls)
 
-    agents.on_event(SEND_BEGAN, began)
-    agents.on_event(SEND_ENDED, ended)
+    agents.on_event(SEND_BEGAN, began, replace=True)
+    agents.on_event(SEND_ENDED, ended, replace=True)
 
 
 def register_rank_link(agent: RankAgent, held: RankKv) -> None:

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 class Agent(Protocol):
     """What these functions need of a rank agent (the `groups` runtime): async handlers by name."""
 
-    def register(self, name: str, handler: Callable[[Any], Awaitable[Any]]) -> None: ...
+    def register(self, name: str, handler: Callable[[Any], Awaitable[Any]], replace: bool = False) -> None: ...
 
 
 async def pull_rank_kv(
@@ -100,8 +100,8 @@ def register_pull(agent: Agent, client: KvTransferClient, staged: StagedKv, layo
     async def drop(payload: dict[str, str]) -> None:
         staged.drop(payload["key"])
 
-    agent.register("kv.pull", pull)
-    agent.register("kv.drop", drop)
+    agent.register("kv.pull", pull, replace=True)  # again after kv.stop: a worker that switched role and back
+    agent.register("kv.drop", drop, replace=True)
 
 
 class Agents(Protocol):

@@ -108,8 +108,9 @@ class RankAgent:
             raise RuntimeError(f"rank {self.rank}'s agent has nowhere to send events")
         await self._notify(name, payload)
 
-    def register(self, name: str, handler: Handler) -> None:
-        if name in self._handlers:
+    def register(self, name: str, handler: Handler, replace: bool = False) -> None:
+        """replace: a handler set up again (a worker that switched role and back sets up its KV puller anew)."""
+        if name in self._handlers and not replace:
             raise ValueError(f"handler {name!r} is already registered on rank {self.rank}")
         self._handlers[name] = handler
 
@@ -167,10 +168,11 @@ class GroupAgents:
         self._event_loop: asyncio.AbstractEventLoop | None = None
         local._notify = lambda name, payload: self._dispatch(0, name, payload)
 
-    def on_event(self, name: str, handler: EventHandler) -> None:
+    def on_event(self, name: str, handler: EventHandler, replace: bool = False) -> None:
         """Run `handler(rank, payload)` on the calling (running) loop for every rank's notify(name, ...). The
-        first call starts one reader thread per follower's events channel."""
-        if name in self._event_handlers:
+        first call starts one reader thread per follower's events channel. replace: the role that handled it
+        before is gone (a switch back to it sets its KV hand-off up anew)."""
+        if name in self._event_handlers and not replace:
             raise ValueError(f"an event handler for {name!r} is registered already")
         self._event_handlers[name] = handler
         if self._event_loop is None:

@@ -17,6 +17,12 @@ from shared.telemetry import tracing
 # also ends itself then (`exit_by`), for when no supervisor is left to do it.
 EXIT_GRACE_S = 5.0
 
+# The exit status of a service that refuses its configuration (a flag or PDSERVE_* value that does not parse, a
+# checkpoint missing or unreadable, a port it cannot bind): starting it again would fail the same way, so a
+# supervisor does not restart it (services/local/supervisor.py) and says why instead. argparse exits with it too.
+# Any other failure exits 1 (or dies by a signal): a crash, which a supervisor restarts.
+EXIT_REFUSED = 2
+
 _exit_deadline: threading.Timer | None = None
 
 

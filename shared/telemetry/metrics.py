@@ -15,8 +15,13 @@ Who records what:
                  prefix_cache_blocks (cached now), prefix_cache_evictions (KV cache group 0's),
                  moe_expert_tokens (routed tokens per layer and expert); with expert parallelism
                  moe_rank_tokens (pairs each EP rank computed) and moe_rank_imbalance (busiest rank / mean);
-                 with --eplb eplb_rebalances, eplb_bytes_moved, eplb_pause_seconds, eplb_window_imbalance
-    transfers    kv_transfer_seconds / bytes / failures: decode side (pull) and prefill side (send)
+                 with --eplb eplb_rebalances, eplb_bytes_moved, eplb_pause_seconds, eplb_window_imbalance;
+                 worker_role (1 for the role served now), role_switches by from/to role and outcome,
+                 role_switch_seconds, role_switch_handed_on
+    transfers    kv_transfer_seconds / bytes / failures: decode side (pull) and prefill side (send); kv_pulls by
+                 `transport` (same-host shared memory or over the pair's network connection)
+    planner      planner_desired_workers (label `role`: the worker role wanted), planner_forecast_requests_per_second,
+                 planner_decisions by action
 
 Summed over the workers of a P/D stack, generation tokens equal the gateway's: a worker counts the tokens it
 emits (the prefill worker each request's first token, the decode worker the rest, or all of them for a request
@@ -28,7 +33,9 @@ registry; the gateway serves them at /metrics, a worker on its own port (`serve_
 
 from __future__ import annotations
 
+import json
 import threading
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -83,7 +90,7 @@ REQUEST_SUCCESS = Counter(
 )
 REQUESTS_REJECTED = Counter(
     f"{PREFIX}requests_rejected",
-    "Requests the gateway refused before dispatch: queue | kv (admission bounds, 429), draining (503).",
+    "Requests the gateway refused before dispatch: queue | kv | ttft_slo (admission bounds, 429), draining (503).",
     (*LABELS, "reason"),
 )
 PREFILL_ROUTES = Counter(
@@ -172,10 +179,28 @@ KV_BORROWED_PULLS = Counter(
     LABELS,
 )
 KV_TRANSFER_FAILURES = Counter(f"{PREFIX}kv_transfer_failures", "Failed KV transfers.", (*LABELS, "reason"))
+# Which way each pull's bytes went (shared/kv/transfer/transports/registry.py names them): "borrowed" and "segment"
+# are same-host paths (shared memory), "streamed", "posted" and "pair" go over the pair's network connection.
+KV_PULLS = Counter(
+    f"{PREFIX}kv_pulls",
+    "KV pulls by the transport that carried them: prefill, pulls each transport took; decode, pulls received "
+    "through each (docs/kv_transfer.md).",
+    (*LABELS, "transport"),
+)
 REQUEST_MIGRATIONS = Counter(
     f"{PREFIX}request_migrations",
     "Requests moved to another worker (their worker died or stalled), by the phase they were in.",
     (*LABELS, "phase"),
+)
+TOKEN_EVENTS_RESENT = Counter(
+    f"{PREFIX}token_events_resent",
+    "Token events a worker published again: a gateway asked for positions it lacked, or NATS reconnected.",
+    LABELS,
+)
+TOKEN_RESEND_ASKS = Counter(
+    f"{PREFIX}token_resend_asks",
+    "Requests whose missing token events the gateway asked the workers for again, one per request and ask.",
+    (*LABELS, "why"),
 )
 MOE_EXPERT_TOKENS = Counter(
     f"{PREFIX}moe_expert_tokens", "Tokens routed to each expert (top-k counts each).", (*LABELS, "layer", "expert")
@@ -219,19 +244,77 @@ EPLB_WINDOW_IMBALANCE = Gauge(
     LABELS,
 )
 
+# the SLO planner (services/planner): here `role` is the worker role it plans for, not the recording service's
+PLANNER_DESIRED_WORKERS = Gauge(
+    f"{PREFIX}planner_desired_workers",
+    "The SLO planner: the workers of this role it wants (the fewest that keep the role's SLO with headroom, under "
+    "the forecast load): what an autoscaler scales the role's replicas to.",
+    LABELS,
+)
+PLANNER_FORECAST_RATE = Gauge(
+    f"{PREFIX}planner_forecast_requests_per_second",
+    "The SLO planner: the request rate it forecasts for the next interval.",
+    ("model_name",),
+)
+PLANNER_DECISIONS = Counter(
+    f"{PREFIX}planner_decisions",
+    "The SLO planner's decisions by action: hold | switch (a worker told to change role) | failed (the switch was "
+    "refused or did not complete).",
+    ("model_name", "action"),
+)
+# role switching (shared/worker/host.py, docs/architecture.md "Role switching")
+WORKER_ROLE = Gauge(
+    f"{PREFIX}worker_role", "1 for the role this worker serves now, 0 for the others (it may switch).", LABELS
+)
+ROLE_SWITCHES = Counter(
+    f"{PREFIX}role_switches",
+    "Role switches asked of this worker, by the role left, the role asked for and how it ended (switched, "
+    "timed_out, same_role, busy, refused, invalid, stopping).",
+    ("model_name", "from_role", "to_role", "outcome"),
+)
+ROLE_SWITCH_SECONDS = Histogram(
+    f"{PREFIX}role_switch_seconds",
+    "Completed role switches: order received → the new role serving (what the old role held finished, was "
+    "handed on or pulled first).",
+    ("model_name", "from_role", "to_role"),
+    buckets=_LATENCY_BUCKETS,
+)
+ROLE_SWITCH_HANDED_ON = Counter(
+    f"{PREFIX}role_switch_handed_on",
+    "Requests a decode or mixed worker leaving its role handed to the prefill queue with their tokens so far.",
+    LABELS,
+)
+
 
 def exposition() -> tuple[bytes, str]:
     """The current text exposition and its content type (for a /metrics route)."""
     return generate_latest(), CONTENT_TYPE_LATEST
 
 
+Probe = Callable[[], tuple[bool, str]]  # (ok, why): 200 or 503 on its path
+
+
+class _MetricsServer(ThreadingHTTPServer):
+    probes: Mapping[str, Probe] = {}
+
+
 class _MetricsHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        if self.path.split("?")[0] not in ("/metrics", "/"):
+        path = self.path.split("?")[0]
+        probes = self.server.probes if isinstance(self.server, _MetricsServer) else {}
+        if path in probes:
+            ok, why = probes[path]()
+            body = json.dumps({"status": "ok" if ok else "unavailable", "detail": why}).encode()
+            self._send(200 if ok else 503, body, "application/json")
+            return
+        if path not in ("/metrics", "/"):
             self.send_error(404)
             return
         body, content_type = exposition()
-        self.send_response(200)
+        self._send(200, body, content_type)
+
+    def _send(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -241,12 +324,15 @@ class _MetricsHandler(BaseHTTPRequestHandler):
         pass
 
 
-def serve_metrics(host: str, port: int) -> int:
-    """Serve /metrics from a daemon thread; returns the bound port (port 0: any free one).
+def serve_metrics(host: str, port: int, probes: Mapping[str, Probe] | None = None) -> int:
+    """Serve /metrics from a daemon thread; returns the bound port (port 0: any free one). `probes`: more paths,
+    each answered 200 or 503 with JSON `{"status", "detail"}` from its probe, called on the server's thread (a
+    worker's /health and /ready: shared/worker/probes.py).
 
     Always the classic text format, like the gateway's route: prometheus_client's own server negotiates
     OpenMetrics with Prometheus 2.x and then rewrites the `pdserve:` names to `pdserve_`."""
-    server = ThreadingHTTPServer((host, port), _MetricsHandler)
+    server = _MetricsServer((host, port), _MetricsHandler)
+    server.probes = dict(probes or {})
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server.server_port

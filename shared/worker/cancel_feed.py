@@ -42,8 +42,12 @@ class CancelFeed:
         self.on_message = on_message
         self.next_seq: int | None = None  # the stream sequence to read next; None until started
 
-    async def start(self) -> None:
-        """Begin after the stream's last message (the stream must exist: bus.ensure_cancels_stream)."""
+    async def start(self, from_seq: int | None = None) -> None:
+        """Begin after the stream's last message (the stream must exist: bus.ensure_cancels_stream), or at
+        `from_seq`: where the feed of the role this worker switched from stopped (none is missed in between)."""
+        if from_seq is not None:
+            self.next_seq = from_seq
+            return
         info = await self.js.stream_info(CANCELS_STREAM)
         self.next_seq = info.state.last_seq + 1
 
@@ -77,6 +81,9 @@ class CancelFeed:
             opt_start_seq=self.next_seq,
             ack_policy=AckPolicy.NONE,
             inactive_threshold=INACTIVE_S,
+            # as many replicas as the stream (an ephemeral consumer is R1 unless told): on a cluster, the loss of
+            # the node that holds it does not cut this worker off its cancels
+            num_replicas=info.config.num_replicas,
         )
         return await self.js.pull_subscribe(CANCEL_WILDCARD, stream=CANCELS_STREAM, config=config)
 

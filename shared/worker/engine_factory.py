@@ -9,7 +9,7 @@ from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.messages import Sampling
 from shared.sampling_spec import SAMPLING_FIELDS
-from shared.settings import WorkerRole, WorkerSettings
+from shared.settings import WorkerSettings
 
 if TYPE_CHECKING:
     from shared.parallel.group_engine import WorkerGroup
@@ -32,8 +32,10 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, WorkerGroup | None]:
     The engine knows nothing of its group: the worker keeps both."""
     # the gateway hashes prompts under the model name it serves: the engine's cache must name blocks alike
     config = dataclasses.replace(settings.engine, prefix_cache_namespace=settings.served_model_name)
-    if settings.role is WorkerRole.PREFILL and settings.kv.share_pool and settings.kv.shm_bytes:
-        config = dataclasses.replace(config, kv_shared_memory=True)  # same-host decode workers borrow its blocks
+    if settings.kv.share_pool and settings.kv.shm_bytes:
+        # same-host decode workers borrow a prefill worker's blocks; every role's pool is shareable, since a worker
+        # of any role may switch to prefill (docs/architecture.md, "Role switching")
+        config = dataclasses.replace(config, kv_shared_memory=True)
     if max(config.tp, config.ep) == 1:
         return Engine.build(config), None
     from shared.parallel.group_engine import start_group

@@ -43,3 +43,23 @@ def record_eplb(labels: tuple[str, str], stats: EplbStats | None) -> None:
     """Live expert re-placement since the last call (None: not on, nothing)."""
     if stats is not None:
         metrics.record_eplb(*labels, stats.rebalances, stats.bytes_moved, stats.pauses_s, stats.window_imbalance)
+
+
+def record_role(model_name: str, role: str, roles: tuple[str, ...]) -> None:
+    """The worker's role gauge: 1 for `role`, 0 for every other of `roles`."""
+    for r in roles:
+        metrics.WORKER_ROLE.labels(model_name, r).set(1 if r == role else 0)
+
+
+def forget_load(labels: tuple[str, str], groups: int) -> None:
+    """A role left (a switch): its load gauges go (the new role's labels take over), so that a scrape shows no stale
+    running requests or KV usage under the old role's label. Counters stay: they are that role's history."""
+    plain = (metrics.REQUESTS_RUNNING, metrics.REQUESTS_WAITING, metrics.KV_CACHE_USAGE)
+    per_group = (metrics.KV_CACHE_GROUP_USAGE, metrics.KV_CACHE_GROUP_FREE_BLOCKS, metrics.KV_CACHE_GROUP_BLOCKS)
+    removals = [(g, labels) for g in (*plain, metrics.PREFIX_CACHE_HIT_RATE, metrics.PREFIX_CACHE_BLOCKS)]
+    removals += [(g, (*labels, str(i))) for g in per_group for i in range(groups)]
+    for gauge, values in removals:
+        try:
+            gauge.remove(*values)
+        except KeyError:  # never set under this role
+            pass

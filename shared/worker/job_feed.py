@@ -17,6 +17,7 @@ from shared import bus
 from shared.worker.ledger import JobMessage
 
 log = logging.getLogger(__name__)
+BIND_RETRY_S = 0.5
 
 
 class JobFeed:
@@ -30,10 +31,20 @@ class JobFeed:
         self._consumer: JetStreamContext.PullSubscription | None = None
 
     async def bind(self) -> JetStreamContext.PullSubscription:
-        """Bind to the queue's shared durable consumer (creating it if needed) and learn its ack_wait."""
-        self._consumer = await bus.job_consumer(
-            self._js, self._subject, ack_wait_s=self.wanted_ack_wait_s, inactive_threshold_s=self._inactive_threshold_s
-        )
+        """Bind to the queue's shared durable consumer (creating it if needed) and learn its ack_wait. Retried until
+        it succeeds: NATS may be restarting, or a cluster electing the stream's leader (a node died), and a worker
+        that gave up here would go on beating without ever taking a job."""
+        failures = 0
+        while True:
+            try:
+                self._consumer = await bus.job_consumer(self._js, self._subject, ack_wait_s=self.wanted_ack_wait_s,
+                                                        inactive_threshold_s=self._inactive_threshold_s)  # fmt: skip
+                break
+            except Exception as exc:
+                failures += 1
+                level = logging.WARNING if failures == 1 else logging.DEBUG
+                log.log(level, "binding to the job queue %s failed (%s); retrying", self._subject, exc)
+                await asyncio.sleep(BIND_RETRY_S)
         await self._learn_ack_wait(self._consumer)
         return self._consumer
 
@@ -81,7 +92,7 @@ class JobFeed:
                 continue
             for msg in msgs:
                 try:
-                    await self._js.publish(to_subject, msg.data, headers=msg.headers or None)
+                    await bus.publish_durably(self._js, to_subject, msg.data, msg.headers or None)
                     await msg.ack()
                 except Exception as exc:
                     log.warning("could not hand back a routed job (%s); the gateway moves it", exc)

@@ -24,6 +24,11 @@ class Outbox:
     def empty(self) -> bool:
         return self.queue.empty()
 
+    async def sent(self) -> None:
+        """Until every event emitted so far has been handed to the connection (published in order before anything
+        the caller publishes next on it)."""
+        await self.queue.join()
+
     async def publish_forever(self, nc: Client) -> None:
         while True:
             subject, event = await self.queue.get()
@@ -31,3 +36,5 @@ class Outbox:
                 await nc.publish(subject, encode(event))
             except Exception as exc:  # the gateway's deadline turns a lost event into a clear error
                 log.warning("publishing tokens for %s failed: %s", event.request_id, exc)
+            finally:
+                self.queue.task_done()

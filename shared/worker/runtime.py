@@ -2,6 +2,9 @@
 failure path, draining and heartbeats (the job queue's consumer: job_feed.py; token events out: outbox.py). The
 roles (services/prefill, decode, mixed) add what they do with a job and with the engine's outputs.
 
+A worker process may change role (host.py): a role's `leave` drains it for another (what it holds finishes, or is
+handed on), and the next role is built over the same engine, group and connections (`succeeds`).
+
 A request's life in a worker is one ledger entry (ledger.py); what the loop knows of the engine is the load
 snapshot the engine thread publishes (engine_load.py).
 """
@@ -13,6 +16,7 @@ import contextlib
 import functools
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Generic
 
 import msgspec
@@ -54,6 +58,8 @@ from shared.worker.heartbeat import HEARTBEAT_S, beat_facts, build_heartbeat, pu
 from shared.worker.job_feed import JobFeed
 from shared.worker.ledger import Entry, JobLedger, Phase, settle
 from shared.worker.outbox import Outbox
+from shared.worker.probes import WorkerProbes
+from shared.worker.resend import Resender, SentEvents
 
 if TYPE_CHECKING:
     from shared.parallel.group_engine import WorkerGroup
@@ -61,9 +67,23 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 TEARDOWN_TIMEOUT_S = 30.0
 IDLE_POLL_S = 0.005  # how often a worker without room looks again
+# A KV location read or written waits at most this long: a primary gone without a word (its host lost) is a miss,
+# and the request is recomputed, not held up for TCP's own timeout of minutes.
+REDIS_TIMEOUT_S = 5.0
 # A draining worker's own queue is handed back at least this long: until the gateways have its `draining` beat,
 # they may still route jobs to it
 HAND_BACK_S = 2 * HEARTBEAT_S
+
+
+@dataclass(frozen=True)
+class Leaving:
+    """How a role's leave (Worker.leave) went: idle in time (the role is done), how many requests in hand finished
+    here (or were handed on to decode as usual) and how many were handed on to the prefill queue, how long."""
+
+    idle: bool
+    finished: int
+    handed_on: int
+    took_s: float
 
 
 class Worker(Generic[Job]):
@@ -80,14 +100,22 @@ class Worker(Generic[Job]):
     role: ClassVar[Role] = Role.MIXED
 
     def __init__(
-        self, settings: WorkerSettings, engine: Engine | None = None, group: WorkerGroup | None = None
+        self,
+        settings: WorkerSettings,
+        engine: Engine | None = None,
+        group: WorkerGroup | None = None,
+        succeeds: Worker | None = None,
     ) -> None:
-        """engine: instead of building one from the settings (tests); group: the worker group it leads, if any."""
+        """engine: instead of building one from the settings (tests); group: the worker group it leads, if any.
+        succeeds: the role this one takes over from in the same process (a role switch, host.py): its engine and
+        group, connections, metrics server, cancels, cost coefficients and expert trace carry over."""
         self.settings = settings
         self.model_name = settings.served_model_name
         self.labels = (self.model_name, self.role)  # every metric's model_name, role
         self.metrics_port: int | None = None  # bound once run() starts the metrics server
-        if engine is None:
+        if succeeds is not None:
+            engine, group = succeeds.engine.engine, succeeds.group
+        elif engine is None:
             engine, group = build_engine(settings)
         self.group = group  # a worker group's leader: its layout and ranks go in every heartbeat
         self._group_facts = {} if group is None else {"parallel": str(group.layout), "rank_pids": tuple(group.pids)}
@@ -97,7 +125,10 @@ class Worker(Generic[Job]):
         self.step_costs = StepCalibration()
         self.pull_costs = PullCalibration()
         self._kv_bytes_per_token = engine.layout.bytes_per_token
-        # --record-expert-trace: every step's expert load to a file (looked at in _observe); None = off, no cost
+        # --record-expert-trace: every step's expert load to a file (looked at in _observe); None = off, no cost. A
+        # role switch ends the old role's segment of the file and starts one of this role's (its header names it)
+        if succeeds is not None and succeeds.expert_trace is not None:
+            succeeds.expert_trace.close()
         self.expert_trace = (
             ExpertTraceRecorder(settings.record_expert_trace, engine, self.role, self.model_name, settings.worker_id)
             if settings.record_expert_trace
@@ -106,18 +137,48 @@ class Worker(Generic[Job]):
         self.engine = AsyncEngine(engine, self._outputs_ready, self._engine_failed, on_state=self._observe)
         self.failure: BaseException | None = None  # why the engine thread died; the worker then exits non-zero
         self.stopping = asyncio.Event()
-        self._conn: Connections | None = None  # set by run(): read through `conn`
+        self.taking_jobs = asyncio.Event()  # set once serve() takes jobs (its loops started): a switch is done
+        self._conn: Connections | None = None  # set by connect(): read through `conn`
         self.rpc_address: str | None = None
         self._tasks: list[asyncio.Task] = []
         self.outbox = Outbox()  # token events leave in order, through one publisher
-        self.draining = False
+        self.draining = False  # takes no new job: stopping (stop()) or leaving for another role (leave())
+        self.stop_asked = False  # stop() was called once: the drain ends the process (a second call stops now)
+        self.switching_to: Role | None = None  # leave(): the role that follows this one, in every heartbeat
+        self._fetching = False  # a job fetch is in flight (its job may still come: not idle)
+        self.serving = False  # connected, engine started, tasks running: /ready (probes.py) until it stops
+        self.last_beat: float | None = None  # when the heartbeat task last built a beat: /health (probes.py)
         self.cancels = CancelMemory()
-        self.ledger: JobLedger[Job] = JobLedger(self.cancels)
+        self._cancels_from: int | None = None  # the cancel stream's sequence to read from (a successor's start)
+        # every token event sent, kept while the request is in hand and a while after: sent again when a gateway
+        # lacks some or NATS reconnects (resend.py). The process's: a successor role resends what this one sent.
+        self.sent = SentEvents(self._holds_attempt)
+        self.resender = Resender(self.sent, self.model_name, self.outbox.emit, self.labels)
         self._integrity: str | None = None  # the engine's last integrity verdict (refreshed off the beat)
         # a decode (or mixed) worker's recent hot experts, in its heartbeat for expert-affinity routing (MoE models)
         self.hot_experts = HotExpertsWindow()
         self.blocks_announcer: BlockAnnouncer | None = None  # prefix-cache blocks out to the gateways, if any
         self._own_feed: JobFeed | None = None  # the queue of jobs routed to this worker alone, once bound
+        self._handing_back: asyncio.Task | None = None  # draining or leaving: the own queue's jobs to the shared one
+        self._probes: WorkerProbes | None = None  # what the metrics server's /health and /ready ask (connect)
+        if succeeds is not None:
+            self._take_over(succeeds)
+        self.ledger: JobLedger[Job] = JobLedger(self.cancels)  # the cancels remembered (a predecessor's too)
+
+    def _holds_attempt(self, key: str) -> bool:
+        return self.ledger.get(key) is not None
+
+    def _take_over(self, old: Worker) -> None:
+        """What carries over from the role this one succeeds: the process's, not the role's."""
+        self._conn, self.metrics_port = old._conn, old.metrics_port
+        self._probes = old._probes
+        if self._probes is not None:  # the metrics server's /health and /ready read this role from now on
+            self._probes.worker = self
+        self.cancels, self._cancels_from = old.cancels, old._cancels_from
+        self.sent, self.resender = old.sent, old.resender
+        self.sent.in_hand = self._holds_attempt  # in hand: in this role's ledger (what the old one held was handed on)
+        self.resender.emit_with(self.outbox.emit)  # resent events leave through this role's publisher
+        self.step_costs, self.pull_costs = old.step_costs, old.pull_costs
 
     @property
     def conn(self) -> Connections:
@@ -163,40 +224,63 @@ class Worker(Generic[Job]):
         if self.expert_trace is not None:
             self.expert_trace.observe(engine)
 
+    def nats_connected(self) -> bool:
+        return self._conn is not None and self._conn.nc.is_connected
+
     def has_room(self) -> bool:
         """Fetch a job only when the engine can start it soon (EngineLoad.has_room, on the latest snapshot)."""
         return self.load.has_room()
 
     def idle(self) -> bool:
         """Nothing in hand: no job in the ledger, no request in the engine (running, waiting or holding KV), no
-        token event waiting to leave."""
-        return not self.ledger and not self.load.requests and self.outbox.empty()
+        token event waiting to leave, no job fetch whose job may still come."""
+        return not self.ledger and not self.load.requests and self.outbox.empty() and not self._fetching
 
     # ---- life -------------------------------------------------------------------------------------------
 
     async def run(self) -> None:
+        """Connect, serve until stop(), close: a process of this one role (host.py runs roles in turn)."""
+        if not await self.connect():
+            return
+        try:
+            await self.serve()
+        finally:
+            await self.close()
+
+    async def connect(self) -> bool:
+        """NATS, JetStream and Redis, the streams, the metrics server; False when stopped before NATS answered."""
         connecting = asyncio.ensure_future(bus.connect(self.settings, f"{self.role}-{self.settings.worker_id}"))
         stopped = asyncio.ensure_future(self.stopping.wait())
         await asyncio.wait((connecting, stopped), return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
         if not connecting.done():  # SIGTERM while NATS is unreachable (or refuses us): nothing to drain
             connecting.cancel()
-            return
+            return False
         nc = connecting.result()
-        self._conn = Connections(nc, nc.jetstream(), redis_client(self.settings))
-        await bus.ensure_streams(self.conn.js)
+        redis = redis_client(self.settings, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S)
+        self._conn = Connections(nc, nc.jetstream(), redis)
+        await bus.ensure_streams(self.conn.js, self.settings.jetstream_replicas)
         if self.settings.metrics_port is not None:
-            self.metrics_port = metrics.serve_metrics(self.settings.metrics_host, self.settings.metrics_port)
+            self._probes = WorkerProbes(self)  # /health, /ready beside /metrics: of the role serving (a successor's)
+            routes = self._probes.routes()
+            self.metrics_port = metrics.serve_metrics(self.settings.metrics_host, self.settings.metrics_port, routes)
             log.info("metrics at http://%s:%d/metrics", self.settings.metrics_host, self.metrics_port)
+        return True
+
+    async def serve(self) -> None:
+        """Serve this role until `stopping`: the engine thread, the role's setup, its loops; then shut them down
+        (the connections stay open: `close`). Raises what the role's setup raised."""
         self.engine.start()
         try:
             await self.setup()
             cancels = CancelFeed(self.conn.nc, self._cancel_received)
-            await cancels.start()
+            await cancels.start(self._cancels_from)
+            await self.resender.start(self.conn.nc)  # once a process: a successor role's call finds it listening
             announcing = await self._start_announcing_blocks()
-            self._tasks = [
+            self._tasks += [  # a drain begun during the setup (a stop) is among them already
                 *announcing,
-                asyncio.create_task(cancels.run()),
+                asyncio.create_task(self._read_cancels(cancels)),
+                asyncio.create_task(self.resender.run(self.conn.nc)),
                 asyncio.create_task(self._heartbeats()),
                 asyncio.create_task(self._engine_facts()),
                 asyncio.create_task(self._job_loop()),
@@ -211,9 +295,28 @@ class Worker(Generic[Job]):
                 load.total_blocks * load.block_size,
                 load.max_model_len,
             )
+            self.serving = True
+            self.taking_jobs.set()
             await self.stopping.wait()
         finally:
+            self.serving = False
             await self._shut_down()
+
+    async def _read_cancels(self, cancels: CancelFeed) -> None:
+        try:
+            await cancels.run()
+        finally:  # where a successor role reads on from
+            self._cancels_from = cancels.next_seq
+
+    async def close(self) -> None:
+        """The process's end: the expert trace's last steps to its file, the connections closed."""
+        began = time.monotonic()
+        if self.expert_trace is not None:  # the engine thread is gone: its last steps go to the file now
+            self.expert_trace.close()
+        await self.conn.close()
+        # the last line of a worker's log: where its exit went, when a supervisor's bound is tight
+        log.info("%s worker %s closed its connections in %.2f s", self.role, self.settings.worker_id,
+                 time.monotonic() - began)  # fmt: skip
 
     async def _shut_down(self) -> None:
         began = time.monotonic()
@@ -227,21 +330,15 @@ class Worker(Generic[Job]):
             log.warning("teardown did not finish cleanly: %r", exc)
         torn_down = time.monotonic()
         await self.engine.stop()
-        if self.expert_trace is not None:  # the engine thread is gone: its last steps go to the file now
-            self.expert_trace.close()
         engine_stopped = time.monotonic()
-        await self.conn.close()
-        closed = time.monotonic()
-        # the last line of a worker's log: where its exit went, when a supervisor's bound is tight
         log.info(
-            "%s worker %s stopped in %.2f s (tasks %.2f, teardown %.2f, engine %.2f, connections %.2f)",
+            "%s worker %s stopped in %.2f s (tasks %.2f, teardown %.2f, engine %.2f)",
             self.role,
             self.settings.worker_id,
-            closed - began,
+            engine_stopped - began,
             tasks_done - began,
             torn_down - tasks_done,
             engine_stopped - torn_down,
-            closed - engine_stopped,
         )
 
     def _engine_failed(self, exc: BaseException) -> None:
@@ -252,9 +349,13 @@ class Worker(Generic[Job]):
         self.stopping.set()
 
     def stop(self) -> None:
-        """SIGTERM / SIGINT: the first call drains, a second stops now."""
-        if self.draining or self._conn is None:
+        """SIGTERM / SIGINT: the first call drains, a second stops now. While leaving for another role (leave),
+        the first call lets the leave go on, and the process ends when it does."""
+        if self.stop_asked or self._conn is None:
             self.stopping.set()
+            return
+        self.stop_asked = True
+        if self.draining:  # leaving already: leave() ends in a stop
             return
         self.draining = True
         self._tasks.append(asyncio.create_task(self._drain()))
@@ -264,20 +365,81 @@ class Worker(Generic[Job]):
         log.info("draining: taking no new jobs, finishing what is in flight (at most %g s)", timeout)
         started = time.monotonic()
         deadline = started + timeout
-        handing_back_until = started  # a worker with its own queue hands its jobs back for HAND_BACK_S at least
-        if self._own_feed is not None:  # jobs routed here and not taken yet go to the shared queue
-            self._tasks.append(asyncio.create_task(self._own_feed.hand_back(self.job_subject())))
-            handing_back_until = min(started + HAND_BACK_S, deadline)
-        while (not self.idle() or time.monotonic() < handing_back_until) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if not self.idle():
+        hand_back_until = self._hand_back_own_queue(started, deadline)
+        idle = await self._until_idle(deadline, hand_back_until)
+        if not idle:
             log.warning("drain timed out after %g s with work in hand; stopping anyway", timeout)
+        await self._flush_and_stop(started)
+
+    def _hand_back_own_queue(self, started: float, deadline: float) -> float:
+        """Jobs routed to this worker's own queue and not taken go to the shared queue from now on (a task); →
+        until when a drain waits at least (HAND_BACK_S: the gateways route here until they have this beat)."""
+        if self._own_feed is None:
+            return started
+        self._handing_back = asyncio.create_task(self._own_feed.hand_back(self.job_subject()))
+        self._tasks.append(self._handing_back)
+        return min(started + HAND_BACK_S, deadline)
+
+    async def _until_idle(self, deadline: float, not_before: float = 0.0, then=None) -> bool:
+        """Wait until idle (and at least until `not_before`), at most until `deadline`; → whether idle. `then`: a
+        coroutine function run between looks (handing requests on)."""
+        while (not self.idle() or time.monotonic() < not_before) and time.monotonic() < deadline:
+            if then is not None:
+                await then()
+            await asyncio.sleep(0.05)
+        return self.idle()
+
+    async def _flush_and_stop(self, started: float) -> None:
         flushing = time.monotonic()
         with contextlib.suppress(Exception):  # the last token events out before the connection closes
             await asyncio.wait_for(self.conn.nc.flush(), 2.0)
         now = time.monotonic()
         log.info("drained in %.2f s (the last flush %.2f s)", now - started, now - flushing)
         self.stopping.set()
+
+    async def leave(self, to: Role, finish_s: float, timeout_s: float) -> Leaving:
+        """Switch away from this role (host.py): take no new job (this role's own queue handed back to the shared
+        one), let what is in hand finish for `finish_s` — then hand on what still runs (`hand_on_in_hand`: decode
+        and mixed requests go to the prefill queue with their tokens so far) — and wait, at most `timeout_s` in all,
+        for the rest (KV held for a pull is pulled or expires; pulls in flight end). Idle: `stopping` is set
+        (serve() returns) and the result says so. Not idle in time: this role takes jobs again — unless stop() was
+        called meanwhile: then it drains and stops as a stop does."""
+        started = time.monotonic()
+        self.draining, self.switching_to = True, to
+        in_hand = len(self.ledger) + self.held_kv_count()
+        deadline = started + timeout_s
+        hand_back_until = self._hand_back_own_queue(started, deadline)
+        handed_on = 0
+
+        async def hand_on() -> None:
+            nonlocal handed_on
+            handed_on += await self.hand_on_in_hand()
+
+        await self._until_idle(min(started + finish_s, deadline))  # what it holds may finish here
+        # then what still runs is handed on, and the own queue handed back for HAND_BACK_S at least
+        idle = await self._until_idle(deadline, hand_back_until, then=hand_on)
+        leaving = Leaving(idle, max(0, in_hand - handed_on), handed_on, time.monotonic() - started)
+        if not idle and not self.stop_asked:
+            self._own_feed_back_in_service()
+            self.draining, self.switching_to = False, None
+            return leaving
+        if not idle:
+            await self._until_idle(started + self.settings.drain_timeout_s)
+        await self._flush_and_stop(started)
+        return leaving
+
+    def _own_feed_back_in_service(self) -> None:
+        """A leave called off: the own queue's hand-back ends (the job loop fetches from it again)."""
+        if self._handing_back is not None:
+            self._handing_back.cancel()
+            self._tasks.remove(self._handing_back)
+            self._handing_back = None
+
+    async def hand_on_in_hand(self) -> int:
+        """Leaving this role: hand on what it would otherwise finish itself, now; → how many requests. Decode and
+        mixed workers hand their running requests to the prefill queue (StreamingWorker); a prefill worker's jobs
+        end at their first token, and its held KV waits for its pull: nothing to do."""
+        return 0
 
     # ---- jobs -------------------------------------------------------------------------------------------
 
@@ -367,6 +529,7 @@ class Worker(Generic[Job]):
         """The one cancel path: remember it (a job of a covered attempt may still arrive), then drop every entry
         it covers."""
         self.cancels.remember(cancel)
+        self.sent.forget(cancel)
         for entry in self.ledger.covered_by(cancel):
             await self.drop(entry)
 
@@ -410,6 +573,7 @@ class Worker(Generic[Job]):
                     for i, consumer in enumerate(consumers):
                         if i not in fetching:
                             fetching[i] = asyncio.ensure_future(consumer.fetch(batch=1, timeout=1.0))
+                self._fetching = bool(fetching)
                 if not fetching:
                     await asyncio.sleep(IDLE_POLL_S)
                     continue
@@ -418,7 +582,9 @@ class Worker(Generic[Job]):
                 )
                 for i in sorted(i for i, task in fetching.items() if task.done()):
                     await self._handle_fetched(fetching.pop(i))
+                self._fetching = bool(fetching)
         finally:
+            self._fetching = False
             for task in fetching.values():
                 task.cancel()
 
@@ -432,6 +598,10 @@ class Worker(Generic[Job]):
             await asyncio.sleep(0.5)
             return
         for msg in msgs:
+            if self.switching_to is not None:  # leaving this role (a fetch sent before): another worker of it takes it
+                log.info("leaving the %s role: a job fetched meanwhile goes back to its queue", self.role)
+                await settle(msg.nak())
+                continue
             try:
                 await self.handle_job(msg)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -451,7 +621,8 @@ class Worker(Generic[Job]):
             log.exception("handling engine outputs failed")
 
     def emit(self, subject: str, event: TokenEvent) -> None:
-        """Queue a token event for publishing (callable from the loop without awaiting)."""
+        """Queue a token event for publishing (callable from the loop without awaiting), kept to send again."""
+        self.sent.record(subject, event)
         self.outbox.emit(subject, event)
 
     # ---- heartbeats and block announcements --------------------------------------------------------------
@@ -485,6 +656,7 @@ class Worker(Generic[Job]):
 
     def heartbeat(self) -> Heartbeat:
         """This worker's beat now (from the latest load snapshot); sets the load gauges on the way."""
+        self.last_beat = time.monotonic()
         load = self.load
         gauges.record_load(self.labels, load)
         return build_heartbeat(
@@ -496,6 +668,7 @@ class Worker(Generic[Job]):
             held_kv=self.held_kv_count(),
             integrity_error=self._integrity,
             draining=self.draining,
+            switching_to=self.switching_to,
             path_calibration=path_calibration(self.step_costs.costs, self.pull_costs, self._kv_bytes_per_token),
             blocks=self.blocks_announcer,
             hot_experts=self.hot_experts.hot,

@@ -1,5 +1,5 @@
 """Malformed messages sent straight onto the subjects the services read, bypassing the gateway: the job queues
-(pd.jobs.prefill / pd.jobs.decode), pd.cancel.*, pd.hb.* and a gateway's token subjects.
+(pd.jobs.prefill / pd.jobs.decode), pd.cancel.*, pd.hb.*, pd.resend.* and a gateway's token subjects.
 
 Against a real stack (1 prefill + 1 decode worker on the tiny demo model, workers at a shorter context than
 the gateway's). After each batch: every process is alive, a normal request is answered as before, each
@@ -33,6 +33,8 @@ from shared.messages import (
     FinishedEvent,
     Heartbeat,
     PrefillJob,
+    ResendItem,
+    ResendRequest,
     Sampling,
     TokenEvent,
     TokensEvent,
@@ -43,10 +45,11 @@ from shared.messages import (
     decode_subject,
     encode,
     prefill_subject,
+    resend_subject,
 )
 from shared.model.tokenizer import Tokenizer
 from shared.rpc import kv_transfer_pb2 as pb
-from tests.e2e_support import heartbeats, start_stack
+from tests.e2e_support import heartbeats, scraped_total, start_stack
 
 MODEL = "demo"
 WORKER_CONTEXT = 256  # the workers' max_model_len; the gateway allows the checkpoint's 2048
@@ -429,6 +432,11 @@ def _malformed(payloads: list[bytes], kind: type[msgspec.Struct]) -> int:
     return sum(decode_or_drop(p, kind, "test") is None for p in payloads)
 
 
+def _resent(stack: Stack) -> float:
+    """Token events the workers have sent again so far."""
+    return sum(scraped_total(url, "pdserve:token_events_resent_total") for url in stack.metrics_urls())
+
+
 def _stream_text(url: str, max_tokens: int) -> str:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     with httpx.Client(timeout=60) as client:
@@ -444,6 +452,8 @@ def test_bad_cancels_heartbeats_and_token_events(stack, baseline):
     long_run = 240  # tokens (of the workers' 256): the request still streams while the bad events arrive
     expected = _complete(stack.url, max_tokens=long_run).json()["choices"][0]["text"]
     drops_before = {role: _worker_log(stack, role).count("dropping malformed Cancel") for role in ("prefill", "decode")}
+    resend_drops_before = {r: _worker_log(stack, r).count("dropping malformed ResendRequest") for r in drops_before}
+    resent_before = _resent(stack)
     absurd = Heartbeat(
         "absurd", "decode", MODEL, None, running=-1, free_blocks=-(10**9), total_blocks=-(10**9), block_size=-16
     )
@@ -485,10 +495,17 @@ def test_bad_cancels_heartbeats_and_token_events(stack, baseline):
             await bus.core("pd.cancel.long", Cancel("x" * 500_000))
             await bus.core("pd.hb.decode.absurd", absurd)
             await bus.core("pd.hb.nonsense.who", msgspec.structs.replace(absurd, worker_id="who", role="nonsense"))
+            for payload in MALFORMED:
+                await bus.core(resend_subject(MODEL), payload)
+            # well-formed asks: everything of the live request again, mid-stream (what a gateway asks after it got
+            # back to NATS), and positions of no request: each of its positions must still reach the client once
+            everything = ResendItem(live_id, 0, 0)
+            await bus.core(resend_subject(MODEL), ResendRequest([everything, ResendItem("nobody", 0, 10**9)]))
             await live
 
     asyncio.run(scenario())
-    assert streamed == [expected]  # the bad events on its subject changed nothing
+    assert streamed == [expected]  # the bad events on its subject, and its events sent twice, changed nothing
+    assert _resent(stack) > resent_before  # they were sent twice: the workers answered the ask
     # The workers log the cancels as they take them from NATS, which may be after the stream ended: wait for the
     # count to arrive (or the timeout), then check it is exact.
     drops = _malformed(MALFORMED, Cancel)
@@ -500,6 +517,14 @@ def test_bad_cancels_heartbeats_and_token_events(stack, baseline):
 
         log = _wait_for(logged) or _worker_log(stack, role)
         assert log.count("dropping malformed Cancel") - before == drops, log[-3000:]
+        resend_drops, resend_before = _malformed(MALFORMED, ResendRequest), resend_drops_before[role]
+
+        def resend_logged(role=role, before=resend_before, want=resend_drops) -> str:
+            log = _worker_log(stack, role)
+            return log if log.count("dropping malformed ResendRequest") - before >= want else ""
+
+        log = _wait_for(resend_logged) or _worker_log(stack, role)
+        assert log.count("dropping malformed ResendRequest") - resend_before == resend_drops, log[-3000:]
     heartbeats_dropped = _malformed(MALFORMED, Heartbeat)
     _wait_for(
         lambda: _gateway_log(stack).count("dropping malformed Heartbeat on pd.hb.decode.fake") >= heartbeats_dropped

@@ -124,6 +124,11 @@ def test_concurrent_requests_all_complete_and_kv_moved(stack, model_dir, referen
     assert prefill[0].integrity_error is None and decode[0].integrity_error is None  # check_integrity()
     assert decode[0].free_blocks == decode[0].total_blocks
     assert kv_keys(stack.redis_url) == []
+    # On one host every pull takes a same-host path, and the metric by transport says so (across hosts none does:
+    # tests/e2e/test_across_hosts.py)
+    decode_url = stack.metrics_urls()[1]
+    same_host = sum(scraped_total(decode_url, "pdserve:kv_pulls_total", transport=t) for t in ("borrowed", "segment"))
+    assert same_host == scraped_total(decode_url, "pdserve:kv_transfer_seconds_count", role="decode") > 0
 
 
 def test_without_shared_memory_every_pull_arrives_in_posted_receives(model_dir, reference):

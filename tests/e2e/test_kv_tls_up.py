@@ -11,7 +11,6 @@ shared memory, which TLS does not cover: docs/security.md.)"""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import stat
@@ -27,7 +26,7 @@ import pytest
 from services.local.children import descendants
 from services.local.infra import free_port
 from shared.urls import with_credentials
-from tests.e2e_support import heartbeats, scraped_total
+from tests.e2e_support import heartbeats, kv_connect_status, scraped_total
 
 pytestmark = pytest.mark.slow  # a real `pdserve up` with two workers: ~40 s on the shared 2-core machine
 
@@ -60,24 +59,6 @@ def _services(pid: int) -> dict[str, tuple[list[str], dict[str, str]]]:
 
 def _flag(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
-
-
-def _connect_code(address: str, credentials: grpc.ChannelCredentials | None) -> str:
-    """The status of a Connect with an empty body: INVALID_ARGUMENT from the server's own checks when the
-    channel got through, UNAVAILABLE when the handshake did not."""
-
-    async def call() -> str:
-        channel = (
-            grpc.aio.insecure_channel(address) if credentials is None else grpc.aio.secure_channel(address, credentials)
-        )
-        async with channel:
-            try:
-                await channel.unary_unary("/pdserve.kv.v1.KvTransfer/Connect")(b"", timeout=10)
-            except grpc.aio.AioRpcError as e:
-                return e.code().name
-        return "OK"
-
-    return asyncio.run(call())
 
 
 def test_up_kv_tls_moves_every_kv_over_mutual_tls(model_dir, tmp_path):
@@ -124,10 +105,10 @@ def test_up_kv_tls_moves_every_kv_over_mutual_tls(model_dir, tmp_path):
         ours = grpc.ssl_channel_credentials(
             Path(ca).read_bytes(), private_key=Path(key).read_bytes(), certificate_chain=Path(cert).read_bytes()
         )
-        assert _connect_code(prefill.rpc_address, ours) == "INVALID_ARGUMENT"  # through TLS to the server's checks
-        assert _connect_code(prefill.rpc_address, None) == "UNAVAILABLE"  # plaintext: no handshake
+        assert kv_connect_status(prefill.rpc_address, ours) == "INVALID_ARGUMENT"  # through TLS to the server's checks
+        assert kv_connect_status(prefill.rpc_address, None) == "UNAVAILABLE"  # plaintext: no handshake
         anonymous = grpc.ssl_channel_credentials(Path(ca).read_bytes())  # trusts the server, presents nothing
-        assert _connect_code(prefill.rpc_address, anonymous) == "UNAVAILABLE"
+        assert kv_connect_status(prefill.rpc_address, anonymous) == "UNAVAILABLE"
     except BaseException:
         print(out.read_text(errors="replace")[-4000:] if out.exists() else "(no output)")
         for log in sorted(log_dir.glob("*.log")):

@@ -6,7 +6,10 @@ ignored, as it does from any script's `... &`), signalled and killed for real, i
   - SIGKILL to it: its children notice (parent-death signal) and exit within seconds;
   - SIGKILL to its only decode worker mid-stream: a replacement serves, the stream completes token for token
     as the single-process engine writes it, the restart is counted; redis-server killed: restarted too;
-  - a worker that cannot start: after five quick exits it stops the stack naming the worker and its log.
+  - a configuration it would refuse (a missing checkpoint, a port in use, a bad flag): said at once, exit 2,
+    nothing started; a service that refuses its configuration later (exit 2) is not restarted: the stack stops
+    with its reason (a service that crashes is restarted until it crash-loops:
+    tests/integration/test_supervisor_standins.py).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from services.local.children import descendants, running
@@ -29,7 +33,7 @@ from services.local.infra import free_port
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.model.tokenizer import Tokenizer
-from tests.chaos import Outcome, Progress, stream_completion
+from tests.chaos import Outcome, Progress, SteadyLoad, stream_completion
 from tests.e2e_support import scraped_total
 
 DRAIN_S = 3.0
@@ -237,18 +241,170 @@ def test_a_dead_worker_is_replaced_while_the_rest_serves(launch, reference):
     assert_all_gone(up, 2.0)
 
 
-@pytest.mark.slow  # a whole stack or spawned ranks, > ~30 s on 2 cores: the slow tier (CI runs it)
-def test_a_crash_looping_worker_stops_the_stack(launch):
-    up = launch("--mixed", "1", env={"PDSERVE_BLOCK_SIZE": "not-a-number"})  # the worker exits at once (2)
-    deadline = time.monotonic() + 150
+REFUSED_WITHIN_S = 10.0  # the issue's bound for a configuration refused before anything starts
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing checkpoint", "/nonexistent: no config.json"),
+        ("port in use", "is in use (another pdserve up, or another server?): choose another with --port"),
+        ("bad flag", "the decode workers' settings: unrecognized arguments: --bogus 3"),
+    ],
+)
+def test_a_refused_configuration_starts_nothing_and_exits_at_once(launch, taken_port, case, message):
+    """The preflight (services/local/preflight.py): the one message, exit status 2 within seconds, no process
+    started — not services restarted until the supervisor gives up."""
+    flags = {"missing checkpoint": ["--model", "/nonexistent"], "port in use": ["--port", str(taken_port)],
+             "bad flag": ["--decode-args=--bogus 3"]}[case]  # fmt: skip
+    began = time.monotonic()
+    up = launch(*flags)  # later flags win over the launcher's own --model and --port
+    started: set[str] = set()  # the command of every process it starts (none but helpers, if it works)
+    while up.shell.poll() is None and time.monotonic() - began < REFUSED_WITHIN_S + 20:
+        started |= {described([pid]) for pid in up.children()}
+        time.sleep(0.05)
+    assert up.exit_status(5) == 2
+    took = time.monotonic() - began
+    out = up.output()
+    assert out.startswith("pdserve: error: ") and message in out and out.count("error") == 1, out
+    assert took < REFUSED_WITHIN_S, f"{took:.1f} s: {out}"
+    # nothing started: no server, no service (ctypes' library lookup may run ldconfig, a helper)
+    assert not [c for c in started if any(n in c for n in ("services.cli", "nats-server", "redis-server"))], started
+    assert "restarting" not in out
+
+
+def test_a_service_that_refuses_its_configuration_is_not_restarted(launch):
+    """What the preflight cannot see (the engine refuses a KV budget smaller than one request, at its build):
+    the worker exits 2, and the stack stops with its reason at once instead of restarting it."""
+    up = launch("--mixed", "1", "--mixed-args=--kv-cache-bytes 1")
+    deadline = time.monotonic() + 120
     while up.shell.poll() is None and time.monotonic() < deadline:
         up.children()  # every process it starts, for the check that none is left
         time.sleep(0.2)
-    assert up.exit_status(5) == 1
+    assert up.exit_status(5) == 2
     out = up.output()
     log = up.log_dir / "mixed-0.log"
-    assert "mixed-0 exited (exit code 2)" in out and f"5 exits within 60 s. Its log: {log}" in out, out
-    assert "stopping the stack" in out
-    assert re.findall(r"mixed-0 exited .* restarting it in ([\d.]+) s", out) == ["0.5", "1", "2", "4"]
-    assert "PDSERVE_BLOCK_SIZE" in log.read_text()  # the log named holds the reason
+    assert f"mixed-0 refused its configuration (exit code 2), so it is not restarted. The end of its log ({log})" in out
+    assert "raise kv_cache_bytes" in out  # its reason, quoted from its log
+    assert "restarting" not in out and "stopping the stack" in out
+    assert_all_gone(up, 2.0)
+
+
+# A rolling restart (SIGHUP) and a prefill drain that must wait for its held KV, on one `pdserve up`: a drain long
+# enough for both, KV leases that do not run out meanwhile, every prompt computed by the prefill worker (remote),
+# and a stall bound past the seconds the decode worker is stopped for.
+ROLLING_ENV = {"PDSERVE_KV_LEASE_S": "60", "PDSERVE_STALL_TIMEOUT_S": "60", "PDSERVE_PREFILL_PATH": "remote"}
+ROLLING_DRAIN_S = "30"
+ROLL_PROMPTS = ["The quick brown fox", "héllo wörld, 世界", "Tell me a story about disaggregation"]
+ROLL_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def rolling_up(tmp_path_factory, model_dir):
+    up = Up(tmp_path_factory.mktemp("rolling"), model_dir, "--prefill", "1", "--decode", "1",
+            "--drain-timeout-s", ROLLING_DRAIN_S, env=ROLLING_ENV)  # fmt: skip
+    try:
+        up.wait_ready()
+        yield up
+    finally:
+        up.kill_all()
+
+
+@pytest.fixture(scope="module")
+def roll_references(model_dir) -> dict[str, str]:
+    tok = Tokenizer(model_dir)
+    params = SamplingParams(max_tokens=ROLL_TOKENS, temperature=0.0, ignore_eos=True)
+    outs = Engine.from_dir(model_dir, max_model_len=2048).generate([tok.encode(p) for p in ROLL_PROMPTS], params)
+    return {p: tok.decode(out) for p, out in zip(ROLL_PROMPTS, outs, strict=True)}
+
+
+def worker_metrics(up: Up) -> list[str]:
+    """The workers' /metrics URLs, as the ready message lists them (prefill-0, decode-1)."""
+    found = re.search(r"metrics: \S+ \(gateway\), (.*)", up.output())
+    assert found is not None, up.output()
+    return [url.strip() for url in found.group(1).split(",")]
+
+
+@pytest.mark.slow  # a whole stack or spawned ranks, > ~30 s on 2 cores: the slow tier (CI runs it)
+def test_a_draining_prefill_worker_exits_only_once_its_held_kv_is_pulled(rolling_up, reference):
+    """The decode worker is stopped (SIGSTOP) while the prefill worker computes a prompt, so the KV it holds is not
+    pulled; the prefill worker gets SIGTERM and drains: it keeps running, holding the KV, until the decode worker
+    resumes and pulls it, then exits 0. The stream is whole and token-exact, and its KV was pulled, not
+    recomputed."""
+    up = rolling_up
+    decode_metrics = worker_metrics(up)[1]
+    pulls = scraped_total(decode_metrics, "pdserve:kv_transfer_seconds_count", role="decode")
+    prefill, decode = up.pid_of("prefill"), up.pid_of("decode")
+    os.kill(decode, signal.SIGSTOP)
+    try:
+        progress = Progress(1)
+        result: list[Outcome] = []
+        streamer = threading.Thread(target=lambda: result.append(stream_completion(up.url, PROMPT, MAX_TOKENS,
+                                                                                   progress)))  # fmt: skip
+        streamer.start()
+        progress.wait(lambda p: p.counts[0] >= 1)  # the prefill worker's first token: its KV held for decode
+        os.kill(prefill, signal.SIGTERM)
+        time.sleep(4.0)
+        assert running(prefill), "the prefill worker exited with KV held that nobody pulled"
+        assert progress.counts[0] == 1  # nothing decoded yet
+    finally:
+        os.kill(decode, signal.SIGCONT)
+    wait_until(lambda: not running(prefill), 30, "the prefill worker exits once its KV is pulled")
+    streamer.join(120)
+    [outcome] = result
+    assert outcome.verdict == "completed" and outcome.text == reference, outcome
+    assert scraped_total(decode_metrics, "pdserve:kv_transfer_seconds_count", role="decode") == pulls + 1
+    assert scraped_total(decode_metrics, "pdserve:kv_transfer_failures_total") == 0
+    wait_until(lambda: "prefill-0 exited (exit code 0)" in up.output(), 10, "the supervisor saw a clean exit")
+    assert "drained in" in (up.log_dir / "prefill-0.log").read_text()
+    wait_until(lambda: up.pid_of("prefill") not in (None, prefill), 10, "the supervisor restarts it")
+    wait_until(lambda: _ready(up.url), 120, "the stack serves again")
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@pytest.mark.slow  # a whole stack or spawned ranks, > ~30 s on 2 cores: the slow tier (CI runs it)
+def test_a_rolling_restart_under_streaming_load_fails_no_request(rolling_up, roll_references):
+    """SIGHUP to `pdserve up` under a steady streaming load: every worker is replaced (a new process each), one at
+    a time, and every request — those in flight as workers drained included — completes token for token."""
+    up = rolling_up
+    wait_until(lambda: _ready(up.url), 120, "the stack serves")
+    before = {role: up.pid_of(role) for role in ("prefill", "decode")}
+    metrics = up.supervisor_metrics()
+    restarts = scraped_total(metrics, "pdserve:supervisor_restarts_total")
+    load = SteadyLoad(up.url, ROLL_PROMPTS, ROLL_TOKENS, clients=3)
+    try:
+        wait_until(lambda: load.completed_by(time.monotonic()) >= 3, 120, "the load runs")
+        hup = time.monotonic()
+        os.kill(up.pid, signal.SIGHUP)
+        wait_until(lambda: "rolling restart done" in up.output() or "rolling restart stopped" in up.output(), 300,
+                   "the rolling restart ends")  # fmt: skip
+        done = time.monotonic()
+        time.sleep(2.0)  # the replacements serve requests too
+    finally:
+        outcomes = load.stop()
+    out = up.output()
+    assert "rolling restart done: 2 workers replaced" in out, out[-3000:]
+    failed = [o for _, _, o in outcomes if o.verdict != "completed" or o.text != roll_references[o.prompt]]
+    assert not failed, failed[:3]
+    during = [o for began, end, o in outcomes if began < done and end > hup]
+    assert len(during) >= 3, "no request was in flight during the rolling restart"
+    after = {role: up.pid_of(role) for role in ("prefill", "decode")}
+    assert all(after[role] not in (None, before[role]) for role in after), (before, after)
+    assert scraped_total(metrics, "pdserve:supervisor_restarts_total") == restarts  # nothing crashed
+    os.kill(up.pid, signal.SIGTERM)
+    assert up.exit_status(float(ROLLING_DRAIN_S) + 15) == 0
     assert_all_gone(up, 2.0)

@@ -10,44 +10,12 @@ import contextlib
 import nats
 import pytest
 
-from services.local.infra import free_port, start_nats
+from services.local.infra import start_nats
 from shared import bus
 from shared.messages import Cancel, cancel_subject, decode, encode
 from shared.settings import WorkerSettings
 from shared.worker.cancel_feed import CancelFeed
-
-
-class Proxy:
-    """127.0.0.1:port → the NATS server; `cut()` closes every connection and refuses new ones until `restore()`."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.port = free_port()
-        self.server: asyncio.AbstractServer | None = None
-        self.writers: list[asyncio.StreamWriter] = []
-
-    async def restore(self) -> None:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
-
-    async def cut(self) -> None:
-        self.server.close()
-        await self.server.wait_closed()
-        for w in self.writers:
-            w.close()
-        self.writers.clear()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        self.writers += [writer, up_writer]
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(Exception):
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            dst.close()
-
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+from tests.nats_proxy import Proxy
 
 
 async def _wait_for(predicate, timeout_s: float = 15.0) -> None:

@@ -9,6 +9,7 @@ compose.yaml run for real against local servers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -19,16 +20,18 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import grimp
 import pytest
+import redis as redis_lib
 import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import choose_encoder
 
 from services.cli import main as cli_main
@@ -52,6 +55,7 @@ PDSERVE_SERVICES = {name for name, svc in SERVICES.items() if svc.get("image") i
 ONE_SHOT = {name for name, svc in SERVICES.items() if svc.get("restart") == "no"}
 GPU_PROFILE = {name for name, svc in SERVICES.items() if "gpu" in svc.get("profiles", [])}
 OBSERVABILITY = {name for name, svc in SERVICES.items() if "observability" in svc.get("profiles", [])}
+HA_PROFILE = {name for name, svc in SERVICES.items() if "ha" in svc.get("profiles", [])}
 OBSERVABILITY_DIR = ROOT / "docker" / "observability"
 # The OpenTelemetry variables compose passes on (read by shared/telemetry/tracing.py and the OTLP exporter).
 OTEL_VARS = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL"}
@@ -233,10 +237,28 @@ def test_gateway_publishes_8000():
 
 
 def test_workers_scale():
+    """`docker compose up --scale prefill=N --scale decode=M` (docs/deploy.md, "Compose scaling"): each replica
+    is its own worker: no fixed container name, published port or host name; its worker id and the address a
+    prefill worker advertises come from its own host name (the container's), never from a value every replica
+    would share; and a replica stopped by a scale-down drains (stop_grace_period), a prefill worker until its held
+    KV is pulled or its lease expires."""
     for name in WORKERS:
         svc = SERVICES[name]
-        for key in ("container_name", "ports", "hostname"):
+        for key in ("container_name", "ports", "hostname", "domainname", "mac_address"):
             assert key not in svc, f"{name}: {key} prevents --scale"
+        env = environment(name)
+        for var in ("PDSERVE_WORKER_ID", "PDSERVE_ADVERTISE_HOST", "PDSERVE_TRACE_FILE", "PDSERVE_RECORD_EXPERT_TRACE"):
+            assert var not in env, f"{name}: {var} would be the same in every replica"
+        one, other = (from_env(WorkerSettings, env, role=role(name)) for _ in range(2))
+        assert socket.gethostname() in one.worker_id and one.worker_id != other.worker_id, name
+        assert one.kv.advertise_host is None, name  # the wildcard rpc_host: the container's own name
+        if one.role == "prefill":
+            assert one.kv.lease_s < one.drain_timeout_s < _seconds(SERVICES[name]["stop_grace_period"]), name
+        assert all(str(m).split(":")[-1] == "ro" for m in SERVICES[name]["volumes"]), f"{name}: replicas share them"
+    header = (ROOT / "compose.yaml").read_text().split("\nx-pdserve")[0]
+    assert "docker compose up --scale prefill=2 --scale decode=2" in header
+    deploy = (ROOT / "docs" / "deploy.md").read_text()
+    assert "docker compose up -d --scale prefill=" in deploy and "python3 docker/compose_autoscale.py" in deploy
 
 
 def test_stop_waits_for_the_drain():
@@ -417,7 +439,7 @@ def _secret(name: str) -> str:
 def test_secrets_volume_reaches_every_service_that_needs_it():
     assert "secrets" in COMPOSE["volumes"]
     assert volume_mounts("secrets-init")["secrets"] == SECRETS_MOUNT  # the only writer
-    assert SECRET_READERS == (PDSERVE_SERVICES - ONE_SHOT) | {"nats", "redis"}
+    assert SECRET_READERS == (PDSERVE_SERVICES - ONE_SHOT) | {"nats", "redis"} | HA_PROFILE
     for name in SECRET_READERS:
         assert volume_mounts(name)["secrets"] == f"{SECRETS_MOUNT}:ro", name
 
@@ -584,6 +606,154 @@ async def _redis_ping(settings) -> str:
         return explain_redis_error(exc)
     finally:
         await client.aclose()
+
+
+# ---- the ha profile: a 3-node NATS cluster, a Redis replica and 3 Sentinels ------------------------------
+
+HA_ENV = dict(
+    line.split("=", 1)
+    for line in (ROOT / "docker" / "ha.env").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+)  # what `docker compose --env-file docker/ha.env` interpolates with
+NATS_NODES = ["nats", "nats-2", "nats-3"]
+SENTINEL_SERVICES = ["sentinel-1", "sentinel-2", "sentinel-3"]
+
+
+def test_ha_profile_adds_the_replicated_control_plane():
+    assert HA_PROFILE == {"nats-2", "nats-3", "redis-replica", *SENTINEL_SERVICES}
+    assert HA_ENV["COMPOSE_PROFILES"] == "ha"
+    for name in HA_PROFILE:
+        assert SERVICES[name]["restart"] == "unless-stopped", name
+    # the NATS nodes: nats's image and command, a name each, the cluster's configuration (nats's too, with ha.env)
+    assert [SERVICES[n]["environment"]["NATS_NODE"] for n in NATS_NODES] == NATS_NODES
+    for name in NATS_NODES:
+        assert (SERVICES[name]["image"], SERVICES[name]["command"]) == (SERVICES["nats"]["image"], command("nats"))
+        assert "./docker/nats-cluster.conf:/etc/nats/pdserve.conf:ro" in interpolate(SERVICES[name]["volumes"], HA_ENV)
+    assert set(re.findall(r"@([a-z0-9-]+):6222", _shell_script("nats"))) == set(NATS_NODES)  # the routes: all
+    conf = (ROOT / "docker" / "nats-cluster.conf").read_text()
+    for line in ("server_name: $PDSERVE_NATS_NODE", "routes: $PDSERVE_NATS_ROUTES", 'http: "127.0.0.1:8222"'):
+        assert line in conf
+    # Redis: the replica follows redis; both can follow a promoted one (masterauth); 3 Sentinels, quorum 2
+    replica = _shell_script("redis-replica")
+    assert "replicaof redis 6379" in replica and 'masterauth "$password"' in replica
+    assert 'masterauth "$password"' in _shell_script("redis")
+    for name in SENTINEL_SERVICES:
+        script = _shell_script(name)
+        assert "sentinel monitor pdserve redis 6379 2" in script and "port 26379" in script
+        assert f"{SECRETS_MOUNT}/redis_password" in script and 'requirepass "$password"' in script
+        assert SERVICES[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert len({SERVICES[n]["environment"]["SENTINEL_NAME"] for n in SENTINEL_SERVICES}) == 3
+    # with ha.env, every pdserve service is given the three nodes, R3 streams and the Sentinels
+    for name in PDSERVE_SERVICES - ONE_SHOT:
+        cls = GatewaySettings if role(name) == "gateway" else WorkerSettings
+        kwargs = {} if cls is GatewaySettings else {"role": role(name)}
+        settings = from_env(cls, environment(name, HA_ENV), **kwargs)
+        assert settings.nats_url.split(",") == [f"nats://{n}:4222" for n in NATS_NODES], name
+        assert settings.jetstream_replicas == len(NATS_NODES), name
+        assert settings.redis_sentinels == tuple(f"{n}:26379" for n in SENTINEL_SERVICES), name
+        assert settings.redis_sentinel_master == "pdserve", name
+
+
+def test_compose_nats_cluster_forms(tmp_path):
+    """compose.yaml's nats command and docker/nats-cluster.conf, three of them run here (each node's name, routes
+    with the password, JetStream), the compose names swapped for loopback ports: the cluster forms and the
+    services' settings (with ha.env) make their streams at 3 replicas across it."""
+    ports = {name: (free_port(), free_port(), free_port()) for name in NATS_NODES}  # client, route, monitor
+    procs = []
+    try:
+        for name in NATS_NODES:
+            client, route, monitor = ports[name]
+            script = f"export NATS_NODE={name}\n" + _shell_script(name)
+            for other in NATS_NODES:
+                script = script.replace(f"@{other}:6222", f"@127.0.0.1:{ports[other][1]}")
+            conf = ROOT / "docker" / "nats-cluster.conf"
+            script = script.replace(
+                "--config /etc/nats/pdserve.conf",
+                f"--config {conf} -p {client} -m {monitor} --cluster nats://127.0.0.1:{route} -sd {tmp_path / name}",
+            )
+            procs.append(_run_infra(name, script, _local_secrets, client))
+        for _, _, monitor in ports.values():  # routed, and JetStream's meta group current on every node
+            _wait_ok(f"http://127.0.0.1:{monitor}/healthz")
+        urls = ",".join(f"nats://127.0.0.1:{client}" for client, _, _ in ports.values())
+        settings = from_env(GatewaySettings, environment("gateway", HA_ENV) | {"PDSERVE_NATS_URL": urls})
+        assert asyncio.run(_replicated_streams(settings)) == 3
+    finally:
+        for proc in procs:
+            _stop(proc)
+
+
+async def _replicated_streams(settings) -> int:
+    nc = await bus.connect(settings, "compose-ha")
+    try:
+        js = nc.jetstream(timeout=5)
+        for _ in range(100):  # the meta leader may still be settling
+            try:
+                await bus.ensure_streams(js, settings.jetstream_replicas)
+                break
+            except Exception:
+                await asyncio.sleep(0.2)
+        return (await js.stream_info("PD_JOBS")).config.num_replicas
+    finally:
+        await nc.close()
+
+
+def _wait_ok(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"{url} not ok after {timeout_s:g} s"
+        time.sleep(0.2)
+
+
+def test_compose_redis_replica_and_sentinel_run(tmp_path):
+    """compose.yaml's redis, redis-replica and sentinel-1 commands run here (compose names swapped for loopback
+    ports): the replica syncs with the password, the Sentinel takes its configuration, sees the replica, and the
+    services' settings (with ha.env) reach the primary through it; its healthcheck passes."""
+    primary_port, replica_port, sentinel_port = free_port(), free_port(), free_port()
+
+    def node(name: str, port: int) -> str:
+        script = _shell_script(name).replace(
+            "exec docker-entrypoint.sh redis-server -", f"exec redis-server - --port {port} --bind 127.0.0.1"
+        )
+        return re.sub(r"replica-announce-ip \S+", "replica-announce-ip 127.0.0.1", script).replace(
+            "replicaof redis 6379", f"replicaof 127.0.0.1 {primary_port}"
+        )
+
+    sentinel = (
+        _shell_script("sentinel-1")
+        .replace("/data/sentinel.conf", str(tmp_path / "sentinel.conf"))
+        .replace("exec docker-entrypoint.sh redis-server", "exec redis-server")
+        .replace("port 26379", f"port {sentinel_port}\nbind 127.0.0.1")
+        .replace("sentinel monitor pdserve redis 6379 2", f"sentinel monitor pdserve 127.0.0.1 {primary_port} 1")
+    )
+    procs = []
+    try:
+        procs.append(_run_infra("redis", node("redis", primary_port), _local_secrets, primary_port))
+        procs.append(_run_infra("redis-replica", node("redis-replica", replica_port), _local_secrets, replica_port))
+        sentinel = "export SENTINEL_NAME=127.0.0.1\n" + sentinel
+        procs.append(_run_infra("sentinel-1", sentinel, _local_secrets, sentinel_port))
+        password = _secret("redis_password")
+        deadline = time.monotonic() + 30
+        while True:  # the Sentinel learns the replica from the primary
+            with contextlib.closing(redis_lib.Redis(port=sentinel_port, password=password, socket_timeout=2)) as r:
+                if r.sentinel_master("pdserve")["num-slaves"] == 1:
+                    break
+            assert time.monotonic() < deadline, "the Sentinel never saw the replica"
+            time.sleep(0.2)
+        shell = HA_ENV | {"REDIS_SENTINELS": f"127.0.0.1:{sentinel_port}"}
+        settings = from_env(GatewaySettings, environment("gateway", shell))
+        assert asyncio.run(_redis_ping(settings)) == "PONG"
+        check = SERVICES["sentinel-1"]["healthcheck"]["test"][1].replace("-p 26379", f"-p {sentinel_port}")
+        check = interpolate(check).replace("$$", "$").replace(SECRETS_MOUNT, str(_local_secrets))
+        assert subprocess.run(["sh", "-c", check]).returncode == 0
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
 
 
 # ---- the observability profile: Jaeger, Prometheus, Grafana ----------------------------------------------
@@ -957,7 +1127,8 @@ def test_healthcheck_worker_heartbeats(healthcheck, monkeypatch):
 
     try:
         assert asyncio.run(check_while_beating("prefill", mine))
-        assert not asyncio.run(check_while_beating("decode", mine))  # another role's beat
+        # its beat as another role: the container's worker switched role (it started as a decode worker): healthy
+        assert asyncio.run(check_while_beating("decode", mine))
         assert not asyncio.run(check_while_beating("prefill", "worker-elsewhere-abc123"))  # another container's
         monkeypatch.setenv("PDSERVE_WORKER_ID", "worker-elsewhere-abc123")
         assert asyncio.run(check_while_beating("prefill", "worker-elsewhere-abc123"))  # an explicit id
@@ -1076,3 +1247,72 @@ def _with_requirements(names: set[str]) -> set[str]:
             if req.marker is None or req.marker.evaluate({"extra": ""}):
                 todo.append(req.name)
     return seen
+
+
+# ---- docker/compose_autoscale.py: --scale from the planner's desired counts, for real ------------------------------
+
+
+PLANNER_METRIC = "pdserve:planner_desired_workers"  # the planner's desired worker count per role (label `role`)
+
+
+@pytest.fixture(scope="module")
+def autoscale():
+    return _load_script("pdserve_compose_autoscale", "docker/compose_autoscale.py")
+
+
+def _planner_exposition(counts: dict[str, float]) -> bytes:
+    """What a planner serves: the desired count per role (labels model_name and role), with other series around."""
+    registry = CollectorRegistry()
+    gauge = Gauge(PLANNER_METRIC, "Workers the planner wants.", ("model_name", "role"), registry=registry)
+    for worker_role, count in counts.items():
+        gauge.labels("demo", worker_role).set(count)
+    Counter("pdserve:requests", "Other series.", ("role",), registry=registry).labels("prefill").inc()
+    encoder, _ = choose_encoder("text/plain;version=0.0.4")
+    return encoder(registry)
+
+
+def test_compose_autoscale_follows_the_planner(autoscale, tmp_path, monkeypatch):
+    """The script reads the counts from a planner's /metrics over HTTP and runs `docker compose up --scale` (a
+    stand-in `docker` on PATH records it) when they change; within 1..--max; nothing while the planner is away."""
+    assert autoscale.METRIC == PLANNER_METRIC
+    served = {"body": _planner_exposition({"prefill": 3, "decode": 2})}
+
+    class Planner(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(served["body"])
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Planner)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    calls = tmp_path / "calls"
+    docker = tmp_path / "bin" / "docker"
+    docker.parent.mkdir()
+    docker.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    docker.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{docker.parent}:{os.environ['PATH']}")
+    try:
+        assert autoscale.main([url, "--once"]) == 0
+        assert calls.read_text().splitlines() == [
+            "compose up -d --no-recreate --scale prefill=3 --scale decode=2 prefill decode"
+        ]
+        served["body"] = _planner_exposition({"prefill": 0, "decode": 20})  # kept within 1..--max
+        assert autoscale.main([url, "--once", "--max", "6"]) == 0
+        assert calls.read_text().splitlines()[-1].endswith("--scale prefill=1 --scale decode=6 prefill decode")
+        served["body"] = _planner_exposition({"decode": 2})  # no count for prefill: nothing changes
+        assert autoscale.main([url, "--once"]) == 1 and len(calls.read_text().splitlines()) == 2
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert autoscale.main([url, "--once"]) == 1 and len(calls.read_text().splitlines()) == 2  # the planner is gone
+    # a round with the counts already applied runs nothing
+    ran: list[list[str]] = []
+    applied = autoscale.step({"prefill": 2, "decode": 1}, None, 8, lambda c: ran.append(c) or 0)
+    assert autoscale.step({"prefill": 2, "decode": 1}, applied, 8, lambda c: ran.append(c) or 0) == applied
+    assert len(ran) == 1
+    assert autoscale.step({"prefill": 5, "decode": 1}, applied, 8, lambda c: 1) == applied  # compose failed: retried
+    assert autoscale.desired('pdserve:planner_desired_workers{role="decode",model_name="a"} 2.5\n') == {"decode": 3}

@@ -23,10 +23,12 @@ from pathlib import Path
 import nats
 import pytest
 from litestar.testing import TestClient
+from prometheus_client import REGISTRY
 
 from services.gateway import create_app
 from services.gateway.backend import BackendUnavailable, GenerationJob, Update
 from services.gateway.nats_backend import NatsBackend
+from services.gateway.path_signals import DEFAULT_PREFILL_TOKENS_PER_S
 from shared import bus
 from shared.messages import (
     CANCEL_WILDCARD,
@@ -45,7 +47,7 @@ from shared.messages import (
     token_subject,
 )
 from shared.model.tokenizer import Tokenizer
-from shared.settings import GatewaySettings
+from shared.settings import GatewaySettings, PrefillPathSettings
 
 NATS_SERVER = Path(sys.executable).parent / "nats-server"
 REDIS_SERVER = shutil.which("redis-server")
@@ -111,10 +113,14 @@ def in_order(job: PrefillJob) -> list[TokenEvent]:
 
 
 class FakeWorker:
-    """Heartbeats as `role`, pulls prefill jobs of `model`, answers each with `script(job)`; records cancels."""
+    """Heartbeats as `role` (reporting `waiting_tokens` queued), pulls prefill jobs of `model`, answers each with
+    `script(job)`; records cancels."""
 
-    def __init__(self, nats_url: str, model: str, role: str = "mixed", script: Script = in_order) -> None:
+    def __init__(
+        self, nats_url: str, model: str, role: str = "mixed", script: Script = in_order, waiting_tokens: int = 0
+    ) -> None:
         self.nats_url, self.model, self.role, self.script = nats_url, model, role, script
+        self.waiting_tokens = waiting_tokens
         self.jobs: list[PrefillJob] = []
         self.cancels: list[str] = []
         self._tasks: list[asyncio.Task] = []
@@ -139,7 +145,8 @@ class FakeWorker:
         self.cancels.append(decode(msg.data, Cancel).request_id)
 
     async def _heartbeats(self) -> None:
-        beat = Heartbeat(worker_id=f"{self.role}-1", role=self.role, model=self.model, rpc_address=None)
+        beat = Heartbeat(worker_id=f"{self.role}-1", role=self.role, model=self.model, rpc_address=None,
+                         waiting_tokens=self.waiting_tokens)  # fmt: skip
         while True:
             await self.nc.publish(heartbeat_subject(self.role, beat.worker_id), encode(beat))
             await asyncio.sleep(0.1)
@@ -297,13 +304,13 @@ def test_nats_down_is_503_and_close_does_not_hang(checkpoint, redis_url):
 
 
 @contextlib.contextmanager
-def worker_thread(nats_url: str, model: str) -> Iterator[None]:
+def worker_thread(nats_url: str, model: str, role: str = "mixed", waiting_tokens: int = 0) -> Iterator[None]:
     """A FakeWorker on its own event loop (the TestClient runs the app on another one)."""
     stop = threading.Event()
     up = threading.Event()
 
     async def main() -> None:
-        async with FakeWorker(nats_url, model):
+        async with FakeWorker(nats_url, model, role, waiting_tokens=waiting_tokens):
             up.set()
             while not stop.is_set():
                 await asyncio.sleep(0.02)
@@ -342,3 +349,36 @@ def test_app_over_nats(checkpoint, nats_url, redis_url):
         assert payloads[-1] == "[DONE]"
         text = "".join(json.loads(p)["choices"][0]["delta"]["content"] for p in payloads[:-1])
         assert text == "user\né\nassistant\n"  # the templated prompt, echoed; special tokens are not printed
+
+
+def test_ttft_admission_refuses_what_the_backlog_makes_miss(checkpoint, nats_url, redis_url):
+    """Both workers report 20 s of queued prompts (heartbeats): with admission_ttft_refuse on, a request is refused
+    before dispatch with 429, Retry-After (the backlog's predicted time to clear below the target) and the OpenAI
+    error shape, and counted; with it off, the same request is accepted and answered."""
+    backlog = int(20 * DEFAULT_PREFILL_TOKENS_PER_S)
+    path = PrefillPathSettings(prefill_path_live_calibration=False)  # the documented defaults: 20 s of backlog
+    body = {"model": "ttft", "prompt": "hello", "max_tokens": 4}
+    labels = {"model_name": "ttft", "role": "gateway", "reason": "ttft_slo"}
+    with worker_thread(nats_url, "ttft", "prefill", backlog), worker_thread(nats_url, "ttft", "decode", backlog):
+        for refuse in (True, False):
+            s = settings(checkpoint, nats_url, redis_url, "ttft", path=path, admission_ttft_refuse=refuse)
+            with TestClient(create_app(s)) as c:
+                deadline = time.monotonic() + 10
+                while (r := c.get("/ready")).status_code != 200:
+                    assert time.monotonic() < deadline, r.text
+                    time.sleep(0.05)
+                before = REGISTRY.get_sample_value("pdserve:requests_rejected_total", labels) or 0.0
+                r = c.post("/v1/completions", json=body)
+                after = REGISTRY.get_sample_value("pdserve:requests_rejected_total", labels) or 0.0
+                if refuse:
+                    assert r.status_code == 429, r.text
+                    retry = int(r.headers["retry-after"])
+                    assert 20 - path.ttft_slo_ms / 1e3 - 1 <= retry <= 20 - path.ttft_slo_ms / 1e3 + 1
+                    error = r.json()["error"]
+                    assert error["type"] == "rate_limit_error" and error["code"] == 429
+                    assert "time-to-first-token target" in error["message"]
+                    assert after == before + 1
+                else:
+                    assert r.status_code == 200, r.text
+                    assert r.json()["choices"][0]["text"] == "hello"  # the fake worker echoes the prompt
+                    assert after == before

@@ -179,6 +179,32 @@ def test_a_one_token_chunk_that_does_not_sample_replays_too(checkpoint, monkeypa
             torch.testing.assert_close(g[-1][rid], w[-1][rid], rtol=1e-5, atol=1e-5)
 
 
+@interpreted
+def test_overlapped_steps_replay_from_the_forward_thread(checkpoint):
+    """Overlap scheduling (shared/engine/overlap.py) replays the graphs on its forward thread, the decode tokens
+    filled in there: the lockstep graphs' tokens, the unsampled one-token chunk of the test above included."""
+    runs = []
+    for overlap in (False, True):
+        engine = Engine.from_dir(checkpoint, graph_backend=EagerReplay(), kernels=KernelChoice.TRITON, block_size=BLOCK,
+                                 num_kv_blocks=32, max_model_len=256, overlap_scheduling=overlap,
+                                 scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4))  # fmt: skip
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        for i in range(3):
+            engine.add_request(f"d{i}", [1 + i], params)
+        tokens: dict[str, list[int]] = {}
+        step = 0
+        while engine.has_unfinished():
+            if step == 1:  # the same plan in both: the second one made
+                engine.add_request("late", list(range(40, 46)), params)
+            for o in engine.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            step += 1
+        runs.append((tokens, engine))
+    (want, _), (got, engine) = runs
+    assert got == want and len(got) == 4
+    assert engine.runner.graph_steps > 0 and engine.stats.overlapped_steps > 0
+
+
 def test_buckets():
     assert bucket_sizes(1) == [1]
     assert bucket_sizes(3) == [1, 2, 3]

@@ -301,6 +301,7 @@ def test_pdserve_up_gives_each_role_its_own_budget(monkeypatch, tmp_path):
             return 0
 
     monkeypatch.setattr(supervisor, "Supervisor", FakeSupervisor)
+    monkeypatch.setattr("services.local.preflight.preflight", lambda *_a, **_kw: None)  # no checkpoint here
     argv = ["up", "--model", str(tmp_path), "--decode-args=--kv-cache-bytes 2147483648 --gpu-memory-utilization 0.95"]
     assert cli.main([*argv, "--prefill-args=--kv-cache-bytes=1048576"]) == 0
     [stack] = stacks

@@ -264,6 +264,7 @@ class _Captured:
 
         monkeypatch.setattr("services.local.stack.Stack", Stack)
         monkeypatch.setattr("services.local.supervisor.Supervisor", Supervisor)
+        monkeypatch.setattr("services.local.preflight.preflight", lambda *_a, **_kw: None)  # no checkpoint here
 
 
 @needs_openssl

@@ -49,6 +49,7 @@ def test_up_passes_the_flag_to_every_worker(monkeypatch, tmp_path, flag):
 
     monkeypatch.setattr("services.local.stack.Stack", Stack)
     monkeypatch.setattr("services.local.supervisor.Supervisor", Supervisor)
+    monkeypatch.setattr("services.local.preflight.preflight", lambda *_a, **_kw: None)  # no checkpoint here
     argv = ["up", "--model", str(tmp_path), *(["--kv-stream-layers"] if flag else [])]
     assert cli_main(argv) == 0
     assert ("PDSERVE_KV_STREAM_LAYERS" in seen["env"]) is flag

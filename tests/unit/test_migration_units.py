@@ -161,21 +161,24 @@ def test_a_decode_job_routed_to_a_decode_worker_is_held_by_it_while_it_waits_the
     assert s4.holder is None
 
 
-def test_a_stream_silent_since_nats_came_back_moves_after_a_ttl():
+def test_a_stream_silent_since_nats_came_back_is_asked_for_its_events_not_moved():
+    """Token events sent while NATS was away are lost; the holder has them and sends them again when asked. Until
+    its heartbeat stops, the request stays with it (it used to move worker_ttl_s after the reconnect)."""
     clock = Clock()
     s = updates(clock)
     beats = {"d0": clock.now}
     s.push(ev(0, [5], worker="d0"))
     clock.now += 1.0
     reconnected = clock.now  # NATS was away; d0's events meanwhile were lost
-    clock.now += TTL - 0.1
+    clock.now += 0.1
+    assert s.resend_from(reconnected) == (1, "reconnected")
+    clock.now += TTL + STALL / 2
     beats["d0"] = clock.now
-    assert s.why_move(beats.get, TTL, STALL, reconnected) is None
-    clock.now += 0.2
-    beats["d0"] = clock.now
-    assert "since NATS came back" in s.why_move(beats.get, TTL, STALL, reconnected)
-    s.push(ev(1, [6], worker="d0"))  # a token after the reconnect: all is well
-    assert s.why_move(beats.get, TTL, STALL, reconnected) is None
+    assert s.why_move(beats.get, TTL, STALL, reconnected) is None  # alive: asked again, not moved
+    s.push(ev(1, [6], worker="d0"))  # sent again
+    assert s.resend_from(reconnected) is None and s.tokens == [5, 6]
+    clock.now += TTL + 0.1
+    assert "d0 sent no heartbeat" in (s.why_move(beats.get, TTL, STALL, reconnected) or "")  # really gone: it moves
 
 
 def test_client_sees_every_position_once_across_a_move():

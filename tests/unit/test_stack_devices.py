@@ -38,6 +38,7 @@ def up(monkeypatch, *argv: str) -> Stack:
             return 0
 
     monkeypatch.setattr(supervisor, "Supervisor", FakeSupervisor)
+    monkeypatch.setattr("services.local.preflight.preflight", lambda *_a, **_kw: None)  # no checkpoint here
     assert cli.main(["up", "--model", "m", *argv]) == 0
     return stacks[0]
 

@@ -41,7 +41,7 @@ class Published:
     def __init__(self) -> None:
         self.messages: list[tuple[str, bytes]] = []
 
-    async def publish(self, subject: str, payload: bytes, headers=None) -> None:
+    async def publish(self, subject: str, payload: bytes, timeout=None, headers=None) -> None:
         self.messages.append((subject, payload))
 
 

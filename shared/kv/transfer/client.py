@@ -251,6 +251,7 @@ class KvTransferClient:
                 raise transfer_error(e, f"receiving {request_id!r} from {address}") from e
         kv = arrival.result()
         self.stats.by_transport[name] += 1
+        metrics.KV_PULLS.labels(self.model_name, "decode", name).inc()
         return kv
 
     async def _receive(

@@ -315,12 +315,16 @@ class KvTransferServer:
             try:
                 reply = await sender.send(job)
             except BaseException:  # it took the pull, ended it, and aborts the call
-                self.stats.by_transport[sender.name] += 1
+                self._took(sender.name)
                 raise
             if reply is not None:
-                self.stats.by_transport[sender.name] += 1
+                self._took(sender.name)
                 return reply
         raise AssertionError("the plain pair send takes every pull")  # the fallback is always in the list
+
+    def _took(self, transport: str) -> None:
+        self.stats.by_transport[transport] += 1
+        metrics.KV_PULLS.labels(self.model_name, "prefill", transport).inc()
 
     async def _joined(self, slot: Slot) -> Pair:
         """The slot's pair; the decode side joins before it pulls, so the wait is normally over already."""
