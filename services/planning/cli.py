@@ -79,9 +79,15 @@ def add_planning_commands(sub) -> None:
         default=0.0,
         help="the workers' own time per step outside the engine (their loop), when known (docs/planning.md)",
     )
+    prof.add_argument(
+        "--plane-token-ms",
+        type=float,
+        default=0.0,
+        help="the workers' own time per sequence in a step (handing each output over as a token event), when known",
+    )
     prof.add_argument("--serving-plane", action="store_true",
-                      help="measure those three on a local stack (1 prefill + 1 decode worker of the first config, "
-                      "unloaded requests) instead of taking them from the flags")  # fmt: skip
+                      help="measure the four on a local stack (1 prefill + 1 decode worker of the first config, "
+                      "lone requests and batches of 4 and 16) instead of taking them from the flags")  # fmt: skip
     prof.add_argument("--seed", type=int, default=0)
     prof.set_defaults(func=_profile)
 
@@ -152,6 +158,7 @@ def _profile(args: argparse.Namespace) -> int:
         plane_ttft_ms=args.plane_ttft_ms,
         plane_handoff_ms=args.plane_handoff_ms,
         plane_step_ms=args.plane_step_ms,
+        plane_token_ms=args.plane_token_ms,
         seed=args.seed,
         **{k: v for k, v in transfer.items() if v is not None},
     )

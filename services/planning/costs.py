@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from services.planning.profile_file import ConfigProfile, DecodePoint, PrefillPoint
 
 
-def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+def line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """Least-squares (intercept, slope); a single point or one x: through the origin's slope, intercept 0."""
     if len(xs) < 2 or max(xs) == min(xs):
         x, y = sum(xs), sum(ys)
@@ -46,7 +46,7 @@ class PrefillCost:
     def fit(cls, points: Sequence[PrefillPoint], budget: int) -> PrefillCost:
         pts = sorted(points, key=lambda p: p.tokens)
         single = [p for p in pts if p.steps <= 1 and p.tokens <= budget] or pts[:1]
-        intercept, _ = _line([p.tokens for p in single], [p.seconds for p in single])
+        intercept, _ = line([p.tokens for p in single], [p.seconds for p in single])
         step_s = min(max(intercept, 0.0), min(p.seconds for p in single))
         lengths, work = [0], [0.0]
         for p in pts:
@@ -95,7 +95,7 @@ class DecodeCost:
         lines: dict[int, tuple[float, float]] = {}
         for b, ps in by_batch.items():
             if len({p.context for p in ps}) >= 2:
-                a, s = _line([p.context for p in ps], [p.step_s for p in ps])
+                a, s = line([p.context for p in ps], [p.step_s for p in ps])
                 lines[b] = (a, max(s, 0.0))
                 per_seq.append(max(s, 0.0) / b)
         gamma = statistics.median(per_seq) if per_seq else 0.0
@@ -150,3 +150,34 @@ class WorkerCosts:
             DecodeCost.fit(profile.decode),
             profile.kv_tokens,
         )
+
+
+@dataclass(frozen=True)
+class WorkerOverhead:
+    """A worker's time outside the engine in a step that gives `n` outputs (PlaneCosts.worker): linear between the
+    measured points (made non-decreasing), flat below the first, past the last with its last segment's slope."""
+
+    points: tuple[tuple[float, float], ...]
+
+    @classmethod
+    def of(cls, points: Sequence[tuple[float, float]]) -> WorkerOverhead:
+        out: list[tuple[float, float]] = []
+        for n, s in sorted(points):
+            if not out or n > out[-1][0]:
+                out.append((n, max(s, out[-1][1] if out else 0.0, 0.0)))
+        return cls(tuple(out))
+
+    def at(self, n: float) -> float:
+        ps = self.points
+        if not ps:
+            return 0.0
+        if n <= ps[0][0]:
+            return ps[0][1]
+        if n >= ps[-1][0]:
+            if len(ps) == 1:
+                return ps[0][1]
+            (n0, s0), (n1, s1) = ps[-2], ps[-1]
+            return s1 + (s1 - s0) / (n1 - n0) * (n - n1)
+        i = bisect.bisect_right([p[0] for p in ps], n)
+        (n0, s0), (n1, s1) = ps[i - 1], ps[i]
+        return s0 + (s1 - s0) * (n - n0) / (n1 - n0)

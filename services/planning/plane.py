@@ -1,15 +1,18 @@
-"""`pdserve profile --serving-plane`: what the serving plane adds to the engines' time, measured on a local stack
-(private NATS and Redis, the gateway, one prefill and one decode worker of the profile's first configuration,
-pinned to disjoint cores when there are enough; prefix caching off, every prompt remote).
+"""`pdserve profile --serving-plane`: what the serving plane and the workers' own loops add to the engines' time,
+measured on a local stack (private NATS and Redis, the gateway, one prefill and one decode worker of the profile's
+first configuration, pinned to disjoint cores when there are enough; prefix caching off, every prompt remote).
 
-Unloaded requests, one at a time, through the OpenAI API (the bench client, services/bench):
-- plane TTFT = the median of (TTFT - the prompt's prefill alone on the profile, costs.PrefillCost.alone_s, and the
-  plane step of each of its steps): HTTP, the gateway, the job's publish and fetch, the token event's way back;
-- plane step = the median of (the later inter-token gaps - one decode step at batch 1 and their context): the
-  decode worker's own time per step outside the engine (its loop: outputs handed over, token events published);
-- plane hand-off = the median of (the first inter-token gap - one decode step - plane step - the pull's modelled
-  cost): the decode job's publish and fetch, the Redis lookup, the import, what the pull costs beyond the model.
-All are clamped at 0; the profile keeps the raw medians in its `plane.source` text.
+Requests through the OpenAI API (the bench client, services/bench), against the profile's engine costs:
+- batches: B requests sent at once (B = 1, then BATCHES), long enough outputs that all B decode together for a
+  while; the median inter-token gap while all B decode, less one decode step of B at their context, is the
+  worker's time outside the engine in a step of B outputs (each output is handed to the loop and published as a
+  token event, on the worker's own cores): the profile's `plane.worker` points (B, seconds);
+- plane TTFT = the median of (a lone request's TTFT - its prompt's prefill alone, costs.PrefillCost.alone_s, and
+  the per-step and per-token time of its prefill steps): HTTP, the gateway, the job's publish and fetch, the token
+  event's way back;
+- plane hand-off = the median of (a lone request's first inter-token gap - one decode step and its per-step time -
+  the pull's modelled cost): the decode job's publish and fetch, the Redis lookup, the import.
+All are clamped at 0; the profile keeps the raw figures in its `plane.source` text.
 """
 
 from __future__ import annotations
@@ -23,34 +26,48 @@ import msgspec
 import numpy as np
 
 from services.bench.datasets import BenchRequest
+from services.bench.metrics import RequestRecord
 from services.bench.prompts import PromptMaker
 from services.bench.runner import BenchConfig, run
 from services.local.infra import free_port
 from services.local.stack import Stack, StackSpec
-from services.planning.costs import WorkerCosts
+from services.planning.costs import WorkerCosts, WorkerOverhead
 from services.planning.profile import ProfileRequest
 from services.planning.profile_file import PlaneCosts, Profile
 from shared.model.tokenizer import Tokenizer
 
-PROBE_OUTPUT = 16  # tokens: the first gap is the hand-off's, the later ones decode steps of one sequence
+PROBE_OUTPUT = 16  # tokens of a lone request: the first gap is the hand-off's, the later ones decode steps
+BATCHES = (4, 16)  # requests sent at once
+BATCH_PROMPT, BATCH_OUTPUT = 32, 96
 WARMUPS = 2
 
 
 @dataclass(frozen=True)
 class PlaneSample:
+    """A lone request."""
+
     prompt: int
     ttft_s: float
     first_gap_s: float
     later_gaps_s: tuple[float, ...]  # the gaps after the first: decode steps of one sequence
 
 
+@dataclass(frozen=True)
+class BatchSample:
+    """B requests decoding together: the median gap while all B decode, at their mean context then."""
+
+    batch: int
+    gap_s: float
+    context: float
+
+
 def _spec(profile: Profile, req: ProfileRequest) -> StackSpec:
     config = profile.configs[0].config
     cpus = sorted(os.sched_getaffinity(0))
     units = config.units
-    pinned = (
-        {"prefill": tuple(cpus[:units]), "decode": tuple(cpus[units : 2 * units])} if 2 * units <= len(cpus) else {}
-    )
+    pinned = {}
+    if 2 * units <= len(cpus):  # each worker on cores of its own, as a deployment would run them
+        pinned = {"prefill": tuple(cpus[:units]), "decode": tuple(cpus[units : 2 * units])}
     return StackSpec(
         model=req.model,
         port=free_port(),
@@ -64,25 +81,51 @@ def _spec(profile: Profile, req: ProfileRequest) -> StackSpec:
     )
 
 
-def sample_plane(profile: Profile, req: ProfileRequest, lengths: tuple[int, ...] = (32, 128), repeats: int = 3):
-    """Unloaded requests of each prompt length, `repeats` each, after warm-ups: → PlaneSamples."""
+def sample_plane(
+    profile: Profile, req: ProfileRequest, lengths: tuple[int, ...] = (32, 128), repeats: int = 3
+) -> tuple[list[PlaneSample], list[BatchSample]]:
+    """Lone requests of each prompt length (`repeats` each, after warm-ups), then a batch of each size."""
     stack = Stack(_spec(profile, req))
     stack.start(ready_timeout_s=300)
     try:
-        tok = Tokenizer(req.model)
-        maker, rng = PromptMaker(tok), np.random.default_rng(req.seed)
+        maker, rng = PromptMaker(Tokenizer(req.model)), np.random.default_rng(req.seed)
         config = BenchConfig(base_url=stack.url, model=stack_model_name(req.model), progress=False, timeout_s=120)
-        samples = []
+
+        def send(length: int, output: int, n: int = 1) -> list[RequestRecord]:
+            reqs = [BenchRequest(*maker.make(length, rng), output) for _ in range(n)]
+            records = run(config, reqs).records
+            for rec in records:
+                if not rec.success:
+                    raise RuntimeError(f"a serving-plane probe failed: {rec.error}\n{stack.logs()}")
+            return records
+
+        lone = []
         for i, length in enumerate([lengths[0]] * WARMUPS + [n for n in lengths for _ in range(repeats)]):
-            text, real = maker.make(length, rng)
-            rec = run(config, [BenchRequest(text, real, PROBE_OUTPUT)]).records[0]
-            if not rec.success:
-                raise RuntimeError(f"a serving-plane probe failed: {rec.error}\n{stack.logs()}")
+            rec = send(length, PROBE_OUTPUT)[0]
             if i >= WARMUPS:
-                samples.append(PlaneSample(rec.prompt_len, rec.ttft_s, rec.itl_s[0], tuple(rec.itl_s[1:])))
-        return samples
+                lone.append(PlaneSample(rec.prompt_len, rec.ttft_s, rec.itl_s[0], tuple(rec.itl_s[1:])))
+        batches = [together(b, send(BATCH_PROMPT, BATCH_OUTPUT, b)) for b in BATCHES]
+        return lone, [b for b in batches if b is not None]
     finally:
         stack.stop()
+
+
+def together(batch: int, records: list[RequestRecord]) -> BatchSample | None:
+    """The gaps of `records` while all of them were decoding (None if they never all were)."""
+    firsts = [r.start_s + r.ttft_s for r in records]
+    ends = [r.start_s + r.latency_s for r in records]
+    lo, hi = max(firsts), min(ends)
+    gaps, contexts = [], []
+    for r, first in zip(records, firsts, strict=True):
+        t, produced = first, 1
+        for gap in r.itl_s:
+            if lo <= t and t + gap <= hi:
+                gaps.append(gap)
+                contexts.append(r.prompt_len + produced)
+            t, produced = t + gap, produced + 1
+    if len(gaps) < batch:
+        return None
+    return BatchSample(batch, statistics.median(gaps), statistics.fmean(contexts))
 
 
 def stack_model_name(model_dir: str) -> str:
@@ -90,26 +133,29 @@ def stack_model_name(model_dir: str) -> str:
     return Path(model_dir).name
 
 
-def plane_costs(profile: Profile, samples: list[PlaneSample]) -> PlaneCosts:
-    """The plane's two times from probe samples, against the profile's first configuration (see the module)."""
+def plane_costs(profile: Profile, lone: list[PlaneSample], batches: list[BatchSample]) -> PlaneCosts:
+    """The plane's times from probe samples, against the profile's first configuration (see the module)."""
     budget = profile.engine.max_num_batched_tokens
     costs = WorkerCosts.of(profile.configs[0], budget)
     t = profile.transfer
-    step = [gap - costs.decode.step_s(1, s.prompt + 2 + k) for s in samples for k, gap in enumerate(s.later_gaps_s)]
-    step_s = max(statistics.median(step), 0.0)
-    # the simulation adds the plane's step to each of a prompt's prefill steps too
-    ttft = [s.ttft_s - costs.prefill.alone_s(s.prompt, budget) - step_s * -(-s.prompt // budget) for s in samples]
-    pull = [t.overhead_s + s.prompt * t.bytes_per_token * t.s_per_byte for s in samples]
-    gap = [
-        s.first_gap_s - costs.decode.step_s(1, s.prompt + 1) - step_s - p for s, p in zip(samples, pull, strict=True)
-    ]
+    # the worker's time per step outside the engine, at batch 1 (lone requests' later gaps) and B
+    at_one = [gap - costs.decode.step_s(1, s.prompt + 2 + k) for s in lone for k, gap in enumerate(s.later_gaps_s)]
+    xs = [1.0] + [float(b.batch) for b in batches]
+    ys = [statistics.median(at_one)] + [b.gap_s - costs.decode.step_s(b.batch, b.context) for b in batches]
+    points = WorkerOverhead.of(list(zip(xs, ys, strict=True))).points
+    worker = WorkerOverhead(points).at(1)  # a step of one sequence
+    ttft = [s.ttft_s - costs.prefill.alone_s(s.prompt, budget) - worker * -(-s.prompt // budget) for s in lone]
+    pull = [t.overhead_s + s.prompt * t.bytes_per_token * t.s_per_byte for s in lone]
+    gap = [s.first_gap_s - costs.decode.step_s(1, s.prompt + 1) - worker - p for s, p in zip(lone, pull, strict=True)]
     ttft_s, gap_s = statistics.median(ttft), statistics.median(gap)
-    source = (f"measured on a local stack ({len(samples)} unloaded requests, config {profile.configs[0].config.name}):"
-              f" TTFT - prefill alone {ttft_s * 1e3:.1f} ms, later gaps - decode step {step_s * 1e3:.2f} ms, first "
-              f"gap - decode step - plane step - pull {gap_s * 1e3:.1f} ms (medians; clamped at 0)")  # fmt: skip
-    return PlaneCosts(max(ttft_s, 0.0), max(gap_s, 0.0), step_s, source)
+    residuals = ", ".join(f"B={int(x)} {y * 1e3:.2f} ms" for x, y in zip(xs, ys, strict=True))
+    source = (f"measured on a local stack (config {profile.configs[0].config.name}, {len(lone)} lone requests, "
+              f"batches {[b.batch for b in batches]}): gap - decode step {residuals}; TTFT - prefill alone "
+              f"{ttft_s * 1e3:.1f} ms; first gap - decode step - worker - pull {gap_s * 1e3:.1f} ms")  # fmt: skip
+    return PlaneCosts(ttft_s=max(ttft_s, 0.0), handoff_s=max(gap_s, 0.0), worker=points, source=source)
 
 
 def measure_plane(profile: Profile, req: ProfileRequest) -> Profile:
     """The profile with its plane costs measured on a local stack."""
-    return msgspec.structs.replace(profile, plane=plane_costs(profile, sample_plane(profile, req)))
+    lone, batches = sample_plane(profile, req)
+    return msgspec.structs.replace(profile, plane=plane_costs(profile, lone, batches))

@@ -86,6 +86,7 @@ class ProfileRequest:
     plane_ttft_ms: float = 0.0
     plane_handoff_ms: float = 0.0
     plane_step_ms: float = 0.0
+    plane_token_ms: float = 0.0
     seed: int = 0
 
 
@@ -124,10 +125,10 @@ def run_profile(req: ProfileRequest, log=print) -> Profile:
             source="the prefill path's cost model (services/gateway/path_signals.py) unless --transfer-* set",
         ),
         plane=PlaneCosts(
-            req.plane_ttft_ms / 1e3,
-            req.plane_handoff_ms / 1e3,
-            req.plane_step_ms / 1e3,
-            source="--plane-ttft-ms / --plane-handoff-ms / --plane-step-ms",
+            ttft_s=req.plane_ttft_ms / 1e3,
+            handoff_s=req.plane_handoff_ms / 1e3,
+            worker=_worker_line(req.plane_step_ms / 1e3, req.plane_token_ms / 1e3),
+            source="--plane-ttft-ms / --plane-handoff-ms / --plane-step-ms / --plane-token-ms",
         ),
         configs=tuple(measured),
         grid={
@@ -136,6 +137,11 @@ def run_profile(req: ProfileRequest, log=print) -> Profile:
             "contexts": list(req.grid.contexts),
         },  # fmt: skip
     )
+
+
+def _worker_line(step_s: float, token_s: float) -> tuple[tuple[float, float], ...]:
+    """A worker's time outside the engine as step_s + token_s per output (PlaneCosts.worker points); () for none."""
+    return ((1.0, step_s + token_s), (2.0, step_s + 2 * token_s)) if step_s or token_s else ()
 
 
 @contextmanager

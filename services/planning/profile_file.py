@@ -101,12 +101,14 @@ class TransferCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class PlaneCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What the serving plane adds to the engines' time: `ttft_s` to every first token (HTTP, the gateway, the job's
     publish and fetch, the token event's way back), `handoff_s` to every hand-off besides the pull's own cost (the
-    decode job's publish and fetch, the Redis lookup, the import), `step_s` to every step of a worker (its loop
-    between engine steps: outputs handed over, token events published, heartbeats)."""
+    decode job's publish and fetch, the Redis lookup, the import), and to every step of a worker its own time
+    outside the engine, by the outputs the step gives (its loop hands each over and publishes it as a token event,
+    on the worker's own cores): `worker` points (outputs, seconds), linear between them and past the last one with
+    its last segment's slope, flat below the first (costs.WorkerOverhead)."""
 
     ttft_s: float = 0.0
     handoff_s: float = 0.0
-    step_s: float = 0.0
+    worker: tuple[tuple[float, float], ...] = ()
     source: str = ""
 
 

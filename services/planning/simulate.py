@@ -11,8 +11,9 @@ What it models, as the workers do it (docs/architecture.md, docs/planning.md):
 - Steps. A worker steps while it has work, as the engine's scheduler plans a step: every decoding request one
   token, then the prompts being prefilled, then waiting prompts in order, chunked to the step's token budget.
   A step costs the decode step of its decoding requests at their mean context (or the prefill step's overhead
-  when none decode) plus the work of its prompt chunks (costs.PrefillCost), plus the worker's own time per step
-  outside the engine (PlaneCosts.step_s). Work that arrives during a step joins the next one.
+  when none decode) plus the work of its prompt chunks (costs.PrefillCost), plus the worker's own time outside the
+  engine by the outputs the step gives (PlaneCosts.worker, costs.WorkerOverhead). Work that arrives during a step
+  joins the next one.
 - Prefill worker: a prompt's first token comes at the end of the step that computed its last chunk (its TTFT
   adds the serving plane's time, PlaneCosts.ttft_s); with more than one output token its decode job then waits for
   a decode worker, which pulls the KV and decodes it from its next step on. The pull: the hops
@@ -37,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from services.planning.costs import WorkerCosts
+from services.planning.costs import WorkerCosts, WorkerOverhead
 from services.planning.profile_file import EngineLimits, PlaneCosts, TransferCosts
 
 MAX_BLOCK_USAGE = 0.9  # shared/worker/engine_load.py: no job is fetched past this share of the KV blocks
@@ -133,6 +134,7 @@ class Simulation:
             raise ValueError("a deployment is mixed workers only, or prefill and decode workers (at least one each)")
         self.requests = requests
         self.limits, self.transfer, self.plane = limits, transfer, plane
+        self.overhead = WorkerOverhead.of(plane.worker)
         self.workers: dict[Role, list[_Worker]] = {r: [] for r in Role}
         for pool in pools:
             for _ in range(pool.count):
@@ -240,7 +242,8 @@ class Simulation:
             return
         costs = w.costs
         seconds = costs.decode.step_s(decodes, w.context_sum / decodes) if decodes else costs.prefill.step_s
-        seconds += self.plane.step_s
+        tokens = decodes + sum(1 for req, n in chunks if req.computed + n >= req.prompt)  # outputs this step gives
+        seconds += self.overhead.at(tokens)
         seconds += sum(costs.prefill.chunk_s(req.computed, req.computed + n) for req, n in chunks)
         w.busy, w.plan_chunks = True, chunks
         w.steps += 1

@@ -55,3 +55,15 @@ def test_profile_of_a_tp2_group_measures_it_and_leaves_no_rank_behind(model_dir,
     assert [p.tokens for p in measured.prefill] == [64]
     assert sorted(p.batch for p in measured.decode) == [1, 4]
     assert not multiprocessing.active_children()  # the follower rank was joined when the group closed
+
+
+@pytest.mark.slow
+def test_profile_measures_the_serving_plane_on_a_local_stack(model_dir, tmp_path):
+    out = tmp_path / "profile.json"
+    args = ["profile", "--model", str(model_dir), "--configs", "1", "--quick", "--serving-plane", "--out", str(out)]
+    assert main(args) == 0
+    plane = load_profile(out).plane
+    assert plane.source.startswith("measured on a local stack") and "B=16" in plane.source
+    assert plane.ttft_s > 0  # HTTP, the gateway and two NATS hops are never free
+    assert plane.handoff_s >= 0
+    assert [n for n, _ in plane.worker] == [1, 4, 16] and all(t >= 0 for _, t in plane.worker)

@@ -95,6 +95,16 @@ def test_decode_cost_interpolates_in_batch_and_context_and_extrapolates_past_the
     assert cost.step_s(8, 200) == pytest.approx(0.020 + 4 * (0.020 - 0.011) / 3)
 
 
+def test_worker_overhead_between_and_past_its_points():
+    from services.planning.costs import WorkerOverhead
+
+    w = WorkerOverhead.of([(16, 0.016), (1, 0.002), (4, 0.001)])  # sorted, made non-decreasing
+    assert w.points == ((1, 0.002), (4, 0.002), (16, 0.016))
+    assert w.at(0) == w.at(1) == 0.002
+    assert w.at(10) == pytest.approx(0.009) and w.at(32) == pytest.approx(0.016 + 16 * 0.014 / 12)
+    assert WorkerOverhead.of([]).at(8) == 0.0
+
+
 def test_decode_cost_of_a_batch_measured_at_one_context_takes_the_others_slope_per_sequence():
     cost = DecodeCost.fit((*DECODE[:2], DecodePoint(8, 100, 0.030)))
     assert cost.step_s(8, 300) == pytest.approx(0.030 + 8 * 1e-5 * 200)
@@ -325,3 +335,28 @@ def test_a_gpu_profile_is_planned_in_gpus(tmp_path, capsys):
     assert plan["unit"] == "gpus" and plan["budget"] == 2
     assert main([*args, "--cores", "2"]) == 2
     assert "give --gpus" in capsys.readouterr().err
+
+
+def test_plane_costs_take_the_workers_time_outside_the_engine_per_batch_size():
+    from services.bench.metrics import RequestRecord
+    from services.planning.plane import BatchSample, PlaneSample, plane_costs, together
+
+    profile = synthetic()
+    cost = DecodeCost.fit(DECODE)
+    alone = PrefillCost.fit(PREFILL, 512).alone_s(100, 512)
+    worker = 0.001 + 0.0005  # per step + per token, one sequence
+    pull = 0.002 + 100 * 1000 * 1e-8
+    lone = [PlaneSample(100, alone + worker + 0.007, cost.step_s(1, 101) + worker + pull + 0.004,
+                        tuple(cost.step_s(1, 102 + k) + worker for k in range(5)))] * 3  # fmt: skip
+    batches = [BatchSample(b, cost.step_s(b, 150) + 0.001 + 0.0005 * b, 150) for b in (4, 16)]
+    plane = plane_costs(profile, lone, batches)
+    assert [n for n, _ in plane.worker] == [1, 4, 16]
+    assert [t for _, t in plane.worker] == pytest.approx([0.0015, 0.003, 0.009])  # the gaps less the engine's steps
+    assert plane.ttft_s == pytest.approx(0.007) and plane.handoff_s == pytest.approx(0.004)
+
+    # two requests decoding together from 1.25 s to 2.0 s: only the gaps inside that window count
+    a = RequestRecord("x", 10, 6, 0.0, True, ttft_s=1.0, itl_s=[0.25] * 5, latency_s=2.25)
+    b = RequestRecord("x", 20, 4, 0.5, True, ttft_s=0.75, itl_s=[0.25] * 3, latency_s=1.5)
+    got = together(2, [a, b])
+    assert got is not None and got.batch == 2 and got.gap_s == pytest.approx(0.25)
+    assert got.context == pytest.approx((12 + 13 + 14 + 21 + 22 + 23) / 6)  # prompt + tokens so far, per gap
