@@ -1,8 +1,9 @@
 """Live expert re-placement (--eplb) in a real worker group of 2 EP ranks (gloo, shared/parallel/eplb.py): a
 rebalance forced mid-generation gives the single engine's float32 greedy tokens before, during (the layers
-staged one per step while the old placement serves, or all at one step) and after the swap; only the changed slots move, their bytes
-counted exactly, and every rank then holds the checkpoint's weights for its new slots; the planner moves again
-from the window's real load; a rank killed during a weight move takes the group down with its old placement."""
+staged one per step while the old placement serves, or all at one step) and after the swap; only the changed
+slots move, their bytes counted exactly, and every rank then holds the checkpoint's weights for its new slots;
+the planner moves again from the window's real load; a rank killed during a weight move takes the group down
+with its old placement."""
 
 from __future__ import annotations
 
