@@ -34,6 +34,10 @@ EPLB_ENV = HANDOFF_ENV | {
     "PDSERVE_EPLB_INTERVAL_S": "0.001",
     "PDSERVE_EPLB_MIN_GAIN": "0",
     "PDSERVE_EPLB_REDUNDANT": "4",  # (8 + 4) slots split over 2 and over 4 ranks
+    # a move's layers all staged at one boundary: a prefill group steps only a few times for these prompts (fewer
+    # when a loaded host lets more of them queue into one step), and a move staged a layer per step could outlast
+    # its steps and never swap in; one layer per boundary is tested in tests/integration/test_eplb_group.py
+    "PDSERVE_EPLB_STAGE_LAYERS": "0",
 }
 
 
