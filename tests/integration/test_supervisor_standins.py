@@ -341,7 +341,8 @@ def test_a_worker_switched_while_its_replacement_starts_is_replaced_again_in_its
         time.sleep(0.05)
     assert rolling.stopped is None, said
     assert any("prefill-0 switched to decode while its prefill replacement" in line for line in said), said
-    assert stack.args[stale][0] == "prefill" and stack.beat_file(stale).with_suffix(".term").exists()  # drained
+    beat = stack.beat_file(stale)
+    assert stack.args[stale][0] == "prefill" and beat is not None and beat.with_suffix(".term").exists()  # drained
     ports = stack.started["prefill-0"]
     assert len(ports) == 3 and stack.metrics_ports["prefill-0"] == ports[2]
     assert [args[0] for args in stack.commands["prefill-0"]] == ["prefill", "prefill", "decode"]
