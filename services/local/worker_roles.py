@@ -25,9 +25,11 @@ POLL_S = 1.0  # how often the supervisor reads the roles of the running workers
 def role_served(metrics_text: str) -> str | None:
     """The role whose `pdserve:worker_role` sample is 1 in a worker's /metrics text; None when none is (a worker
     that has not started serving, or a text that is not a worker's)."""
+    # only the gauge's lines are parsed: a worker's whole text (expert loads, histograms) is read every POLL_S
+    lines = "".join(line + "\n" for line in metrics_text.splitlines() if line.startswith(ROLE_GAUGE + "{"))
     serving = {
         sample.labels.get("role")
-        for family in text_string_to_metric_families(metrics_text)
+        for family in text_string_to_metric_families(lines)
         for sample in family.samples
         if sample.name == ROLE_GAUGE and sample.value == 1
     }
