@@ -1,7 +1,8 @@
 """`pdserve up`'s rolling restart (SIGHUP to it): every worker replaced by a fresh process, one at a time, never
 leaving a role without a serving worker, so that requests under load see no failure.
 
-For each worker, in start order:
+For each worker, in start order, by the role it serves now (the workers' roles are read as its turn begins: one may
+have switched since its launch, and a replacement must not undo that; worker_roles.py):
   - the only worker of its role: its replacement starts first (the same role, device and flags, a new worker id
     and /metrics port). Once the replacement has sent its first heartbeat (the gateways count it live and route
     to it), the old worker gets SIGTERM and drains; the next worker's turn comes when it has exited. This needs
@@ -9,6 +10,9 @@ For each worker, in start order:
   - one of several: it gets SIGTERM first and drains while the others of its role serve; once it has exited its
     replacement starts, and the next worker's turn comes when the replacement beats. At most one worker of a
     role is out at a time, and no extra device memory is needed.
+A worker that switched role while its replacement was starting (the first case; a draining worker takes no switch)
+is caught when it is read again before its SIGTERM: its replacement, of the role it left, is drained instead, and
+its turn begins again in the role it serves now.
 
 A drained worker exits by itself: it takes no new job, finishes its streams, and a prefill worker keeps the KV
 it holds until decode has pulled it or its lease ran out (shared/worker/runtime.py). One still running after
@@ -29,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.local.stack import Replacement, Stack
+from services.local.worker_roles import switched_message
 
 
 class Phase(enum.Enum):
@@ -45,7 +50,9 @@ class Handover:
     phase: Phase
     since: float  # when the phase began
     old: subprocess.Popen
+    role: str  # the role it serves as the turn begins: its replacement's
     new: Replacement | None = None
+    again: bool = False  # it switched role while its replacement started: that one drains, then the turn begins again
 
 
 class RollingRestart:
@@ -89,12 +96,16 @@ class RollingRestart:
         if old.poll() is not None:  # exited, its restart is due: that gives a fresh process anyway
             self.say(f"{name} is not running (its restart is due); not replacing it")
             return
+        for switched, (before, role) in self.stack.refresh_roles().items():
+            self.say(switched_message(switched, before, role))
         role = self.stack.role_of(name)
-        surge = sum(self.stack.role_of(n) == role for n in self.stack.procs) == 1
-        turn = self.current = Handover(name, surge, Phase.STARTING, now, old)
+        assert role is not None  # a worker
+        running = [n for n in self.stack.procs if self.stack.procs[n].poll() is None]
+        surge = sum(self.stack.role_of(n) == role for n in running) == 1
+        turn = self.current = Handover(name, surge, Phase.STARTING, now, old, role)
         if surge:
             self._start(turn, now)
-            self.say(f"{name} (pid {old.pid}): its replacement (pid {self._new(turn).proc.pid}) starts first")
+            self.say(f"{name} (pid {old.pid}, {role}): its replacement (pid {self._new(turn).proc.pid}) starts first")
         else:
             self.stack.retire(name)
             self._stop_old(turn, now)
@@ -109,7 +120,9 @@ class RollingRestart:
                     return False
                 self._give_up(turn, now)
                 return True
-            if turn.surge:  # the process in its place now: the old one, or a restart of it if it died meanwhile
+            if turn.surge and self._switched_meanwhile(turn):
+                self._drain_replacement(turn, now)
+            elif turn.surge:  # the process in its place now: the old one, or a restart of it if it died meanwhile
                 turn.old = self.stack.retire(turn.name)
                 self._swap_in(turn)
                 self._stop_old(turn, now)
@@ -124,11 +137,29 @@ class RollingRestart:
             turn.old.kill()
         turn.old.wait()
         self.stack.handover.remove(turn.old)
-        if turn.surge:
+        if turn.again:
+            self.pending.insert(0, turn.name)
+            self.current = None
+        elif turn.surge:
             self._finish(turn)
         else:
             self._start(turn, now)
         return True
+
+    def _switched_meanwhile(self, turn: Handover) -> bool:
+        """Whether the worker serving in `turn.name`'s place switched role since the turn began (read now)."""
+        for switched, (before, role) in self.stack.refresh_roles([turn.name]).items():
+            self.say(switched_message(switched, before, role))
+        return self.stack.role_of(turn.name) != turn.role
+
+    def _drain_replacement(self, turn: Handover, now: float) -> None:
+        """The replacement serves the role the worker left: it drains (never swapped in), the worker serves on, and
+        its turn begins again once the replacement has exited."""
+        new = self._new(turn)
+        self.say(f"{turn.name} switched to {self.stack.role_of(turn.name)} while its {turn.role} replacement (pid "
+                 f"{new.proc.pid}) started: that one drains, and {turn.name}'s turn begins again")  # fmt: skip
+        turn.old, turn.new, turn.again = new.proc, None, True
+        self._stop_old(turn, now)
 
     def _start(self, turn: Handover, now: float) -> None:
         turn.new = self.stack.start_replacement(turn.name)

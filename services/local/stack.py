@@ -24,7 +24,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,9 +39,12 @@ from services.local.replicated import (
     start_nats_cluster,
     start_redis_sentinels,
 )
+from services.local.worker_roles import role_served
 from shared.engine.config import EngineConfig
 from shared.sharding.layout import ParallelLayout
 from shared.urls import split_credentials, with_credentials
+
+ROLE_READ_TIMEOUT_S = 0.5  # a worker's /metrics is its own thread's: it answers at once unless the host is swamped
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class StackSpec:
     worker_args: tuple[str, ...] = ()  # extra flags for every worker
     # Extra flags for one role's workers, after worker_args (so they win): e.g. a KV budget per role, as decode
     # workers hold KV long and prefill workers need activation room: {"decode": ("--kv-cache-bytes", "2147483648")}.
+    # A worker that switched role keeps its launch role's (as its engine does), restarts included: Stack.role_of.
     role_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # Devices per role ("cpu", "cuda", "cuda:N"; a bare N means cuda:N): worker i of the role runs on
     # devices[i % len(devices)], so fewer devices than workers share them. See worker_devices.
@@ -216,7 +220,10 @@ class Stack:
         self.cluster_secret = secrets.token_urlsafe(32)
         # The KV transfer TLS files every prefill and decode worker gets (spec.kv_tls), set at launch.
         self.kv_tls: KvTlsFiles | None = None
-        self._placement: dict[str, tuple[str, str | None]] = {}  # worker name → its role and device
+        self._placement: dict[str, tuple[str, str | None]] = {}  # worker name → the role it was launched as, device
+        # worker name → the role it serves now: its launch role until the supervisor reads another (a switch,
+        # worker_roles.py); a restart starts it in this role, with its launch role's flags, device and cores
+        self._serving: dict[str, str] = {}
         self._generation: dict[str, int] = {}  # worker name → replacements started for it (rolling restarts)
         # Processes of a worker hand-over (rolling.py), outside `procs`: a replacement not serving yet, a replaced
         # worker draining. stop() stops them too.
@@ -271,6 +278,7 @@ class Stack:
             for i, (role, device) in enumerate(zip(spec.roles(), spec.worker_devices(), strict=True)):
                 name = f"{role}-{i}"
                 self._placement[name] = (role, device)
+                self._serving[name] = role
                 args, self.metrics_ports[name] = self._worker_args(name)
                 self.spawn(name, args, env=self.worker_env())
             self.spawn("gateway", ["gateway", "--port", str(self.spec.port), "--host", self.address("gateway"),
@@ -318,24 +326,53 @@ class Stack:
         self._infra_env |= {"PDSERVE_REDIS_URL": bare, "PDSERVE_REDIS_PASSWORD": password}
 
     def _worker_args(self, name: str, generation: int = 0) -> tuple[list[str], int]:
-        """The command line of worker `name` and the /metrics port it names (a free one). Its worker id is
-        "<name>-<launcher pid>", and "-<generation>" for a rolling restart's replacement, which runs beside the
-        worker it replaces for a while: ids, own queues and /metrics ports must differ."""
-        role, device = self._placement[name]
+        """The command line of worker `name` — `<role it serves now> <flags>` — and the /metrics port it names (a free
+        one). Its worker id is "<name>-<launcher pid>", and "-<generation>" for a rolling restart's replacement, which
+        runs beside the worker it replaces for a while: ids, own queues and /metrics ports must differ. The flags are
+        its launch role's (see `role_of`)."""
+        launched, device = self._placement[name]
         port = self._port(name) or free_port(self.address(name))
         worker_id = f"{name}-{os.getpid()}" + (f"-{generation}" if generation else "")
         flags = ["--worker-id", worker_id, "--metrics-port", str(port), "--metrics-host", self.address(name)]
         if self.spec.hosts is not None:  # the KV transfer server binds, and advertises, its host's address
             flags += ["--rpc-host", self.address(name)]
-        return [role, *flags, *self._worker_flags(role, device)], port
+        return [self._serving[name], *flags, *self._worker_flags(launched, device)], port
 
     def role_of(self, name: str) -> str | None:
-        """The role of worker `name`; None for the gateway (or a name this stack never started)."""
-        placed = self._placement.get(name)
-        return None if placed is None else placed[0]
+        """The role worker `name` serves now, as last read (`refresh_roles`); None for the gateway (or a name this
+        stack never started). A switched worker keeps its name (and worker id: it names the slot, not the role) and
+        what it was launched with — its launch role's flags (role_args: the KV budget, threads, group layout), device
+        and pinned cores — as a live switch keeps its engine: a restart changes nothing but the role, and never takes
+        another role's devices or cores, which that role's own workers hold."""
+        return self._serving.get(name)
+
+    def refresh_roles(self, names: Iterable[str] | None = None) -> dict[str, tuple[str, str]]:
+        """Read the role of each running worker of `names` (default: every worker in `procs`) and keep it for its
+        next restart; a worker that does not answer keeps the role last read. Returns the changes: name → (the role
+        it had, the role it serves now)."""
+        changed = {}
+        for name in [n for n in self.procs if n in self._serving] if names is None else names:
+            if self.procs[name].poll() is not None:
+                continue
+            role = self.read_role(name)
+            if role is not None and role != self._serving[name]:
+                changed[name] = (self._serving[name], role)
+                self._serving[name] = role
+        return changed
+
+    def read_role(self, name: str) -> str | None:
+        """One look at the role worker `name`'s process serves, from its /metrics (worker_roles.py); None when it
+        does not answer or serves none yet."""
+        url = f"http://{self.address(name)}:{self.metrics_ports[name]}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=ROLE_READ_TIMEOUT_S) as resp:
+                return role_served(resp.read().decode(errors="replace"))
+        except (OSError, ValueError):  # no answer; or a text the parser refuses (not a worker's)
+            return None
 
     def start_replacement(self, name: str) -> Replacement:
-        """A new process for worker `name` — the same role, device and flags, a new worker id and /metrics port —
+        """A new process for worker `name` — in the role it serves now (`role_of`), with its device and flags, a new
+        worker id and /metrics port —
         started now but not in `procs` (a supervisor does not restart it) until `swap_in`; in `handover` till then."""
         generation = self._generation[name] = self._generation.get(name, 0) + 1
         args, port = self._worker_args(name, generation)
@@ -476,7 +513,9 @@ class Stack:
         argv = [*self._prefix(name), sys.executable, "-m", "services.cli", *args]
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT
                                 if out else None, env=env, **popen_options())  # fmt: skip
-        if (role := args[0]) in self.spec.cpu_affinity:  # before the interpreter has started any thread
+        placed = self._placement.get(name)  # a worker's cores are its launch role's, whatever it serves now
+        role = placed[0] if placed is not None else args[0]
+        if role in self.spec.cpu_affinity:  # before the interpreter has started any thread
             os.sched_setaffinity(proc.pid, self.spec.cpu_affinity[role])
         return proc
 
@@ -485,10 +524,14 @@ class Stack:
         return self.log_dir / f"{name}.log" if self.quiet else None
 
     def respawn(self, name: str) -> subprocess.Popen:
-        """Start service `name` again as it was first started (after it died or was killed)."""
+        """Start service `name` again as it was last started (after it died or was killed): the same command line,
+        worker id and ports; a worker in the role it serves now (`role_of`: it may have switched)."""
         if self.procs[name].poll() is None:
             raise RuntimeError(f"{name} is still running")
-        return self.spawn(name, *self._spawned[name])
+        args, env = self._spawned[name]
+        if (role := self.role_of(name)) is not None:  # a worker's command line is `<role> <flags>` (_worker_args)
+            args = [role, *args[1:]]
+        return self.spawn(name, args, env)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Until the stack is ready (probe_ready); raises if a service exits or time runs out first."""

@@ -14,6 +14,9 @@
     end of its log (its reason), and `run()` returns 2.
   - SIGHUP: a rolling restart of every worker (rolling.py), without a failed request; one at a time, it runs
     while the loop goes on tending the services. A SIGHUP during one is ignored (said).
+  - A worker may switch role while it runs (the admin API, the planner): once the stack is ready, the loop reads every
+    running worker's role every POLL_S (worker_roles.py says why from its /metrics), so that a restart or a rolling
+    restart brings a switched worker back in the role it serves, not the one it was launched with.
 
 All of it runs on the main thread: the signal handlers only count, the loop acts; children are started
 from the main thread, which their parent-death signal is tied to.
@@ -35,6 +38,7 @@ from services.local.infra import ServerProcess
 from services.local.restarts import RestartPolicy, RestartRecord
 from services.local.rolling import RollingRestart
 from services.local.stack import Stack
+from services.local.worker_roles import POLL_S, switched_message
 from shared.telemetry.lifecycle import EXIT_GRACE_S, EXIT_REFUSED
 
 STOP_GRACE_S = EXIT_GRACE_S  # past the services' drain time: their last flush and exit before SIGKILL
@@ -83,6 +87,7 @@ class Supervisor:
         self.rolled = 0  # rolling restarts completed
         self.records: dict[str, RestartRecord] = {}  # service → its starts and exits, from launch on
         self._due: dict[str, float] = {}  # service that exited → when its restart is due
+        self._roles_read_at: float | None = None  # when the workers' roles were last read
         disable_created_metrics()  # as the services do: no `_created` series beside the counts
         registry = CollectorRegistry()
         self._restarts = Counter(
@@ -111,6 +116,7 @@ class Supervisor:
                     elif time.monotonic() - launched > self.ready_timeout_s:
                         raise GiveUp(f"the stack is not ready after {self.ready_timeout_s:g} s: {last}")
                 else:
+                    self._read_roles(time.monotonic())
                     self._roll(time.monotonic())
                 time.sleep(TICK_S)
             _say(f"signal received: draining the services (at most {self.drain_timeout_s + STOP_GRACE_S:g} s); "
@@ -154,6 +160,14 @@ class Supervisor:
                 _say(f"rolling restart done: {len(self.rolling.replaced)} workers replaced in {took:.1f} s")
             self.rolling = None
 
+    def _read_roles(self, now: float) -> None:
+        """Every POLL_S: the role each running worker serves (the stack keeps it for the worker's restart)."""
+        if self._roles_read_at is not None and now - self._roles_read_at < POLL_S:
+            return
+        for name, (before, role) in self.stack.refresh_roles().items():
+            _say(switched_message(name, before, role))
+        self._roles_read_at = time.monotonic()  # after the reads: a slow round does not start the next at once
+
     def _swapped(self, name: str) -> None:
         """A rolling restart put a new process in `name`'s place: a restart of the old one, if due, is moot; the
         new one's record starts afresh."""
@@ -178,7 +192,9 @@ class Supervisor:
             if delay is None:
                 raise GiveUp(f"{what}: {record.recent_exits} exits within {self.policy.window_s:g} s. "
                              f"{self._log_hint(name)}")  # fmt: skip
-            _say(f"{what}; restarting it in {delay:g} s. {self._log_hint(name)}")
+            role = self.stack.role_of(name)
+            again = f"restarting it in {delay:g} s" + (f" as {role}" if role is not None else "")
+            _say(f"{what}; {again}. {self._log_hint(name)}")
             self._due[name] = now + delay
         for name, due in list(self._due.items()):
             if due <= now and not self.signals:

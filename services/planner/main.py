@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def create_app(planner):
-    """/plan (JSON), /metrics (Prometheus text), /ready."""
+    """/plan (JSON), /metrics (Prometheus text), /ready and /health (200 while it serves: probes, deploy/k8s/)."""
 
     @get("/plan", media_type=MediaType.JSON)
     async def plan() -> dict:
@@ -40,7 +40,11 @@ def create_app(planner):
     async def ready() -> str:
         return "ready"
 
-    return Litestar([plan, prometheus, ready])
+    @get("/health", media_type=MediaType.TEXT)
+    async def health() -> str:
+        return "alive"
+
+    return Litestar([plan, prometheus, ready, health])
 
 
 async def serve(settings: PlannerSettings, actuator_factory=None) -> None:

@@ -2,9 +2,10 @@
 `kubectl kustomize` where kubectl is installed), every object against the Kubernetes schemas
 (kubernetes-validate, strict: no unknown field) of the oldest and newest versions named here, the KEDA
 ScaledObjects (a CRD the schemas lack) by their structure; its contract with the code (settings, ports, probes,
-drain time, secrets, the planner's metric); and the base's pods started here, each container's command with the
-environment, files and addresses its pod would give it (tests/k8s_local.py), until every probe passes, a completion
-goes through, and every pod stops within its grace period."""
+drain time, secrets, the planner: advisory, scraped, its metric the autoscalers'); and the base's pods started here,
+each container's command with the environment, files and addresses its pod would give it (tests/k8s_local.py), until
+every probe passes, a completion goes through (the planner: its desired counts published), and every pod stops within
+its grace period."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +28,8 @@ import yaml
 
 from shared import bus
 from shared.config_fields import knobs
-from shared.settings import GatewaySettings, WorkerSettings, from_env
+from shared.settings import GatewaySettings, PlannerSettings, WorkerSettings, from_env
+from shared.telemetry import metrics
 from shared.telemetry.lifecycle import EXIT_GRACE_S
 from tests.k8s_local import IMAGE_ENTRYPOINTS, LocalCluster, containers_of
 from tests.kustomize import apply_operation, render
@@ -194,28 +197,44 @@ def port_named(container: Object, name: str) -> int:
     return next(p["containerPort"] for p in container["ports"] if p["name"] == name)
 
 
+Settings = GatewaySettings | PlannerSettings | WorkerSettings
+
+
 def settings_class(role: str) -> type:
-    return GatewaySettings if role == "gateway" else WorkerSettings
+    return {"gateway": GatewaySettings, "planner": PlannerSettings}.get(role, WorkerSettings)
 
 
-def raw_settings(objects: list[Object], role: str, container: Object) -> GatewaySettings | WorkerSettings:
-    """A service's settings from its environment as written, secret files and fieldRefs left out."""
+def planner_settings(env: dict[str, str], container: Object) -> PlannerSettings:
+    """The planner's settings as `pdserve planner` builds them from its container's args and `env`."""
+    from services.cli import _planner_settings
+
+    command = container.get("command") or IMAGE_ENTRYPOINTS[container["image"]]
+    argv = command + container.get("args", [])
+    assert argv[:2] == ["pdserve", "planner"], argv
+    return _planner_settings(argv[2:], env)
+
+
+def raw_settings(objects: list[Object], role: str, container: Object) -> Settings:
+    """A service's settings from its environment as written, secret files and fieldRefs left out (the planner's: its
+    args too)."""
     env = {k: v for k, v in raw_env(objects, container).items() if not k.endswith("_FILE") and "fieldRef:" not in v}
     if role == "gateway":
         return from_env(GatewaySettings, env)
+    if role == "planner":
+        return planner_settings(env | {"PDSERVE_CLUSTER_SECRET": "x" * 16}, container)
     return from_env(WorkerSettings, env, role=role, cluster_secret="x" * 16)
 
 
 def pdserve_roles(objects: list[Object]) -> dict[str, Object]:
-    """gateway | prefill | decode → its Deployment."""
+    """gateway | prefill | decode | planner → its Deployment."""
     deployments = kinds(objects, "Deployment").values()
     return {component(w): w for w in deployments if main_container(w)["image"] in PDSERVE_IMAGES}
 
 
 def test_environment_names_are_settings_fields(rendered):
-    fields = {cls: {k.name for k in knobs(cls)} for cls in (GatewaySettings, WorkerSettings)}
+    fields = {cls: {k.name for k in knobs(cls)} for cls in (GatewaySettings, PlannerSettings, WorkerSettings)}
     roles = pdserve_roles(rendered["gpu"])
-    assert set(roles) == {"gateway", *WORKER_ROLES}
+    assert set(roles) == {"gateway", "planner", *WORKER_ROLES}
     for role, workload in roles.items():
         for container in containers_of(pod_spec(workload)):
             names = {v.removeprefix("PDSERVE_").removesuffix("_FILE").lower()
@@ -232,14 +251,22 @@ def test_settings_parse_with_the_secrets_and_agree_with_the_ports(rendered, tmp_
     for role, workload in pdserve_roles(objects).items():
         pod = cluster.pod(f"{workload['metadata']['name']}-0")
         container = main_container(workload)
-        extra = {} if role == "gateway" else {"role": role}
-        settings = from_env(settings_class(role), cluster.env(pod, container), **extra)
+        env = cluster.env(pod, container)
+        if role == "planner":
+            settings = planner_settings(env, container)
+        else:
+            extra = {} if role == "gateway" else {"role": role}
+            settings = from_env(settings_class(role), env, **extra)
         assert settings.nats_user == "pdserve" and settings.nats_password == secret["nats_password"], role
         assert settings.redis_password == secret["redis_password"], role
         raw = raw_settings(objects, role, container)
         if isinstance(raw, GatewaySettings):
-            assert settings.api_keys == (secret["api_keys"],)
+            assert isinstance(settings, GatewaySettings) and settings.api_keys == (secret["api_keys"],)
             assert raw.port == port_named(container, "http")
+            continue
+        if isinstance(raw, PlannerSettings):  # the secret that signs role switches, should they be turned on
+            assert isinstance(settings, PlannerSettings) and settings.cluster_secret == secret["cluster_secret"]
+            assert raw.host == "0.0.0.0" and raw.port == port_named(container, "http")
             continue
         assert isinstance(settings, WorkerSettings) and settings.cluster_secret == secret["cluster_secret"], role
         assert raw.metrics_host == "0.0.0.0" and raw.metrics_port == port_named(container, "metrics"), role
@@ -253,7 +280,7 @@ def test_settings_parse_with_the_secrets_and_agree_with_the_ports(rendered, tmp_
 def test_probes_ask_what_each_service_answers(rendered):
     for role, workload in pdserve_roles(rendered["base"]).items():
         container = main_container(workload)
-        port = "http" if role == "gateway" else "metrics"
+        port = "http" if role in ("gateway", "planner") else "metrics"
         for kind, path in (("startupProbe", "/health"), ("readinessProbe", "/ready"), ("livenessProbe", "/health")):
             assert container[kind]["httpGet"] == {"path": path, "port": port}, (role, kind)
     nats = main_container(one(rendered["base"], "StatefulSet", "pdserve-nats"))
@@ -268,6 +295,8 @@ def test_the_grace_period_covers_the_drain(rendered):
     within its lease, which ends before the drain does; the kubelet's SIGKILL comes only after."""
     objects = rendered["base"]
     for role, workload in pdserve_roles(objects).items():
+        if role == "planner":
+            continue  # nothing to drain: a SIGTERM stops it within seconds (test_the_planner_starts_here_and_publishes)
         container = main_container(workload)
         settings = raw_settings(objects, role, container)
         pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
@@ -284,6 +313,7 @@ def test_each_pod_mounts_only_the_secrets_it_reads(rendered):
     wanted = {"gateway": {"api_keys", "nats_password", "redis_password"},
               "prefill": {"cluster_secret", "nats_password", "redis_password"},
               "decode": {"cluster_secret", "nats_password", "redis_password"},
+              "planner": {"cluster_secret", "nats_password", "redis_password"},
               "nats": {"nats_password"}, "redis": {"redis_password"}}  # fmt: skip
     for workload in workloads(objects).values():
         (volume,) = [v for v in pod_spec(workload)["volumes"] if "secret" in v]
@@ -326,7 +356,7 @@ def test_a_disruption_budget_per_role(rendered):
     objects = rendered["base"]
     budgets = kinds(objects, "PodDisruptionBudget")
     for name, workload in workloads(objects).items():
-        if component(workload) == "redis":
+        if component(workload) in ("redis", "planner"):
             continue  # one replica: a budget would block node drains, or allow everything
         labels = workload["spec"]["template"]["metadata"]["labels"].items()
         (budget,) = [b for b in budgets.values() if b["spec"]["selector"]["matchLabels"].items() <= labels]
@@ -354,6 +384,31 @@ def test_autoscalers_follow_the_planners_desired_count(rendered):
         assert spec["behavior"]["scaleDown"]["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": 90}]
 
 
+def test_the_planner_is_advisory_and_scraped_where_the_autoscalers_read(rendered):
+    """One planner per deployment, in every overlay, advisory (a switched pod would still count as one of its
+    Deployment's replicas: the autoscaler and the planner would fight), serving the metric the autoscalers scale on
+    where Prometheus' pod annotations point."""
+    for overlay in ("base", *OVERLAYS):
+        planner = pdserve_roles(rendered[overlay])["planner"]
+        assert planner["spec"]["replicas"] == 1 and planner["spec"]["strategy"] == {"type": "Recreate"}, overlay
+        container = main_container(planner)
+        settings = raw_settings(rendered[overlay], "planner", container)
+        assert isinstance(settings, PlannerSettings) and not settings.switch_roles, overlay
+        annotations = planner["spec"]["template"]["metadata"]["annotations"]
+        assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": str(settings.port),
+                               "prometheus.io/path": "/metrics"}, overlay  # fmt: skip
+        assert port_named(container, "http") == settings.port
+    # what it serves on /metrics is the series the autoscalers query, by role
+    (family,) = metrics.PLANNER_DESIRED_WORKERS.describe()
+    assert family.name == PLANNER_METRIC and "role" in metrics.PLANNER_DESIRED_WORKERS._labelnames
+    # the advisory flag is the manifest's choice: without it the same settings switch roles
+    planner = pdserve_roles(rendered["base"])["planner"]
+    switching = json.loads(json.dumps(main_container(planner)))
+    switching["args"] = [a for a in switching["args"] if a != "--no-switch-roles"]
+    settings = raw_settings(rendered["base"], "planner", switching)
+    assert isinstance(settings, PlannerSettings) and settings.switch_roles
+
+
 KEDA_SPEC = {"scaleTargetRef", "minReplicaCount", "maxReplicaCount", "pollingInterval", "cooldownPeriod",
              "idleReplicaCount", "fallback", "advanced", "triggers"}  # fmt: skip
 
@@ -372,7 +427,8 @@ def test_keda_scaled_objects(rendered):
         assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
         (trigger,) = spec["triggers"]
         assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
-        assert set(trigger["metadata"]) == {"serverAddress", "query", "threshold"}
+        assert set(trigger["metadata"]) == {"serverAddress", "query", "threshold", "ignoreNullValues"}
+        assert trigger["metadata"]["ignoreNullValues"] == "false"  # no planner: the counts stay (KEDA's default: 0)
         assert trigger["metadata"]["query"] == f'max({PLANNER_METRIC}{{role="{role}"}})'
         assert trigger["metadata"]["threshold"] == "1" and trigger["metadata"]["serverAddress"].startswith("http")
         behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
@@ -493,12 +549,43 @@ def test_the_infrastructure_starts_here(rendered, tmp_path):
         cluster.kill_all()
 
 
+def test_the_planner_starts_here_and_publishes_the_desired_counts(rendered, tmp_path):
+    """The planner's container as its pod runs it, beside NATS and Redis (it needs no checkpoint): its probes pass,
+    /metrics publishes the desired count per role within a few intervals, /plan says it switches nothing, and it
+    exits 0 within its grace period on SIGTERM."""
+    cluster = LocalCluster(rendered["base"], tmp_path)
+    try:
+        infra = _start_infra(cluster)
+        (planner,) = cluster.pods_of("planner")
+        cluster.start(planner)
+        for kind, timeout_s in (("startupProbe", 60), ("readinessProbe", 10), ("livenessProbe", 10)):
+            cluster.wait_for(planner, kind, timeout_s)
+        port = planner.port(main_container(planner.workload), "http")
+        settings = raw_settings(rendered["base"], "planner", main_container(planner.workload))
+        assert isinstance(settings, PlannerSettings)
+        deadline = time.monotonic() + 4 * settings.interval_s + 10
+        wanted: dict[str, float] = {}
+        while set(wanted) != set(WORKER_ROLES):
+            assert time.monotonic() < deadline, cluster.log(planner, "planner")
+            time.sleep(0.5)
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            wanted = {m[0]: float(m[1]) for m in re.findall(
+                rf'^{PLANNER_METRIC}{{[^}}]*role="(\w+)"[^}}]*}} (\S+)$', text, re.M)}  # fmt: skip
+        assert all(n >= 1 for n in wanted.values()), wanted
+        plan = _json(f"http://127.0.0.1:{port}/plan")
+        assert plan["switch_roles"] is False and plan["model"] == "demo"
+        _stop_all(cluster, [planner])
+        _stop_all(cluster, infra)
+    finally:
+        cluster.kill_all()
+
+
 @pytest.mark.slow  # three model-inits, two workers and a gateway: about a minute on 2 busy cores (make test-slow)
 def test_the_base_starts_here_and_serves(rendered, tmp_path):
     """Every container of the base, as its pod would run it: NATS and Redis as above, each model-init writes the
-    checkpoint, the workers and the gateway pass their startup, readiness and liveness probes, a completion goes
-    through the gateway's Service (its KV pulled from the prefill worker's advertised pod IP), and each pod,
-    terminated as the kubelet does, exits 0 within its grace period."""
+    checkpoint, the workers, the gateway and the planner pass their startup, readiness and liveness probes, a
+    completion goes through the gateway's Service (its KV pulled from the prefill worker's advertised pod IP), the
+    planner counts the live workers, and each pod, terminated as the kubelet does, exits 0 within its grace period."""
     objects = json.loads(json.dumps(rendered["base"]))
     # The one change: every prompt down the remote path (as the suite's stacks do, tests/conftest.py), so that the
     # completion's KV is pulled from the prefill worker's advertised address (an idle stack computes a short
@@ -507,8 +594,8 @@ def test_the_base_starts_here_and_serves(rendered, tmp_path):
     remote = {"name": "PDSERVE_PREFILL_PATH", "value": "remote"}
     apply_operation(gateway, {"op": "add", "path": "/env/-", "value": remote})
     cluster = LocalCluster(objects, tmp_path)
-    pdserve = [pod for role in ("gateway", *WORKER_ROLES) for pod in cluster.pods_of(role)]
-    assert len(pdserve) == 3
+    pdserve = [pod for role in ("gateway", *WORKER_ROLES, "planner") for pod in cluster.pods_of(role)]
+    assert len(pdserve) == 4
     try:
         with ThreadPoolExecutor(len(pdserve)) as pool:  # the model-inits while NATS and Redis start
             inits = [pool.submit(cluster.run_init, pod, STARTUP_S) for pod in pdserve]
@@ -535,6 +622,12 @@ def test_the_base_starts_here_and_serves(rendered, tmp_path):
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         sent = re.search(r'^pdserve:kv_transfer_bytes_total\{[^}]*role="prefill"[^}]*\} (\S+)$', metrics, re.M)
         assert sent and float(sent.group(1)) > 0, "no KV left the prefill worker"
+        (planner,) = cluster.pods_of("planner")
+        plan_url = f"http://127.0.0.1:{planner.port(main_container(planner.workload), 'http')}/plan"
+        deadline = time.monotonic() + 30
+        while (_json(plan_url)["latest"] or {}).get("current") != {"prefill": 1, "decode": 1}:
+            assert time.monotonic() < deadline, (_json(plan_url)["latest"], cluster.log(planner, "planner"))
+            time.sleep(1)
 
         _stop_all(cluster, pdserve)  # as a namespace is deleted: every pod at once, the servers last
         _stop_all(cluster, infra)

@@ -8,7 +8,10 @@ the process handling is real (signals, exits, restarts, timing) without models o
   - a rolling restart replaces every worker one at a time and never leaves a role without a serving worker: the
     only worker of a role is replaced after its replacement beats; one of several drains first;
   - a replacement that fails stops the rolling restart, and the worker it would have replaced serves on;
-  - SIGHUP to the supervisor runs it, and the restart counts stay 0 (a replacement is no crash).
+  - SIGHUP to the supervisor runs it, and the restart counts stay 0 (a replacement is no crash);
+  - a worker that switched role (a stand-in's role, as its /metrics would show it, changed by the test) comes back in
+    that role — restarted after it died, or replaced in a rolling restart — with its worker id scheme and its launch
+    role's flags; the rolling restart counts it in its new role.
 """
 
 from __future__ import annotations
@@ -52,13 +55,16 @@ class StandInStack(Stack):
     """A Stack whose services are stand-ins: `behave[name]` is a list of (exit status or None, start seconds,
     drain seconds) for its successive processes (the last one repeats)."""
 
-    def __init__(self, tmp: Path, prefill: int, decode: int) -> None:
+    def __init__(self, tmp: Path, prefill: int, decode: int, **spec_fields) -> None:
         spec = StackSpec(model="stand-in", prefill=prefill, decode=decode, nats_url="nats://unused:1",
-                         redis_url="redis://unused:1")  # fmt: skip
+                         redis_url="redis://unused:1", **spec_fields)  # fmt: skip
         super().__init__(spec, log_dir=str(tmp / "logs"), quiet=True)
         self.dir = tmp
         self.behave: dict[str, list[tuple[int | None, float, float]]] = {}
         self.started: dict[str, list[int]] = {}  # name → the ports (worker) or pids (gateway) of its processes
+        self.args: dict[int, list[str]] = {}  # a /metrics port → the command line of the latest process on it
+        self.commands: dict[str, list[list[str]]] = {}  # name → the command lines of its processes
+        self.switched: dict[int, str] = {}  # a worker process's /metrics port → the role it switched to (the test's)
 
     def _start(self, name: str, args: list[str], env: dict[str, str] | None):
         import subprocess
@@ -68,6 +74,8 @@ class StandInStack(Stack):
         code, starts_s, drain_s = plan[min(len(starts), len(plan) - 1)]
         port = int(args[args.index("--metrics-port") + 1]) if "--metrics-port" in args else 0
         starts.append(port)
+        self.args[port] = args
+        self.commands.setdefault(name, []).append(args)
         beat = self.dir / f"{name}-{len(starts)}-{port}.beat"
         path = self.log_path(name)
         assert path is not None  # quiet
@@ -83,6 +91,14 @@ class StandInStack(Stack):
         found = self.beat_file(metrics_port)
         return found is not None and found.exists()
 
+    def role_at(self, port: int) -> str:
+        """The role the worker process with /metrics `port` serves: its command's, or the one it switched to."""
+        return self.switched.get(port, self.args[port][0])
+
+    def read_role(self, name: str) -> str | None:  # what its /metrics would say once it beats
+        port = self.metrics_ports[name]
+        return self.role_at(port) if self.beats(name, port) else None
+
     def probe_ready(self) -> tuple[bool, str]:
         waiting = [n for n, port in self.metrics_ports.items() if not self.beats(n, port)]
         return (not waiting, f"waiting for {waiting}")
@@ -90,7 +106,8 @@ class StandInStack(Stack):
 
 def serving(stack: StandInStack, role: str) -> int:
     """Processes of `role` that beat and have not been told to stop (in `procs` or in a hand-over)."""
-    ports = [p for name, ports in stack.started.items() if stack.role_of(name) == role for p in ports]
+    ports = [p for name, ports in stack.started.items() if name in stack.metrics_ports for p in ports]
+    ports = [p for p in ports if stack.role_at(p) == role]
     count = 0
     for port in ports:
         beat = stack.beat_file(port)
@@ -126,8 +143,8 @@ def started(stack: StandInStack, timeout_s: float = 20.0) -> StandInStack:
 def stacks(tmp_path):
     made: list[StandInStack] = []
 
-    def make(prefill: int = 1, decode: int = 1) -> StandInStack:
-        made.append(StandInStack(tmp_path, prefill, decode))
+    def make(prefill: int = 1, decode: int = 1, **spec_fields) -> StandInStack:
+        made.append(StandInStack(tmp_path, prefill, decode, **spec_fields))
         return made[-1]
 
     yield make
@@ -237,3 +254,97 @@ def test_sighup_rolls_the_workers_of_a_supervised_stack(stacks, capfd):
     assert len(stack.started["prefill-0"]) == len(stack.started["decode-1"]) == 2
     assert len(stack.started["gateway"]) == 1
     assert restarts == [0]  # a replacement is no restart
+
+
+def operate(supervisor: Supervisor, stack: StandInStack, steps) -> threading.Thread:
+    """`steps()` run as an operator would, once the supervised stack is ready; then SIGTERM to the supervisor."""
+
+    def run() -> None:
+        try:
+            deadline = time.monotonic() + 30
+            while len(stack.procs) < 3 or not stack.probe_ready()[0]:
+                assert time.monotonic() < deadline, "the stand-in stack never got ready"
+                time.sleep(0.1)
+            time.sleep(0.5)  # the supervisor's loop saw it ready too
+            steps()
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def wait_for(predicate, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "not within the time"
+        time.sleep(0.05)
+
+
+def test_a_switched_worker_that_dies_is_restarted_in_the_role_it_serves(stacks, capfd):
+    stack = stacks(prefill=2, decode=1, role_args={"prefill": ("--kv-cache-bytes", "1000")})
+    supervisor = Supervisor(stack, drain_timeout_s=1.0, policy=RestartPolicy(first_delay_s=0.05))
+
+    def steps() -> None:
+        first = stack.metrics_ports["prefill-0"]
+        stack.switched[first] = "decode"  # the admin API or the planner switched it: its /metrics says so
+        wait_for(lambda: stack.role_of("prefill-0") == "decode")  # the supervisor read it
+        stack.procs["prefill-0"].kill()
+        wait_for(lambda: (stack.dir / f"prefill-0-2-{first}.beat").exists())  # the restart beats
+
+    thread = operate(supervisor, stack, steps)
+    status = supervisor.run()
+    thread.join()
+    err = capfd.readouterr().err
+    assert status == 0, err
+    first, again = stack.commands["prefill-0"]
+    assert first[0] == "prefill" and again[0] == "decode", err  # its role now, not its launch role
+    assert again[1:] == first[1:]  # the same worker id and /metrics port, its launch role's flags
+    assert again[again.index("--worker-id") + 1] == f"prefill-0-{os.getpid()}"
+    assert again[again.index("--kv-cache-bytes") + 1] == "1000"
+    assert "prefill-0 serves as decode now (it was prefill)" in err
+    assert "prefill-0 exited (killed by SIGKILL)" in err and "restarting it in 0.05 s as decode" in err
+    assert stack.role_of("prefill-1") == "prefill" and stack.role_of("decode-2") == "decode"
+
+
+def test_a_rolling_restart_replaces_a_switched_worker_in_its_role_and_counts_roles_as_they_are(stacks):
+    stack = started(stacks(prefill=2, decode=1))
+    stack.switched[stack.metrics_ports["prefill-0"]] = "decode"  # now one prefill worker, two decode
+    said: list[str] = []
+    rolling = run_rolling(stack, said)  # checks after every tick that no role is left without a worker
+    assert rolling.stopped is None and rolling.replaced == ["prefill-0", "prefill-1", "decode-2"], said
+    assert said[0] == "prefill-0 serves as decode now (it was prefill): a restart starts it as decode"
+    args = stack.args[stack.metrics_ports["prefill-0"]]
+    assert args[0] == "decode" and args[args.index("--worker-id") + 1] == f"prefill-0-{os.getpid()}-1"
+    # prefill-0 is one of two decode workers now: it drains first; prefill-1 is the only prefill worker: surge
+    assert any("prefill-0" in line and "drains while the other decode workers serve" in line for line in said), said
+    assert any(line.startswith("prefill-1 (pid") and "prefill): its replacement" in line for line in said), said
+    assert {name: stack.role_at(stack.metrics_ports[name]) for name in ("prefill-0", "prefill-1", "decode-2")} == {
+        "prefill-0": "decode", "prefill-1": "prefill", "decode-2": "decode"}  # fmt: skip
+
+
+def test_a_worker_switched_while_its_replacement_starts_is_replaced_again_in_its_new_role(stacks):
+    stack = started(stacks(prefill=1, decode=2))
+    old = stack.procs["prefill-0"]
+    stack.behave["prefill-0"] = [(None, 0.2, 0.2), (None, 1.0, 0.2)]  # replacements beat after 1 s
+    said: list[str] = []
+    rolling = RollingRestart(stack, time.monotonic(), 10.0, 10.0, swapped=lambda _: None, say=said.append)
+    rolling.tick(time.monotonic())  # prefill-0, the only prefill worker: its replacement starts first
+    assert rolling.current is not None and rolling.current.surge and len(stack.started["prefill-0"]) == 2
+    stale = stack.started["prefill-0"][1]
+    stack.switched[stack.metrics_ports["prefill-0"]] = "decode"  # meanwhile the old one switched (a mixed-up race)
+    deadline = time.monotonic() + 30
+    while not rolling.done:
+        assert time.monotonic() < deadline, said
+        rolling.tick(time.monotonic())
+        time.sleep(0.05)
+    assert rolling.stopped is None, said
+    assert any("prefill-0 switched to decode while its prefill replacement" in line for line in said), said
+    beat = stack.beat_file(stale)
+    assert stack.args[stale][0] == "prefill" and beat is not None and beat.with_suffix(".term").exists()  # drained
+    ports = stack.started["prefill-0"]
+    assert len(ports) == 3 and stack.metrics_ports["prefill-0"] == ports[2]
+    assert [args[0] for args in stack.commands["prefill-0"]] == ["prefill", "prefill", "decode"]
+    assert old.poll() == 0 and stack.procs["prefill-0"].poll() is None
+    assert rolling.replaced[0] == "prefill-0" and stack.handover == []

@@ -1,0 +1,28 @@
+"""The role `pdserve up`'s supervisor reads of a worker (services/local/worker_roles.py): from the gauge the worker
+itself sets (shared/worker/gauges.py record_role), in the text its /metrics serves."""
+
+from __future__ import annotations
+
+from services.local.worker_roles import role_served
+from shared.telemetry import metrics
+from shared.worker import gauges
+
+ROLES = ("prefill", "decode", "mixed")
+
+
+def test_the_role_a_worker_records_is_the_role_read():
+    gauges.record_role("role-read-model", "prefill", ROLES)
+    body, _ = metrics.exposition()
+    assert role_served(body.decode()) == "prefill"
+    gauges.record_role("role-read-model", "decode", ROLES)  # a switch: the gauge flips
+    body, _ = metrics.exposition()
+    assert role_served(body.decode()) == "decode"
+
+
+def test_no_role_when_none_serves_or_the_text_is_not_a_workers():
+    assert role_served("") is None
+    assert role_served('pdserve:num_requests_running{model_name="m",role="prefill"} 1.0\n') is None
+    idle = "".join(f'pdserve:worker_role{{model_name="m",role="{r}"}} 0.0\n' for r in ROLES)
+    assert role_served(idle) is None
+    two = idle.replace('role="prefill"} 0.0', 'role="prefill"} 1.0').replace('role="decode"} 0.0', 'role="decode"} 1.0')
+    assert role_served(two) is None  # two roles at 1 (not a worker's text): no single answer
