@@ -18,6 +18,12 @@ Each (token, expert) pair is computed by exactly one replica of its expert: repl
   sends the results back (all_to_all), combines them weighted, and an all_gather of the token slices gives
   every rank the full (T, D) again.
 
+Data-parallel attention (`data_parallel`, --dp-attention): the invariant above does not hold: each rank brings
+its own T_r tokens (its own requests' rows, T_r = 0 for a rank with none this step), routed on that rank. The
+combine is the all-to-all's with the rank's own tokens as its slice and no all-gather at the end: each rank gets
+back its own tokens' routed sums. Every rank takes part in every layer's exchange, an empty one included (it
+sends and receives counts, then nothing of its own: `idle`). The counters then hold this rank's tokens only.
+
 The all-to-all needs the split sizes on the host (one device read per layer on an accelerator, as in every
 naive all-to-all dispatch); the counters never leave the device in the step.
 """
@@ -40,10 +46,18 @@ class ExpertParallel:
     """One sparse layer's expert-parallel state on one rank: where each logical expert's replicas are, the
     chosen combine, and the per-rank load counters (on the model's device)."""
 
-    def __init__(self, group: RankGroup, ranks: list[list[int]], num_experts: int, mode: EPDispatch) -> None:
+    def __init__(
+        self,
+        group: RankGroup,
+        ranks: list[list[int]],
+        num_experts: int,
+        mode: EPDispatch,
+        data_parallel: bool = False,
+    ) -> None:
         if len(ranks) != group.world:
             raise ValueError(f"placement has {len(ranks)} ranks, the group {group.world}")
         self.group, self.mode, self.num_experts = group, EPDispatch(mode), num_experts
+        self.data_parallel = data_parallel  # each rank its own tokens (module doc): all-to-all, never skipped
         self.set_placement(ranks)
         # since the last take_rank_load: pairs each rank computed (R,), and Σ over forwards of the busiest
         # rank's pairs (the step waits for it): the imbalance is peak / (total / R)
@@ -92,7 +106,7 @@ class ExpertParallel:
     def forward(self, experts: Experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         self._on(x.device)
         t = x.shape[0]
-        if t == 0:  # every rank sees the same T: all skip the collectives together
+        if t == 0 and not self.data_parallel:  # every rank sees the same T: all skip the collectives together
             return torch.zeros_like(x)
         token = torch.arange(t, device=x.device)
         dest_rank, dest_slot = self.assign(ids, token)
@@ -100,9 +114,18 @@ class ExpertParallel:
         self.rank_load += per_rank
         self.expert_tokens.index_add_(0, ids.flatten(), torch.ones_like(ids).flatten())
         self.peak_load += per_rank.max()
+        if self.data_parallel:  # this rank's own tokens out to the experts' ranks and back: nothing to gather
+            return self._alltoall(experts, x, weights, dest_rank, dest_slot, own=True)
         if self.mode is EPDispatch.ALLREDUCE:
             return self._allreduce(experts, x, ids, weights, dest_rank, dest_slot)
         return self._alltoall(experts, x, weights, dest_rank, dest_slot)
+
+    def idle(self, experts: Experts, hidden: int, dtype: torch.dtype, device: torch.device, top_k: int) -> None:
+        """A data-parallel rank without tokens this step: its part of the layer's exchange (it computes the
+        other ranks' pairs that its slots own)."""
+        x = torch.empty(0, hidden, dtype=dtype, device=device)
+        ids = torch.empty(0, top_k, dtype=torch.int64, device=device)
+        self.forward(experts, x, ids, torch.empty(0, top_k, dtype=torch.float32, device=device))
 
     def _compute(self, experts: Experts, rows: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """rows (N, D) each for local slot `slot` (N,) → the slot expert's output (N, D), unweighted."""
@@ -123,12 +146,14 @@ class ExpertParallel:
         out = out.to(x.dtype)  # summed in the routing weights' dtype, like the single-rank paths
         return self.group.all_reduce_(out)
 
-    def _alltoall(self, experts, x, weights, dest_rank, dest_slot) -> torch.Tensor:
+    def _alltoall(self, experts, x, weights, dest_rank, dest_slot, own: bool = False) -> torch.Tensor:
+        """`own`: every token here is this rank's (data-parallel attention): all of them go out, and their sums
+        are the result; else this rank takes its 1/R slice of the replicated tokens, and all-gathers."""
         group, world = self.group, self.group.world
         t, a = dest_rank.shape
         sizes = [t // world + (r < t % world) for r in range(world)]  # ragged token slices, in rank order
-        lo = sum(sizes[: group.rank])
-        hi = lo + sizes[group.rank]
+        lo = 0 if own else sum(sizes[: group.rank])
+        hi = t if own else lo + sizes[group.rank]
         # this rank's pairs, sorted by the rank that computes them (stable: a token's pairs keep their order)
         flat_rank = dest_rank[lo:hi].flatten()
         order = flat_rank.argsort(stable=True)
@@ -146,6 +171,9 @@ class ExpertParallel:
         y = self._compute(experts, recv_rows, recv_slot)
         back = group.all_to_all(torch.empty_like(send_rows), y, send_splits, recv_splits)
         w = weights[lo:hi].flatten()[order].unsqueeze(1)
+        if own:  # summed in the routing weights' dtype, like the single-rank paths
+            mine = x.new_zeros(x.shape, dtype=torch.promote_types(x.dtype, w.dtype))
+            return mine.index_add_(0, token, back * w).to(x.dtype)
         # padded to the largest slice: all_gather takes equal shapes; summed in the routing weights' dtype
         part = x.new_zeros(max(sizes), x.shape[1], dtype=torch.promote_types(x.dtype, w.dtype))
         part = part.index_add_(0, token, back * w).to(x.dtype)

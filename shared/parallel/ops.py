@@ -32,9 +32,10 @@ from typing import Protocol
 
 import torch
 
+from shared.engine.dp_step import block_rank, forward_rank_step, local_block
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVPool, PoolFill
-from shared.engine.step_inputs import ScoredFn, StepInputs, forward_step
+from shared.engine.step_inputs import ScoredFn, StepInputs
 from shared.model.expert_moves import StagedLayer, stage_layer, swap_layer
 from shared.model.transformer import CausalLM
 from shared.ranklink.agents import StagedExport, StagedKv
@@ -76,22 +77,42 @@ class RankState:
     def __post_init__(self) -> None:
         self.caches = self.pool.layer_caches()
         self.device = self.pool.tensor.device
+        # data-parallel attention: the ops' block ids are the group's global ids (shared/engine/dp_blocks.py),
+        # and a rank writes only the blocks it holds, at their local ids
+        group = self.model.dp_group
+        self.dp: tuple[int, int] | None = None if group is None else (group.rank, group.world)
+
+    def _mine(self, blocks: list[int]) -> tuple[list[int], list[int]]:
+        """(positions in `blocks` of this rank's blocks, their local ids); every block without DP attention."""
+        if self.dp is None:
+            return list(range(len(blocks))), blocks
+        rank, world = self.dp
+        at = [i for i, b in enumerate(blocks) if block_rank(b, world) == rank]
+        return at, [local_block(blocks[i], world) for i in at]
 
     def step(self, inputs: StepInputs, on_scored: ScoredFn | None = None) -> torch.Tensor | None:
         self.counts["step"] += 1
-        return forward_step(self.model, self.caches, inputs, self.pool.layout.block_size, self.device, on_scored)
+        return forward_rank_step(self.model, self.caches, inputs, self.pool.layout.block_size, self.device, on_scored)
 
     def copy(self, src: int, dst: int) -> None:
         self.counts["copy"] += 1
-        KVPool.copy_block(self.pool, src, dst)
+        _, local = self._mine([src, dst])
+        if len(local) == 2:  # a fork's copy stays on the parent's rank: both blocks here, or neither
+            KVPool.copy_block(self.pool, *local)
 
     def write(self, blocks: list[int], data: torch.Tensor) -> None:
         self.counts["write"] += 1
-        KVPool.write(self.pool, blocks, data)
+        at, local = self._mine(blocks)
+        if at:  # data (L, P, n, B, ...): this rank's blocks' rows (all of them without DP attention)
+            KVPool.write(self.pool, local, data if len(at) == len(blocks) else data[:, :, at])
 
     def import_staged(self, key: str, blocks: list[int]) -> None:
         self.counts["import_staged"] += 1
-        KVPool.write_export(self.pool, blocks, self.staged.take(key))
+        _, local = self._mine(blocks)
+        if len(local) < len(blocks):  # another DP rank's request (its blocks all lie there): nothing pulled here
+            self.staged.drop(key)
+            return
+        KVPool.write_export(self.pool, local, self.staged.take(key))
 
     def stage_experts(self, group: RankGroup, layer: int, ranks: list[list[int]]) -> None:
         """One collective: `layer`'s slots that `ranks` changes, sent and received (expert_moves.stage_layer)."""

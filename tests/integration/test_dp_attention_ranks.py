@@ -1,0 +1,149 @@
+"""Data-parallel attention with expert-parallel MoE (--dp-attention) over the tiny DeepSeek-V3 demo (MLA, a dense
+first layer, then MoE with a shared expert), gloo, float32 greedy: token-exact against one engine.
+
+- SPMD (run_on_ranks): every rank builds its engine and runs the same requests; each rank runs attention over its
+  own requests only (counted per rank: every token once, on one rank), uneven batches included, and a rank
+  without any request, which still joins every MoE layer's exchange. At 2 ranks in `make test`, at 4 in the
+  slow tier.
+- A real worker group of 2 (start_group, the leader's op stream; slow tier): chunked prefills under KV pressure
+  (preemptions), n choices forked on their parent's rank, imports broadcast and staged, each written into its
+  request's rank's pool only; the ranks' pools differ (each holds its own requests' KV).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.demo_model import write_demo_checkpoint
+from shared.engine import dp_step
+from shared.engine.engine import Engine
+from shared.engine.fork import Choice
+from shared.engine.kv_export import KVExport
+from shared.engine.sampling import SamplingParams
+from shared.parallel.group_engine import WorkerGroup, start_group
+from shared.parallel.launch import run_on_ranks
+from shared.sharding.group import RankGroup
+from tests.ep_groups import ep_config, random_prompts
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+UNEVEN, ONE = (29, 7, 40), (13,)  # 3 requests on 2 ranks (2 + 1); one request: the other rank has none
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_demo_checkpoint(tmp_path_factory.mktemp("dsv3") / "demo", arch="deepseek_v3")
+
+
+def _generate(group: RankGroup, model_dir: str, workloads: list[tuple[int, ...]]) -> list[dict]:
+    """Rank `group.rank`: each workload's tokens, and the tokens this rank ran attention for."""
+    own = [0]
+    cut = dp_step.DpSlice.of
+
+    def counted(inputs, rank, world):
+        part = cut(inputs, rank, world)
+        own[0] += len(part.inputs.input_ids)
+        return part
+
+    dp_step.DpSlice.of = counted  # this rank's process only (spawned, or the test's own rank 0)
+    try:
+        results = []
+        for lengths in workloads:
+            engine = Engine.build(ep_config(model_dir, ep=group.world, dp_attention=True), group=group)
+            own[0] = 0
+            tokens = engine.generate(random_prompts(1, lengths), GREEDY)
+            engine.check_integrity()
+            results.append({"tokens": tokens, "own": own[0], "computed": engine.stats.prefill_tokens
+                            + engine.stats.decode_tokens})  # fmt: skip
+        return results
+    finally:
+        dp_step.DpSlice.of = cut
+
+
+def _check_against_one_engine(model_dir, ranks: list[list[dict]], workloads) -> None:
+    for w, lengths in enumerate(workloads):
+        want = Engine.build(ep_config(model_dir)).generate(random_prompts(1, lengths), GREEDY)
+        got = [r[w] for r in ranks]
+        assert all(g["tokens"] == want for g in got), lengths
+        owns = [g["own"] for g in got]
+        # every token through attention once, on one rank; a rank per request while there are more ranks
+        assert sum(owns) == got[0]["computed"], owns
+        busy = sum(o > 0 for o in owns)
+        assert busy == min(len(lengths), len(owns)), owns
+
+
+def test_dp_attention_at_2_ranks_is_token_exact_with_uneven_batches_and_an_idle_rank(model_dir) -> None:
+    workloads = [UNEVEN, ONE]
+    _check_against_one_engine(model_dir, run_on_ranks(2, _generate, (str(model_dir), workloads)), workloads)
+
+
+@pytest.mark.slow  # four spawned ranks on 2 cores: ~25 s
+def test_dp_attention_at_4_ranks_is_token_exact_with_uneven_batches_and_an_idle_rank(model_dir) -> None:
+    workloads = [(29, 7, 40, 13, 1, 22), (29, 7, 40)]  # 2 + 2 + 1 + 1; then 3 requests: one rank idle
+    ranks = run_on_ranks(4, _generate, (str(model_dir), workloads), timeout_s=240)
+    _check_against_one_engine(model_dir, ranks, workloads)
+
+
+def _workload(engine: Engine, imported: tuple[list[int], list[int], KVExport], staged_ref) -> dict[str, list[int]]:
+    """Chunked prefills with KV pressure (preemptions), 3 choices of one prompt, and two imports."""
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(random_prompts(3, (27, 9, 33, 18))):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    seeded = SamplingParams(max_tokens=6, temperature=0.8, seed=11)
+    engine.add_group(random_prompts(3, (9,))[0], [Choice(f"c{i}", seeded) for i in range(3)])
+    prompt, first, kv = imported
+    engine.import_kv("imp", prompt, first, GREEDY, kv)
+    engine.import_kv("imp-staged", prompt, first, GREEDY, staged_ref(kv))
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out
+
+
+def _exported(model_dir) -> tuple[list[int], list[int], KVExport]:
+    """A prompt's KV and first token from one engine (what a prefill worker hands on)."""
+    engine = Engine.build(ep_config(model_dir))
+    prompt = random_prompts(5, (21,))[0]
+    engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0), hold_kv=True)
+    first: list[int] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            first += o.new_token_ids
+    return prompt, first, engine.export_kv("p")
+
+
+@pytest.fixture(scope="module")
+def group(model_dir):
+    deaths: list[tuple[int, int | None]] = []
+    config = ep_config(model_dir, ep=2, dp_attention=True, num_kv_blocks=14, max_model_len=56)
+    g = start_group(config, on_death=lambda rank, status: deaths.append((rank, status)))
+    yield g
+    g.close()
+    assert not deaths, f"a follower died during the tests: {deaths}"
+
+
+@pytest.mark.slow  # a worker group: ranks spawned (make test-slow)
+def test_a_dp_attention_group_matches_one_engine_and_each_rank_holds_its_own_kv(model_dir, group: WorkerGroup):
+    imported = _exported(model_dir)
+    key = "staged-imp"
+
+    def staged(kv: KVExport):  # each rank stages its copy (a pull); the request's rank writes it, the other drops it
+        asyncio.run(group.agents.call_all("stage_kv", {r: (key, kv) for r in group.agents.ranks}))
+        return group.ops.state.staged.ref(key)
+
+    single = Engine.build(ep_config(model_dir, num_kv_blocks=28, max_model_len=56))  # the group's 2 x 14 blocks
+    expected = _workload(single, imported, staged_ref=lambda kv: kv)
+    got = _workload(group.engine, imported, staged_ref=staged)
+    assert got == expected
+    assert got["imp-staged"] == got["imp"]
+    assert group.engine.stats.preemptions > 0, "the workload is meant to preempt"
+    group.engine.check_integrity()
+    group.ops.sync()
+    digests = asyncio.run(group.agents.call_all("pool_digest", {0: None, 1: None}))
+    assert digests[0] != digests[1], "each rank's pool holds its own requests' KV"
+    counts = asyncio.run(group.agents.call_all("op_counts", {0: None, 1: None}))
+    assert counts[0] == counts[1] and counts[1]["step"] == group.engine.stats.steps
+    assert counts[1]["copy"] >= 1 and counts[1]["write"] == 1 and counts[1]["import_staged"] == 1
+    staged_left = asyncio.run(group.agents.call_all("unstage_kv", {0: key, 1: key}))
+    assert staged_left == {0: False, 1: False}, "the idle rank dropped its staged copy"
