@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from services.demo_model import write_demo_checkpoint
 from shared.engine.block_manager import FREED, NoFreeBlocksError
 from shared.engine.config import EngineConfig, EplbConfig
 from shared.engine.dp_blocks import DpBlockManager, running_per_rank
@@ -14,6 +15,8 @@ from shared.engine.dp_step import DpSlice, seq_rank
 from shared.engine.request import Request
 from shared.engine.sampling import SamplingParams
 from shared.engine.step_inputs import StepInputs
+from shared.model.loader import load_model
+from shared.sharding.group import RankGroup
 from shared.sharding.layout import LayoutError, ParallelLayout
 
 
@@ -100,3 +103,9 @@ def test_a_rank_without_sequences_gets_an_empty_slice_and_holds_no_needed_row() 
     part = DpSlice.of(three, 2, 3)
     assert part.inputs.input_ids == [] and part.inputs.block_tables == [] and part.held[2] == []
     assert part.held[0] == [(1, 2), (3, 0), (4, 1)]
+
+
+def test_a_model_without_routed_experts_is_refused_before_any_weight_is_read(tmp_path) -> None:
+    dense = write_demo_checkpoint(tmp_path / "dense", arch="qwen3")
+    with pytest.raises(LayoutError, match="has no routed experts"):
+        load_model(dense, group=RankGroup(0, 2, None), layout=ParallelLayout(ep=2, dp=2))
