@@ -2,10 +2,10 @@
 stack (gateway, NATS, Redis, a prefill worker of another layout, the decode group of two processes), over the tiny
 DeepSeek-V3 checkpoint (MLA's latent cache, MoE after a dense first layer).
 
-For a single-process prefill worker and a TP = 2 prefill group: every stream equals the single-process engine's
-greedy output, the decode side never runs a prompt's forward pass (its prefill_tokens stays 0: each KV was pulled
-and written into its request's rank's pool, never recomputed), its heartbeat says its layout and its ranks' loads,
-and afterwards both sides have freed every block and no location is left in Redis.
+For a single-process prefill worker, a TP = 2 and an EP = 2 prefill group: every stream equals the single-process
+engine's greedy output, the decode side never runs a prompt's forward pass (its prefill_tokens stays 0: each KV
+was pulled and written into its request's rank's pool, never recomputed), its heartbeat says its layout and its
+ranks' loads, and afterwards both sides have freed every block and no location is left in Redis.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ def latent(tmp_path_factory):
     return write_demo_checkpoint(tmp_path_factory.mktemp("latent") / "demo", arch="deepseek_v3", size="tiny")
 
 
-@pytest.mark.parametrize("prefill_tp", [1, 2], ids=["single-to-dp2", "tp2-to-dp2"])
-def test_kv_hands_off_into_a_dp_attention_decode_group(latent, prefill_tp: int) -> None:
+@pytest.mark.parametrize("prefill", [(1, 1), (2, 1), (1, 2)], ids=["single-to-dp2", "tp2-to-dp2", "ep2-to-dp2"])
+def test_kv_hands_off_into_a_dp_attention_decode_group(latent, prefill: tuple[int, int]) -> None:
     reference = _reference(latent)
-    parallel = {"decode": (1, 2)} | ({"prefill": (prefill_tp, 1)} if prefill_tp > 1 else {})
+    parallel = {"decode": (1, 2)} | ({"prefill": prefill} if max(prefill) > 1 else {})
     spec = StackSpec(model=str(latent), port=free_port(), prefill=1, decode=1, threads_per_worker=2,
                      parallel=parallel, role_args={"decode": ("--dp-attention",)}, env=HANDOFF_ENV)  # fmt: skip
     stack = start_stack(spec)
