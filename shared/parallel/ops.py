@@ -6,6 +6,7 @@ stays what the leader's is (byte-identical while the models are replicated):
 - `step`: one model step (shared/engine/step_inputs.py): the forward pass writes the step's KV;
 - `copy`: one block copied onto another (a forked choice's own copy of a partial prompt block, fork.py);
 - `write`: imported KV written into blocks, the data broadcast from the leader (a KV export the leader pulled);
+  under data-parallel attention sent only to the rank whose blocks they are (the request's DP rank);
 - `import_staged`: imported KV written into blocks from what each rank staged itself (agents.StagedKv: each
   rank pulled its own heads, nothing funnelled through the leader);
 - `eplb_stage`: one sparse layer's changed expert slots sent between the ranks into spare buffers (live expert
@@ -40,7 +41,7 @@ from shared.model.expert_moves import StagedLayer, stage_layer, swap_layer
 from shared.model.transformer import CausalLM
 from shared.ranklink.agents import StagedExport, StagedKv
 from shared.ranklink.channel import recv_frame, send_frame
-from shared.sharding.group import RankGroup
+from shared.sharding.group import LEADER, RankGroup
 from shared.sharding.rebalance import layer_changes
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,15 @@ class RankState:
         # and a rank writes only the blocks it holds, at their local ids
         group = self.model.dp_group
         self.dp: tuple[int, int] | None = None if group is None else (group.rank, group.world)
+
+    def owner(self, blocks: list[int]) -> int | None:
+        """The one rank that holds all of `blocks` under data-parallel attention (a request's blocks); None when
+        every rank writes them (no DP attention, or blocks of several ranks)."""
+        if self.dp is None or not blocks:
+            return None
+        world = self.dp[1]
+        ranks = {block_rank(b, world) for b in blocks}
+        return ranks.pop() if len(ranks) == 1 else None
 
     def _mine(self, blocks: list[int]) -> tuple[list[int], list[int]]:
         """(positions in `blocks` of this rank's blocks, their local ids); every block without DP attention."""
@@ -187,7 +197,11 @@ class LeaderOps:
     def write(self, blocks: list[int], data: torch.Tensor) -> None:
         data = data.to(device=self.state.device, dtype=self.state.pool.tensor.dtype).contiguous()
         self._announce(("write", blocks, tuple(data.shape)))
-        self.group.broadcast_(data)
+        owner = self.state.owner(blocks)
+        if owner is None:  # every rank writes (its own blocks of) them
+            self.group.broadcast_(data)
+        elif owner != self.group.rank:  # data-parallel attention: one rank holds them, only it receives the data
+            self.group.send(data, owner)
         self.state.write(blocks, data)
 
     def import_staged(self, key: str, blocks: list[int]) -> None:
@@ -255,9 +269,16 @@ def follow(
         elif kind == "copy":
             state.copy(header[1], header[2])
         elif kind == "write":
-            data = torch.empty(header[2], dtype=state.pool.tensor.dtype, device=state.device)
-            group.broadcast_(data)
-            state.write(header[1], data)
+            owner = state.owner(header[1])
+            if owner is None or owner == group.rank:
+                data = torch.empty(header[2], dtype=state.pool.tensor.dtype, device=state.device)
+                if owner is None:
+                    group.broadcast_(data)
+                else:
+                    group.recv_(data, LEADER)
+                state.write(header[1], data)
+            else:
+                state.counts["write"] += 1  # another rank's blocks: no data comes here
         elif kind == "import_staged":
             state.import_staged(header[1], header[2])
         elif kind == "eplb_stage":

@@ -93,8 +93,9 @@ def _workload(engine: Engine, imported: tuple[list[int], list[int], KVExport], s
     seeded = SamplingParams(max_tokens=6, temperature=0.8, seed=11)
     engine.add_group(random_prompts(3, (9,))[0], [Choice(f"c{i}", seeded) for i in range(3)])
     prompt, first, kv = imported
-    engine.import_kv("imp", prompt, first, GREEDY, kv)
     engine.import_kv("imp-staged", prompt, first, GREEDY, staged_ref(kv))
+    engine.import_kv("imp", prompt, first, GREEDY, kv)
+    out["blocks"] = engine.requests["imp-staged"].block_table[:1] + engine.requests["imp"].block_table[:1]
     while engine.has_unfinished():
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -135,6 +136,10 @@ def test_a_dp_attention_group_matches_one_engine_and_each_rank_holds_its_own_kv(
     single = Engine.build(ep_config(model_dir, num_kv_blocks=28, max_model_len=56))  # the group's 2 x 14 blocks
     expected = _workload(single, imported, staged_ref=lambda kv: kv)
     got = _workload(group.engine, imported, staged_ref=staged)
+    # the imports' ranks: the staged one on rank 0 (no request yet), the broadcast one on rank 1, the least loaded
+    # then (its KV sent to rank 1 alone)
+    assert [b % 2 for b in got.pop("blocks")] == [0, 1]
+    expected.pop("blocks")
     assert got == expected
     assert got["imp-staged"] == got["imp"]
     assert group.engine.stats.preemptions > 0, "the workload is meant to preempt"
