@@ -7,7 +7,8 @@ first layer, then MoE with a shared expert), gloo, float32 greedy: token-exact a
   slow tier.
 - A real worker group of 2 (start_group, the leader's op stream; slow tier): chunked prefills under KV pressure
   (preemptions), n choices forked on their parent's rank, imports broadcast and staged, each written into its
-  request's rank's pool only; the ranks' pools differ (each holds its own requests' KV).
+  request's rank's pool only; the ranks' pools differ (each holds its own requests' KV). A group of 4 (slow tier):
+  3 requests (one rank idle), then 6 (uneven), every rank's pool its own.
 """
 
 from __future__ import annotations
@@ -152,3 +153,21 @@ def test_a_dp_attention_group_matches_one_engine_and_each_rank_holds_its_own_kv(
     assert counts[1]["copy"] >= 1 and counts[1]["write"] == 1 and counts[1]["import_staged"] == 1
     staged_left = asyncio.run(group.agents.call_all("unstage_kv", {0: key, 1: key}))
     assert staged_left == {0: False, 1: False}, "the idle rank dropped its staged copy"
+
+
+@pytest.mark.slow  # a worker group of four spawned ranks on 2 cores
+def test_a_dp_attention_group_of_4_matches_one_engine_with_an_idle_rank_then_uneven_batches(model_dir) -> None:
+    deaths: list[tuple[int, int | None]] = []
+    config = ep_config(model_dir, ep=4, dp_attention=True)
+    group = start_group(config, on_death=lambda rank, status: deaths.append((rank, status)))
+    try:
+        for lengths in ((29, 7, 40), (29, 7, 40, 13, 1, 22)):  # 3 requests on 4 ranks; then 2 + 2 + 1 + 1
+            want = Engine.build(ep_config(model_dir)).generate(random_prompts(1, lengths), GREEDY)
+            assert group.engine.generate(random_prompts(1, lengths), GREEDY) == want, lengths
+        group.engine.check_integrity()
+        group.ops.sync()
+        digests = asyncio.run(group.agents.call_all("pool_digest", dict.fromkeys(range(4))))
+        assert len(set(digests.values())) == 4, "each rank's pool holds its own requests' KV"
+    finally:
+        group.close()
+    assert not deaths, f"a follower died: {deaths}"
