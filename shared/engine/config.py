@@ -213,8 +213,8 @@ class EngineConfig:
             )
         if self.dp_attention and self.eplb.enabled:
             raise ValueError(
-                "--eplb with --dp-attention: each rank counts only its own tokens' experts, so the leader cannot "
-                "plan a re-placement from its counters (not supported yet)"
+                "--eplb with --dp-attention: live re-placement has not been built and tested under data-parallel "
+                "attention yet (not supported)"
             )
         # refuses degrees a group cannot have (LayoutError, a ValueError)
         ParallelLayout(self.tp, self.ep, self.ep if self.dp_attention else 1)

@@ -22,7 +22,8 @@ Data-parallel attention (`data_parallel`, --dp-attention): the invariant above d
 its own T_r tokens (its own requests' rows, T_r = 0 for a rank with none this step), routed on that rank. The
 combine is the all-to-all's with the rank's own tokens as its slice and no all-gather at the end: each rank gets
 back its own tokens' routed sums. Every rank takes part in every layer's exchange, an empty one included (it
-sends and receives counts, then nothing of its own: `idle`). The counters then hold this rank's tokens only.
+sends and receives counts, then nothing of its own: `idle`). The counts exchange carries every rank's per-rank
+and per-expert counts too (`_exchange_counts`), so each rank's counters still hold the group's totals.
 
 The all-to-all needs the split sizes on the host (one device read per layer on an accelerator, as in every
 naive all-to-all dispatch); the counters never leave the device in the step.
@@ -66,6 +67,9 @@ class ExpertParallel:
         # (E,) tokens routed to each logical expert since the group's live re-placement last took them, once a
         # step (shared/parallel/eplb.py; only the leader's are read: every rank routes alike)
         self.expert_tokens = torch.zeros(num_experts, dtype=torch.int64)
+        # (E,) the group's tokens per logical expert in the last forward (MoE.expert_load adds it under
+        # data-parallel attention, where this rank's router saw only its own tokens)
+        self.routed = torch.zeros(num_experts, dtype=torch.int64)
 
     def set_placement(self, ranks: list[list[int]]) -> None:
         """Where each logical expert's replicas are: `ranks[r]` the experts of rank r's slots. At load, and when
@@ -110,19 +114,25 @@ class ExpertParallel:
             return torch.zeros_like(x)
         token = torch.arange(t, device=x.device)
         dest_rank, dest_slot = self.assign(ids, token)
-        per_rank = torch.zeros_like(self.rank_load).index_add_(0, dest_rank.flatten(), torch.ones_like(ids).flatten())
-        self.rank_load += per_rank
-        self.expert_tokens.index_add_(0, ids.flatten(), torch.ones_like(ids).flatten())
-        self.peak_load += per_rank.max()
         if self.data_parallel:  # this rank's own tokens out to the experts' ranks and back: nothing to gather
-            return self._alltoall(experts, x, weights, dest_rank, dest_slot, own=True)
+            return self._alltoall(experts, x, weights, dest_rank, dest_slot, own_ids=ids)
+        per_rank = torch.zeros_like(self.rank_load).index_add_(0, dest_rank.flatten(), torch.ones_like(ids).flatten())
+        routed = torch.zeros_like(self.expert_tokens).index_add_(0, ids.flatten(), torch.ones_like(ids).flatten())
+        self._add_counts(per_rank, routed)
         if self.mode is EPDispatch.ALLREDUCE:
             return self._allreduce(experts, x, ids, weights, dest_rank, dest_slot)
         return self._alltoall(experts, x, weights, dest_rank, dest_slot)
 
+    def _add_counts(self, per_rank: torch.Tensor, routed: torch.Tensor) -> None:
+        """One forward's group-wide counts: pairs per computing rank (R,), tokens per logical expert (E,)."""
+        self.rank_load += per_rank
+        self.peak_load += per_rank.max()
+        self.expert_tokens += routed
+        self.routed = routed
+
     def idle(self, experts: Experts, hidden: int, dtype: torch.dtype, device: torch.device, top_k: int) -> None:
         """A data-parallel rank without tokens this step: its part of the layer's exchange (it computes the
-        other ranks' pairs that its slots own)."""
+        other ranks' pairs that its slots own, and counts the group's)."""
         x = torch.empty(0, hidden, dtype=dtype, device=device)
         ids = torch.empty(0, top_k, dtype=torch.int64, device=device)
         self.forward(experts, x, ids, torch.empty(0, top_k, dtype=torch.float32, device=device))
@@ -146,10 +156,12 @@ class ExpertParallel:
         out = out.to(x.dtype)  # summed in the routing weights' dtype, like the single-rank paths
         return self.group.all_reduce_(out)
 
-    def _alltoall(self, experts, x, weights, dest_rank, dest_slot, own: bool = False) -> torch.Tensor:
-        """`own`: every token here is this rank's (data-parallel attention): all of them go out, and their sums
-        are the result; else this rank takes its 1/R slice of the replicated tokens, and all-gathers."""
+    def _alltoall(self, experts, x, weights, dest_rank, dest_slot, own_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`own_ids` (T, A), the routing of this rank's own tokens (data-parallel attention): all of them go out,
+        and their sums are the result; else this rank takes its 1/R slice of the replicated tokens, and
+        all-gathers."""
         group, world = self.group, self.group.world
+        own = own_ids is not None
         t, a = dest_rank.shape
         sizes = [t // world + (r < t % world) for r in range(world)]  # ragged token slices, in rank order
         lo = 0 if own else sum(sizes[: group.rank])
@@ -163,7 +175,10 @@ class ExpertParallel:
         send = torch.zeros(world, dtype=torch.int64, device=x.device).index_add_(
             0, flat_rank, torch.ones_like(flat_rank)
         )
-        recv = group.all_to_all(torch.empty_like(send), send, [1] * world, [1] * world)
+        if own_ids is None:
+            recv = group.all_to_all(torch.empty_like(send), send, [1] * world, [1] * world)
+        else:
+            recv = self._exchange_counts(send, own_ids)
         send_splits, recv_splits = send.tolist(), recv.tolist()
         n = sum(recv_splits)
         recv_slot = group.all_to_all(send_slot.new_empty(n), send_slot, recv_splits, send_splits)
@@ -182,6 +197,20 @@ class ExpertParallel:
             [torch.arange(r * max(sizes), r * max(sizes) + s, device=x.device) for r, s in enumerate(sizes)]
         )
         return gathered[keep]
+
+    def _exchange_counts(self, send: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Data-parallel attention's counts exchange, one all-to-all of small int rows: rank i sends rank j
+        [its pairs for j | its pairs per rank (R) | its tokens per expert (E)], so besides the split sizes every
+        rank learns every rank's counts and keeps the group's totals, as a replicated router would (the leader's
+        counters are the group's). → the pairs each rank sends here (R,)."""
+        world = self.group.world
+        routed = torch.zeros_like(self.expert_tokens).index_add_(0, ids.flatten(), torch.ones_like(ids).flatten())
+        header = torch.cat(
+            [send.unsqueeze(1), send.unsqueeze(0).expand(world, -1), routed.unsqueeze(0).expand(world, -1)], dim=1
+        )
+        got = self.group.all_to_all(torch.empty_like(header), header, [1] * world, [1] * world)
+        self._add_counts(got[:, 1 : 1 + world].sum(0), got[:, 1 + world :].sum(0))
+        return got[:, 0].contiguous()
 
 
 @dataclass(frozen=True)

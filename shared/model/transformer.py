@@ -157,10 +157,9 @@ class CausalLM(nn.Module, PackedWeights):
     def idle_step(self, device: torch.device) -> None:
         """A data-parallel rank's step without tokens of its own: every sparse layer's expert exchange, in layer
         order, as its forward would make them (the other ranks' tokens may need its experts)."""
-        cfg, dtype = self.config, next(self.parameters()).dtype
+        dtype = next(self.parameters()).dtype
         for moe in self.sparse_layers().values():
-            assert moe.dispatch is not None and moe.dispatch.data_parallel
-            moe.dispatch.idle(moe.experts, cfg.hidden_size, dtype, device, cfg.num_experts_per_tok)
+            moe.idle(dtype, device)
 
     def forward(
         self,

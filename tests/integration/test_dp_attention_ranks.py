@@ -3,10 +3,11 @@ first layer, then MoE with a shared expert), gloo, float32 greedy: token-exact a
 
 - SPMD (run_on_ranks): every rank builds its engine and runs the same requests; each rank runs attention over its
   own requests only (counted per rank: every token once, on one rank), uneven batches included, and a rank
-  without any request, which still joins every MoE layer's exchange. At 2 ranks in `make test`, at 4 in the
+  without any request, which still joins every MoE layer's exchange; every rank's expert counters are the
+  group's (one engine's counts). At 2 ranks in `make test`, at 4 in the
   slow tier.
 - A real worker group of 2 (start_group, the leader's op stream; slow tier): chunked prefills under KV pressure
-  (preemptions), n choices forked on their parent's rank, imports broadcast and staged, each written into its
+  (preemptions), n choices forked on their parent's rank, imports (sent by the leader; staged), each written into its
   request's rank's pool only; the ranks' pools differ (each holds its own requests' KV). A group of 4 (slow tier):
   3 requests (one rank idle), then 6 (uneven), every rank's pool its own.
 """
@@ -26,6 +27,7 @@ from shared.engine.sampling import SamplingParams
 from shared.parallel.group_engine import WorkerGroup, start_group
 from shared.parallel.launch import run_on_ranks
 from shared.sharding.group import RankGroup
+from shared.worker.heartbeat import beat_facts
 from tests.ep_groups import ep_config, random_prompts
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -54,9 +56,11 @@ def _generate(group: RankGroup, model_dir: str, workloads: list[tuple[int, ...]]
             engine = Engine.build(ep_config(model_dir, ep=group.world, dp_attention=True), group=group)
             own[0] = 0
             tokens = engine.generate(random_prompts(1, lengths), GREEDY)
-            engine.check_integrity()
-            results.append({"tokens": tokens, "own": own[0], "computed": engine.stats.prefill_tokens
-                            + engine.stats.decode_tokens})  # fmt: skip
+            integrity, load, rank_load = beat_facts(engine)
+            assert integrity is None and rank_load is not None
+            computed = engine.stats.prefill_tokens + engine.stats.decode_tokens
+            results.append({"tokens": tokens, "own": own[0], "computed": computed, "load": load,
+                            "rank_load": rank_load.per_rank})  # fmt: skip
         return results
     finally:
         dp_step.DpSlice.of = cut
@@ -64,9 +68,15 @@ def _generate(group: RankGroup, model_dir: str, workloads: list[tuple[int, ...]]
 
 def _check_against_one_engine(model_dir, ranks: list[list[dict]], workloads) -> None:
     for w, lengths in enumerate(workloads):
-        want = Engine.build(ep_config(model_dir)).generate(random_prompts(1, lengths), GREEDY)
+        single = Engine.build(ep_config(model_dir))
+        want = single.generate(random_prompts(1, lengths), GREEDY)
+        _, want_load, _ = beat_facts(single)
         got = [r[w] for r in ranks]
         assert all(g["tokens"] == want for g in got), lengths
+        # the counts exchange gives every rank the group's expert counters, as one engine counts them
+        assert all(g["load"] == want_load for g in got), lengths
+        pairs = sum(sum(c) for c in want_load.values())
+        assert all(g["rank_load"] == got[0]["rank_load"] and sum(g["rank_load"]) == pairs for g in got)
         owns = [g["own"] for g in got]
         # every token through attention once, on one rank; a rank per request while there are more ranks
         assert sum(owns) == got[0]["computed"], owns
