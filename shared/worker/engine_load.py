@@ -83,5 +83,13 @@ class EngineLoad:
         return (
             self.running + self.waiting < self.max_num_seqs
             and self.waiting_tokens < self.max_num_batched_tokens
-            and self.usage < MAX_BLOCK_USAGE
+            and self.fit_usage < MAX_BLOCK_USAGE
         )
+
+    @property
+    def fit_usage(self) -> float:
+        """Block usage as a new request meets it: group 0's, or under data-parallel attention the least used
+        rank's (a request's blocks all come from one rank, the leader picks the least loaded)."""
+        if not self.dp_free_blocks:
+            return self.usage
+        return 1.0 - max(self.dp_free_blocks) / (self.total_blocks // len(self.dp_free_blocks))

@@ -15,9 +15,11 @@ from shared.engine.dp_step import DpSlice, seq_rank
 from shared.engine.request import Request
 from shared.engine.sampling import SamplingParams
 from shared.engine.step_inputs import StepInputs
+from shared.messages import Heartbeat, Role
 from shared.model.loader import load_model
 from shared.sharding.group import RankGroup
 from shared.sharding.layout import LayoutError, ParallelLayout
+from shared.worker.engine_load import EngineLoad
 
 
 def test_the_layout_takes_dp_only_with_ep_over_the_same_ranks_and_no_tp() -> None:
@@ -109,3 +111,18 @@ def test_a_model_without_routed_experts_is_refused_before_any_weight_is_read(tmp
     dense = write_demo_checkpoint(tmp_path / "dense", arch="qwen3")
     with pytest.raises(LayoutError, match="has no routed experts"):
         load_model(dense, group=RankGroup(0, 2, None), layout=ParallelLayout(ep=2, dp=2))
+
+
+def test_a_dp_groups_room_and_fit_are_its_freest_ranks() -> None:
+    load = EngineLoad(
+        running=3, waiting=0, waiting_tokens=0, free_blocks=12, total_blocks=40, prefill_tokens=0, decode_tokens=0,
+        requests=frozenset(), block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+        vocab_size=100, dp_running=(2, 1), dp_free_blocks=(1, 11),
+    )  # fmt: skip
+    assert load.usage == 0.7 and load.fit_usage == pytest.approx(0.45)  # rank 1: 11 of 20 free
+    assert load.has_room()
+    full = dataclasses.replace(load, free_blocks=3, dp_free_blocks=(1, 2))
+    assert not full.has_room()  # 92.5 % in use overall, and no rank has 10 % free
+    beat = Heartbeat(worker_id="w", role=Role.DECODE, model="m", rpc_address=None, free_blocks=12,
+                     dp_rank_free_blocks=(1, 11))  # fmt: skip
+    assert beat.fit_blocks == 11 and Heartbeat("w", Role.DECODE, "m", None, free_blocks=12).fit_blocks == 12
