@@ -119,14 +119,17 @@ def prompts(topic: int, n: int, length: int, seed: int) -> list[list[int]]:
     return [tokens[torch.randint(len(tokens), (length,), generator=g)].tolist() for _ in range(n)]
 
 
-def engine_config(model: Path, ep: int, live: bool, workload: Workload, redundant: int | None = None) -> EngineConfig:
-    eplb = dataclasses.replace(LIVE, redundant=ep if redundant is None else redundant) if live else EplbConfig()
+def engine_config(
+    model: Path, ep: int, live: bool, workload: Workload, redundant: int | None = None, settings: EplbConfig = LIVE
+) -> EngineConfig:
+    eplb = dataclasses.replace(settings, redundant=ep if redundant is None else redundant) if live else EplbConfig()
+    blocks = -(-(workload.prompt_tokens + workload.max_tokens) // 16)  # a request's, at block_size 16
     return EngineConfig(
         model=str(model),
         ep=ep,
         threads=1,
         block_size=16,
-        num_kv_blocks=512,
+        num_kv_blocks=max(512, workload.requests * blocks + 64),
         max_model_len=512,
         scheduler=SchedulerConfig(max_num_seqs=workload.requests, max_num_batched_tokens=workload.max_batched_tokens),
         eplb=eplb,
@@ -215,10 +218,11 @@ def measure(
     seed: int,
     redundant: int | None = None,
     trace: Path | None = None,
+    settings: EplbConfig = LIVE,
 ) -> dict:
     """One group, one workload → the summary (and with `trace`, the workload's expert routing recorded there, as
     --record-expert-trace would: the role is the workload's name)."""
-    config = engine_config(model, ep, live, workload, redundant)
+    config = engine_config(model, ep, live, workload, redundant, settings)
     deaths: list = []
     group = start_group(config, on_death=lambda rank, status: deaths.append((rank, status)))
     try:
@@ -266,9 +270,22 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--live-redundant", type=int, default=None, help="--eplb-redundant (default: one per rank)")
     parser.add_argument("--traces", default=None, help="record the static runs' routing traces in this directory")
+    parser.add_argument("--prefill-requests", type=int, default=WORKLOADS["prefill"].requests, help="per topic")
+    parser.add_argument("--decode-requests", type=int, default=WORKLOADS["decode"].requests,
+                        help="per topic, all decoding together: the decode batch")  # fmt: skip
+    parser.add_argument("--window-steps", type=int, default=LIVE.window_steps, help="--eplb-window-steps")
+    parser.add_argument("--interval-s", type=float, default=LIVE.interval_s, help="--eplb-interval-s")
+    parser.add_argument("--min-gain", type=float, default=LIVE.min_gain, help="--eplb-min-gain")
+    parser.add_argument("--stage-layers", type=int, default=LIVE.stage_layers, help="--eplb-stage-layers")
     parser.add_argument("--out", default="eplb_shift.json")
     args = parser.parse_args()
     model = write_skewed_checkpoint(Path(args.model))
+    settings = dataclasses.replace(LIVE, window_steps=args.window_steps, interval_s=args.interval_s,
+                                   min_gain=args.min_gain, stage_layers=args.stage_layers)  # fmt: skip
+    workloads = {
+        "prefill": dataclasses.replace(WORKLOADS["prefill"], requests=args.prefill_requests),
+        "decode": dataclasses.replace(WORKLOADS["decode"], requests=args.decode_requests),
+    }
     info = cpu_info()
     print(describe(info), flush=True)
     result = {
@@ -276,15 +293,15 @@ def main() -> None:
         "host": info,
         "load_average_before": load_average(),
         "topics": TOPICS,
-        "live": dataclasses.asdict(LIVE),
-        "workloads": {name: dataclasses.asdict(w) for name, w in WORKLOADS.items()},
+        "live": dataclasses.asdict(settings),
+        "workloads": {name: dataclasses.asdict(w) for name, w in workloads.items()},
         "quick": args.quick,
         "live_redundant": args.live_redundant,
         "runs": [],
     }
     for ep in args.ep:
         for name in args.workloads:
-            workload = WORKLOADS[name]
+            workload = workloads[name]
             if args.quick:
                 workload = dataclasses.replace(workload, requests=max(2, workload.requests // 2))
             row = {"ep": ep, "workload": name}
@@ -294,7 +311,8 @@ def main() -> None:
                 if args.traces and not live:
                     trace = Path(args.traces) / f"{name}-ep{ep}.jsonl"
                     trace.unlink(missing_ok=True)
-                row[label] = measure(model, ep, live, workload, len(TOPICS), args.seed, args.live_redundant, trace)
+                row[label] = measure(model, ep, live, workload, len(TOPICS), args.seed, args.live_redundant, trace,
+                                     settings)  # fmt: skip
                 s = row[label]
                 extra = f", {s['rebalances']} rebalances, {s['pause_s']} s paused" if live else ""
                 print(

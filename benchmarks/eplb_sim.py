@@ -22,8 +22,8 @@ The planner (placement.py `plan_placement`) and the live policy (rebalance.py `d
 slots, align to the serving placement, apply only if the predicted busiest/mean drops by `min_gain`) are the
 live feature's own, imported. What the worker's `ExpertRebalancer` adds around them is reproduced here with
 trace time for its clock: a window of the last `window_steps` steps, a plan at most every `interval_s` (and
-none while a move is in flight), and a move that stages one changed layer per step boundary and swaps at the
-next: a plan decided before step i serves from step i + (changed layers) + 1.
+none while a move is in flight), and a move that stages `stage_layers` changed layers per step boundary and swaps
+at the next: a plan decided before step i serves from step i + ceil(changed layers / stage_layers) + 1.
 
 Figures per phase and placement: `imbalance` = Σ over steps and layers of the busiest rank's tokens / Σ of the
 mean rank's (what the MoE layers wait for relative to a perfect split, weighted by tokens: the form of
@@ -260,7 +260,9 @@ def live(traces: dict[str, PhaseTrace], feeding: list[str], start: ExpertPlaceme
             plan = decide(placements[-1], load, eplb.redundant, eplb.min_gain)
             last_plan = clock
             if plan is not None:
-                pending = (n + len(plan.layers) + 1, plan.target)  # one layer staged per boundary, then the swap
+                # eplb.stage_layers changed layers staged per boundary (0: all at one), then the swap
+                boundaries = -(-len(plan.layers) // eplb.stage_layers) if eplb.stage_layers else 1
+                pending = (n + boundaries + 1, plan.target)
                 rebalances += 1
                 slots += len(plan.changes)
         role = feeding[j]
@@ -350,6 +352,7 @@ def main() -> None:
     )
     parser.add_argument("--interval-s", type=float, default=defaults.interval_s)
     parser.add_argument("--min-gain", type=float, default=defaults.min_gain)
+    parser.add_argument("--stage-layers", type=int, default=defaults.stage_layers, help="0: every layer at once")
     parser.add_argument("--out", default="eplb_sim.json")
     args = parser.parse_args()
 
@@ -387,6 +390,7 @@ def main() -> None:
                 interval_s=args.interval_s,
                 redundant=redundant,
                 min_gain=args.min_gain,
+                stage_layers=args.stage_layers,
             )
             own = {}
             if args.prefill_window_steps:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from shared.engine.engine import Engine, RequestOutput
+from shared.thread_names import name_this_thread
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -77,6 +78,7 @@ class AsyncEngine:
         return await future
 
     def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        name_this_thread("engine")  # its CPU apart from the loop's in `top -H` (benchmarks/thread_cpu.py)
         while not self._stopped.is_set():
             busy = self.engine.has_unfinished()
             self._drain(block=not busy)

@@ -72,6 +72,10 @@ class EplbConfig:
     min_gain: float = 0.05
     """Apply a planned placement only when it lowers the predicted busiest-rank load over the mean by at least
     this relative amount (0.05 = 5 %); in [0, 1)."""
+    stage_layers: int = 1
+    """Changed layers a move stages per step boundary (0: every changed layer at one boundary). 1 bounds what a
+    boundary pauses to one layer's slots; more brings a new placement in sooner (the old one serves until every
+    layer is staged)."""
 
     def __post_init__(self) -> None:
         if self.window_steps < 1:
@@ -82,6 +86,8 @@ class EplbConfig:
             raise ValueError(f"--eplb-redundant must be 0 or more, got {self.redundant}")
         if not 0 <= self.min_gain < 1:
             raise ValueError(f"--eplb-min-gain must be in [0, 1), got {self.min_gain}")
+        if self.stage_layers < 0:
+            raise ValueError(f"--eplb-stage-layers must be 0 (all at once) or more, got {self.stage_layers}")
 
 
 @dataclass(frozen=True)

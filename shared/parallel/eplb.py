@@ -12,9 +12,10 @@ step and `after_step` after running it):
    planner (shared/sharding/placement.py) proposes a placement with the group's slots; shared/sharding/
    rebalance.py keeps it only if the predicted busiest-rank / mean load drops by `min_gain` and lists the slots
    that change. The leader decides alone and tells the followers the result: all ranks act identically.
-3. Stage: one changed layer per step boundary, an op of the stream (`eplb_stage`): every rank sends and
-   receives that layer's changed slots in one all_to_all (shared/model/expert_moves.py) into spare buffers.
-   The old placement keeps serving: a step waits for at most one layer's move.
+3. Stage: `stage_layers` changed layers per step boundary (1 by default; 0: all), an op of the stream each
+   (`eplb_stage`): every rank sends and receives a layer's changed slots in one all_to_all (shared/model/
+   expert_moves.py) into spare buffers. The old placement keeps serving: a step waits for at most that many
+   layers' moves.
 4. Swap: once every changed layer is staged on every rank, one `eplb_swap` op makes every rank copy its staged
    slots in and switch its dispatch tables, at the same point of the stream: the next step runs the new
    placement everywhere. A rank dying before then fails the group's collective (or its watch ends the
@@ -141,13 +142,16 @@ class ExpertRebalancer:
         self.window.record()
 
     def between_steps(self, ops: LeaderOps) -> None:
-        """At a step boundary: stage the next layer of a move in progress, or swap it in once all are staged, or
-        plan when due. At most one layer moves per boundary."""
+        """At a step boundary: stage the next layers of a move in progress (config.stage_layers of them), or swap it
+        in once all are staged, or plan when due."""
         if self._move is not None:
             started = self._clock()
             if self._move.pending:
-                layer = self._move.pending.pop(0)
-                ops.stage_experts(layer, self._move.plan.target.layers[layer])
+                pending = self._move.pending
+                count = self.config.stage_layers or len(pending)
+                for layer in pending[:count]:
+                    ops.stage_experts(layer, self._move.plan.target.layers[layer])
+                del pending[:count]
             else:
                 ops.swap_experts()
                 self._finish()

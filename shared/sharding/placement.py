@@ -14,6 +14,7 @@ Input statistics: a JSON file `{layer: [tokens per expert]}` or a Prometheus tex
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,9 +159,9 @@ def _parse_prometheus(text: str, role: str | None = None) -> dict[int, list[int]
 def plan_placement(
     stats: dict[int, list[int]], ep: int, redundant: int, num_experts: int | None = None
 ) -> ExpertPlacement:
-    """Per layer: give the `redundant` extra slots to the experts with the highest load per replica (one at a
-    time, at most ep replicas each), then pack the replicas heaviest first onto the least-loaded rank that has
-    a free slot and does not hold that expert yet."""
+    """Per layer: choose how many replicas each expert gets (the `redundant` extra slots, at most ep replicas
+    each: a few choices, `_plan_layer`), pack the replicas heaviest first onto the least-loaded rank that has a
+    free slot and does not hold that expert yet, and keep the choice whose busiest rank carries least."""
     if ep < 1 or redundant < 0:
         raise PlacementError(f"need ep >= 1 and redundant >= 0, got ep={ep} redundant={redundant}")
     if not stats:
@@ -184,6 +185,7 @@ def plan_placement(
 
 
 def replica_counts(load: list[float], redundant: int, ep: int) -> list[int]:
+    """The redundant slots one at a time to the expert with the highest load per replica (at most ep each)."""
     replicas = [1] * len(load)
     for _ in range(redundant):
         candidates = [i for i in range(len(load)) if replicas[i] < ep]
@@ -192,9 +194,47 @@ def replica_counts(load: list[float], redundant: int, ep: int) -> list[int]:
     return replicas
 
 
+def capped_replica_counts(load: list[float], redundant: int, ep: int, cap: float) -> list[int]:
+    """Replicas enough for no replica to carry more than `cap` (ceil(load / cap), at most ep; the hottest first
+    while the redundant slots last), then the slots left to the coldest experts: replicas that carry next to
+    nothing, only filling slots. Why: handing every slot to the hottest per replica can give two hot experts a
+    replica too many each and force both onto one rank (two experts of half the load over 4 ranks: 3 replicas
+    each put both on two ranks, 1.33x the mean; 2 each, one per rank, 1.0x)."""
+    replicas = [1] * len(load)
+    left = redundant
+    for i in sorted(range(len(load)), key=lambda i: (-load[i], i)):
+        want = min(ep, max(1, math.ceil(load[i] / cap - 1e-9))) if cap > 0 else 1
+        extra = min(want - 1, left)
+        replicas[i] += extra
+        left -= extra
+    for i in sorted(range(len(load)), key=lambda i: (load[i], i)):
+        extra = min(ep - replicas[i], left)
+        replicas[i] += extra
+        left -= extra
+    return replicas
+
+
 def _plan_layer(load: list[float], ep: int, redundant: int) -> list[list[int]]:
-    replicas = replica_counts(load, redundant, ep)
+    """The best packing of a few replica choices (the busiest rank's load, the greedy choice first on a tie): the
+    greedy one (replica_counts), and replicas capped at the mean rank's load and at half of it."""
     per_rank = (len(load) + redundant) // ep
+    mean = sum(load) / ep
+    choices = [replica_counts(load, redundant, ep)]
+    if redundant:
+        choices += [capped_replica_counts(load, redundant, ep, cap) for cap in (mean, mean / 2)]
+    best: tuple[float, list[list[int]]] | None = None
+    for replicas in choices:
+        ranks = _pack(load, replicas, ep, per_rank)
+        busiest = max(sum(load[e] / replicas[e] for e in slots) for slots in ranks)
+        if best is None or busiest < best[0] - 1e-9 * max(mean, 1.0):
+            best = (busiest, ranks)
+    assert best is not None
+    return best[1]
+
+
+def _pack(load: list[float], replicas: list[int], ep: int, per_rank: int) -> list[list[int]]:
+    """The replicas heaviest first onto the least-loaded rank that has a free slot and does not hold that
+    expert yet."""
     items = sorted(
         ((load[i] / replicas[i], i) for i in range(len(load)) for _ in range(replicas[i])), key=lambda t: (-t[0], t[1])
     )

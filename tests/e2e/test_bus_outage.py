@@ -15,20 +15,17 @@ Each stream's stall (the longest gap between two of its tokens) is printed: docs
 from __future__ import annotations
 
 import difflib
-import json
 import signal
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
-import httpx
 import pytest
 
 from services.demo_model import write_demo_checkpoint
 from services.local.infra import free_port
 from services.local.stack import StackSpec
-from tests.chaos import gateway_metric, settled
+from tests.chaos import Outcome, gateway_metric, settled, stream_completion
 from tests.e2e_support import scraped_total, start_stack
 
 # A stack start, two rounds of six 300-token streams and a NATS restart: about a minute on 2 cores.
@@ -40,51 +37,6 @@ KILL_AFTER_S = 2.0
 FROZEN_AFTER_S = 1.5  # how long the gateway stays frozen after NATS is back
 DOWN_S = 0.5  # pdserve up's supervisor restarts an exited service after 0.5 s (RestartPolicy.first_delay_s)
 PROMPTS = [f"Stream {i}: tell me everything about disaggregated serving" for i in range(N)]
-
-
-@dataclass
-class TimedStream:
-    """One streamed completion: its chunks' texts and arrival times, how it ended."""
-
-    prompt: str
-    pieces: list[str] = field(default_factory=list)
-    times: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
-    status: int | None = None
-    done: bool = False
-
-    @property
-    def stall_s(self) -> float:
-        """The longest gap between two consecutive tokens."""
-        return max((b - a for a, b in zip(self.times, self.times[1:], strict=False)), default=0.0)
-
-
-def timed_stream(url: str, prompt: str) -> TimedStream:
-    out = TimedStream(prompt)
-    body = {"model": "demo", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "stream": True}  # fmt: skip
-    try:
-        with httpx.Client(timeout=120) as client, client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            out.status = resp.status_code
-            for line in resp.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: ") :]
-                if data == "[DONE]":
-                    out.done = True
-                    continue
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    out.error = chunk["error"]["message"]
-                    continue
-                choice = chunk["choices"][0]
-                out.pieces.append(choice["text"])
-                out.times.append(time.monotonic())
-                out.finish_reason = choice.get("finish_reason") or out.finish_reason
-    except Exception as exc:
-        out.error = f"{type(exc).__name__}: {exc}"
-    return out
 
 
 def duplicated_and_lost(reference: list[str], got: list[str]) -> tuple[int, int]:
@@ -113,22 +65,23 @@ def stack(small_model):
     stack.stop()
 
 
-def run_streams(url: str, during=None) -> list[TimedStream]:
+def run_streams(url: str, during=None) -> list[Outcome]:
     """The six streams at once; `during(started_at)` runs meanwhile (the fault)."""
     with ThreadPoolExecutor(N + 1) as pool:
         started_at = time.monotonic()
-        futures = [pool.submit(timed_stream, url, p) for p in PROMPTS]
+        futures = [pool.submit(stream_completion, url, p, MAX_TOKENS) for p in PROMPTS]
         if during is not None:
             during(started_at)
         return [f.result(timeout=180) for f in futures]
 
 
 @pytest.fixture(scope="module")
-def reference(stack) -> list[TimedStream]:
+def reference(stack) -> list[Outcome]:
     """The six streams without a fault: what each must equal after one."""
     streams = run_streams(stack.url)
     for r in streams:
-        assert r.error is None and r.finish_reason == "length" and len(r.pieces) == MAX_TOKENS, (r.error, r.status)
+        assert r.verdict == "completed" and r.finish_reason == "length", (r.error, r.exception, r.status)
+        assert len(r.pieces) == MAX_TOKENS
     return streams
 
 
@@ -139,7 +92,7 @@ def resends(stack) -> tuple[float, float]:
     return asked, resent
 
 
-def outage_round(stack, reference: list[TimedStream], fault, scenario: str) -> tuple[float, float]:
+def outage_round(stack, reference: list[Outcome], fault, scenario: str) -> tuple[float, float]:
     """The six streams again with `fault()` KILL_AFTER_S in; every one must end whole, equal to its reference,
     with nothing duplicated or lost, and no request moved. Prints their stalls; returns the resends it took
     (resends())."""
@@ -155,20 +108,20 @@ def outage_round(stack, reference: list[TimedStream], fault, scenario: str) -> t
     outcomes = run_streams(stack.url, strike)
     kill = struck_at[0]
     for o in outcomes:  # the fault came while every stream was mid-way: tokens before it and after it
-        assert o.times and o.times[0] < kill, f"{o.prompt!r}: no token before the kill ({o.error})"
-        assert kill < o.times[-1] - DOWN_S, f"{o.prompt!r}: ended before NATS was back ({o.error})"
+        assert o.arrivals and o.arrivals[0] < kill, f"{o.prompt!r}: no token before the kill ({o.error})"
+        assert kill < o.arrivals[-1] - DOWN_S, f"{o.prompt!r}: ended before NATS was back ({o.error})"
     asked_after, resent_after = resends(stack)
     asked, resent = asked_after - asked_before, resent_after - resent_before
     counts = [duplicated_and_lost(r.pieces, o.pieces) for r, o in zip(reference, outcomes, strict=True)]
-    stalls = sorted(o.stall_s for o in outcomes)
+    stalls = sorted(o.longest_gap_s for o in outcomes)
     print(
-        f"\n{scenario}: NATS killed {kill - min(o.times[0] for o in outcomes):.2f} s after the first tokens; stalls "
+        f"\n{scenario}: NATS killed {kill - min(o.arrivals[0] for o in outcomes):.2f} s after the first tokens; stalls "
         f"{', '.join(f'{s:.2f}' for s in stalls)} s; p50 {statistics.median(stalls):.2f} s, "
         f"p99 {stalls[-1]:.2f} s (of {N}); duplicated/lost per stream {counts}; the gateway asked again for "
         f"{asked:g} requests' events, the workers sent {resent:g} events again"
     )
     for r, o in zip(reference, outcomes, strict=True):
-        assert o.error is None, f"{o.prompt!r} failed: {o.error}"
+        assert o.error is None and o.exception is None, f"{o.prompt!r} failed: {o.error or o.exception}"
         assert o.done and o.finish_reason == "length" and len(o.pieces) == MAX_TOKENS, (o.prompt, len(o.pieces))
         assert o.pieces == r.pieces, f"{o.prompt!r} differs from the run without a kill"
     assert counts == [(0, 0)] * N

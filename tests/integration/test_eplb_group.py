@@ -1,8 +1,9 @@
 """Live expert re-placement (--eplb) in a real worker group of 2 EP ranks (gloo, shared/parallel/eplb.py): a
 rebalance forced mid-generation gives the single engine's float32 greedy tokens before, during (the layers
-staged one per step while the old placement serves) and after the swap; only the changed slots move, their bytes
-counted exactly, and every rank then holds the checkpoint's weights for its new slots; the planner moves again
-from the window's real load; a rank killed during a weight move takes the group down with its old placement."""
+staged one per step while the old placement serves, or all at one step) and after the swap; only the changed
+slots move, their bytes counted exactly, and every rank then holds the checkpoint's weights for its new slots;
+the planner moves again from the window's real load; a rank killed during a weight move takes the group down
+with its old placement."""
 
 from __future__ import annotations
 
@@ -129,6 +130,30 @@ def test_a_forced_rebalance_mid_generation_keeps_tokens_and_moves_only_changed_s
             assert [pytest.approx(full[layer][e]) for e, _ in slots] == [s for _, s in slots]
     counts = asyncio.run(group.agents.call_all("op_counts", {0: None, 1: None}))
     assert counts[0] == counts[1] and counts[1]["eplb_stage"] == layers and counts[1]["eplb_swap"] == 1
+
+
+def test_every_layer_staged_at_one_boundary_keeps_tokens(model_dir, group) -> None:
+    """--eplb-stage-layers 0: the move's layers all stage at one boundary (one step waits for them all), the swap
+    at the next: the new placement serves a step after it was planned, tokens unchanged."""
+    rebalancer = group.rebalancer
+    assert rebalancer is not None
+    saved = rebalancer.config
+    rebalancer.config = dataclasses.replace(saved, stage_layers=0)
+    try:
+        before = rebalancer.placement
+        target = _shuffled(before)
+        staged = asyncio.run(group.agents.call_all("op_counts", {0: None, 1: None}))[1]["eplb_stage"]
+        prompts = _prompts(3)
+        tokens, phases = _run(group, prompts, at_step=lambda n: n == 2 and rebalancer.request(target))
+        assert tokens == _expected(model_dir, prompts)
+        assert phases.count("during") == 1, phases
+        assert rebalancer.placement == target
+        counts = asyncio.run(group.agents.call_all("op_counts", {0: None, 1: None}))
+        assert counts[0] == counts[1] and counts[1]["eplb_stage"] - staged == len(before.layers)
+        stats = rebalancer.take_stats()
+        assert stats.rebalances == 1 and len(stats.pauses_s) == 2  # the staging boundary and the swap's
+    finally:
+        rebalancer.config = saved
 
 
 def test_the_planner_rebalances_from_the_window_and_tokens_stay_exact(model_dir, group) -> None:

@@ -84,6 +84,7 @@ def test_every_rank_derives_the_same_moves_and_a_rank_never_sends_to_itself() ->
         ("--eplb-redundant", "-1", "--eplb-redundant must be 0 or more"),
         ("--eplb-min-gain", "1", r"--eplb-min-gain must be in \[0, 1\)"),
         ("--eplb-min-gain", "-0.1", r"--eplb-min-gain must be in \[0, 1\)"),
+        ("--eplb-stage-layers", "-1", r"--eplb-stage-layers must be 0 \(all at once\) or more"),
     ],
 )
 def test_bad_eplb_flags_are_clear_errors(flag: str, value: str, message: str) -> None:

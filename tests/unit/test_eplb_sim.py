@@ -1,6 +1,6 @@
 """benchmarks/eplb_sim.py on tiny traces (pure, fast): its rank loads agree with the live policy's predicted
-imbalance, its live re-placement follows the worker's timing (plan at the interval, one layer staged per step
-boundary, swap at the next), per-phase placement beats a shared one when the phases favour different experts,
+imbalance, its live re-placement follows the worker's timing (plan at the interval, `stage_layers` layers staged per
+step boundary, swap at the next), per-phase placement beats a shared one when the phases favour different experts,
 and synthetic and recorded traces feed it."""
 
 from __future__ import annotations
@@ -59,6 +59,11 @@ def test_live_replacement_plans_at_the_interval_and_swaps_after_staging_each_cha
     start = ExpertPlacement.default(8, 2, [0, 1])
     two = live({"decode": _phase("decode", hot, 12, layers=2)}, ["decode"], start, eplb)["decode"]
     assert (two.busiest / two.mean).tolist() == pytest.approx([2.0] * 7 + [1.0] * 5)
+    # --eplb-stage-layers 2 (or 0, all at once): both layers staged at one boundary, the swap a step sooner
+    for stage in (2, 0):
+        both = EplbConfig(enabled=True, window_steps=4, interval_s=3.0, min_gain=0.05, stage_layers=stage)
+        one = live({"decode": _phase("decode", hot, 12, layers=2)}, ["decode"], start, both)["decode"]
+        assert (one.busiest / one.mean).tolist() == pytest.approx([2.0] * 6 + [1.0] * 6)
 
 
 def test_min_gain_and_a_quiet_window_keep_the_placement() -> None:

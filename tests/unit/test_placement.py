@@ -59,6 +59,36 @@ def test_the_hottest_expert_gets_the_replicas():
     assert replicas[0] == 2 and sum(replicas) == 10  # at most ep replicas: the second extra goes elsewhere
 
 
+def test_two_hot_experts_over_four_ranks_get_two_replicas_each_not_three():
+    """Giving every redundant slot to the hottest expert per replica would make 3 replicas of each and put both on
+    two ranks (busiest 1.33x the mean); two each, one per rank, balance them."""
+    load = {0: [500, 500, 1, 1, 1, 1, 1, 1]}
+    p = plan_placement(load, ep=4, redundant=4)
+    _check_placement(p, 8, 4, 4)
+    assert imbalance(rank_loads(p, load)[0]) == pytest.approx(1.0, abs=0.01)
+    assert sorted(sum(e in (0, 1) for e in slots) for slots in p.layers[0]) == [1, 1, 1, 1]
+
+
+def test_the_planner_never_packs_worse_than_the_greedy_replica_choice():
+    """The packing-aware choice (placement._plan_layer) keeps the greedy one when nothing beats it."""
+    import random
+
+    from shared.sharding.placement import _pack, replica_counts
+
+    rng = random.Random(7)
+    for _ in range(200):
+        ep = rng.choice([2, 4, 8])
+        e = rng.choice([8, 16])
+        redundant = ep * rng.randint(0, 2)
+        load = [float(int(rng.paretovariate(1.2) * 100)) for _ in range(e)]
+        greedy = replica_counts(load, redundant, ep)
+        ranks = _pack(load, greedy, ep, (e + redundant) // ep)
+        greedy_peak = max(sum(load[x] / greedy[x] for x in slots) for slots in ranks)
+        p = plan_placement({0: [int(x) for x in load]}, ep, redundant, e)
+        _check_placement(p, e, ep, redundant)
+        assert max(rank_loads(p, {0: [int(x) for x in load]})[0]) <= greedy_peak + 1e-6
+
+
 def test_a_stuck_greedy_still_yields_a_valid_placement():
     # equal loads: the last replicas would pile on one rank; the planner must still place them apart
     for redundant in (2, 4, 6):
