@@ -217,11 +217,6 @@ class EngineConfig:
             raise ValueError(
                 "--dp-attention runs attention data-parallel over the expert-parallel ranks: it needs --ep > 1"
             )
-        if self.dp_attention and self.eplb.enabled:
-            raise ValueError(
-                "--eplb with --dp-attention: live re-placement has not been built and tested under data-parallel "
-                "attention yet (not supported)"
-            )
         # refuses degrees a group cannot have (LayoutError, a ValueError)
         ParallelLayout(self.tp, self.ep, self.ep if self.dp_attention else 1)
         if self.eplb.enabled and self.ep == 1:

@@ -9,7 +9,8 @@ first layer, then MoE with a shared expert), gloo, float32 greedy: token-exact a
 - A real worker group of 2 (start_group, the leader's op stream; slow tier): chunked prefills under KV pressure
   (preemptions), n choices forked on their parent's rank, imports (sent by the leader; staged), each written into its
   request's rank's pool only; the ranks' pools differ (each holds its own requests' KV). A group of 4 (slow tier):
-  3 requests (one rank idle), then 6 (uneven), every rank's pool its own.
+  3 requests (one rank idle), then 6 (uneven), every rank's pool its own. With --eplb: a re-placement forced
+  mid-generation keeps the tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 
 from services.demo_model import write_demo_checkpoint
 from shared.engine import dp_step
+from shared.engine.config import EplbConfig
 from shared.engine.engine import Engine
 from shared.engine.fork import Choice
 from shared.engine.kv_export import KVExport
@@ -27,6 +29,7 @@ from shared.engine.sampling import SamplingParams
 from shared.parallel.group_engine import WorkerGroup, start_group
 from shared.parallel.launch import run_on_ranks
 from shared.sharding.group import RankGroup
+from shared.sharding.placement import ExpertPlacement
 from shared.worker.heartbeat import beat_facts
 from tests.ep_groups import ep_config, random_prompts
 
@@ -178,6 +181,46 @@ def test_a_dp_attention_group_of_4_matches_one_engine_with_an_idle_rank_then_une
         group.ops.sync()
         digests = asyncio.run(group.agents.call_all("pool_digest", dict.fromkeys(range(4))))
         assert len(set(digests.values())) == 4, "each rank's pool holds its own requests' KV"
+    finally:
+        group.close()
+    assert not deaths, f"a follower died: {deaths}"
+
+
+@pytest.mark.slow  # a worker group: ranks spawned (make test-slow)
+def test_a_forced_expert_re_placement_mid_generation_keeps_a_dp_group_token_exact(model_dir) -> None:
+    """--eplb under data-parallel attention: the leader's window holds the group's expert counts (the counts
+    exchange), and a re-placement forced mid-generation (the ranks trade one expert per layer) keeps the tokens."""
+    deaths: list[tuple[int, int | None]] = []
+    eplb = EplbConfig(enabled=True, window_steps=8, interval_s=3600.0, redundant=2, min_gain=0.05)
+    config = ep_config(model_dir, ep=2, dp_attention=True, eplb=eplb)
+    group = start_group(config, on_death=lambda rank, status: deaths.append((rank, status)))
+    try:
+        rebalancer = group.rebalancer
+        assert rebalancer is not None
+        before = rebalancer.placement
+        layers = {}
+        for layer, (zero, one) in before.layers.items():  # one expert each that the other rank lacks, traded
+            give, take = next(e for e in zero if e not in one), next(e for e in one if e not in zero)
+            layers[layer] = [[take if e == give else e for e in zero], [give if e == take else e for e in one]]
+        target = ExpertPlacement(before.ep, before.num_experts, layers)
+        prompts = random_prompts(2, (29, 7, 40))
+        engine, out = group.engine, {f"r{i}": [] for i in range(len(prompts))}
+        for rid, p in zip(out, prompts, strict=True):
+            engine.add_request(rid, p, GREEDY)
+        step = 0
+        while engine.has_unfinished():
+            if step == 2:
+                rebalancer.request(target)
+            for o in engine.step():
+                out[o.request_id] += o.new_token_ids
+            step += 1
+        assert list(out.values()) == Engine.build(ep_config(model_dir)).generate(prompts, GREEDY)
+        assert rebalancer.placement == target and len(rebalancer.history) == 1
+        group.ops.sync()
+        held = asyncio.run(group.agents.call_all("expert_slots", {0: None, 1: None}))
+        for rank, rank_layers in held.items():
+            for layer, slots in rank_layers.items():
+                assert [e for e, _ in slots] == target.layers[layer][rank]
     finally:
         group.close()
     assert not deaths, f"a follower died: {deaths}"

@@ -32,14 +32,13 @@ def test_the_layout_takes_dp_only_with_ep_over_the_same_ranks_and_no_tp() -> Non
         ParallelLayout(ep=1, dp=2)
 
 
-def test_settings_refuse_dp_attention_without_ep_or_with_tp_or_eplb(tmp_path) -> None:
+def test_settings_refuse_dp_attention_without_ep_or_with_tp(tmp_path) -> None:
     assert EngineConfig(model="m", ep=2, dp_attention=True).parallel == ParallelLayout(ep=2, dp=2)
     with pytest.raises(ValueError, match="needs --ep > 1"):
         EngineConfig(model="m", dp_attention=True)
     with pytest.raises(ValueError, match="without tensor parallelism"):
         EngineConfig(model="m", tp=2, ep=2, dp_attention=True)
-    with pytest.raises(ValueError, match="--eplb with --dp-attention"):
-        EngineConfig(model="m", ep=2, dp_attention=True, eplb=EplbConfig(enabled=True))
+    assert EngineConfig(model="m", ep=2, dp_attention=True, eplb=EplbConfig(enabled=True)).eplb.enabled
 
 
 def test_a_requests_blocks_stay_on_one_rank_and_new_ones_go_to_the_least_loaded() -> None:
