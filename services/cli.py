@@ -62,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (a worker group of processes)")
     gen.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (1 or the group size)")
     gen.add_argument(
+        "--dp-attention",
+        action="store_true",
+        help="data-parallel attention over the --ep ranks (each rank its own requests; MoE models)",
+    )
+    gen.add_argument(
         "--n", type=int, default=1, help="choices: the prompt computed once, choice i seeded seed + i (default 1)"
     )
     gen.set_defaults(func=_generate)
@@ -101,6 +106,7 @@ def _generate_engine(args: argparse.Namespace):
         device=args.device,
         tp=args.tp,
         ep=args.ep,
+        dp_attention=args.dp_attention,
     )
     if max(args.tp, args.ep) == 1:
         return Engine.build(config), None

@@ -533,6 +533,16 @@ class Heartbeat(msgspec.Struct, frozen=True):
     # switching role (docs/architecture.md, "Role switching"): the role it becomes once what it holds is done; it
     # takes no new job meanwhile (`draining` is set too); None: not switching
     switching_to: Role | None = None
+    # a data-parallel attention group (--dp-attention): per DP rank its running sequences and free KV blocks. A
+    # request's KV goes whole into one rank's pool (the leader picks the least loaded), so what one request can
+    # get is the freest rank's blocks (`fit_blocks`), not free_blocks; empty for any other worker
+    dp_rank_running: tuple[int, ...] = ()
+    dp_rank_free_blocks: tuple[int, ...] = ()
+
+    @property
+    def fit_blocks(self) -> int:
+        """The most KV blocks one request can be given here."""
+        return max(self.dp_rank_free_blocks) if self.dp_rank_free_blocks else self.free_blocks
 
 
 # Prefix-cache block announcements (KV-aware routing): what a prefill (or mixed) worker holds, as block hashes

@@ -46,6 +46,6 @@ def affinity(prompt_tokens: int, beats: Sequence[Heartbeat], top_k: int) -> Deco
     candidates = [
         AffinityCandidate(b.worker_id, b.running, b.hot_experts)
         for b in beats
-        if b.hot_experts is not None and b.free_blocks * b.block_size >= prompt_tokens
+        if b.hot_experts is not None and b.fit_blocks * b.block_size >= prompt_tokens
     ]
     return DecodeAffinity(top_k, candidates) if len(candidates) >= 2 else None

@@ -147,7 +147,7 @@ class KvRouting:
         beats = [b for b in serving if b.role is Role.DECODE]
         cached = self._cached(job, beats)
         candidates = [
-            DecodeCandidate(b.worker_id, cached.get(b.worker_id, 0), b.free_blocks * b.block_size, b.running)
+            DecodeCandidate(b.worker_id, cached.get(b.worker_id, 0), b.fit_blocks * b.block_size, b.running)
             for b in beats
         ]
         chosen = choose_decode(len(job.prompt_token_ids), candidates)

@@ -58,7 +58,8 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, n: int) -> bool:
+    def can_allocate(self, n: int, after: int | None = None) -> bool:
+        """Whether `allocate(n, after)` would succeed (`after` matters where a pool is partitioned: dp_blocks.py)."""
         return n <= self.num_free
 
     def allocate(self, n: int, after: int | None = None) -> list[int]:

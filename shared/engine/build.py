@@ -16,6 +16,7 @@ import torch
 from shared.engine.config import EngineConfig
 from shared.engine.decode_graphs import CaptureReport, GraphBackend
 from shared.engine.device_setup import exclusive_setup
+from shared.engine.dp_blocks import DpBlockManager, running_per_rank
 from shared.engine.forker import Forker
 from shared.engine.graph_setup import capture_graphs, graph_backend
 from shared.engine.group_model import load_rank_model
@@ -101,6 +102,8 @@ def build_parts(
         ],
         prefix=prefix,
     )
+    if isinstance(kv.blocks[0], DpBlockManager):  # a request's first blocks go to the rank running fewest
+        kv.blocks[0].seqs_of = lambda: running_per_rank(scheduler.running, group.world)
     structured = StructuredDecoding(lambda: Grammars.from_model_dir(config.model, mc.vocab_size, mc.eos_token_ids))
     graphs, capture = capture_graphs(model, kv, config, max_model_len, backend, why_not)
     sampler = Sampler(config.seed)

@@ -166,6 +166,12 @@ class EngineConfig:
     ranks and back, then all-gathers; allreduce = every rank computes its experts for all tokens, one
     all-reduce. allreduce is the default: at EP = 2 on CPU (gloo) it measured faster for prefill- and
     decode-sized batches (one collective against four all-to-alls and an all-gather; docs/benchmarks.md)."""
+    dp_attention: bool = False
+    """Data-parallel attention over the expert-parallel ranks (DeepSeek-style decode): each of the ep ranks runs
+    attention and the dense layers for its own requests over its own KV pool, and the MoE layers dispatch every
+    rank's tokens to the experts' ranks and back (all-to-all, whatever --ep-dispatch says). Needs ep > 1, tp = 1
+    and an MoE model; the leader gives each request to the least loaded rank (shared/parallel/dp_attention.py).
+    Prefix caching is off under it (the partitioned pool has no prefix cache yet)."""
     expert_placement: str | None = None
     """JSON file from `pdserve experts plan`: which experts (and redundant replicas) each EP rank holds per
     layer; None = a contiguous 1/ep of the experts per rank. Refused when it does not match the model or ep."""
@@ -207,7 +213,12 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
-        ParallelLayout(self.tp, self.ep)  # refuses degrees a group cannot have (LayoutError, a ValueError)
+        if self.dp_attention and self.ep == 1:
+            raise ValueError(
+                "--dp-attention runs attention data-parallel over the expert-parallel ranks: it needs --ep > 1"
+            )
+        # refuses degrees a group cannot have (LayoutError, a ValueError)
+        ParallelLayout(self.tp, self.ep, self.ep if self.dp_attention else 1)
         if self.eplb.enabled and self.ep == 1:
             raise ValueError(
                 "--eplb re-places experts between expert-parallel ranks: it needs ep > 1 (this engine has ep=1)"
@@ -217,4 +228,4 @@ class EngineConfig:
 
     @property
     def parallel(self) -> ParallelLayout:
-        return ParallelLayout(self.tp, self.ep)
+        return ParallelLayout(self.tp, self.ep, self.ep if self.dp_attention else 1)

@@ -90,7 +90,8 @@ def share_prefix(blocks: BlockManager, pool: KVPool, parent_table: list[int], nu
     each), the partial last one copied into a fresh block. Raises NoFreeBlocksError (nothing taken) when no
     block is free for the copy."""
     full, partial = divmod(num_tokens, blocks.block_size)
-    own = blocks.allocate(1) if partial else []  # first: all or nothing
+    # first: all or nothing; next to the parent's last block (on the parent's DP rank under --dp-attention)
+    own = blocks.allocate(1, after=parent_table[full]) if partial else []
     shared = parent_table[:full]
     blocks.incref(shared)
     if own:

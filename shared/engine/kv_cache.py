@@ -16,6 +16,7 @@ import torch
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig
+from shared.engine.dp_blocks import DpBlockManager
 from shared.engine.kv_budget import GroupNeed, KvPlan, grouped_summary, split_plan
 from shared.engine.kv_groups import KVGroup, kv_groups, window_live_blocks
 from shared.engine.kv_measure import plan_kv_pool
@@ -90,9 +91,16 @@ def plan_kv_cache(
         KVPool(g.layout(layout), p.num_blocks + scratch_block, device, shared)
         for g, p in zip(groups, plans, strict=True)
     ]
-    blocks = [
-        BlockManager(p.num_blocks, config.block_size, _prefix_cache(config, routed=g == 0)) for g, p in enumerate(plans)
-    ]
+    blocks: list[BlockManager]
+    if config.parallel.data_parallel:  # every rank's pool in one id space, a request on one rank (dp_blocks.py)
+        if config.enable_prefix_caching:
+            log.info("prefix caching: off under --dp-attention (the ranks' partitioned pool has no prefix cache yet)")
+        blocks = [DpBlockManager(group.world, p.num_blocks, config.block_size) for p in plans]
+    else:
+        blocks = [
+            BlockManager(p.num_blocks, config.block_size, _prefix_cache(config, routed=g == 0))
+            for g, p in enumerate(plans)
+        ]
     return KvCache(layout, groups, plans, pools, blocks)
 
 

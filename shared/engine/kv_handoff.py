@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from shared.engine.block_manager import FREED, NoFreeBlocksError
+from shared.engine.dp_blocks import DpBlockManager
 from shared.engine.kv_cache import KvCache
 from shared.engine.kv_export import KVExport, KVPart
 from shared.engine.layer_streams import LayerStreams, OnStart
@@ -88,6 +89,11 @@ class KvHandoff:
         req = self.requests.get(request_id)
         if req is None:
             raise KeyError(f"unknown request {request_id!r}")
+        if isinstance(self.kv.blocks[0], DpBlockManager):  # the blocks lie in one rank's pool, not the leader's
+            raise ValueError(
+                f"request {request_id!r}: KV out of a data-parallel attention group (--dp-attention) is not "
+                "supported yet (a DP group decodes: it imports KV, it does not hand it on)"
+            )
         if req.status is RequestStatus.WAITING or req.num_computed_tokens < req.num_tokens - 1:
             raise ValueError(f"request {request_id!r} has not finished its prefill")
         n = self.kv.blocks[0].blocks_for(req.num_computed_tokens)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.decode_graphs import DecodeGraphs
+from shared.engine.dp_step import forward_rank_step
 from shared.engine.kv_pool import KVPool
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.prompt_scoring import plan_scoring, score
@@ -17,7 +18,7 @@ from shared.engine.request_experts import RequestExperts
 from shared.engine.sampling import Sampler, SamplingParams
 from shared.engine.scheduler import PENDING, SchedulePlan
 from shared.engine.step_clock import StepClock
-from shared.engine.step_inputs import ScoredFn, StagedStep, StepInputs, forward_step, run_staged, stage_step
+from shared.engine.step_inputs import ScoredFn, StagedStep, StepInputs, run_staged, stage_step
 from shared.engine.structured import StructuredDecoding
 from shared.model.device import to_device
 from shared.model.transformer import CausalLM
@@ -105,7 +106,7 @@ class ModelRunner:
 
     def _local_step(self, inputs: StepInputs, on_scored: ScoredFn) -> torch.Tensor | None:
         block_size, clock = self.pool.layout.block_size, self.step_clock
-        return forward_step(self.model, self._caches, inputs, block_size, self.device, on_scored, clock)
+        return forward_rank_step(self.model, self._caches, inputs, block_size, self.device, on_scored, clock)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan) -> RunnerOutput:

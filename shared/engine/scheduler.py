@@ -231,11 +231,15 @@ class Scheduler:
             return True  # one group whose blocks hold them already: most decode steps
         groups, tables = self.groups(), self.tables(req)
         needs = [blocks.blocks_for(num_tokens) - len(t.blocks) for (blocks, _), t in zip(groups, tables, strict=True)]
-        if not all(blocks.can_allocate(n) for (blocks, _), n in zip(groups, needs, strict=True) if n > 0):
+        lasts = [next((b for b in reversed(t.blocks) if b != FREED), None) for t in tables]
+        if not all(
+            blocks.can_allocate(n, after=last)
+            for (blocks, _), n, last in zip(groups, needs, lasts, strict=True)
+            if n > 0
+        ):
             return False  # all groups or none
-        for (blocks, _), table, n in zip(groups, tables, needs, strict=True):
+        for (blocks, _), table, n, last in zip(groups, tables, needs, lasts, strict=True):
             if n > 0:
-                last = next((b for b in reversed(table.blocks) if b != FREED), None)
                 table.blocks.extend(blocks.allocate(n, after=last))  # one run where the pool allows
         return True
 

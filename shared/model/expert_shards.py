@@ -15,10 +15,15 @@ from shared.sharding.placement import ExpertPlacement
 
 
 def shard_experts(
-    model: CausalLM, group: RankGroup, placement: ExpertPlacement | None, mode: EPDispatch | str
+    model: CausalLM,
+    group: RankGroup,
+    placement: ExpertPlacement | None,
+    mode: EPDispatch | str,
+    data_parallel: bool = False,
 ) -> ExpertPlacement:
     """Give every sparse layer of a model still on the meta device (before `to_empty`) only this rank's
-    expert slots, and its ExpertParallel; → the placement used (the default when None)."""
+    expert slots, and its ExpertParallel; → the placement used (the default when None). `data_parallel`: each
+    rank brings its own tokens to the MoE layers (data-parallel attention; the dispatch is then all-to-all)."""
     cfg = model.config
     layers = sorted(model.sparse_layers())
     placement = placement or ExpertPlacement.default(cfg.num_experts, group.world, layers)
@@ -31,7 +36,9 @@ def shard_experts(
             experts = old.with_slots(placement.slots(index, group.rank))
         experts.kernels = old.kernels
         moe.experts = experts
-        moe.dispatch = ExpertParallel(group, placement.layers[index], cfg.num_experts, EPDispatch(mode))
+        moe.dispatch = ExpertParallel(
+            group, placement.layers[index], cfg.num_experts, EPDispatch(mode), data_parallel=data_parallel
+        )
     return placement
 
 

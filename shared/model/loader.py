@@ -39,7 +39,7 @@ from shared.model.quantization import (
 from shared.model.transformer import CausalLM
 from shared.sharding.dispatch import EPDispatch
 from shared.sharding.group import RankGroup
-from shared.sharding.layout import ParallelLayout
+from shared.sharding.layout import LayoutError, ParallelLayout
 from shared.sharding.placement import ExpertPlacement
 
 log = logging.getLogger(__name__)
@@ -157,9 +157,14 @@ def load_model(
         at_load = load_method_for(str(quantization), quant, compute_dtype, torch.device(device))
     with torch.device("meta"):
         model = CausalLM(cfg, group, layout)
+    if layout is not None and layout.data_parallel and not model.sparse_layers():
+        raise LayoutError(
+            f"--dp-attention runs the MoE layers expert-parallel across the ranks: {model_dir} has no routed experts "
+            "(serve a dense model with --tp instead)"
+        )
     if layout is not None and layout.ep > 1:
         assert group is not None  # CausalLM checked the group's size against the layout
-        shard_experts(model, group, expert_placement, ep_dispatch)
+        shard_experts(model, group, expert_placement, ep_dispatch, data_parallel=layout.data_parallel)
     model.to(compute_dtype).to_empty(device=device)
     load_weights(model, model_dir, progress, quant)
     if at_load is not None:

@@ -112,6 +112,13 @@ class MoE(nn.Module, PackedWeights):
             return self.shared_experts(x)
         return None
 
+    def idle(self, dtype: torch.dtype, device: torch.device) -> None:
+        """A data-parallel attention rank without tokens this step: its part of the expert exchange, and the
+        group's counts (shared/model/expert_parallel.py)."""
+        assert self.dispatch is not None and self.dispatch.data_parallel
+        self.dispatch.idle(self.experts, self.gate.in_features, dtype, device, self.gate.cfg.top_k)
+        self.expert_load += self.dispatch.routed
+
     def forward(self, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
         ids, weights = self.route(x)
         flat = ids.flatten()
@@ -119,11 +126,15 @@ class MoE(nn.Module, PackedWeights):
             counts = torch.bincount(flat, minlength=self.expert_load.shape[0])
         else:  # on the device without a host read (bincount would read the max id on the host under CUDA)
             counts = torch.zeros_like(self.expert_load).index_add_(0, flat, torch.ones_like(flat))
-        self.expert_load += counts
+        parallel_tokens = self.dispatch is not None and self.dispatch.data_parallel
+        if not parallel_tokens:  # else the group's counts, after the dispatch exchanged them
+            self.expert_load += counts
         if self.trace is not None:
             self.trace.add(self.trace_layer, ids)
         if self.dispatch is not None:
             out = self.dispatch.forward(self.experts, x, ids, weights)
+            if parallel_tokens:
+                self.expert_load += self.dispatch.routed
         elif reference:
             out = self.experts.forward_reference(x, ids, weights)
         else:

@@ -103,6 +103,9 @@ class CausalLM(nn.Module, PackedWeights):
         self.config = cfg
         self.layout = layout
         self.shard = TensorShard.of(group, layout)
+        # data-parallel attention (layout.dp > 1): this rank runs its own requests' tokens, the MoE layers exchange
+        # them with the group's other ranks (shared/engine/dp_step.py); None otherwise
+        self.dp_group = group if layout.data_parallel else None
         # under expert parallelism a rank holds whole experts (shard_experts gives it its slots)
         self.model = Backbone(cfg, self.shard, split_experts=layout.ep == 1)
         self.lm_head = None if cfg.tie_word_embeddings else VocabHead(cfg, self.shard)
@@ -150,6 +153,13 @@ class CausalLM(nn.Module, PackedWeights):
     def sparse_layers(self) -> dict[int, MoE]:
         """Layer index → its MoE block, for the sparse layers."""
         return {i: layer.mlp for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, MoE)}
+
+    def idle_step(self, device: torch.device) -> None:
+        """A data-parallel rank's step without tokens of its own: every sparse layer's expert exchange, in layer
+        order, as its forward would make them (the other ranks' tokens may need its experts)."""
+        dtype = next(self.parameters()).dtype
+        for moe in self.sparse_layers().values():
+            moe.idle(dtype, device)
 
     def forward(
         self,

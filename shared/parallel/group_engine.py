@@ -161,7 +161,7 @@ class WorkerGroup:
 def start_group(config: EngineConfig, on_death: Callable[[int, int | None], None] = exit_now) -> WorkerGroup:
     """Start the group `config.tp`/`config.ep` asks for, this process as its leader. `on_death(rank, status)`:
     what a follower's exit does (default: this process exits non-zero at once)."""
-    layout = ParallelLayout(config.tp, config.ep)
+    layout = config.parallel
     if layout.single:
         raise ValueError("start_group is for tp or ep > 1; a single-rank engine is a plain Engine")
     placements = rank_placements(config, layout.world)

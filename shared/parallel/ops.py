@@ -6,6 +6,7 @@ stays what the leader's is (byte-identical while the models are replicated):
 - `step`: one model step (shared/engine/step_inputs.py): the forward pass writes the step's KV;
 - `copy`: one block copied onto another (a forked choice's own copy of a partial prompt block, fork.py);
 - `write`: imported KV written into blocks, the data broadcast from the leader (a KV export the leader pulled);
+  under data-parallel attention sent only to the rank whose blocks they are (the request's DP rank);
 - `import_staged`: imported KV written into blocks from what each rank staged itself (agents.StagedKv: each
   rank pulled its own heads, nothing funnelled through the leader);
 - `eplb_stage`: one sparse layer's changed expert slots sent between the ranks into spare buffers (live expert
@@ -32,14 +33,15 @@ from typing import Protocol
 
 import torch
 
+from shared.engine.dp_step import block_rank, forward_rank_step, local_block
 from shared.engine.kv_export import KVExport
 from shared.engine.kv_pool import KVPool, PoolFill
-from shared.engine.step_inputs import ScoredFn, StepInputs, forward_step
+from shared.engine.step_inputs import ScoredFn, StepInputs
 from shared.model.expert_moves import StagedLayer, stage_layer, swap_layer
 from shared.model.transformer import CausalLM
 from shared.ranklink.agents import StagedExport, StagedKv
 from shared.ranklink.channel import recv_frame, send_frame
-from shared.sharding.group import RankGroup
+from shared.sharding.group import LEADER, RankGroup
 from shared.sharding.rebalance import layer_changes
 
 log = logging.getLogger(__name__)
@@ -76,22 +78,51 @@ class RankState:
     def __post_init__(self) -> None:
         self.caches = self.pool.layer_caches()
         self.device = self.pool.tensor.device
+        # data-parallel attention: the ops' block ids are the group's global ids (shared/engine/dp_blocks.py),
+        # and a rank writes only the blocks it holds, at their local ids
+        group = self.model.dp_group
+        self.dp: tuple[int, int] | None = None if group is None else (group.rank, group.world)
+
+    def owner(self, blocks: list[int]) -> int | None:
+        """The one rank that holds all of `blocks` under data-parallel attention (a request's blocks); None when
+        every rank writes them (no DP attention, or blocks of several ranks)."""
+        if self.dp is None or not blocks:
+            return None
+        world = self.dp[1]
+        ranks = {block_rank(b, world) for b in blocks}
+        return ranks.pop() if len(ranks) == 1 else None
+
+    def _mine(self, blocks: list[int]) -> tuple[list[int], list[int]]:
+        """(positions in `blocks` of this rank's blocks, their local ids); every block without DP attention."""
+        if self.dp is None:
+            return list(range(len(blocks))), blocks
+        rank, world = self.dp
+        at = [i for i, b in enumerate(blocks) if block_rank(b, world) == rank]
+        return at, [local_block(blocks[i], world) for i in at]
 
     def step(self, inputs: StepInputs, on_scored: ScoredFn | None = None) -> torch.Tensor | None:
         self.counts["step"] += 1
-        return forward_step(self.model, self.caches, inputs, self.pool.layout.block_size, self.device, on_scored)
+        return forward_rank_step(self.model, self.caches, inputs, self.pool.layout.block_size, self.device, on_scored)
 
     def copy(self, src: int, dst: int) -> None:
         self.counts["copy"] += 1
-        KVPool.copy_block(self.pool, src, dst)
+        _, local = self._mine([src, dst])
+        if len(local) == 2:  # a fork's copy stays on the parent's rank: both blocks here, or neither
+            KVPool.copy_block(self.pool, *local)
 
     def write(self, blocks: list[int], data: torch.Tensor) -> None:
         self.counts["write"] += 1
-        KVPool.write(self.pool, blocks, data)
+        at, local = self._mine(blocks)
+        if at:  # data (L, P, n, B, ...): this rank's blocks' rows (all of them without DP attention)
+            KVPool.write(self.pool, local, data if len(at) == len(blocks) else data[:, :, at])
 
     def import_staged(self, key: str, blocks: list[int]) -> None:
         self.counts["import_staged"] += 1
-        KVPool.write_export(self.pool, blocks, self.staged.take(key))
+        _, local = self._mine(blocks)
+        if len(local) < len(blocks):  # another DP rank's request (its blocks all lie there): nothing pulled here
+            self.staged.drop(key)
+            return
+        KVPool.write_export(self.pool, local, self.staged.take(key))
 
     def stage_experts(self, group: RankGroup, layer: int, ranks: list[list[int]]) -> None:
         """One collective: `layer`'s slots that `ranks` changes, sent and received (expert_moves.stage_layer)."""
@@ -166,7 +197,11 @@ class LeaderOps:
     def write(self, blocks: list[int], data: torch.Tensor) -> None:
         data = data.to(device=self.state.device, dtype=self.state.pool.tensor.dtype).contiguous()
         self._announce(("write", blocks, tuple(data.shape)))
-        self.group.broadcast_(data)
+        owner = self.state.owner(blocks)
+        if owner is None:  # every rank writes (its own blocks of) them
+            self.group.broadcast_(data)
+        elif owner != self.group.rank:  # data-parallel attention: one rank holds them, only it receives the data
+            self.group.send(data, owner)
         self.state.write(blocks, data)
 
     def import_staged(self, key: str, blocks: list[int]) -> None:
@@ -234,9 +269,16 @@ def follow(
         elif kind == "copy":
             state.copy(header[1], header[2])
         elif kind == "write":
-            data = torch.empty(header[2], dtype=state.pool.tensor.dtype, device=state.device)
-            group.broadcast_(data)
-            state.write(header[1], data)
+            owner = state.owner(header[1])
+            if owner is None or owner == group.rank:
+                data = torch.empty(header[2], dtype=state.pool.tensor.dtype, device=state.device)
+                if owner is None:
+                    group.broadcast_(data)
+                else:
+                    group.recv_(data, LEADER)
+                state.write(header[1], data)
+            else:
+                state.counts["write"] += 1  # another rank's blocks: no data comes here
         elif kind == "import_staged":
             state.import_staged(header[1], header[2])
         elif kind == "eplb_stage":

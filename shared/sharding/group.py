@@ -98,6 +98,17 @@ class RankGroup:
             self._group.broadcast([t], opts).wait()
         return t
 
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        """`t` to rank `dst` only (which calls `recv_` with a tensor of its shape)."""
+        if self._group is not None:
+            self._group.send([t.contiguous()], dst, 0).wait()
+
+    def recv_(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """Overwrite `t` with what rank `src` sends this rank; returns it."""
+        if self._group is not None:
+            self._group.recv([t], src, 0).wait()
+        return t
+
     def broadcast_object(self, obj: Any = None, src: int = LEADER) -> Any:
         """Rank `src`'s picklable `obj`, on every rank (two broadcasts: the length, then the bytes)."""
         if self._group is None:

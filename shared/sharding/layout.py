@@ -2,9 +2,11 @@
 experts. Pure arithmetic, no torch.distributed: the model, the KV pool, the hand-off's re-slicing and the
 placement planner all read ownership from here, so they cannot disagree.
 
-A group has R = max(tp, ep) ranks, and each degree is 1 or R: TP = 2 (attention and dense MLPs split over
+A group has R = max(tp, ep, dp) ranks, and each degree is 1 or R: TP = 2 (attention and dense MLPs split over
 2 ranks, experts replicated), EP = 2 (experts partitioned over 2 ranks, attention replicated), or TP = 2 with
-EP = 2 (both over the same 2 ranks).
+EP = 2 (both over the same 2 ranks). DP = R (data-parallel attention, --dp-attention) goes with EP = R and TP = 1:
+each rank runs attention and the dense layers for its own requests over its own KV, the experts are partitioned
+over all R ranks (shared/parallel/dp_attention.py).
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ class LayoutError(ValueError):
 class ParallelLayout:
     tp: int = 1  # tensor-parallel degree: attention heads, dense MLPs
     ep: int = 1  # expert-parallel degree: routed experts
+    dp: int = 1  # data-parallel attention degree: each rank its own requests' attention and KV (1 or ep)
 
     def __post_init__(self) -> None:
-        for name, degree in (("tp", self.tp), ("ep", self.ep)):
+        for name, degree in (("tp", self.tp), ("ep", self.ep), ("dp", self.dp)):
             if degree < 1:
                 raise LayoutError(f"--{name} must be at least 1, got {degree}")
         if min(self.tp, self.ep) != 1 and self.tp != self.ep:
@@ -30,18 +33,28 @@ class ParallelLayout:
                 f"--tp {self.tp} with --ep {self.ep}: a group's degrees are each 1 or the group size "
                 "(e.g. --tp 2 --ep 2, or one of them alone)"
             )
+        if self.dp > 1 and (self.tp != 1 or self.ep != self.dp):
+            raise LayoutError(
+                f"data-parallel attention over {self.dp} ranks with --tp {self.tp} --ep {self.ep}: it runs the "
+                f"experts expert-parallel over the same ranks, without tensor parallelism (--ep {self.dp}, --tp 1)"
+            )
 
     @property
     def world(self) -> int:
         """Ranks (processes) in the group."""
-        return max(self.tp, self.ep)
+        return max(self.tp, self.ep, self.dp)
 
     @property
     def single(self) -> bool:
         return self.world == 1
 
     def __str__(self) -> str:
-        return f"tp={self.tp} ep={self.ep}"
+        return f"tp={self.tp} ep={self.ep}" + (f" dp={self.dp}" if self.dp > 1 else "")
+
+    @property
+    def data_parallel(self) -> bool:
+        """Attention data-parallel over the ranks (each its own requests), experts expert-parallel."""
+        return self.dp > 1
 
 
 def head_range(num_heads: int, tp: int, rank: int) -> range:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.engine.dp_blocks import DpBlockManager
 from shared.engine.engine import Engine
 from shared.engine.prefix_caching import PrefixCacheStats
 
@@ -33,11 +34,16 @@ class EngineLoad:
     group_free_blocks: tuple[int, ...] = ()
     group_total_blocks: tuple[int, ...] = ()
     prefix_cache: PrefixCacheStats = PrefixCacheStats()  # cumulative; zeros with prefix caching off
+    # data-parallel attention (--dp-attention): per DP rank its running sequences and free blocks (a request's
+    # blocks all lie on one rank: shared/engine/dp_blocks.py); empty otherwise
+    dp_running: tuple[int, ...] = ()
+    dp_free_blocks: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, engine: Engine) -> EngineLoad:
         """A snapshot of `engine`; only on the thread that drives it (or before that thread starts)."""
         config = engine.config
+        dp = engine.blocks if isinstance(engine.blocks, DpBlockManager) else None
         return cls(
             running=engine.num_running,
             waiting=engine.num_waiting,
@@ -55,6 +61,8 @@ class EngineLoad:
             group_free_blocks=tuple(b.num_free for b in engine.group_blocks),
             group_total_blocks=tuple(b.num_blocks for b in engine.group_blocks),
             prefix_cache=engine.prefix_cache_stats(),
+            dp_running=tuple(dp.seqs_of()) if dp is not None else (),
+            dp_free_blocks=tuple(dp.rank_free(r) for r in range(dp.world)) if dp is not None else (),
         )
 
     @property
@@ -75,5 +83,13 @@ class EngineLoad:
         return (
             self.running + self.waiting < self.max_num_seqs
             and self.waiting_tokens < self.max_num_batched_tokens
-            and self.usage < MAX_BLOCK_USAGE
+            and self.fit_usage < MAX_BLOCK_USAGE
         )
+
+    @property
+    def fit_usage(self) -> float:
+        """Block usage as a new request meets it: group 0's, or under data-parallel attention the least used
+        rank's (a request's blocks all come from one rank, the leader picks the least loaded)."""
+        if not self.dp_free_blocks:
+            return self.usage
+        return 1.0 - max(self.dp_free_blocks) / (self.total_blocks // len(self.dp_free_blocks))

@@ -62,6 +62,8 @@ def build_heartbeat(
         kv_blocks_epoch=blocks.epoch if blocks is not None else "",
         kv_blocks_seq=blocks.seq if blocks is not None else 0,
         hot_experts=hot_experts,
+        dp_rank_running=load.dp_running,
+        dp_rank_free_blocks=load.dp_free_blocks,
     )
 
 
