@@ -14,6 +14,10 @@ first `units` cores while it is measured.
   that KV is imported B times (Engine.import_kv: B sequences, each with blocks of its own, as a decode worker
   holds handed-off requests), a few steps warm up, then `decode_steps` decode-only steps are timed one by one: the
   median step, at the mean context of the timed steps. No prompt is computed per batch, so a large grid stays cheap.
+  The copies sample at temperature 1, each with a seed of its own, so that from the first step on each feeds
+  its own tokens: B greedy copies would feed one token B times, route every row to the same experts and time an
+  MoE step that reads only top_k experts' weights, where B real requests read up to all of them (it made the
+  small demo's decode step at 16 sequences 2-3x cheaper than a decode worker's).
 
 The KV hand-off's coefficients are not measured here: the profile carries the prefill path's cost model defaults
 (services/gateway/path_signals.py), which a flag overrides. The serving plane's own time (HTTP, NATS hops) is not
@@ -235,10 +239,11 @@ def measure_decode(engine: Engine, grid: Grid, seed: int = 0) -> tuple[DecodePoi
 
 
 def _decode_steps(engine: Engine, prompt: list[int], first: list[int], kv, batch: int, steps: int) -> float:
-    """`batch` copies of an imported request, decoded `steps` steps: the median of the timed (non-warm-up) ones."""
-    params = SamplingParams(max_tokens=1 + steps, temperature=0.0, ignore_eos=True)
+    """`batch` copies of an imported request, decoded `steps` steps: the median of the timed (non-warm-up) ones. Each
+    copy samples its own tokens (seeded, temperature 1: see the module), so the batch routes as distinct requests."""
     ids = [f"decode-{batch}-{i}" for i in range(batch)]
-    for rid in ids:
+    for i, rid in enumerate(ids):
+        params = SamplingParams(max_tokens=1 + steps, temperature=1.0, seed=i, ignore_eos=True)
         engine.import_kv(rid, prompt, first, params, kv)
     times = []
     while engine.has_unfinished():
