@@ -17,6 +17,7 @@ from shared.model.kernels import cpu_moe
 from shared.model.kernels.choice import KernelChoice, resolve_kernels
 from shared.model.linear import can_prepack, prepack
 from shared.model.moe import use_cpu_expert_kernel
+from shared.model.panel_linear import use_panel_linears
 from shared.model.transformer import CausalLM
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,10 @@ def prepare_model(model: CausalLM, config: EngineConfig, device: torch.device) -
         log.info("int8: %s", use_int8_kernels(model, build) if build else "the CPU kernel is unavailable: float32")
     if config.prepack_weights and can_prepack(device, weight.dtype):
         prepack(model)
+    if config.cpu_linear_kernel and torch_on_cpu and weight.dtype == torch.float32:
+        # after prepacking: the panel format serves small batches and hands larger ones to the packed twin
+        build = cpu_moe.load()
+        log.info("CPU linears: %s", use_panel_linears(model, build) if build else "the CPU kernel is unavailable")
     model.use_kernels(kernels)
     log.info("kernels: %s (setting %s, device %s)", kernels, config.kernels, device)
     if config.cpu_expert_kernel and torch_on_cpu:

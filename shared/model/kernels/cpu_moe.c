@@ -531,6 +531,32 @@ int pdserve_moe_i8(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
     return moe_run(I8, x, T, D, I, E, A, ids, w, gu, gus, dn, dns, out, threads, 0);
 }
 
+/* A dense linear in float32: out (M, N) = x (M, K) @ W.T with W in one expert's down-panel layout (N/2L, K, 2L);
+ * N % 2L == 0. What the oneDNN GEMM a decode step's projections take does at M = 1..8 with a per-call overhead
+ * and a packed layout that streams below the read bandwidth: here each panel is read once per tile of up to
+ * MAX_ROWS rows, in order, with a routing weight of 1 (an exact multiply). Products summed in k order (not
+ * oneDNN's blocking: the last bits differ). Returns 0. */
+int pdserve_linear_f32(const float *x, int64_t M, int64_t K, int64_t N, const float *w, float *out, int threads) {
+    const int64_t panels = N / (2 * L), tiles = (M + MAX_ROWS - 1) / MAX_ROWS, per = (M + tiles - 1) / tiles;
+#pragma omp parallel num_threads(threads > 1 ? threads : 1) if (threads > 1)
+    {
+        float *ys[MAX_ROWS];
+        float ones[MAX_ROWS];
+        for (int r = 0; r < MAX_ROWS; r++) ones[r] = 1.0f;
+#pragma omp for schedule(dynamic, 2)
+        for (int64_t k = 0; k < panels * tiles; k++) {
+            const int64_t j = k % panels, r0 = (k / panels) * per;
+            if (r0 >= M) continue;
+            const int R = (int)(M - r0 < per ? M - r0 : per);
+            for (int r = 0; r < R; r++) ys[r] = out + (r0 + r) * N + 2 * L * j;
+#define DN(RR) down_tile(RR, x + r0 * K, K, w + j * K * 2 * L, ys, ones)
+            TILE_CASES(DN)
+#undef DN
+        }
+    }
+    return 0;
+}
+
 /* A dense linear with int8 weights: out (M, N) = x (M, K) @ (q * scale).T, float32, the weights in one expert's
  * down-panel layout (N/2L, K, 2L) with scales (N/2L, 2L); N % 2L == 0. Tiles of (panel, up to MAX_ROWS rows)
  * run down_tile_i8 with routing weight 1 (an exact multiply). Returns 0. */

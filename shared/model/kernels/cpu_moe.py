@@ -184,6 +184,20 @@ class Kernel:
             raise MemoryError("CPU expert kernel: scratch allocation failed")
         return out
 
+    def linear_f32(self, x: torch.Tensor, panels: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """x (M, K) float32 @ the float32 weight of `panels` (N/2L, K, 2L) → (M, N): shared/model/panel_linear.py's
+        dense linears of decode-sized batches."""
+        assert x.dtype == torch.float32 and panels.dtype == torch.float32
+        x = x.contiguous()
+        m, k = x.shape
+        n = panels.shape[0] * panels.shape[2]
+        out = torch.empty(m, n, dtype=torch.float32)
+        self.lib.pdserve_linear_f32(
+            x.data_ptr(), m, k, n, panels.data_ptr(), out.data_ptr(),
+            torch.get_num_threads() if threads is None else threads,
+        )  # fmt: skip
+        return out
+
     def linear_i8(self, x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, threads: int | None = None):
         """x (M, K) float32 @ the int8 weight of `panels` (N/2L, K, 2L) with `scale` (N/2L, 2L) → (M, N):
         shared/model/int8.py's dense linears."""
@@ -211,7 +225,9 @@ def load_build(isa: str, extra: tuple[str, ...] = ()) -> Kernel | None:
     lib.pdserve_moe_bf16.argtypes = [*head, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
     lib.pdserve_moe_i8.argtypes = [*head, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.pdserve_linear_i8.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
-    for entry in (lib.pdserve_moe_f32, lib.pdserve_moe_bf16, lib.pdserve_moe_i8, lib.pdserve_linear_i8):
+    lib.pdserve_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ctypes.c_int]
+    linears = (lib.pdserve_linear_i8, lib.pdserve_linear_f32)
+    for entry in (lib.pdserve_moe_f32, lib.pdserve_moe_bf16, lib.pdserve_moe_i8, *linears):
         entry.restype = ctypes.c_int
     return Kernel(lib, isa, lib.pdserve_lanes())
 
