@@ -102,7 +102,7 @@ class MoE(nn.Module, PackedWeights):
         GLM). Every path multiplies and sums in that dtype and rounds the sum to x's: at bfloat16, transformers'
         rounding."""
         ids, weights = self.gate(x)
-        return ids, weights.to(x.dtype) if self.cast_weights else weights
+        return ids, weights.to(x.dtype) if self.cast_weights and weights.dtype != x.dtype else weights
 
     def shared(self, x: torch.Tensor) -> torch.Tensor | None:
         """The shared expert's output (T, D), a partial sum under tensor parallelism; None without one."""

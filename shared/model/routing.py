@@ -80,7 +80,8 @@ class Router(nn.Module, PackedWeights):
         if self.cfg.float32_logits:
             bias = None if self.bias is None else self.bias.float()
             return linear(x.float(), weight if weight.is_mkldnn else weight.float(), bias)
-        return linear(x, weight, self.bias).float()
+        logits = linear(x, weight, self.bias)
+        return logits if logits.dtype == torch.float32 else logits.float()  # no conversion op when it is float32
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
@@ -98,8 +99,11 @@ class Router(nn.Module, PackedWeights):
             ids = choice.topk(cfg.top_k, dim=-1).indices
             weights = scores.gather(1, ids)
         if cfg.norm_topk_prob:
-            # +1e-20 as DeepSeek-V3/GLM write it; for softmax scores (a sum >= A/E) it does not change a bit
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            total = weights.sum(dim=-1, keepdim=True)
+            # +1e-20 as DeepSeek-V3/GLM write it. The top A of E softmax scores sum to at least A/E, where 1e-20 is
+            # far below half an ulp: there the add cannot change a bit and is left out (one op a layer).
+            top_softmax = cfg.scoring is Scoring.SOFTMAX and choice is scores
+            weights = weights / (total if top_softmax else total + 1e-20)
         if cfg.routed_scaling_factor != 1.0:
             weights = weights * cfg.routed_scaling_factor
         return ids, weights

@@ -156,7 +156,8 @@ class Kernel:
         assert topk_ids.dtype == torch.int64 and panels.lanes == self.lanes
         x = x.contiguous()
         ids = topk_ids.contiguous()
-        weights = topk_weights.to(torch.float32).contiguous()
+        weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.to(torch.float32)
+        weights = weights.contiguous()
         t, d = x.shape
         e = panels.gate_up.shape[0]
         i = panels.down.shape[2] * (2 if panels.dtype == torch.bfloat16 else 1)
