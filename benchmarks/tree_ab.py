@@ -3,16 +3,19 @@
     .venv/bin/python benchmarks/tree_ab.py --old DIR [--new DIR] [--batch 1,8] [--threads 1,2] [--rounds 15]
         [--steps 20] [--json OUT]
 
-`--old` and `--new` are source trees (a `git worktree` or `git archive` of each commit; `--new` defaults to
-this one). Each tree's packages are imported in turn under their own names (`shared`, `services`): after the
-first tree's engine is built its modules are dropped from `sys.modules` and the second tree's are imported, so
-both engines live in one process, each running its own code (and its own build of the C kernels, cached by a
-hash of their source). Per thread count and batch size B, both engines prefill the same B random 128-token
-prompts, warm up, then run `--rounds` rounds of `--steps` greedy decode steps each, the two engines taking
-turns within every round (the order alternating), so both see the same host, the same load and the same
-growing contexts. Prints per engine the median step, the paired ratio (median over rounds of new / old), the
-aten op calls of one decode step (torch.profiler, all nested calls counted, and the top-level ones), and
-whether the two produced the same greedy tokens; records the CPU model and the load average before and after.
+`--old` and `--new` are source trees (a `git worktree` or `git archive` of each commit; `--new` defaults to this
+one). Each tree's packages are imported in turn under their own names (`shared`, `services`, `benchmarks`): once the
+first tree's are imported they are dropped from `sys.modules` (its classes keep their own modules) and the second
+tree's are imported, so both engines live in one process, each running its own code (and its own build of the C
+kernels, cached by a hash of their source). A module either tree imported only inside a function would resolve to
+the new tree's: the CPU decode path imports nothing that way (only the Triton kernels do). Per thread count and
+batch size B, both engines prefill the same B random 128-token prompts, warm up, then run `--rounds` rounds of
+`--steps` greedy decode steps each, the two engines taking turns within every round (the order alternating), so both
+see the same host, the same load and the same growing contexts. Prints per engine the median step and its multiple
+of the step's memory floor (bytes over the read bandwidth sampled in the same rounds), the paired ratio (median over
+rounds of new / old), the aten op calls of one decode step (torch.profiler, all nested calls counted, and the top-
+level ones), and whether the two produced the same greedy tokens; records the CPU model and the load average before
+and after.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ def import_tree(tree: Path) -> dict:
         del sys.modules[name]
     sys.path.insert(0, str(tree))
     try:
+        from benchmarks.engine_bench import decode_step_cost
+        from benchmarks.host_info import read_bandwidth
         from services.demo_model import ensure_demo_checkpoint
         from shared.engine.config import SchedulerConfig
         from shared.engine.engine import Engine
@@ -47,7 +52,12 @@ def import_tree(tree: Path) -> dict:
     finally:
         sys.path.remove(str(tree))
     return dict(
-        Engine=Engine, SchedulerConfig=SchedulerConfig, SamplingParams=SamplingParams, checkpoint=ensure_demo_checkpoint
+        Engine=Engine,
+        SchedulerConfig=SchedulerConfig,
+        SamplingParams=SamplingParams,
+        checkpoint=ensure_demo_checkpoint,
+        step_cost=decode_step_cost,
+        read_bandwidth=read_bandwidth,
     )
 
 
@@ -92,25 +102,39 @@ class Side:
         return len(events), sum(1 for e in events if e.cpu_parent is None)
 
 
-def bench(sides: list[Side], prompts, rounds: int, steps: int) -> dict:
+def bench(sides: list[Side], prompts, rounds: int, steps: int, code: dict) -> dict:
+    """Rounds of `steps` steps per side, the order alternating; the host's read bandwidth sampled once a round
+    between the two sides' runs, for the memory floor: the bytes a step must read (engine_bench.py's
+    decode_step_cost: the weights of the experts it touches, the KV) over the median of those samples."""
     for side in sides:
         side.start(prompts, warmup=8)
     ops = {side.name: side.op_calls() for side in sides}
-    ratios = []
+    ratios, gbps = [], []
     for r in range(rounds):
-        order = sides if r % 2 == 0 else sides[::-1]
-        medians = {side.name: statistics.median(side.run(steps)) for side in order}
+        first, second = sides if r % 2 == 0 else sides[::-1]
+        medians = {first.name: statistics.median(first.run(steps))}
+        gbps.append(code["read_bandwidth"](repeats=5))
+        medians[second.name] = statistics.median(second.run(steps))
         ratios.append(medians["new"] / medians["old"])
     old, new = sides
     same = sum(old.tokens[k] == new.tokens.get(k) for k in old.tokens) / len(old.tokens)
+    context = PROMPT + 9 + rounds * steps / 2  # the timed steps' average context
+    read, _ = code["step_cost"](new.engine.model, len(prompts), context)
+    floor_ms = read / statistics.median(gbps) / 1e6
+    old_ms, new_ms = 1000 * statistics.median(old.times), 1000 * statistics.median(new.times)
     return dict(
-        old_step_ms=1000 * statistics.median(old.times),
-        new_step_ms=1000 * statistics.median(new.times),
+        old_step_ms=old_ms,
+        new_step_ms=new_ms,
         paired_ratio=statistics.median(ratios),
         ratio_range=(min(ratios), max(ratios)),
         old_ops=ops["old"],
         new_ops=ops["new"],
         same_tokens=same,
+        step_mb=read / 1e6,
+        read_gbps=statistics.median(gbps),
+        mem_floor_ms=floor_ms,
+        old_x_floor=old_ms / floor_ms,
+        new_x_floor=new_ms / floor_ms,
     )
 
 
@@ -138,12 +162,14 @@ def main() -> None:
             load_before = os.getloadavg()
             sides = [Side(name, codes[name], model_dir, batch, tokens) for name in ("old", "new")]
             row: dict[str, Any] = dict(threads=threads, batch=batch, load_before=load_before)
-            row |= bench(sides, prompts, args.rounds, args.steps)
+            row |= bench(sides, prompts, args.rounds, args.steps, codes["new"])
             row["load_after"] = os.getloadavg()
             rows.append(row)
             print(f"threads {threads} batch {batch:3d}: old {row['old_step_ms']:.2f} ms, new {row['new_step_ms']:.2f}"
                   f" ms, paired new/old {row['paired_ratio']:.3f} ({row['ratio_range'][0]:.2f}-"
-                  f"{row['ratio_range'][1]:.2f}); aten ops/step old {row['old_ops'][0]} ({row['old_ops'][1]} "
+                  f"{row['ratio_range'][1]:.2f}); x mem floor ({row['mem_floor_ms']:.2f} ms at "
+                  f"{row['read_gbps']:.0f} GB/s) old {row['old_x_floor']:.2f} new {row['new_x_floor']:.2f}; "
+                  f"aten ops/step old {row['old_ops'][0]} ({row['old_ops'][1]} "
                   f"top-level), new {row['new_ops'][0]} ({row['new_ops'][1]}); same tokens {row['same_tokens']:.0%};"
                   f" load {load_before[0]:.1f} -> {row['load_after'][0]:.1f}", flush=True)  # fmt: skip
             del sides
