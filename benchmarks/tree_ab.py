@@ -1,7 +1,7 @@
 """Two checkouts of pdserve decoding side by side in one process: what a change of the code buys a step, CPU.
 
     .venv/bin/python benchmarks/tree_ab.py --old DIR [--new DIR] [--batch 1,8] [--threads 1,2] [--rounds 15]
-        [--steps 20] [--json OUT]
+        [--steps 20] [--prefill TOKENS] [--json OUT]
 
 `--old` and `--new` are source trees (a `git worktree` or `git archive` of each commit; `--new` defaults to this
 one). Each tree's packages are imported in turn under their own names (`shared`, `services`, `benchmarks`): once the
@@ -15,7 +15,7 @@ see the same host, the same load and the same growing contexts. Prints per engin
 of the step's memory floor (bytes over the read bandwidth sampled in the same rounds), the paired ratio (median over
 rounds of new / old), the aten op calls of one decode step (torch.profiler, all nested calls counted, and the top-
 level ones), and whether the two produced the same greedy tokens; records the CPU model and the load average before
-and after.
+and after. `--prefill N` also times one fresh N-token prompt's prefill step per side per round, alternating.
 """
 
 from __future__ import annotations
@@ -64,13 +64,14 @@ def import_tree(tree: Path) -> dict:
 class Side:
     """One tree's engine, stepping B greedy requests."""
 
-    def __init__(self, name: str, code: dict, model_dir: Path, batch: int, tokens: int) -> None:
+    def __init__(self, name: str, code: dict, model_dir: Path, batch: int, tokens: int, prompt: int = PROMPT) -> None:
+        """B sequences of `prompt` + `tokens` tokens at most, each prompt prefilled in one step."""
         self.name, self.times, self.tokens = name, [], {}
         self.engine = code["Engine"].from_dir(
             model_dir,
-            scheduler=code["SchedulerConfig"](max_num_batched_tokens=batch * PROMPT, max_num_seqs=batch),
-            num_kv_blocks=batch * -(-(PROMPT + tokens + 1) // 16),
-            max_model_len=PROMPT + tokens + 1,
+            scheduler=code["SchedulerConfig"](max_num_batched_tokens=batch * prompt, max_num_seqs=batch),
+            num_kv_blocks=batch * -(-(prompt + tokens + 1) // 16),
+            max_model_len=prompt + tokens + 1,
             enable_prefix_caching=False,
         )
         self.params = code["SamplingParams"](max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -138,6 +139,33 @@ def bench(sides: list[Side], prompts, rounds: int, steps: int, code: dict) -> di
     )
 
 
+def bench_prefill(codes: dict, model_dir: Path, length: int, rounds: int) -> dict:
+    """One fresh `length`-token prompt per side per round (max_tokens=1, prefix cache off): the prefill step's
+    time, the two sides alternating."""
+    sides = [Side(name, codes[name], model_dir, 1, 1, prompt=length) for name in ("old", "new")]
+    gen = torch.Generator().manual_seed(length)
+    times: dict[str, list[float]] = {"old": [], "new": []}
+    ratios = []
+    for r in range(rounds + 1):  # the first round warms up
+        prompt = torch.randint(0, 259, (length,), generator=gen).tolist()
+        taken = {}
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            side.engine.add_request(f"p{r}", prompt, side.params)
+            t0 = time.perf_counter()
+            side.engine.step()
+            taken[side.name] = time.perf_counter() - t0
+        if r:
+            ratios.append(taken["new"] / taken["old"])
+            for name, t in taken.items():
+                times[name].append(t)
+    return dict(
+        old_ms=1000 * statistics.median(times["old"]),
+        new_ms=1000 * statistics.median(times["new"]),
+        paired_ratio=statistics.median(ratios),
+        ratio_range=(min(ratios), max(ratios)),
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--old", required=True, type=Path, help="the baseline tree")
@@ -146,6 +174,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=20, help="decode steps per engine per round")
+    ap.add_argument("--prefill", type=int, default=0, help="also time one prefill of this many tokens per round")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
@@ -173,6 +202,18 @@ def main() -> None:
                   f"top-level), new {row['new_ops'][0]} ({row['new_ops'][1]}); same tokens {row['same_tokens']:.0%};"
                   f" load {load_before[0]:.1f} -> {row['load_after'][0]:.1f}", flush=True)  # fmt: skip
             del sides
+        if args.prefill:
+            load_before = os.getloadavg()
+            row = dict(threads=threads, prefill=args.prefill, load_before=load_before)
+            row |= bench_prefill(codes, model_dir, args.prefill, args.rounds)
+            row["load_after"] = os.getloadavg()
+            rows.append(row)
+            print(
+                f"threads {threads} prefill {args.prefill}: old {row['old_ms']:.1f} ms, new {row['new_ms']:.1f} ms, "
+                f"paired new/old {row['paired_ratio']:.3f} ({row['ratio_range'][0]:.2f}-"
+                f"{row['ratio_range'][1]:.2f}); load {load_before[0]:.1f} -> {row['load_after'][0]:.1f}",
+                flush=True,
+            )
     if args.json:
         args.json.write_text(json.dumps(dict(cpu=cpu, old=str(args.old), new=str(args.new), rows=rows), indent=2))
 

@@ -36,12 +36,12 @@ def prepare_model(model: CausalLM, config: EngineConfig, device: torch.device) -
         # before prepacking: the linears the int8 kernel serves get no oneDNN pack
         build = cpu_moe.load()
         log.info("int8: %s", use_int8_kernels(model, build) if build else "the CPU kernel is unavailable: float32")
-    if config.prepack_weights and can_prepack(device, weight.dtype):
-        prepack(model)
     if config.cpu_linear_kernel and torch_on_cpu and weight.dtype == torch.float32:
-        # after prepacking: the panel format serves small batches and hands larger ones to the packed twin
+        # before prepacking too: the linears on panels get no oneDNN pack
         build = cpu_moe.load()
         log.info("CPU linears: %s", use_panel_linears(model, build) if build else "the CPU kernel is unavailable")
+    if config.prepack_weights and can_prepack(device, weight.dtype):
+        prepack(model)
     model.use_kernels(kernels)
     log.info("kernels: %s (setting %s, device %s)", kernels, config.kernels, device)
     if config.cpu_expert_kernel and torch_on_cpu:

@@ -19,9 +19,9 @@ from shared.engine.kernel_setup import prepare_model
 from shared.engine.sampling import SamplingParams
 from shared.model import routing
 from shared.model.kernels import cpu_moe
-from shared.model.linear import linear, pack
+from shared.model.linear import linear
 from shared.model.loader import load_model
-from shared.model.panel_linear import PANEL_MAX_ROWS, PanelLinear
+from shared.model.panel_linear import PanelLinear
 from shared.model.router_config import RouterConfig, Scoring
 
 BUILDS = cpu_moe.kernels()
@@ -33,16 +33,20 @@ each_build = pytest.mark.parametrize(
 
 @each_build
 @pytest.mark.parametrize("rows", [1, 2, 5, 12, 13, 31, 32])
-def test_panel_linear_matches_torchs_gemm(build, rows):
+@pytest.mark.parametrize("short", [0, 5], ids=["whole-panels", "padded"])  # outputs short of whole panels
+def test_panel_linear_matches_torchs_gemm(build, rows, short):
     gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(4 * build.lanes, 80, generator=gen) * 0.1
-    bias = torch.randn(4 * build.lanes, generator=gen)
-    served = PanelLinear.pack(build, weight, weight)
+    n = 4 * build.lanes - short
+    weight = torch.randn(n, 80, generator=gen) * 0.1
+    bias = torch.randn(n, generator=gen)
+    served = PanelLinear.pack(build, weight)
     x = torch.randn(rows, 80, generator=gen)
-    torch.testing.assert_close(served.matmul(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    out = served.matmul(x)
+    assert out.shape == (rows, n) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(served.matmul(x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     x3 = x.view(1, rows, 80)  # leading dims kept
-    assert served.matmul(x3).shape == (1, rows, 4 * build.lanes)
+    assert torch.equal(served.matmul(x3), out.view(1, rows, n))
 
 
 @needs_kernel
@@ -51,25 +55,21 @@ def test_panel_linear_gives_the_same_bits_at_any_thread_count_and_build():
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(96, 64, generator=gen)
     x = torch.randn(29, 64, generator=gen)
-    ref = build.linear_f32(x, PanelLinear.pack(build, weight, weight).panels, threads=1)
+    ref = build.linear_f32(x, PanelLinear.pack(build, weight).panels, threads=1)
     for threads in (2, 3):
-        assert torch.equal(build.linear_f32(x, PanelLinear.pack(build, weight, weight).panels, threads=threads), ref)
+        assert torch.equal(build.linear_f32(x, PanelLinear.pack(build, weight).panels, threads=threads), ref)
     for other in BUILDS[1:]:  # narrower vectors, the same products in the same order
-        assert torch.equal(other.linear_f32(x, PanelLinear.pack(other, weight, weight).panels, threads=1), ref)
+        assert torch.equal(other.linear_f32(x, PanelLinear.pack(other, weight).panels, threads=1), ref)
 
 
 @needs_kernel
-def test_batches_above_the_limit_take_the_packed_weight_exactly():
+@pytest.mark.parametrize("rows", [64, 300])
+def test_prefill_sized_batches_match_torchs_gemm(rows):
     build = BUILDS[0]
-    gen = torch.Generator().manual_seed(4)
-    weight = torch.randn(2 * build.lanes, 48, generator=gen)
-    packed = pack(weight)
-    served = PanelLinear.pack(build, weight, packed)
-    x = torch.randn(PANEL_MAX_ROWS + 1, 48, generator=gen)
-    assert torch.equal(served.matmul(x), linear(x, packed))
-    # and at the limit, the panels
-    small = x[:PANEL_MAX_ROWS]
-    assert torch.equal(served.matmul(small), build.linear_f32(small, served.panels))
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(3 * build.lanes, 96, generator=gen) * 0.1
+    x = torch.randn(rows, 96, generator=gen)
+    torch.testing.assert_close(PanelLinear.pack(build, weight).matmul(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
@@ -80,12 +80,16 @@ def test_panels_serve_the_dense_projections_only(tmp_path):
         model = load_model(ckpt)
         config = EngineConfig(model=str(ckpt), cpu_linear_kernel=cpu_linear_kernel)
         prepare_model(model, config, torch.device("cpu"))
-        return {
+        served = {
             (type(m).__name__, name)
             for m in model.modules()
             for name, f in (m.__dict__.get("_formats") or {}).items()
-            if isinstance(f, PanelLinear) and f.large.is_mkldnn  # larger batches: the packed twin
+            if isinstance(f, PanelLinear)
         }
+        packed = {(type(m).__name__, name) for m in model.modules() for name in m.__dict__.get("_packed") or {}}
+        assert not served & packed  # the panels replace the oneDNN pack: one copy beside the parameter
+        assert ("Router", "weight") in packed  # prepacking still packs what the panels do not serve
+        return served
 
     served = panel_served(True)
     assert ("Attention", "qkv_proj") in served and ("Attention", "o_proj") in served

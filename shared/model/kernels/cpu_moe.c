@@ -535,9 +535,9 @@ int pdserve_moe_i8(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, i
 }
 
 /* A dense linear in float32: out (M, N) = x (M, K) @ W.T with W in one expert's down-panel layout (N/2L, K, 2L);
- * N % 2L == 0. What the oneDNN GEMM a decode step's projections take does at M = 1..8 with a per-call overhead
- * and a packed layout that streams below the read bandwidth: here each panel is read once per tile of up to
- * MAX_ROWS rows, in order, with a routing weight of 1 (an exact multiply). Products summed in k order (not
+ * N % 2L == 0 (shared/model/panel_linear.py pads). In place of oneDNN's packed GEMM, which pays a per-call
+ * overhead and streams a decode step's few rows below the read bandwidth: each panel is read once per tile of up
+ * to MAX_ROWS rows, in order, with a routing weight of 1 (an exact multiply). Products summed in k order (not
  * oneDNN's blocking: the last bits differ). Returns 0. */
 int pdserve_linear_f32(const float *x, int64_t M, int64_t K, int64_t N, const float *w, float *out, int threads) {
     const int64_t panels = N / (2 * L), tiles = (M + MAX_ROWS - 1) / MAX_ROWS, per = (M + tiles - 1) / tiles;

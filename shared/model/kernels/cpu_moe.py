@@ -193,7 +193,7 @@ class Kernel:
 
     def linear_f32(self, x: torch.Tensor, panels: torch.Tensor, threads: int | None = None) -> torch.Tensor:
         """x (M, K) float32 @ the float32 weight of `panels` (N/2L, K, 2L) → (M, N): shared/model/panel_linear.py's
-        dense linears of decode-sized batches."""
+        dense linears."""
         assert x.dtype == torch.float32 and panels.dtype == torch.float32
         x = x.contiguous()
         m, k = x.shape
