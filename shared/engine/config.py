@@ -138,6 +138,12 @@ class EngineConfig:
     """On CPU, a single-process engine of one KV cache group: the KV pool lives in a memfd (shared_pool.py) that
     decode workers on the same host map read-only, to copy a request's blocks straight into their own pool (a
     prefill worker's hand-off: one copy). Ignored elsewhere (logged)."""
+    cpu_linear_kernel: bool = True
+    """On CPU with the torch kernels, a float32 model's dense projections (attention's, dense MLPs', the LM
+    head's) run the C panel linear (shared/model/panel_linear.py, in the expert kernel's library), which streams
+    each weight without oneDNN's per-call overhead (decode steps gain most); its panels replace the oneDNN pack
+    of those weights. Where the kernel cannot be built or run, the torch path (logged). False = the torch path
+    (its reference; the two differ in summation order)."""
     cpu_norm_kernel: bool = True
     """On CPU, a float32 model's RMSNorms and each attention layer's q/k norm + RoPE run the C kernel
     (shared/model/kernels/cpu_norm_rope.c, built with gcc at first use, any x86-64), one call each instead of

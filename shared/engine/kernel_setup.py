@@ -17,6 +17,7 @@ from shared.model.kernels import cpu_moe
 from shared.model.kernels.choice import KernelChoice, resolve_kernels
 from shared.model.linear import can_prepack, prepack
 from shared.model.moe import use_cpu_expert_kernel
+from shared.model.panel_linear import use_panel_linears
 from shared.model.transformer import CausalLM
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,10 @@ def prepare_model(model: CausalLM, config: EngineConfig, device: torch.device) -
         # before prepacking: the linears the int8 kernel serves get no oneDNN pack
         build = cpu_moe.load()
         log.info("int8: %s", use_int8_kernels(model, build) if build else "the CPU kernel is unavailable: float32")
+    if config.cpu_linear_kernel and torch_on_cpu and weight.dtype == torch.float32:
+        # before prepacking too: the linears on panels get no oneDNN pack
+        build = cpu_moe.load()
+        log.info("CPU linears: %s", use_panel_linears(model, build) if build else "the CPU kernel is unavailable")
     if config.prepack_weights and can_prepack(device, weight.dtype):
         prepack(model)
     model.use_kernels(kernels)

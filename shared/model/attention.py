@@ -103,9 +103,10 @@ class Attention(nn.Module, PackedWeights):
             q, k = self._full_qk_norm(q, k) if self.shard.split else (self.q_norm(q), self.k_norm(k))
         if self.clip_qkv is not None:
             q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        # views of the projection's columns (no copy): a head's dims are contiguous in each token's row
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.rope_kernel is not None:  # the per-head norm and the rotation in one call
             weights = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm is QKNorm.PER_HEAD else (None, None)
             eps = self.q_norm.eps if self.qk_norm is QKNorm.PER_HEAD else 0.0
@@ -115,7 +116,7 @@ class Attention(nn.Module, PackedWeights):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, k, rope)
         out = paged_attention(q, k, v, kv_cache, meta.for_window(self.window), self.scale, self.sinks)
-        out = out.reshape(t, self.q_size)
+        out = out.view(t, self.q_size)  # paged_attention's output is a new contiguous tensor
         if not self.shard.split:  # the bias inside the matmul: one rounding, as nn.Linear's (transformers')
             return linear(out, self.w("o_proj"), self.o_bias)
         out = self.shard.all_reduce_(linear(out, self.w("o_proj")))  # the bias is whole-row: added once, after

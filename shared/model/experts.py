@@ -114,6 +114,11 @@ class Experts(nn.Module):
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._packed[e] if self._packed is not None else (self.gate_up[e], self.down[e])
 
+    def runs_cpu_kernel(self, x: torch.Tensor) -> bool:
+        """Whether `forward(x, ...)` takes the CPU expert kernel (forward_cpu_kernel), which needs no per-expert
+        counts and can keep a counter itself (its `load`)."""
+        return self._panels is not None and self.kernels is KernelChoice.TORCH and x.device.type == "cpu"
+
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, counts: torch.Tensor
     ) -> torch.Tensor:
@@ -152,19 +157,22 @@ class Experts(nn.Module):
                 start += n
         return pairs.combine(torch.cat(ys) if ys else pairs.rows)
 
-    def forward_cpu_kernel(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward_cpu_kernel(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, load: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The same sum in one call of the CPU expert kernel (shared/model/kernels/cpu_moe.c): routing sort,
         both matmuls, SiLU * up and the weighted combine, over the panels use_cpu_kernel made. float32 and int8
         (float32 activations): products and sums in float32 (for A = 2 the sum rounds as the torch paths' does;
         the matmuls differ in the last bits); int8 gives the bits of float32 over the dequantized weights.
-        bfloat16: float32 accumulation, rounded to bfloat16 where torch's bfloat16 ops round."""
+        bfloat16: float32 accumulation, rounded to bfloat16 where torch's bfloat16 ops round. load: an (E,) int64
+        counter the kernel adds each expert's routed tokens to (MoE.expert_load), or None."""
         assert self._panels is not None and self._cpu_kernel is not None
         kernel, panels, n = self._cpu_kernel, self._panels, CPU_KERNEL_SLICE_TOKENS
         if x.shape[0] <= n:
-            return kernel.moe(x, topk_ids, topk_weights, panels)
+            return kernel.moe(x, topk_ids, topk_weights, panels, load=load)
         return torch.cat(
             [
-                kernel.moe(x[t : t + n], topk_ids[t : t + n], topk_weights[t : t + n], panels)
+                kernel.moe(x[t : t + n], topk_ids[t : t + n], topk_weights[t : t + n], panels, load=load)
                 for t in range(0, len(x), n)
             ]
         )

@@ -102,7 +102,7 @@ class MoE(nn.Module, PackedWeights):
         GLM). Every path multiplies and sums in that dtype and rounds the sum to x's: at bfloat16, transformers'
         rounding."""
         ids, weights = self.gate(x)
-        return ids, weights.to(x.dtype) if self.cast_weights else weights
+        return ids, weights.to(x.dtype) if self.cast_weights and weights.dtype != x.dtype else weights
 
     def shared(self, x: torch.Tensor) -> torch.Tensor | None:
         """The shared expert's output (T, D), a partial sum under tensor parallelism; None without one."""
@@ -121,27 +121,36 @@ class MoE(nn.Module, PackedWeights):
 
     def forward(self, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
         ids, weights = self.route(x)
-        flat = ids.flatten()
-        if x.device.type == "cpu":  # (E,) per-expert counts: one op (its read of the max id costs nothing here)
-            counts = torch.bincount(flat, minlength=self.expert_load.shape[0])
-        else:  # on the device without a host read (bincount would read the max id on the host under CUDA)
-            counts = torch.zeros_like(self.expert_load).index_add_(0, flat, torch.ones_like(flat))
-        parallel_tokens = self.dispatch is not None and self.dispatch.data_parallel
-        if not parallel_tokens:  # else the group's counts, after the dispatch exchanged them
-            self.expert_load += counts
         if self.trace is not None:
             self.trace.add(self.trace_layer, ids)
-        if self.dispatch is not None:
-            out = self.dispatch.forward(self.experts, x, ids, weights)
-            if parallel_tokens:
-                self.expert_load += self.dispatch.routed
-        elif reference:
-            out = self.experts.forward_reference(x, ids, weights)
+        if self.dispatch is None and not reference and self.experts.runs_cpu_kernel(x):
+            # the kernel counts the tokens per expert into expert_load as it sorts them (no bincount, no add)
+            out = self.experts.forward_cpu_kernel(x, ids, weights, load=self.expert_load)
         else:
-            out = self.experts(x, ids, weights, counts)
+            out = self._routed(x, ids, weights, reference)
         shared = self.shared(x)
         if self.dispatch is not None:  # the routed sum is whole on every rank: only the shared expert's is partial
             return out if shared is None else out + self.shard.all_reduce_(shared)
         if shared is not None:
             out = out + shared
         return self.shard.all_reduce_(out)  # routed + shared partial sums, one all-reduce per block
+
+    def _routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, reference: bool) -> torch.Tensor:
+        """The routed experts' sum on every path but the CPU kernel's, expert_load counted here (under data-parallel
+        attention: the group's counts, once the dispatch has exchanged them)."""
+        flat = ids.flatten()
+        if x.device.type == "cpu":  # (E,) per-expert counts: one op (its read of the max id costs nothing here)
+            counts = torch.bincount(flat, minlength=self.expert_load.shape[0])
+        else:  # on the device without a host read (bincount would read the max id on the host under CUDA)
+            counts = torch.zeros_like(self.expert_load).index_add_(0, flat, torch.ones_like(flat))
+        parallel_tokens = self.dispatch is not None and self.dispatch.data_parallel
+        if not parallel_tokens:
+            self.expert_load += counts
+        if self.dispatch is not None:
+            out = self.dispatch.forward(self.experts, x, ids, weights)
+            if parallel_tokens:
+                self.expert_load += self.dispatch.routed
+            return out
+        if reference:
+            return self.experts.forward_reference(x, ids, weights)
+        return self.experts(x, ids, weights, counts)

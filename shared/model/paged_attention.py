@@ -319,6 +319,10 @@ def paged_attention(
     logits or None. Writes k, v into the cache, then attends over each sequence's context (the view's: see
     `for_window`). Returns (T, H, hd)."""
     kvh, hd = k.shape[1], k.shape[2]
+    kd = meta.kernel_decodes
+    if kd is not None and kd.cpu_kernel and meta.num_decodes == q.shape[0]:
+        # a decode-only step on the CPU kernel: it writes the step's K/V into the cache itself, then attends
+        return _cpu_kernel_decodes(q, kv_cache, meta, scale, sinks, torch.empty_like(q), write=(k, v))
     flat = kv_cache.view(2, -1, kvh, hd)
     flat[0].index_copy_(0, meta.slot_mapping, k)
     flat[1].index_copy_(0, meta.slot_mapping, v)
@@ -378,17 +382,29 @@ def paged_attention(
 
 
 def _cpu_kernel_decodes(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sinks: torch.Tensor | None, out
-) -> None:
-    """The decode tokens through the CPU attention kernel, written into out[:num_decodes]. The engine picks
-    this layout only where the kernel runs (use_cpu_attention_kernel); sinks and other dtypes keep the torch
-    buckets, so reaching here with them is a wiring error."""
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sinks: torch.Tensor | None,
+    out: torch.Tensor,
+    write: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The decode tokens through the CPU attention kernel, written into out[:num_decodes] (→ out). write: (k, v)
+    of a decode-only step, which the kernel writes into the cache at the metadata's slots before attending. The
+    engine picks this layout only where the kernel runs (use_cpu_attention_kernel); sinks and other dtypes keep
+    the torch buckets, so reaching here with them is a wiring error."""
     lib = cpu_attention.load()
     kd, nd = meta.kernel_decodes, meta.num_decodes
     assert kd is not None
     if lib is None or sinks is not None:
         raise ValueError("CPU kernel decode layout without a usable CPU attention kernel (or with sinks)")
-    cpu_attention.paged_decode(lib, q[:nd], kv_cache, kd.blocks, kd.context_lens, scale, kd.window, out=out[:nd])
+    if write is not None:  # a decode-only step: the whole tensors (no slicing ops), the K/V write inside
+        kv = (*write, meta.slot_mapping)
+        cpu_attention.paged_decode(lib, q, kv_cache, kd.blocks, kd.context_lens, scale, kd.window, out=out, write=kv)
+    else:
+        cpu_attention.paged_decode(lib, q[:nd], kv_cache, kd.blocks, kd.context_lens, scale, kd.window, out=out[:nd])
+    return out
 
 
 def attention_with_sinks(

@@ -134,3 +134,36 @@ def test_model_choice_follows_dtype_and_sinks():
     model = CausalLM(cfg)
     assert "cpu kernel in 2 layers" in use_cpu_attention_kernel(model) and model.cpu_attention
     assert "float32" in use_cpu_attention_kernel(model.to(torch.bfloat16)) and not model.cpu_attention
+
+
+@needs_kernel
+def test_a_decode_only_step_writes_its_kv_in_the_kernel_as_the_torch_path_does():
+    """A decode-only step on the kernel writes the step's K/V into the cache inside the call: the cache ends
+    bytewise as the torch path's index_copy_ leaves it, and the attention sees the new rows. K and V are views
+    of one fused projection's row (strided), as the attention layer hands them over."""
+    lens, block, kv_heads, head_dim = [1, 16, 17, 40], 4, 2, 64
+    tables, cache, q, _, _ = _batch(lens, 8, kv_heads, head_dim, block, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(len(lens), (8 + 2 * kv_heads) * head_dim, generator=gen) * 3  # unlike any cached row
+    k = qkv[:, 8 * head_dim : (8 + kv_heads) * head_dim].view(len(lens), kv_heads, head_dim)
+    v = qkv[:, (8 + kv_heads) * head_dim :].view(len(lens), kv_heads, head_dim)
+    caches, outs = [], []
+    for kernel in (True, False):
+        meta = AttentionMetadata.build(tables, lens, [1] * len(lens), block, cpu_decode_kernel=kernel)
+        caches.append(cache.clone())
+        outs.append(paged_attention(q, k, v, caches[-1], meta, head_dim**-0.5))
+    assert torch.equal(caches[0], caches[1]) and not torch.equal(caches[0], cache)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-5)
+
+
+@needs_kernel
+def test_a_slot_outside_the_cache_is_refused_before_anything_is_written():
+    lens, block = [5, 9], 4
+    tables, cache, q, k, v = _batch(lens, 8, 2, 64, block, seed=8)
+    kd = AttentionMetadata.build(tables, lens, [1, 1], block, cpu_decode_kernel=True).kernel_decodes
+    assert kd is not None and LIB is not None
+    before = cache.clone()
+    slots = torch.tensor([3, cache.shape[1] * block], dtype=torch.int64)  # the second one past the end
+    with pytest.raises(IndexError):
+        cpu_attention.paged_decode(LIB, q, cache, kd.blocks, kd.context_lens, 0.125, write=(k + 1, v + 1, slots))
+    assert torch.equal(cache, before)

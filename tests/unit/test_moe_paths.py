@@ -11,6 +11,7 @@ import torch
 
 from services.demo_model import write_demo_checkpoint
 from shared.model.config import ARCHITECTURES
+from shared.model.kernels import cpu_moe
 from shared.model.loader import load_model
 
 MOE_ARCHS = sorted(a for a, spec in ARCHITECTURES.items() if spec.moe)
@@ -77,6 +78,25 @@ def test_moe_counts_routed_tokens_on_the_model_device(moe):
         moe(x)
     expected = torch.bincount(ids.flatten(), minlength=moe.experts.num_experts)
     assert torch.equal(moe.expert_load, expected)
+
+
+@pytest.mark.skipif(not cpu_moe.kernels(), reason="the CPU expert kernel cannot be built or run on this host")
+@pytest.mark.parametrize("num_tokens", [1, 11, 3000])  # 3000: several CPU_KERNEL_SLICE_TOKENS slices
+def test_the_cpu_kernel_counts_routed_tokens_as_bincount_does(moe, num_tokens, monkeypatch):
+    """On the CPU expert kernel the per-expert counter is kept by the kernel (no bincount): the same counts,
+    accumulated over calls."""
+    moe = copy.deepcopy(moe)
+    if moe.experts.use_cpu_kernel(cpu_moe.load()) is not None:
+        pytest.skip("these experts are not the kernel's")
+    monkeypatch.setattr(torch, "bincount", None)  # the kernel path must not count with torch
+    moe.expert_load.zero_()
+    x = torch.randn(num_tokens, moe.gate.in_features, generator=torch.Generator().manual_seed(num_tokens))
+    with torch.no_grad():
+        ids, _ = moe.route(x)
+        moe(x)
+        moe(x)
+    monkeypatch.undo()
+    assert torch.equal(moe.expert_load, 2 * torch.bincount(ids.flatten(), minlength=moe.experts.num_experts))
 
 
 @pytest.mark.parametrize("num_tokens", [0, 1, 37])

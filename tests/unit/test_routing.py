@@ -125,6 +125,21 @@ def test_packed_router_routes_alike(case, dtype):
     torch.testing.assert_close(plain[1], packed[1], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("experts,top_k", [(16, 1), (16, 4), (256, 8)])
+def test_renormalized_top_softmax_weights_are_the_bits_of_the_written_formula(experts, top_k):
+    """norm_topk_prob over plain top-A softmax scores leaves out the +1e-20 the formula writes (it cannot change a
+    bit there, see Router.forward): the weights are still bitwise weights / (weights.sum + 1e-20)."""
+    cfg = RouterConfig(num_experts=experts, top_k=top_k, scoring=Scoring.SOFTMAX, norm_topk_prob=True)
+    router = Router(cfg, HIDDEN)
+    gen = torch.Generator().manual_seed(experts + top_k)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(experts, HIDDEN, generator=gen) * 4)  # peaked and flat scores both
+        x = torch.randn(TOKENS, HIDDEN, generator=gen)
+        ids, weights = router(x)
+        top = torch.softmax(router.logits(x), dim=-1).gather(1, ids)
+    assert torch.equal(weights, top / (top.sum(dim=-1, keepdim=True) + 1e-20))
+
+
 def test_the_correction_bias_and_the_group_limit_change_the_choice():
     """The cases above would pass for a router that ignored the bias or the groups if neither mattered on
     their inputs: they do matter there."""

@@ -24,6 +24,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define TILE 16 /* keys per online-softmax step */
 
@@ -84,6 +85,25 @@ int pdserve_paged_decode_f32(const float *q, const float *cache, const int64_t *
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads > 1 ? threads : 1) if (threads > 1)
     for (int64_t p = 0; p < Bd * KVH; p++) attend(&a, p / KVH, p % KVH);
     return 0;
+}
+
+/* The same after writing this step's K/V rows into the cache: token b's k row (KVH * hd floats, contiguous, at
+ * k + b * ks) and v row (at v + b * vs) go to slot slots[b] of the K and V halves, as the torch path's
+ * index_copy_ writes them (the same bytes), before any sequence attends. One call instead of five torch ops a
+ * layer. Returns -2 (nothing written) when a slot lies outside the cache, else as pdserve_paged_decode_f32. */
+int pdserve_write_paged_decode_f32(const float *q, const float *k, int64_t ks, const float *v, int64_t vs,
+                                   const int64_t *slots, float *cache, const int64_t *tables, const int64_t *lens,
+                                   float *out, int64_t Bd, int64_t H, int64_t KVH, int64_t hd, int64_t N, int64_t B,
+                                   int64_t nb_max, int64_t window, float scale, int threads) {
+    const int64_t row = KVH * hd;
+    float *kc = cache, *vc = cache + N * B * row;
+    for (int64_t b = 0; b < Bd; b++)
+        if (slots[b] < 0 || slots[b] >= N * B) return -2;
+    for (int64_t b = 0; b < Bd; b++) {
+        memcpy(kc + slots[b] * row, k + b * ks, (size_t)row * sizeof(float));
+        memcpy(vc + slots[b] * row, v + b * vs, (size_t)row * sizeof(float));
+    }
+    return pdserve_paged_decode_f32(q, cache, tables, lens, out, Bd, H, KVH, hd, N, B, nb_max, window, scale, threads);
 }
 
 #else /* PDSERVE_ATTN_ISA: one ISA's kernel, W floats per vector */

@@ -42,6 +42,22 @@ def load() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.pdserve_paged_decode_f32.argtypes = [ptr, ptr, ptr, ptr, ptr, *[i64] * 8, ctypes.c_float, ctypes.c_int]
     lib.pdserve_paged_decode_f32.restype = ctypes.c_int
+    lib.pdserve_write_paged_decode_f32.argtypes = [
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        *[i64] * 8,
+        ctypes.c_float,
+        ctypes.c_int,
+    ]
+    lib.pdserve_write_paged_decode_f32.restype = ctypes.c_int
     return lib
 
 
@@ -66,11 +82,15 @@ def paged_decode(
     window: int | None = None,
     out: torch.Tensor | None = None,
     threads: int | None = None,
+    write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q (Bd, H, hd) float32, one decode token per sequence; kv_cache (2, N, B, KVH, hd) float32 contiguous with
     this step's K/V written; blocks (Bd, NBmax) int64 block tables; context_lens (Bd,) int64 keys per sequence;
     window: keys more than window - 1 behind the query masked. → (Bd, H, hd), written into `out` when given
-    (contiguous). `threads` None = torch.get_num_threads(); the result is bitwise the same for any count."""
+    (contiguous). `threads` None = torch.get_num_threads(); the result is bitwise the same for any count.
+    write: (k, v, slots), this step's K/V rows (Bd, KVH, hd) float32, each token's heads contiguous (views of a
+    fused projection are), and their (Bd,) int64 cache slots: written into the cache first, in the same call
+    (paged_attention's index_copy_, bytewise); None = the caller wrote them."""
     if q.dtype != torch.float32 or kv_cache.dtype != torch.float32:
         raise ValueError(f"the CPU attention kernel is float32 only, got q {q.dtype}, cache {kv_cache.dtype}")
     if not kv_cache.is_contiguous():
@@ -80,17 +100,34 @@ def paged_decode(
     if h % kvh:
         raise ValueError(f"{h} query heads do not group over {kvh} KV heads")
     q = q.contiguous()
-    tables = blocks.to(torch.int64).contiguous()
-    lens = context_lens.to(torch.int64).contiguous()
+    # the metadata's tables are int64 already (KernelDecodes): no conversion op per layer then
+    tables = blocks if blocks.dtype == torch.int64 else blocks.to(torch.int64)
+    lens = context_lens if context_lens.dtype == torch.int64 else context_lens.to(torch.int64)
+    tables, lens = tables.contiguous(), lens.contiguous()
     if out is None:
         out = torch.empty_like(q)
     elif not out.is_contiguous() or out.shape != q.shape:
         raise ValueError("out must be contiguous and shaped like q")
-    rc = lib.pdserve_paged_decode_f32(
-        q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-        bd, h, kvh, hd, n, b, tables.shape[1], window or 0, scale,
-        torch.get_num_threads() if threads is None else threads,
-    )  # fmt: skip
+    threads = torch.get_num_threads() if threads is None else threads
+    if write is None:
+        rc = lib.pdserve_paged_decode_f32(
+            q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+            bd, h, kvh, hd, n, b, tables.shape[1], window or 0, scale, threads,
+        )  # fmt: skip
+    else:
+        k, v, slots = write
+        for name, x in (("k", k), ("v", v)):
+            if x.dtype != torch.float32 or x.shape != (bd, kvh, hd) or x.stride(2) != 1 or x.stride(1) != hd:
+                raise ValueError(f"{name} must be float32 ({bd}, {kvh}, {hd}) with contiguous heads")
+        if slots.dtype != torch.int64 or slots.shape != (bd,) or not slots.is_contiguous():
+            raise ValueError(f"slots must be ({bd},) contiguous int64")
+        rc = lib.pdserve_write_paged_decode_f32(
+            q.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
+            kv_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+            bd, h, kvh, hd, n, b, tables.shape[1], window or 0, scale, threads,
+        )  # fmt: skip
+    if rc == -2:
+        raise IndexError(f"a K/V slot outside the cache's {n * b} slots")
     if rc != 0:
         raise ValueError(f"the CPU attention kernel cannot run head dim {hd} on this CPU")
     return out

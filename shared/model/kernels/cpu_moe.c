@@ -401,11 +401,12 @@ enum kind { F32, BF16, I8 };
  * panel) and down tiles (active expert, 2L-column panel), handed out dynamically, so two threads share the work
  * even when one expert holds most rows. Every tile writes rows of its own; the per-token combine then adds a
  * token's A products in sorted (ascending expert) order from +0 (in float32; BF16 rounds the sum once): the same
- * bits whatever the thread count, and the same order of additions as the serial kernel had. Returns 0, or -1
- * when scratch could not be allocated. */
+ * bits whatever the thread count, and the same order of additions as the serial kernel had. load: NULL, or an
+ * (E,) int64 counter each expert's routed rows are added to. Returns 0, or -1 when scratch could not be
+ * allocated (nothing counted then). */
 static int moe_run(enum kind kind, const void *x, int64_t T, int64_t D, int64_t I, int64_t E, int64_t A,
                    const int64_t *ids, const float *w, const void *gu, const float *gus, const void *dn,
-                   const float *dns, void *out, int threads, int round_products) {
+                   const float *dns, void *out, int threads, int round_products, int64_t *load) {
     const int64_t P = T * A;
     if (grow(P * (I + D), 2 * P + 2 * E + 1) != 0) return -1;
     int64_t *order = idx, *pos = idx + P, *start = idx + 2 * P, *active = idx + 2 * P + E + 1;
@@ -413,6 +414,8 @@ static int moe_run(enum kind kind, const void *x, int64_t T, int64_t D, int64_t 
     uint16_t *h16 = (uint16_t *)scratch; /* BF16's h: P x I bfloat16 */
     memset(start, 0, (size_t)(E + 1) * sizeof *start);
     for (int64_t p = 0; p < P; p++) start[ids[p] + 1]++;
+    if (load) /* the caller's per-expert counter (MoE.expert_load): the counts come with the sort */
+        for (int64_t e = 0; e < E; e++) load[e] += start[e + 1];
     int64_t n_active = 0;
     for (int64_t e = 0; e < E; e++) {
         if (start[e + 1] > 0) active[n_active++] = e;
@@ -512,23 +515,49 @@ static int moe_run(enum kind kind, const void *x, int64_t T, int64_t D, int64_t 
 }
 
 int pdserve_moe_f32(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64_t A, const int64_t *ids,
-                    const float *w, const float *gu, const float *dn, float *out, int threads) {
-    return moe_run(F32, x, T, D, I, E, A, ids, w, gu, NULL, dn, NULL, out, threads, 0);
+                    const float *w, const float *gu, const float *dn, float *out, int threads, int64_t *load) {
+    return moe_run(F32, x, T, D, I, E, A, ids, w, gu, NULL, dn, NULL, out, threads, 0, load);
 }
 
 /* x, out: bfloat16 (T, D) as uint16; gu, dn: bfloat16 panels; round_products: the routing weights are bfloat16
  * (torch then rounds each weighted expert output to bfloat16 before the sum) */
 int pdserve_moe_bf16(const uint16_t *x, int64_t T, int64_t D, int64_t I, int64_t E, int64_t A, const int64_t *ids,
                      const float *w, const uint16_t *gu, const uint16_t *dn, uint16_t *out, int threads,
-                     int round_products) {
-    return moe_run(BF16, x, T, D, I, E, A, ids, w, gu, NULL, dn, NULL, out, threads, round_products);
+                     int round_products, int64_t *load) {
+    return moe_run(BF16, x, T, D, I, E, A, ids, w, gu, NULL, dn, NULL, out, threads, round_products, load);
 }
 
 /* x, out: float32; gu, dn: int8 panels; gus, dns: their float32 per-column scales */
 int pdserve_moe_i8(const float *x, int64_t T, int64_t D, int64_t I, int64_t E, int64_t A, const int64_t *ids,
                    const float *w, const int8_t *gu, const float *gus, const int8_t *dn, const float *dns, float *out,
-                   int threads) {
-    return moe_run(I8, x, T, D, I, E, A, ids, w, gu, gus, dn, dns, out, threads, 0);
+                   int threads, int64_t *load) {
+    return moe_run(I8, x, T, D, I, E, A, ids, w, gu, gus, dn, dns, out, threads, 0, load);
+}
+
+/* A dense linear in float32: out (M, N) = x (M, K) @ W.T with W in one expert's down-panel layout (N/2L, K, 2L);
+ * N % 2L == 0 (shared/model/panel_linear.py pads). In place of oneDNN's packed GEMM, which pays a per-call
+ * overhead and streams a decode step's few rows below the read bandwidth: each panel is read once per tile of up
+ * to MAX_ROWS rows, in order, with a routing weight of 1 (an exact multiply). Products summed in k order (not
+ * oneDNN's blocking: the last bits differ). Returns 0. */
+int pdserve_linear_f32(const float *x, int64_t M, int64_t K, int64_t N, const float *w, float *out, int threads) {
+    const int64_t panels = N / (2 * L), tiles = (M + MAX_ROWS - 1) / MAX_ROWS, per = (M + tiles - 1) / tiles;
+#pragma omp parallel num_threads(threads > 1 ? threads : 1) if (threads > 1)
+    {
+        float *ys[MAX_ROWS];
+        float ones[MAX_ROWS];
+        for (int r = 0; r < MAX_ROWS; r++) ones[r] = 1.0f;
+#pragma omp for schedule(dynamic, 2)
+        for (int64_t k = 0; k < panels * tiles; k++) {
+            const int64_t j = k % panels, r0 = (k / panels) * per;
+            if (r0 >= M) continue;
+            const int R = (int)(M - r0 < per ? M - r0 : per);
+            for (int r = 0; r < R; r++) ys[r] = out + (r0 + r) * N + 2 * L * j;
+#define DN(RR) down_tile(RR, x + r0 * K, K, w + j * K * 2 * L, ys, ones)
+            TILE_CASES(DN)
+#undef DN
+        }
+    }
+    return 0;
 }
 
 /* A dense linear with int8 weights: out (M, N) = x (M, K) @ (q * scale).T, float32, the weights in one expert's

@@ -147,41 +147,62 @@ class Kernel:
         topk_weights: torch.Tensor,
         panels: ExpertPanels,
         threads: int | None = None,
+        load: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x (T, D), topk_ids (T, A) int64, topk_weights (T, A) → (T, D): sum over a of
         topk_weights[t, a] * expert_{topk_ids[t, a]}(x[t]), SiLU-gated experts, on `threads` threads (None =
         torch.get_num_threads(), the engine's intra-op count). The result is bitwise the same for any count.
         x is float32 for float32 and int8 panels, bfloat16 for bfloat16 ones (the result in x's dtype); with
-        bfloat16, weights given in bfloat16 round each weighted expert output to bfloat16 (torch's product)."""
+        bfloat16, weights given in bfloat16 round each weighted expert output to bfloat16 (torch's product).
+        load: None, or an (E,) int64 contiguous CPU counter the kernel adds each expert's routed rows to (the
+        bincount of topk_ids, MoE.expert_load's update, without two torch ops a layer)."""
         assert topk_ids.dtype == torch.int64 and panels.lanes == self.lanes
         x = x.contiguous()
         ids = topk_ids.contiguous()
-        weights = topk_weights.to(torch.float32).contiguous()
+        weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.to(torch.float32)
+        weights = weights.contiguous()
         t, d = x.shape
         e = panels.gate_up.shape[0]
         i = panels.down.shape[2] * (2 if panels.dtype == torch.bfloat16 else 1)
         threads = torch.get_num_threads() if threads is None else threads
         out = torch.empty_like(x)
+        if load is not None and not (load.dtype == torch.int64 and load.shape == (e,) and load.is_contiguous()):
+            raise ValueError(f"load must be a contiguous ({e},) int64 counter")
+        counter = None if load is None else load.data_ptr()
         head = (x.data_ptr(), t, d, i, e, ids.shape[1], ids.data_ptr(), weights.data_ptr())
         if panels.dtype == torch.float32:
             assert x.dtype == torch.float32
             rc = self.lib.pdserve_moe_f32(
-                *head, panels.gate_up.data_ptr(), panels.down.data_ptr(), out.data_ptr(), threads
+                *head, panels.gate_up.data_ptr(), panels.down.data_ptr(), out.data_ptr(), threads, counter
             )
         elif panels.dtype == torch.bfloat16:
             assert x.dtype == torch.bfloat16
             rc = self.lib.pdserve_moe_bf16(
                 *head, panels.gate_up.data_ptr(), panels.down.data_ptr(), out.data_ptr(), threads,
-                int(topk_weights.dtype == torch.bfloat16),
+                int(topk_weights.dtype == torch.bfloat16), counter,
             )  # fmt: skip
         else:
             assert x.dtype == torch.float32 and panels.gate_up_scale is not None and panels.down_scale is not None
             rc = self.lib.pdserve_moe_i8(
                 *head, panels.gate_up.data_ptr(), panels.gate_up_scale.data_ptr(), panels.down.data_ptr(),
-                panels.down_scale.data_ptr(), out.data_ptr(), threads,
+                panels.down_scale.data_ptr(), out.data_ptr(), threads, counter,
             )  # fmt: skip
         if rc != 0:
             raise MemoryError("CPU expert kernel: scratch allocation failed")
+        return out
+
+    def linear_f32(self, x: torch.Tensor, panels: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """x (M, K) float32 @ the float32 weight of `panels` (N/2L, K, 2L) → (M, N): shared/model/panel_linear.py's
+        dense linears."""
+        assert x.dtype == torch.float32 and panels.dtype == torch.float32
+        x = x.contiguous()
+        m, k = x.shape
+        n = panels.shape[0] * panels.shape[2]
+        out = torch.empty(m, n, dtype=torch.float32)
+        self.lib.pdserve_linear_f32(
+            x.data_ptr(), m, k, n, panels.data_ptr(), out.data_ptr(),
+            torch.get_num_threads() if threads is None else threads,
+        )  # fmt: skip
         return out
 
     def linear_i8(self, x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, threads: int | None = None):
@@ -207,11 +228,13 @@ def load_build(isa: str, extra: tuple[str, ...] = ()) -> Kernel | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     head = [ptr, i64, i64, i64, i64, i64, ptr, ptr]  # x, T, D, I, E, A, ids, weights
-    lib.pdserve_moe_f32.argtypes = [*head, ptr, ptr, ptr, ctypes.c_int]
-    lib.pdserve_moe_bf16.argtypes = [*head, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
-    lib.pdserve_moe_i8.argtypes = [*head, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.pdserve_moe_f32.argtypes = [*head, ptr, ptr, ptr, ctypes.c_int, ptr]  # ..., threads, load counter
+    lib.pdserve_moe_bf16.argtypes = [*head, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr]
+    lib.pdserve_moe_i8.argtypes = [*head, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr]
     lib.pdserve_linear_i8.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
-    for entry in (lib.pdserve_moe_f32, lib.pdserve_moe_bf16, lib.pdserve_moe_i8, lib.pdserve_linear_i8):
+    lib.pdserve_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ctypes.c_int]
+    linears = (lib.pdserve_linear_i8, lib.pdserve_linear_f32)
+    for entry in (lib.pdserve_moe_f32, lib.pdserve_moe_bf16, lib.pdserve_moe_i8, *linears):
         entry.restype = ctypes.c_int
     return Kernel(lib, isa, lib.pdserve_lanes())
 

@@ -114,9 +114,10 @@ def qk_norm_rope(
             raise ValueError(f"{name} must be float32 with contiguous heads, got {x.dtype}, strides {x.stride()}")
     if (q_weight is None) != (k_weight is None):
         raise ValueError("q and k are normed together or not at all")
-    width = cos.shape[-1]  # not reshape(t, -1): ambiguous for an empty batch
-    cos, signed_sin = cos.reshape(t, width).contiguous(), signed_sin.reshape(t, width).contiguous()
-    dim = cos.shape[1]
+    dim = cos.shape[-1]
+    # the kernel reads (T, dim) rows: a contiguous (T, 1, dim) table is that already (no reshape, two ops a layer)
+    if not (cos.is_contiguous() and signed_sin.is_contiguous() and cos.numel() == signed_sin.numel() == t * dim):
+        cos, signed_sin = cos.reshape(t, dim).contiguous(), signed_sin.reshape(t, dim).contiguous()
     if dim > hd or dim % 2:
         raise ValueError(f"rotary tables of width {dim} for a head dim of {hd}")
     # held in names until the call returns: a temporary's memory could be reused while the kernel reads it
