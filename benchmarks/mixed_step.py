@@ -48,8 +48,9 @@ def measure(engine, batch: int, prompt: int, kv, src: list[int], first: list[int
     """(mixed step, decode-only step, prompt alone) medians, seconds, of one round."""
     vocab = engine.model.config.vocab_size
     ids = [f"{tag}-d{i}" for i in range(batch)]
-    for rid in ids:
-        engine.import_kv(rid, src, first, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), kv)
+    for i, rid in enumerate(ids):
+        params = SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True)  # apart: see profile.py
+        engine.import_kv(rid, src, first, params, kv)
     for _ in range(3):
         engine.step()
     decode = statistics.median(timed_step(engine) for _ in range(6))

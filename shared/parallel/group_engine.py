@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
+from shared.engine.build_thread import on_a_passing_thread
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.kv.rank_agents import register_rank_kv
@@ -176,7 +177,9 @@ def start_group(config: EngineConfig, on_death: Callable[[int, int | None], None
         affinity = _place(placements[0])
         group = RankGroup.join(rdv, 0, local_host=rdv.host)
         conns = server.accept_all(list(range(1, layout.world)), rdv.start_timeout_s or START_TIMEOUT_S)
-        engine = Engine.build(_rank_config(config, placements[0]), group=group)
+        # the leader's engine steps on its worker's engine thread: built on a passing thread, it leaves the main
+        # thread no OpenMP pool (build_thread.py); the followers were spawned from here, whose exit they watch
+        engine = on_a_passing_thread(lambda: Engine.build(_rank_config(config, placements[0]), group=group))
     except BaseException:
         _unplace(affinity)
         watch.disarm()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from shared.engine.build_thread import on_a_passing_thread
 from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.messages import Sampling
@@ -36,8 +37,8 @@ def build_engine(settings: WorkerSettings) -> tuple[Engine, WorkerGroup | None]:
         # same-host decode workers borrow a prefill worker's blocks; every role's pool is shareable, since a worker
         # of any role may switch to prefill (docs/architecture.md, "Role switching")
         config = dataclasses.replace(config, kv_shared_memory=True)
-    if max(config.tp, config.ep) == 1:
-        return Engine.build(config), None
+    if max(config.tp, config.ep) == 1:  # built off the main thread: the engine thread's is then the only OpenMP pool
+        return on_a_passing_thread(lambda: Engine.build(config)), None
     from shared.parallel.group_engine import start_group
 
     group = start_group(config)
