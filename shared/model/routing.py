@@ -27,11 +27,6 @@ from torch import nn
 from shared.model.linear import PackedWeights, linear, pack
 from shared.model.router_config import RouterConfig, Scoring, TopkMethod
 
-# Batches of up to this many tokens score with the plain weight, larger ones with its oneDNN-packed twin: the
-# packed GEMM pays ~11 µs a call, the plain one ~2 at these (E, D) sizes and one token; measured on the 2-core
-# AMD EPYC (E = 8, 64, 128, D = 512), plain is faster up to 8 tokens at every E and up to 128 at E = 8.
-PLAIN_MAX_ROWS = 16
-
 
 class Router(nn.Module, PackedWeights):
     """`mlp.gate`: forward(x (T, D)) → topk_ids (T, A) int64, topk_weights (T, A) float32."""
@@ -73,9 +68,11 @@ class Router(nn.Module, PackedWeights):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """(T, D) → (T, E) float32."""
-        # the plain weight only where it needs no upcast per call (the packed twin of float32 logits is upcast once)
-        plain = x.shape[0] <= PLAIN_MAX_ROWS and (not self.cfg.float32_logits or self.weight.dtype == torch.float32)
-        weight = self.weight if plain else self.w("weight")
+        # one weight (its packed twin) whatever the batch: a token's scores, which decide its experts, must not
+        # depend on how many tokens share its step (a chunked prompt, a layer-streamed prefill's last chunk, a
+        # recomputed request: the same bits). A plain-weight path for small batches (~9 µs a layer faster at
+        # one token) gave other bits and broke that (tests/unit/test_routing.py).
+        weight = self.w("weight")
         assert isinstance(weight, torch.Tensor)  # never another format (INT8_WEIGHTS)
         if self.cfg.float32_logits:
             bias = None if self.bias is None else self.bias.float()
