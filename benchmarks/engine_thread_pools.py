@@ -35,7 +35,7 @@ def child(variant: str, threads: int, batch: int, context: int) -> float:
     model = str(ensure_demo_checkpoint(REPO / "models" / "demo-small-qwen3_moe", size="small"))
     config = WorkerConfig(units=threads)
     grid = P.Grid((), (batch,), (context,), decode_steps=16)
-    context_manager = P._engine(P.ProfileRequest(model=model, configs=(config,), grid=grid), config)
+    context_manager = P.profiled_engine(P.ProfileRequest(model=model, configs=(config,), grid=grid), config)
     engine = context_manager.__enter__() if variant == "main" else on_a_passing_thread(context_manager.__enter__)
     steps: list[float] = []
     stepper = threading.Thread(target=lambda: steps.extend(P.measure_decode(engine, grid)[0].step_s for _ in range(3)))

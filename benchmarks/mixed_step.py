@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.host_info import cpu_info, describe  # noqa: E402
 from services.demo_model import ensure_demo_checkpoint  # noqa: E402
-from services.planning.profile import Grid, ProfileRequest, _engine, _prompt  # noqa: E402
+from services.planning.profile import Grid, ProfileRequest, profiled_engine, random_prompt  # noqa: E402
 from services.planning.profile_file import WorkerConfig  # noqa: E402
 from shared.engine.sampling import SamplingParams  # noqa: E402
 
@@ -56,7 +56,7 @@ def measure(engine, batch: int, prompt: int, kv, src: list[int], first: list[int
     decode = statistics.median(timed_step(engine) for _ in range(6))
     mixed = []
     for k in range(6):
-        engine.add_request(f"{tag}-p{k}", _prompt(gen, prompt, vocab), ONE)
+        engine.add_request(f"{tag}-p{k}", random_prompt(gen, prompt, vocab), ONE)
         mixed.append(timed_step(engine))
     for rid in ids:
         engine.abort(rid)
@@ -64,7 +64,7 @@ def measure(engine, batch: int, prompt: int, kv, src: list[int], first: list[int
         engine.step()
     alone = []
     for k in range(3):
-        engine.add_request(f"{tag}-a{k}", _prompt(gen, prompt, vocab), ONE)
+        engine.add_request(f"{tag}-a{k}", random_prompt(gen, prompt, vocab), ONE)
         alone.append(timed_step(engine))
         while engine.has_unfinished():
             engine.step()
@@ -91,8 +91,8 @@ def main() -> None:
     prompts = [int(p) for p in args.prompts.split(",")]
     load_before = os.getloadavg()
     runs: dict[tuple[int, int], list[tuple]] = {}
-    with _engine(req, config) as engine:
-        src = _prompt(gen, CONTEXT, engine.model.config.vocab_size)
+    with profiled_engine(req, config) as engine:
+        src = random_prompt(gen, CONTEXT, engine.model.config.vocab_size)
         engine.add_request("src", src, ONE, hold_kv=True)
         first = [t for out in engine.step() for t in out.new_token_ids]
         while engine.has_unfinished():

@@ -106,7 +106,7 @@ def run_profile(req: ProfileRequest, log=print) -> Profile:
             raise ValueError(f"config {config.name} needs {config.units} cores; this process may use {len(cpus)}")
         log(f"profiling config {config.name} ({config.units} cores, TP {config.tp}, EP {config.ep}) ...")
         t0 = time.perf_counter()
-        with _pinned(cpus[: config.units]), _engine(req, config) as engine:
+        with _pinned(cpus[: config.units]), profiled_engine(req, config) as engine:
             facts.append((config.ranks, _model_facts(req, engine, config)))
             limits = limits or _limits(engine)
             prefill = measure_prefill(engine, req.grid, req.seed)
@@ -160,7 +160,7 @@ def _pinned(cpus: list[int]) -> Iterator[None]:
 
 
 @contextmanager
-def _engine(req: ProfileRequest, config: WorkerConfig) -> Iterator[Engine]:
+def profiled_engine(req: ProfileRequest, config: WorkerConfig) -> Iterator[Engine]:
     """The engine of a worker of this configuration (a group's leader for tp/ep > 1), closed after."""
     engine_config = EngineConfig(
         model=req.model,
@@ -184,7 +184,7 @@ def _engine(req: ProfileRequest, config: WorkerConfig) -> Iterator[Engine]:
         group.close()
 
 
-def _prompt(gen: torch.Generator, length: int, vocab: int) -> list[int]:
+def random_prompt(gen: torch.Generator, length: int, vocab: int) -> list[int]:
     return torch.randint(0, vocab, (length,), generator=gen).tolist()
 
 
@@ -204,7 +204,7 @@ def measure_prefill(engine: Engine, grid: Grid, seed: int = 0) -> tuple[PrefillP
     vocab = engine.model.config.vocab_size
     points = []
     for length in (n for n in grid.prompt_lens if n < engine.max_model_len):
-        prompt = _prompt(gen, length, vocab)
+        prompt = random_prompt(gen, length, vocab)
         _prefill_once(engine, f"warm-{length}", prompt)
         runs = [_prefill_once(engine, f"prefill-{length}-{r}", prompt) for r in range(grid.repeats)]
         points.append(PrefillPoint(length, statistics.median(s for s, _ in runs), runs[0][1]))
@@ -221,7 +221,7 @@ def measure_decode(engine: Engine, grid: Grid, seed: int = 0) -> tuple[DecodePoi
     for context in grid.contexts:
         if context + steps + 1 > engine.max_model_len:
             continue
-        prompt = _prompt(gen, context, vocab)
+        prompt = random_prompt(gen, context, vocab)
         engine.add_request("source", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
                            hold_kv=True)  # fmt: skip
         first: list[int] = []
