@@ -8,8 +8,10 @@ measured goodput per split.
 
 1. `pdserve profile --serving-plane` of the small demo model (float32) for --configs, on this host (skipped with
    --profile FILE: that profile is used as it is).
-2. `pdserve plan --json` for the workload (--rate, --isl/--osl/--range-ratio, Poisson) and SLOs with a budget of
-   len(--cores) cores: its recommendation and every other deployment that spends the whole budget.
+2. `pdserve plan --json --client-cpu` for the workload (--rate, --isl/--osl/--range-ratio, Poisson) and SLOs with a
+   budget of len(--cores) cores: its recommendation and every other deployment that spends the whole budget. The
+   serving plane and this script (the load's client) run on those cores, and the model counts the CPU the profile
+   measured for both (services/planning/cpu_share.py).
 3. The workload's requests for --duration seconds of arrivals (workload.requests, seed --seed): the model predicts
    each split's goodput on exactly these (PerformanceModel.predict), and each split serves them on a real stack
    (`pdserve up`'s launcher: nats-server, redis-server, gateway, workers), every request sent at its simulated
@@ -220,13 +222,14 @@ def main(argv: list[str] | None = None) -> int:
     workload_flags = ["--rate", str(args.rate), "--isl", str(args.isl), "--osl", str(args.osl), "--range-ratio",
                       str(args.range_ratio)]  # fmt: skip
     plan = json.loads(cli("plan", "--profile", str(profile_path), "--ttft-ms", str(args.ttft_ms), "--tpot-ms",
-                          str(args.tpot_ms), "--cores", str(len(cores)), *workload_flags, "--json").stdout)  # fmt: skip
+                          str(args.tpot_ms), "--cores", str(len(cores)), *workload_flags, "--client-cpu",
+                          "--json").stdout)  # fmt: skip
     recommended = deployment_of(plan["recommended"]["deployment"])
     others = [deployment_of(a["deployment"]) for a in plan["alternatives"] if a["units"] == len(cores)]
     splits = [recommended] + [d for d in others if d != recommended][: args.max_splits - 1]
     print(f"plan: recommended {recommended.name}; measuring {[d.name for d in splits]}", flush=True)
 
-    model_ = PerformanceModel(profile)
+    model_ = PerformanceModel(profile, client_cpu=True)  # this script's client runs on the budget's cores
     slos = Slos(args.ttft_ms / 1e3, args.tpot_ms / 1e3)
     workload = from_lengths(args.rate, args.isl, args.osl, args.range_ratio)
     sims = workload.requests(max(1, int(args.rate * args.duration)), args.seed)
@@ -243,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "plane": {
             "ttft_ms": profile.plane.ttft_s * 1e3,
             "handoff_ms": profile.plane.handoff_s * 1e3,
+            "cores_at_rate": model_.plane_cores(sims),
             "source": profile.plane.source,
         },  # fmt: skip
         "workload": workload.summary() | {"requests": len(sims), "duration_s": args.duration},
@@ -253,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "splits": [],
     }
     for d in splits:
-        predicted = model_.predict(d, sims, slos)
+        predicted = model_.predict(d, sims, slos, len(cores))
         ms = ModeStack(d.name, stack_spec(d, model, cores, units, tp_ep))
         print(f"[{time.monotonic() - t_start:5.0f}s] {d.name}: starting ...", flush=True)
         ms.start()

@@ -31,6 +31,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.compare_pd import proc_cpu_s  # noqa: E402
 from benchmarks.host_info import cpu_info  # noqa: E402
 from services.bench.datasets import BenchRequest  # noqa: E402
 from services.bench.prompts import PromptMaker  # noqa: E402
@@ -45,6 +46,7 @@ from services.planning.profile_file import load_profile  # noqa: E402
 from shared.model.tokenizer import Tokenizer  # noqa: E402
 
 CONTEXT = 320  # the workload's mean context while decoding
+CHUNK = 256  # prompt tokens of the mixed step compared (the workload's mean prompt)
 
 
 def spec(model: str, role: str, threads: int) -> StackSpec:
@@ -56,6 +58,13 @@ def spec(model: str, role: str, threads: int) -> StackSpec:
     return StackSpec(model=model, port=free_port(), prefill=1, decode=1, threads={"prefill": 1, "decode": threads},
                      cpu_affinity={"prefill": (last,), "decode": cores}, worker_args=("--no-prefix-caching",),
                      env={"PDSERVE_PREFILL_PATH": "remote"})  # fmt: skip
+
+
+def cpu_s(stack: Stack) -> dict[str, float]:
+    """CPU seconds so far of each process of the stack and of this one (the load's client)."""
+    out = {name: proc_cpu_s(p.pid) for name, p in stack.procs.items()}
+    out |= {s.name: proc_cpu_s(s.proc.pid) for s in stack.infra if s.proc is not None}
+    return out | {"client": proc_cpu_s(os.getpid())}
 
 
 def main() -> None:
@@ -87,17 +96,29 @@ def main() -> None:
         sender = threading.Thread(target=run, args=(load, requests))
         sender.start()
         time.sleep(8)  # past the first arrivals
+        cpu0, t0 = cpu_s(stack), time.perf_counter()
         for _ in range(args.readings):
             for beat in heartbeats(stack.nats_url, 2.0).values():
                 cal = beat.path_calibration
                 if beat.role.value == args.role and cal is not None and cal.decode_step_ms and beat.running:
                     profiled = costs.decode.step_s(beat.running, CONTEXT) * 1e3
-                    readings.append(dict(running=beat.running, stack_ms=cal.decode_step_ms, profile_ms=profiled))
-                    print(
-                        f"running {beat.running:3d}: decode step in the stack {cal.decode_step_ms:6.1f} ms, "
-                        f"profile {profiled:6.1f} ms, ratio {cal.decode_step_ms / profiled:.2f}",
-                        flush=True,
-                    )
+                    reading = dict(running=beat.running, stack_ms=cal.decode_step_ms, profile_ms=profiled)
+                    line = f"running {beat.running:3d}: decode step in the stack {cal.decode_step_ms:6.1f} ms, " \
+                        f"profile {profiled:6.1f} ms, ratio {cal.decode_step_ms / profiled:.2f}"  # fmt: skip
+                    if cal.prefill_tokens_per_s and cal.prefill_step_ms is not None:
+                        # a step that computed CHUNK prompt tokens, by the worker's own fitted line and by the
+                        # planner's sum (the batch's decode step + the chunk's work; on a decode worker, none)
+                        stack_chunk = cal.prefill_step_ms + CHUNK / cal.prefill_tokens_per_s * 1e3
+                        decoding = profiled if args.role == "mixed" else 0.0
+                        profile_chunk = decoding + costs.prefill.step_s * 1e3 + costs.prefill.chunk_s(0, CHUNK) * 1e3
+                        reading.update(stack_chunk_ms=stack_chunk, profile_chunk_ms=profile_chunk)
+                        line += f"; a step with {CHUNK} prompt tokens {stack_chunk:6.1f} ms, profile " \
+                            f"{profile_chunk:6.1f} ms, ratio {stack_chunk / profile_chunk:.2f}"  # fmt: skip
+                    readings.append(reading)
+                    print(line, flush=True)
+        cpu1, t1 = cpu_s(stack), time.perf_counter()
+        cores = {name: round((cpu1[name] - cpu0.get(name, 0.0)) / (t1 - t0), 3) for name in cpu1}
+        print("CPU while read (cores): " + ", ".join(f"{n} {c:.2f}" for n, c in cores.items()), flush=True)
         sender.join()
     finally:
         stack.stop()
@@ -105,9 +126,13 @@ def main() -> None:
     if ratios:
         print(f"{args.role}, {args.threads} threads: stack / profile median {statistics.median(ratios):.2f} "
               f"({min(ratios):.2f}-{max(ratios):.2f}), load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    chunks = [r["stack_chunk_ms"] / r["profile_chunk_ms"] for r in readings if "stack_chunk_ms" in r]
+    if chunks:
+        print(f"a step with {CHUNK} prompt tokens: stack / profile median {statistics.median(chunks):.2f} "
+              f"({min(chunks):.2f}-{max(chunks):.2f})")  # fmt: skip
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(host=cpu_info(), args=vars(args), readings=readings), indent=2))
+    out.write_text(json.dumps(dict(host=cpu_info(), args=vars(args), readings=readings, cores=cores), indent=2))
 
 
 if __name__ == "__main__":

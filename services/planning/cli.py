@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from services.planning.model import PerformanceModel, Plan, Prediction, Slos
+from services.planning.model import PLANE_CPU, PerformanceModel, Plan, Prediction, Slos
 from services.planning.profile_file import WorkerConfig, dump_profile, load_profile
 from services.planning.workload import Workload, from_bench_result, from_lengths
 
@@ -123,6 +123,15 @@ def add_planning_commands(sub) -> None:
         default=0.9,
         help="the share of requests that must meet both SLOs for a deployment to be enough (0.9)",
     )
+    plan.add_argument(
+        "--plane-cpu",
+        choices=PLANE_CPU,
+        default="shared",
+        help="shared (default): the gateway, NATS and Redis run on the budget's cores, as on one host, and slow the "
+        "workers by the CPU the profile measured for them; separate: they have cores of their own",
+    )
+    plan.add_argument("--client-cpu", action="store_true",
+                      help="the load's client shares the cores too (a benchmark on the same host)")  # fmt: skip
     plan.add_argument("--requests", type=int, default=None, help="simulated requests (default: ~300 s of arrivals)")
     plan.add_argument("--seed", type=int, default=0, help="the simulated requests' seed")
     plan.add_argument("--top", type=int, default=10, help="alternatives listed (default 10)")
@@ -194,7 +203,7 @@ def _plan(args: argparse.Namespace) -> int:
     budget = args.cores or args.gpus or profile.host.cores
     if not 0 < args.attainment <= 1:
         raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")
-    model = PerformanceModel(profile)
+    model = PerformanceModel(profile, args.plane_cpu, args.client_cpu)
     configs = [c.strip() for c in args.configs.split(",")] if args.configs else None
     for c in configs or ():
         profile.config(c)  # a ValueError naming the configs it has
@@ -233,8 +242,11 @@ def render(plan: Plan, profile, path: str, top: int = 10) -> str:
         f"  {_lengths('ISL', w['isl'])}; {_lengths('OSL', w['osl'])}",
         f"SLOs: TTFT <= {plan.slos.ttft_s * 1e3:g} ms, TPOT <= {plan.slos.tpot_s * 1e3:g} ms; budget {plan.budget} "
         f"{unit}; {plan.requests} simulated requests (seed {plan.seed})",
-        "",
     ]
+    if plan.plane_cores is not None:
+        lines.append(f"serving plane: {plan.plane_cores:.2f} cores at this rate, on the budget's cores (the "
+                     "workers step slower where it preempts them; --plane-cpu separate: it has its own)")  # fmt: skip
+    lines.append("")
     r, target = plan.recommended, f"{plan.attainment_target:.0%}"
     lines += [f"recommended: {r.deployment.name} ({r.units} {unit})", f"  {_line(r)}"]
     if plan.max_rate is not None:

@@ -12,7 +12,8 @@ GPUs) allows. Pure: no torch, no I/O, no clock; the same inputs give the same an
 
 Goodput is as `pdserve bench` defines it: requests meeting every SLO per second of the run, from its start (the
 first arrival's clock, 0) to the last request's end. A prediction simulates the requests through the deployment
-(simulate.py) on the profile's step costs (costs.py), the KV transfer's coefficients and the serving plane's time.
+(simulate.py) on the profile's step costs (costs.py), the KV transfer's coefficients and the serving plane's time,
+with the workers' steps slowed by the plane's CPU where it shares their cores (cpu_share.py).
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from services.planning.costs import WorkerCosts
+from services.planning.cpu_share import plane_cores, step_slowdown
 from services.planning.profile_file import Profile, profile_from_dict
 from services.planning.simulate import Outcome, Pool, Role, SimRequest, simulate
 from services.planning.workload import Workload
 
 TIE = 0.01  # deployments within 1% of the best goodput count as equal: the one with fewest units is recommended
 MIN_REQUESTS, MAX_REQUESTS, RUN_S = 400, 3000, 300.0  # a plan simulates about RUN_S seconds of arrivals
+PLANE_CPU = ("shared", "separate")  # where the serving plane computes: on the budget's cores, or beside them
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,7 @@ class Plan:
     requests: int
     seed: int
     max_rate: float | None = None  # of the recommendation, at the attainment target
+    plane_cores: float | None = None  # the serving plane's CPU on the budget's cores at this rate (None: separate)
 
     @property
     def colocated_better(self) -> bool | None:
@@ -146,6 +150,7 @@ class Plan:
             "best_disaggregated": self.best_disaggregated.to_json() if self.best_disaggregated else None,
             "colocated_better": self.colocated_better,
             "max_rate": self.max_rate,
+            "plane_cores": self.plane_cores,
             "alternatives": [p.to_json() for p in self.alternatives],
             "budget": self.budget,
             "unit": self.unit,
@@ -163,38 +168,69 @@ def run_length(rate: float) -> int:
 
 
 class PerformanceModel:
-    """The model over one profile (see the module)."""
+    """The model over one profile (see the module). `plane_cpu`: "shared" when the serving plane (gateway, NATS,
+    Redis) runs on the budget's cores, as on one host (`pdserve up`), "separate" when it has cores of its own; with
+    `client_cpu`, the load's client shares them too (a benchmark on the same host). A GPU profile's plane is never
+    on its units (GPUs)."""
 
-    def __init__(self, profile: Profile | dict) -> None:
+    def __init__(self, profile: Profile | dict, plane_cpu: str = "shared", client_cpu: bool = False) -> None:
+        if plane_cpu not in PLANE_CPU:
+            raise ValueError(f"plane_cpu is one of {', '.join(PLANE_CPU)}, got {plane_cpu!r}")
         self.profile = profile if isinstance(profile, Profile) else profile_from_dict(profile)
         budget = self.profile.engine.max_num_batched_tokens
         self.costs = {c.config.name: WorkerCosts.of(c, budget) for c in self.profile.configs}
         self.unit_of = {name: c.units for name, c in self.costs.items()}
+        self.plane_shares = plane_cpu == "shared" and self.profile.unit == "cores"
+        self.client_cpu = client_cpu
 
     # ---- one deployment ---------------------------------------------------------------------------------------
 
-    def simulate(self, deployment: Deployment, requests: Sequence[SimRequest]) -> list[Outcome]:
-        """Each request's outcome on `deployment`."""
-        pools = [Pool(role, self._costs(cfg), n) for role, cfg, n in deployment.pools()]
+    def simulate(
+        self, deployment: Deployment, requests: Sequence[SimRequest], shared_cores: int | None = None
+    ) -> list[Outcome]:
+        """Each request's outcome on `deployment`; the plane (when it shares cores) runs on `shared_cores` cores,
+        by default the deployment's own."""
         p = self.profile
+        busy = deployment.units(self.unit_of)
+        plane = self.plane_cores(requests) if self.plane_shares else 0.0
+        shared = busy if shared_cores is None else shared_cores
+        pools = [Pool(role, self._costs(cfg), n, step_slowdown(self.unit_of[cfg], busy, shared, plane))
+                 for role, cfg, n in deployment.pools()]  # fmt: skip
         return simulate(requests, pools, p.engine, p.transfer, p.plane)
 
-    def predict(self, deployment: Deployment, requests: Sequence[SimRequest], slos: Slos) -> Prediction:
+    def plane_cores(self, requests: Sequence[SimRequest]) -> float:
+        """The cores the plane (and the client, with client_cpu) spends on `requests` (cpu_share.py)."""
+        pl = self.profile.plane
+        per_request, per_token = pl.cpu_s_per_request, pl.cpu_s_per_token
+        if self.client_cpu:
+            per_request, per_token = per_request + pl.client_cpu_s_per_request, per_token + pl.client_cpu_s_per_token
+        return plane_cores(requests, per_request, per_token)
+
+    def predict(
+        self, deployment: Deployment, requests: Sequence[SimRequest], slos: Slos, shared_cores: int | None = None
+    ) -> Prediction:
         """Goodput, attainment and TTFT/TPOT percentiles of `deployment` serving `requests`."""
         if not requests:
             raise ValueError("no requests to predict")
-        outcomes = self.simulate(deployment, requests)
+        outcomes = self.simulate(deployment, requests, shared_cores)
         return summarize(deployment, deployment.units(self.unit_of), requests, outcomes, slos)
 
     def max_rate(
-        self, deployment: Deployment, workload: Workload, slos: Slos, target: float = 0.9, seed: int = 0
+        self,
+        deployment: Deployment,
+        workload: Workload,
+        slos: Slos,
+        target: float = 0.9,
+        seed: int = 0,
+        shared_cores: int | None = None,
     ) -> float:
         """The highest rate (req/s, to about 2%) at which `deployment` meets both SLOs for `target` of the
         requests; 0 when not even a trickle does (the SLOs are below its unloaded latency)."""
 
         def ok(rate: float) -> bool:
             wl = workload.with_rate(rate)
-            return self.predict(deployment, wl.requests(run_length(rate), seed), slos).attainment >= target
+            reqs = wl.requests(run_length(rate), seed)
+            return self.predict(deployment, reqs, slos, shared_cores).attainment >= target
 
         start = max(workload.rate, 0.1)
         if ok(start):  # double until it fails
@@ -246,7 +282,7 @@ class PerformanceModel:
             raise ValueError(f"the budget must be at least 1 {self.profile.unit}, got {budget}")
         n = requests or run_length(workload.rate)
         reqs = workload.requests(n, seed)
-        preds = [self.predict(d, reqs, slos) for d in self.deployments(budget, configs)]
+        preds = [self.predict(d, reqs, slos, budget) for d in self.deployments(budget, configs)]
         if not preds:
             raise ValueError(f"no deployment fits {budget} {self.profile.unit} (the smallest config takes "
                              f"{min(self.unit_of.values())})")  # fmt: skip
@@ -260,9 +296,12 @@ class PerformanceModel:
         def best_of(kind: str) -> Prediction | None:
             return next((p for p in ranked if p.deployment.kind == kind), None)
 
-        rate = self.max_rate(recommended.deployment, workload, slos, attainment, seed) if with_max_rate else None
+        rate = None
+        if with_max_rate:
+            rate = self.max_rate(recommended.deployment, workload, slos, attainment, seed, budget)
         return Plan(recommended, tuple(ranked), fewest, best_of("colocated"), best_of("disaggregated"), budget,
-                    self.profile.unit, attainment, slos, workload.summary(), n, seed, rate)  # fmt: skip
+                    self.profile.unit, attainment, slos, workload.summary(), n, seed, rate,
+                    self.plane_cores(reqs) if self.plane_shares else None)  # fmt: skip
 
     def _costs(self, name: str) -> WorkerCosts:
         if name not in self.costs:

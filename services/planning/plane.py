@@ -12,6 +12,9 @@ Requests through the OpenAI API (the bench client, services/bench), against the 
   event's way back;
 - plane hand-off = the median of (a lone request's first inter-token gap - one decode step and its per-step time -
   the pull's modelled cost): the decode job's publish and fetch, the Redis lookup, the import.
+- plane CPU = the CPU seconds of the gateway, NATS and Redis (from /proc) over each probe phase (the lone requests,
+  each batch), fitted as per_request · requests + per_token · output tokens; the same for this process, the
+  probes' client (`client_cpu_s_*`): cpu_share.py turns them into the workers' slowdown where they share cores.
 All are clamped at 0; the profile keeps the raw figures in its `plane.source` text.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +42,7 @@ from shared.model.tokenizer import Tokenizer
 
 PROBE_OUTPUT = 16  # tokens of a lone request: the first gap is the hand-off's, the later ones decode steps
 BATCHES = (4, 16)  # requests sent at once
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 BATCH_PROMPT, BATCH_OUTPUT = 32, 96
 WARMUPS = 2
 
@@ -50,6 +55,16 @@ class PlaneSample:
     ttft_s: float
     first_gap_s: float
     later_gaps_s: tuple[float, ...]  # the gaps after the first: decode steps of one sequence
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """One probe phase: what it served and the CPU seconds the plane's processes and the client spent on it."""
+
+    requests: int
+    tokens: int  # output tokens
+    plane_s: float  # gateway, NATS, Redis
+    client_s: float  # this process: the probes' client
 
 
 @dataclass(frozen=True)
@@ -83,8 +98,9 @@ def _spec(profile: Profile, req: ProfileRequest) -> StackSpec:
 
 def sample_plane(
     profile: Profile, req: ProfileRequest, lengths: tuple[int, ...] = (32, 128), repeats: int = 3
-) -> tuple[list[PlaneSample], list[BatchSample]]:
-    """Lone requests of each prompt length (`repeats` each, after warm-ups), then a batch of each size."""
+) -> tuple[list[PlaneSample], list[BatchSample], list[CpuSample]]:
+    """Lone requests of each prompt length (`repeats` each, after warm-ups), then a batch of each size; the CPU of
+    each of those phases."""
     stack = Stack(_spec(profile, req))
     stack.start(ready_timeout_s=300)
     try:
@@ -99,13 +115,21 @@ def sample_plane(
                     raise RuntimeError(f"a serving-plane probe failed: {rec.error}\n{stack.logs()}")
             return records
 
-        lone = []
-        for i, length in enumerate([lengths[0]] * WARMUPS + [n for n in lengths for _ in range(repeats)]):
-            rec = send(length, PROBE_OUTPUT)[0]
-            if i >= WARMUPS:
-                lone.append(PlaneSample(rec.prompt_len, rec.ttft_s, rec.itl_s[0], tuple(rec.itl_s[1:])))
-        batches = [together(b, send(BATCH_PROMPT, BATCH_OUTPUT, b)) for b in BATCHES]
-        return lone, [b for b in batches if b is not None]
+        cpu: list[CpuSample] = []
+
+        def timed(phase: Callable[[], list[RequestRecord]]) -> list[RequestRecord]:
+            plane0, client0 = _plane_cpu_s(stack), _cpu_s(os.getpid())
+            records = phase()
+            tokens = sum(r.output_tokens for r in records)
+            cpu.append(CpuSample(len(records), tokens, _plane_cpu_s(stack) - plane0, _cpu_s(os.getpid()) - client0))
+            return records
+
+        for _ in range(WARMUPS):
+            send(lengths[0], PROBE_OUTPUT)
+        probes = timed(lambda: [send(n, PROBE_OUTPUT)[0] for n in lengths for _ in range(repeats)])
+        lone = [PlaneSample(r.prompt_len, r.ttft_s, r.itl_s[0], tuple(r.itl_s[1:])) for r in probes]
+        batches = [together(b, timed(lambda b=b: send(BATCH_PROMPT, BATCH_OUTPUT, b))) for b in BATCHES]
+        return lone, [b for b in batches if b is not None], cpu
     finally:
         stack.stop()
 
@@ -128,12 +152,47 @@ def together(batch: int, records: list[RequestRecord]) -> BatchSample | None:
     return BatchSample(batch, statistics.median(gaps), statistics.fmean(contexts))
 
 
+def _cpu_s(pid: int) -> float:
+    """utime + stime of a process (all its threads), seconds; 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def _plane_cpu_s(stack: Stack) -> float:
+    """The CPU seconds so far of the stack's gateway, NATS and Redis."""
+    gateway = stack.procs.get("gateway")
+    pids = [s.proc.pid for s in stack.infra if s.proc is not None] + ([gateway.pid] if gateway else [])
+    return sum(_cpu_s(pid) for pid in pids)
+
+
+def fit_cpu(samples: list[CpuSample], of: Callable[[CpuSample], float]) -> tuple[float, float]:
+    """(seconds per request, seconds per output token) of the CPU `of` picks, by least squares over the phases;
+    each clamped at 0 (a negative one is refitted as 0, the other alone)."""
+    if not samples:
+        return 0.0, 0.0
+    a = np.array([[s.requests, s.tokens] for s in samples], dtype=float)
+    y = np.array([of(s) for s in samples], dtype=float)
+    (per_request, per_token), *_ = np.linalg.lstsq(a, y, rcond=None)
+    if per_request < 0 or per_token < 0:  # one term alone, the one that fits better
+        alone = [(float(y @ a[:, i] / (a[:, i] @ a[:, i])), i) for i in (0, 1)]
+        resid = [float(np.sum((y - c * a[:, i]) ** 2)) for c, i in alone]
+        (c, i) = alone[int(np.argmin(resid))]
+        per_request, per_token = (max(c, 0.0), 0.0) if i == 0 else (0.0, max(c, 0.0))
+    return float(per_request), float(per_token)
+
+
 def stack_model_name(model_dir: str) -> str:
     """The name a stack serves a checkpoint directory under (its last path part)."""
     return Path(model_dir).name
 
 
-def plane_costs(profile: Profile, lone: list[PlaneSample], batches: list[BatchSample]) -> PlaneCosts:
+def plane_costs(
+    profile: Profile, lone: list[PlaneSample], batches: list[BatchSample], cpu: list[CpuSample] = ()
+) -> PlaneCosts:
     """The plane's times from probe samples, against the profile's first configuration (see the module)."""
     budget = profile.engine.max_num_batched_tokens
     costs = WorkerCosts.of(profile.configs[0], budget)
@@ -149,13 +208,26 @@ def plane_costs(profile: Profile, lone: list[PlaneSample], batches: list[BatchSa
     gap = [s.first_gap_s - costs.decode.step_s(1, s.prompt + 1) - worker - p for s, p in zip(lone, pull, strict=True)]
     ttft_s, gap_s = statistics.median(ttft), statistics.median(gap)
     residuals = ", ".join(f"B={int(x)} {y * 1e3:.2f} ms" for x, y in zip(xs, ys, strict=True))
+    plane_cpu, client_cpu = fit_cpu(list(cpu), lambda c: c.plane_s), fit_cpu(list(cpu), lambda c: c.client_s)
+    phases = "; ".join(f"{c.requests} requests, {c.tokens} tokens: plane {c.plane_s:.2f} s, client {c.client_s:.2f} s"
+                       for c in cpu)  # fmt: skip
     source = (f"measured on a local stack (config {profile.configs[0].config.name}, {len(lone)} lone requests, "
               f"batches {[b.batch for b in batches]}): gap - decode step {residuals}; TTFT - prefill alone "
-              f"{ttft_s * 1e3:.1f} ms; first gap - decode step - worker - pull {gap_s * 1e3:.1f} ms")  # fmt: skip
-    return PlaneCosts(ttft_s=max(ttft_s, 0.0), handoff_s=max(gap_s, 0.0), worker=points, source=source)
+              f"{ttft_s * 1e3:.1f} ms; first gap - decode step - worker - pull {gap_s * 1e3:.1f} ms; "
+              f"CPU per phase: {phases}")  # fmt: skip
+    return PlaneCosts(
+        ttft_s=max(ttft_s, 0.0),
+        handoff_s=max(gap_s, 0.0),
+        worker=points,
+        source=source,
+        cpu_s_per_request=plane_cpu[0],
+        cpu_s_per_token=plane_cpu[1],
+        client_cpu_s_per_request=client_cpu[0],
+        client_cpu_s_per_token=client_cpu[1],
+    )
 
 
 def measure_plane(profile: Profile, req: ProfileRequest) -> Profile:
     """The profile with its plane costs measured on a local stack."""
-    lone, batches = sample_plane(profile, req)
-    return msgspec.structs.replace(profile, plane=plane_costs(profile, lone, batches))
+    lone, batches, cpu = sample_plane(profile, req)
+    return msgspec.structs.replace(profile, plane=plane_costs(profile, lone, batches, cpu))

@@ -104,12 +104,20 @@ class PlaneCosts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     decode job's publish and fetch, the Redis lookup, the import), and to every step of a worker its own time
     outside the engine, by the outputs the step gives (its loop hands each over and publishes it as a token event,
     on the worker's own cores): `worker` points (outputs, seconds), linear between them and past the last one with
-    its last segment's slope, flat below the first (costs.WorkerOverhead)."""
+    its last segment's slope, flat below the first (costs.WorkerOverhead).
+
+    And the CPU the plane's own processes spend (gateway, NATS, Redis: `cpu_s_per_request` and `cpu_s_per_token` of
+    output) and the load's client beside them (`client_cpu_s_*`, for a benchmark that runs its client on the same
+    host): where they share the workers' cores, the workers step slower (cpu_share.py)."""
 
     ttft_s: float = 0.0
     handoff_s: float = 0.0
     worker: tuple[tuple[float, float], ...] = ()
     source: str = ""
+    cpu_s_per_request: float = 0.0
+    cpu_s_per_token: float = 0.0
+    client_cpu_s_per_request: float = 0.0
+    client_cpu_s_per_token: float = 0.0
 
 
 class Host(msgspec.Struct, frozen=True):

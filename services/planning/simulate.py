@@ -12,7 +12,8 @@ What it models, as the workers do it (docs/architecture.md, docs/planning.md):
   token, then the prompts being prefilled, then waiting prompts in order, chunked to the step's token budget.
   A step costs the decode step of its decoding requests at their mean context (or the prefill step's overhead
   when none decode) plus the work of its prompt chunks (costs.PrefillCost), plus the worker's own time outside the
-  engine by the outputs the step gives (PlaneCosts.worker, costs.WorkerOverhead). Work that arrives during a step
+  engine by the outputs the step gives (PlaneCosts.worker, costs.WorkerOverhead), all times the pool's slowdown
+  (the serving plane's CPU on the workers' cores, cpu_share.py: the model computes it). Work that arrives during a step
   joins the next one.
 - Prefill worker: a prompt's first token comes at the end of the step that computed its last chunk (its TTFT
   adds the serving plane's time, PlaneCosts.ttft_s); with more than one output token its decode job then waits for
@@ -25,8 +26,7 @@ What it models, as the workers do it (docs/architecture.md, docs/planning.md):
   (O - 1), as the bench client measures it (the plane's time per token cancels out of that difference).
 
 Not modelled: preemption (a decode pool that runs out of blocks mid-request), the prefill side's held KV, prefix
-cache hits, the gateway's local prefill path (the modelled disaggregated deployments send every prompt remote),
-the CPU time the gateway, NATS and the client take from the workers' cores.
+cache hits, the gateway's local prefill path (the modelled disaggregated deployments send every prompt remote).
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ class _Worker:
     role: Role
     costs: WorkerCosts
     index: int
+    slowdown: float = 1.0  # its steps' time over the profile's (Pool.slowdown)
     waiting: deque[_Req] = field(default_factory=deque)  # taken, not admitted
     prefilling: list[_Req] = field(default_factory=list)  # admitted, prompt not done
     decoding: list[tuple[int, int, _Req]] = field(default_factory=list)  # (its last step, index, request): a heap
@@ -111,11 +112,13 @@ class _Worker:
 
 @dataclass(frozen=True)
 class Pool:
-    """`count` workers of one configuration in one role."""
+    """`count` workers of one configuration in one role; `slowdown` multiplies their steps' time (the serving
+    plane's CPU on their cores: cpu_share.py)."""
 
     role: Role
     costs: WorkerCosts
     count: int
+    slowdown: float = 1.0
 
 
 class Simulation:
@@ -139,7 +142,7 @@ class Simulation:
         for pool in pools:
             for _ in range(pool.count):
                 ws = self.workers[pool.role]
-                ws.append(_Worker(pool.role, pool.costs, len(ws)))
+                ws.append(_Worker(pool.role, pool.costs, len(ws), pool.slowdown))
         self.front = Role.MIXED if Role.MIXED in roles else Role.PREFILL
         self.queues: dict[Role, deque[_Req]] = {Role.PREFILL: deque(), Role.DECODE: deque(), Role.MIXED: deque()}
         self.turn: dict[Role, int] = dict.fromkeys(Role, 0)
@@ -245,6 +248,7 @@ class Simulation:
         tokens = decodes + sum(1 for req, n in chunks if req.computed + n >= req.prompt)  # outputs this step gives
         seconds += self.overhead.at(tokens)
         seconds += sum(costs.prefill.chunk_s(req.computed, req.computed + n) for req, n in chunks)
+        seconds *= w.slowdown
         w.busy, w.plan_chunks = True, chunks
         w.steps += 1
         self._at(self.now + seconds, "step", w)

@@ -67,3 +67,6 @@ def test_profile_measures_the_serving_plane_on_a_local_stack(model_dir, tmp_path
     assert plane.ttft_s > 0  # HTTP, the gateway and two NATS hops are never free
     assert plane.handoff_s >= 0
     assert [n for n, _ in plane.worker] == [1, 4, 16] and all(t >= 0 for _, t in plane.worker)
+    # the gateway, NATS and Redis are real processes: serving the probes cost them CPU, per request or per token
+    assert plane.cpu_s_per_request + plane.cpu_s_per_token > 0 and "CPU per phase" in plane.source
+    assert plane.client_cpu_s_per_request + plane.client_cpu_s_per_token > 0  # the probes' client parsed SSE
