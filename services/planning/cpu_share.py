@@ -1,5 +1,5 @@
 """The serving plane's CPU on the workers' cores: how much slower a worker steps when the gateway, NATS and Redis
-(and a load client on the same host) compute on the cores it computes on.
+(and a load client on the same host) run on the cores it computes on.
 
 On one host (`pdserve up`, or a node that runs the plane beside its workers) nothing keeps the plane off the
 workers' cores. Its CPU scales with the traffic: per request (HTTP, tokenizing, the job's publish) and per output
@@ -8,12 +8,17 @@ token (a token event through NATS, an SSE chunk): `PlaneCosts.cpu_s_per_request/
 
 The model: the plane needs P = rate · (per_request + mean output · per_token) cores. It takes idle cores of the
 shared ones first: a deployment of U busy cores in a budget of C shared cores leaves C - U free. The rest,
-E = max(P - (C - U), 0), preempts the workers, spread evenly: each busy core loses s = E / U of its time. A worker
-of k threads steps at 1 / (1 - k·s) of its profiled speed: its threads meet at a barrier after every parallel
-region (a layer's kernels take tens to hundreds of µs, a plane burst as long), so a burst on any one of its cores
-stalls all of them; a one-thread worker loses only its own core's share. Checked on the 2-core hosts
-(docs/planning.md): a 2-thread engine under a burner of 0.2 cores stepped 1.12-1.25x slower (1 / (1 - 2 · 0.1) =
-1.25), and a 2-thread mixed worker's decode steps in a stack whose plane took 0.18 cores 1.2-1.4x its profile.
+E = max(P - (C - U), 0), preempts the workers, spread evenly: each busy core loses s = E / U of its time, and
+every worker steps at 1 / (1 - s) of its profiled time, whatever its thread count.
+
+Why not more for a worker of several threads, whose threads meet at a barrier after every parallel region, so
+that a burst of the plane on any one of its cores stalls all of them (1 / (1 - k·s) for k threads)? Its steps do
+show some of that: on the 2-core Intel host a 2-thread engine under a burner of 0.2 cores stepped 1.12-1.25x
+slower, and a 2-thread mixed worker's decode steps in a stack whose plane took 0.18 cores 1.14-1.38x its profile
+(benchmarks/stack_steps.py). But end to end the simple share predicted every split's TPOT p50 and p90 within
+0.92-1.08x of the measured, where k·s over-predicted the 2-thread worker's by 1.34-1.43x and no plane term
+under-predicted all of them by 0.78-0.89x (docs/benchmarks.md, "Deployment planner"): the model keeps what the
+measured runs support.
 
 Every busy core is taken as busy all the time, the regime where SLOs are at stake; a lightly loaded worker leaves
 its core to the plane and steps at about its profiled speed, which the model does not credit.
@@ -45,13 +50,12 @@ def plane_cores(requests: Sequence[_Request], per_request_s: float, per_token_s:
     return rate * (per_request_s + mean_output * per_token_s)
 
 
-def step_slowdown(threads: int, busy_cores: int, shared_cores: int, plane: float) -> float:
-    """A worker of `threads` threads, in a deployment of `busy_cores` cores among `shared_cores` the plane also runs
-    on, with the plane needing `plane` cores: its step time over its profiled one (see the module)."""
-    if threads < 1 or busy_cores < 1:
-        raise ValueError("a worker has at least one thread, a deployment at least one core")
+def step_slowdown(busy_cores: int, shared_cores: int, plane: float) -> float:
+    """A worker's step time over its profiled one, in a deployment of `busy_cores` cores among `shared_cores` the
+    plane also runs on, with the plane needing `plane` cores (see the module)."""
+    if busy_cores < 1:
+        raise ValueError("a deployment has at least one core")
     excess = plane - max(shared_cores - busy_cores, 0)
     if excess <= 0:
         return 1.0
-    stolen = min(threads * excess / busy_cores, MAX_STOLEN)
-    return 1.0 / (1.0 - stolen)
+    return 1.0 / (1.0 - min(excess / busy_cores, MAX_STOLEN))

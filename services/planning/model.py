@@ -194,8 +194,8 @@ class PerformanceModel:
         busy = deployment.units(self.unit_of)
         plane = self.plane_cores(requests) if self.plane_shares else 0.0
         shared = busy if shared_cores is None else shared_cores
-        pools = [Pool(role, self._costs(cfg), n, step_slowdown(self.unit_of[cfg], busy, shared, plane))
-                 for role, cfg, n in deployment.pools()]  # fmt: skip
+        slowdown = step_slowdown(busy, shared, plane)
+        pools = [Pool(role, self._costs(cfg), n, slowdown) for role, cfg, n in deployment.pools()]
         return simulate(requests, pools, p.engine, p.transfer, p.plane)
 
     def plane_cores(self, requests: Sequence[SimRequest]) -> float:
