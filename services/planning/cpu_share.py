@@ -6,10 +6,11 @@ workers' cores. Its CPU scales with the traffic: per request (HTTP, tokenizing, 
 token (a token event through NATS, an SSE chunk): `PlaneCosts.cpu_s_per_request/_per_token`, which
 `pdserve profile --serving-plane` measures from the processes' CPU time over its probes (plane.py).
 
-The model: the plane needs P = rate · (per_request + mean output · per_token) cores. It takes idle cores of the
-shared ones first: a deployment of U busy cores in a budget of C shared cores leaves C - U free. The rest,
-E = max(P - (C - U), 0), preempts the workers, spread evenly: each busy core loses s = E / U of its time, and
-every worker steps at 1 / (1 - s) of its profiled time, whatever its thread count.
+The model: the plane needs P = rate · (per_request + mean output · per_token) cores. It takes idle cores first:
+the requests simulated at the profile's speed keep B cores of the C shared ones busy on average (a worker of U
+units counts U while it steps), leaving C - B idle. The rest, E = max(P - (C - B), 0), preempts the workers,
+spread evenly: each busy core loses s = E / B of its time, and every step of every worker costs 1 / (1 - s) of
+its profiled time, whatever its thread count; the requests are simulated again at that speed (model.simulate).
 
 Why not more for a worker of several threads, whose threads meet at a barrier after every parallel region, so
 that a burst of the plane on any one of its cores stalls all of them (1 / (1 - k·s) for k threads)? Its steps do
@@ -20,8 +21,9 @@ slower, and a 2-thread mixed worker's decode steps in a stack whose plane took 0
 under-predicted all of them by 0.78-0.89x (docs/benchmarks.md, "Deployment planner"): the model keeps what the
 measured runs support.
 
-Every busy core is taken as busy all the time, the regime where SLOs are at stake; a lightly loaded worker leaves
-its core to the plane and steps at about its profiled speed, which the model does not credit.
+The idle time is an average over the run: a burst that keeps every core busy for a while loses its share then
+too, which the model does not charge, and a worker's idle moments inside a step (a thread at a barrier) are
+counted busy.
 """
 
 from __future__ import annotations
@@ -50,12 +52,12 @@ def plane_cores(requests: Sequence[_Request], per_request_s: float, per_token_s:
     return rate * (per_request_s + mean_output * per_token_s)
 
 
-def step_slowdown(busy_cores: int, shared_cores: int, plane: float) -> float:
-    """A worker's step time over its profiled one, in a deployment of `busy_cores` cores among `shared_cores` the
-    plane also runs on, with the plane needing `plane` cores (see the module)."""
-    if busy_cores < 1:
-        raise ValueError("a deployment has at least one core")
-    excess = plane - max(shared_cores - busy_cores, 0)
+def step_slowdown(busy_cores: float, shared_cores: int, plane: float) -> float:
+    """A worker's step time over its profiled one, when the workers keep `busy_cores` of the `shared_cores` the
+    plane also runs on busy and the plane needs `plane` cores (see the module)."""
+    if busy_cores <= 0:
+        return 1.0  # nothing ran: nothing to slow
+    excess = plane - max(shared_cores - busy_cores, 0.0)
     if excess <= 0:
         return 1.0
     return 1.0 / (1.0 - min(excess / busy_cores, MAX_STOLEN))

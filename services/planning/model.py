@@ -27,7 +27,7 @@ import numpy as np
 from services.planning.costs import WorkerCosts
 from services.planning.cpu_share import plane_cores, step_slowdown
 from services.planning.profile_file import Profile, profile_from_dict
-from services.planning.simulate import Outcome, Pool, Role, SimRequest, simulate
+from services.planning.simulate import Outcome, Pool, Role, SimRequest, Simulation
 from services.planning.workload import Workload
 
 TIE = 0.01  # deployments within 1% of the best goodput count as equal: the one with fewest units is recommended
@@ -189,14 +189,25 @@ class PerformanceModel:
         self, deployment: Deployment, requests: Sequence[SimRequest], shared_cores: int | None = None
     ) -> list[Outcome]:
         """Each request's outcome on `deployment`; the plane (when it shares cores) runs on `shared_cores` cores,
-        by default the deployment's own."""
+        by default the deployment's own. With a plane there, the requests are simulated twice: at the profile's
+        speed, which says how many cores the workers keep busy, then with the slowdown the plane's excess over
+        the idle ones gives (cpu_share.py)."""
         p = self.profile
-        busy = deployment.units(self.unit_of)
+
+        def run(slowdown: float) -> Simulation:
+            pools = [Pool(role, self._costs(cfg), n, slowdown) for role, cfg, n in deployment.pools()]
+            sim = Simulation(requests, pools, p.engine, p.transfer, p.plane)
+            sim.run()
+            return sim
+
+        sim = run(1.0)
         plane = self.plane_cores(requests) if self.plane_shares else 0.0
-        shared = busy if shared_cores is None else shared_cores
-        slowdown = step_slowdown(busy, shared, plane)
-        pools = [Pool(role, self._costs(cfg), n, slowdown) for role, cfg, n in deployment.pools()]
-        return simulate(requests, pools, p.engine, p.transfer, p.plane)
+        if plane > 0:
+            shared = deployment.units(self.unit_of) if shared_cores is None else shared_cores
+            slowdown = step_slowdown(sim.busy_cores(), shared, plane)
+            if slowdown > 1.0:
+                sim = run(slowdown)
+        return sim.outcomes
 
     def plane_cores(self, requests: Sequence[SimRequest]) -> float:
         """The cores the plane (and the client, with client_cpu) spends on `requests` (cpu_share.py)."""

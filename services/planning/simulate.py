@@ -94,6 +94,7 @@ class _Worker:
     arriving: list[_Req] = field(default_factory=list)  # imported KV, joins the next step
     steps: int = 0  # steps begun
     busy: bool = False
+    busy_s: float = 0.0  # the time its steps took, all of them
     plan_chunks: list[tuple[_Req, int]] = field(default_factory=list)
 
     def running(self) -> int:
@@ -250,6 +251,7 @@ class Simulation:
         seconds += sum(costs.prefill.chunk_s(req.computed, req.computed + n) for req, n in chunks)
         seconds *= w.slowdown
         w.busy, w.plan_chunks = True, chunks
+        w.busy_s += seconds
         w.steps += 1
         self._at(self.now + seconds, "step", w)
 
@@ -303,6 +305,14 @@ class Simulation:
         out.tpot_s = (self.now - req.first_s) / (req.output - 1)
         w.context_sum -= req.prompt + req.output
         w.held_tokens -= req.held + req.output - 1
+
+    def busy_cores(self) -> float:
+        """After run(): the cores the workers kept busy on average, from 0 to the last request's end (a worker of
+        U units counts U while it steps)."""
+        end = max((o.finish_s for o in self.outcomes), default=0.0)
+        if end <= 0:
+            return 0.0
+        return sum(w.busy_s * w.costs.units for ws in self.workers.values() for w in ws) / end
 
     def _hold(self, w: _Worker, req: _Req, tokens: int) -> None:
         """Count the blocks `tokens` take in w's pool as `req`'s."""

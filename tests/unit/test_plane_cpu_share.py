@@ -31,8 +31,8 @@ def test_each_busy_core_loses_its_share_of_what_the_idle_cores_cannot_take():
 
 def test_the_slowdown_is_capped():
     assert step_slowdown(busy_cores=4, shared_cores=4, plane=10.0) == pytest.approx(1 / (1 - MAX_STOLEN))
-    with pytest.raises(ValueError):
-        step_slowdown(busy_cores=0, shared_cores=1, plane=0.1)
+    assert step_slowdown(busy_cores=0.0, shared_cores=1, plane=0.1) == 1.0  # nothing ran
+    assert step_slowdown(busy_cores=1.5, shared_cores=2, plane=0.7) == pytest.approx(1 / (1 - 0.2 / 1.5))
 
 
 def test_plane_cores_follow_the_arrival_rate_and_the_outputs():
@@ -61,6 +61,19 @@ def test_workers_slow_under_a_shared_plane_unless_the_budget_leaves_it_a_core():
     # a budget with an idle core of its own gives the plane room: a 1-core worker in a 2-core budget is untouched
     alone = Deployment.colocated("1", 1)
     assert tpot(shared, alone, 2) == pytest.approx(tpot(separate, alone, 2))
+
+
+def test_a_lightly_loaded_deployment_leaves_the_plane_its_idle_time():
+    # 0.5 req/s: the worker steps a fraction of the time; a plane of 0.16 cores fits in the rest
+    reqs = [SimRequest(i * 2.0, 100, 40) for i in range(20)]
+    per_token = 0.16 / (0.5 * 40)
+    shared = PerformanceModel(_cpu_profile(per_token))
+    separate = PerformanceModel(_cpu_profile(per_token), "separate")
+    assert shared.plane_cores(reqs) == pytest.approx(0.16, rel=0.01)
+    one = Deployment.colocated("1", 1)
+    assert [o.tpot_s for o in shared.simulate(one, reqs)] == pytest.approx(
+        [o.tpot_s for o in separate.simulate(one, reqs)]
+    )
 
 
 def test_the_client_counts_only_when_asked_and_a_gpu_profile_never_shares():
