@@ -16,10 +16,10 @@ Why not more for a worker of several threads, whose threads meet at a barrier af
 that a burst of the plane on any one of its cores stalls all of them (1 / (1 - k·s) for k threads)? Its steps do
 show some of that: on the 2-core Intel host a 2-thread engine under a burner of 0.2 cores stepped 1.12-1.25x
 slower, and a 2-thread mixed worker's decode steps in a stack whose plane took 0.18 cores 1.14-1.38x its profile
-(benchmarks/stack_steps.py). But end to end the simple share predicted every split's TPOT p50 and p90 within
-0.92-1.08x of the measured, where k·s over-predicted the 2-thread worker's by 1.34-1.43x and no plane term
-under-predicted all of them by 0.78-0.89x (docs/benchmarks.md, "Deployment planner"): the model keeps what the
-measured runs support.
+(benchmarks/stack_steps.py). But end to end, charging k·s over-predicted that worker's TPOT p50 and p90 by
+1.34-1.43x in the run that tried it, while the share alone brought the TPOT p50 of twelve split-runs (three
+splits, four plan checks, each on a fresh profile) from a geometric mean of 0.87x the measured without a plane
+term to 0.99x (docs/benchmarks.md, "Deployment planner"): the model keeps what the measured runs support.
 
 The idle time is an average over the run: a burst that keeps every core busy for a while loses its share then
 too, which the model does not charge, and a worker's idle moments inside a step (a thread at a barrier) are
@@ -35,8 +35,10 @@ MAX_STOLEN = 0.8  # a step slows at most 5x: past that the deployment is the pla
 
 
 class _Request(Protocol):
-    arrival_s: float
-    output_len: int
+    @property
+    def arrival_s(self) -> float: ...
+    @property
+    def output_len(self) -> int: ...
 
 
 def plane_cores(requests: Sequence[_Request], per_request_s: float, per_token_s: float) -> float:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,7 +169,7 @@ def _plane_cpu_s(stack: Stack) -> float:
     return sum(_cpu_s(pid) for pid in pids)
 
 
-def fit_cpu(samples: list[CpuSample], of: Callable[[CpuSample], float]) -> tuple[float, float]:
+def fit_cpu(samples: Sequence[CpuSample], of: Callable[[CpuSample], float]) -> tuple[float, float]:
     """(seconds per request, seconds per output token) of the CPU `of` picks, by least squares over the phases;
     each clamped at 0 (a negative one is refitted as 0, the other alone)."""
     if not samples:
@@ -191,7 +191,7 @@ def stack_model_name(model_dir: str) -> str:
 
 
 def plane_costs(
-    profile: Profile, lone: list[PlaneSample], batches: list[BatchSample], cpu: list[CpuSample] = ()
+    profile: Profile, lone: list[PlaneSample], batches: list[BatchSample], cpu: Sequence[CpuSample] = ()
 ) -> PlaneCosts:
     """The plane's times from probe samples, against the profile's first configuration (see the module)."""
     budget = profile.engine.max_num_batched_tokens
@@ -208,7 +208,7 @@ def plane_costs(
     gap = [s.first_gap_s - costs.decode.step_s(1, s.prompt + 1) - worker - p for s, p in zip(lone, pull, strict=True)]
     ttft_s, gap_s = statistics.median(ttft), statistics.median(gap)
     residuals = ", ".join(f"B={int(x)} {y * 1e3:.2f} ms" for x, y in zip(xs, ys, strict=True))
-    plane_cpu, client_cpu = fit_cpu(list(cpu), lambda c: c.plane_s), fit_cpu(list(cpu), lambda c: c.client_s)
+    plane_cpu, client_cpu = fit_cpu(cpu, lambda c: c.plane_s), fit_cpu(cpu, lambda c: c.client_s)
     phases = "; ".join(f"{c.requests} requests, {c.tokens} tokens: plane {c.plane_s:.2f} s, client {c.client_s:.2f} s"
                        for c in cpu)  # fmt: skip
     source = (f"measured on a local stack (config {profile.configs[0].config.name}, {len(lone)} lone requests, "
