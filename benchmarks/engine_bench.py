@@ -362,15 +362,19 @@ def print_report(
             print(f"{phase:<8}{r['batch']:>6}{cells}" + "".join(f"{r[f'{n}_ratio']:>24.2f}" for n in pds))
     print(f"\ndecode step vs floor (avg context {decode[0]['avg_context']:.1f} tokens): step ms (x mem floor)")
     head = "".join(f"{n:>26}" for n in names)
-    print(f"{'batch':>5}{'MB/step':>9}{'mem floor ms':>14}{'FLOP floor ms':>15}{head}{'same tokens':>13}"
-          f"{'GB/s in its rounds':>22}")  # fmt: skip
+    # each pdserve system's share of sequences writing transformers' tokens, in the order of `pds`: another weights
+    # format than transformers' own dtype makes another model (a share below 100% there is no fault)
+    same_head = "same tokens (" + ", ".join(pds) + ")"
+    print(f"{'batch':>5}{'MB/step':>9}{'mem floor ms':>14}{'FLOP floor ms':>15}{head}{'GB/s in its rounds':>22}"
+          f"  {same_head}")  # fmt: skip
     for r in decode:
         cells = "".join(f"{r[f'{n}_step_ms']:>18.2f} ({r[f'{n}_x_mem_floor']:>4.1f})" for n in names)
         samples = r["read_gbps_samples"]
         rates = f"{r['read_gbps']:.1f} ({min(samples):.0f}-{max(samples):.0f})"
+        same = "/".join(f"{r[f'{n}_same_tokens']:.0%}" for n in pds)
         print(
             f"{r['batch']:>5}{r['step_mb']:>9.1f}{r['mem_floor_ms']:>14.2f}{r['compute_floor_ms']:>15.2f}"
-            f"{cells}{r['same_tokens']:>13.0%}{rates:>22}"
+            f"{cells}{rates:>22}  {same}"
         )
     if not mixed:
         return
