@@ -243,7 +243,10 @@ def render(plan: Plan, profile, path: str, top: int = 10) -> str:
         f"SLOs: TTFT <= {plan.slos.ttft_s * 1e3:g} ms, TPOT <= {plan.slos.tpot_s * 1e3:g} ms; budget {plan.budget} "
         f"{unit}; {plan.requests} simulated requests (seed {plan.seed})",
     ]
-    if plan.plane_cores is not None:
+    measured = profile.plane.cpu_s_per_request > 0 or profile.plane.cpu_s_per_token > 0
+    if plan.plane_cores is not None and not measured:
+        lines.append("serving plane: its CPU is not in this profile (`pdserve profile --serving-plane` measures it)")
+    elif plan.plane_cores is not None:
         lines.append(f"serving plane: {plan.plane_cores:.2f} cores at this rate, on the budget's cores (the "
                      "workers step slower where it preempts them; --plane-cpu separate: it has its own)")  # fmt: skip
     lines.append("")

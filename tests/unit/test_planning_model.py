@@ -312,6 +312,7 @@ def test_plan_prints_the_recommendation_and_the_ranking(capsys):
     assert main(["plan", "--profile", str(RECORDED), *EXAMPLE]) == 0
     text = capsys.readouterr().out
     assert "recommended: 1 prefill [1] + 1 decode [1] (2 cores)" in text
+    assert "its CPU is not in this profile" in text  # recorded before --serving-plane measured it
     assert "0.75x the best disaggregated" in text and "disaggregated does at least as well" in text
     assert text.count("mixed [") >= 3
 
