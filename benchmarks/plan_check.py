@@ -27,6 +27,9 @@ Before each run it waits (at most --quiet-wait s) until processes it did not sta
 records the share they used during the run (benchmarks/compare_pd.py's accounting) and each of its own processes'
 CPU; a run during which others used more than --retry-above (10%) is run again (--retries, 2), the quietest attempt
 kept: on a shared host the goodput of a run where others took part of a worker's core says little about the split.
+Before each split's stack starts, and after the profile, it samples the host's read bandwidth at the budget's thread
+count (host_info.read_bandwidth): on a VM it moves from minute to minute, and a split run on a slower minute than
+the profile's shows it there; the hypervisor's steal share of each run is kept in the JSON too.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
@@ -55,6 +59,7 @@ from benchmarks.compare_pd import (  # noqa: E402
     record_dict,
     wait_quiet,
 )
+from benchmarks.host_info import read_bandwidth  # noqa: E402
 from services.bench.datasets import BenchRequest  # noqa: E402
 from services.bench.prompts import PromptMaker  # noqa: E402
 from services.bench.runner import BenchConfig, run  # noqa: E402
@@ -218,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.profile:
         profile_noise = measure_profile(model, args, profile_path)
     profile = load_profile(profile_path)
+    profile_gbps = host_read_gbps(len(cores))
     slos_ms = {"ttft": args.ttft_ms, "tpot": args.tpot_ms}
     workload_flags = ["--rate", str(args.rate), "--isl", str(args.isl), "--osl", str(args.osl), "--range-ratio",
                       str(args.range_ratio)]  # fmt: skip
@@ -243,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         "host": {"cpu": profile.host.cpu, "cores": os.cpu_count(), "budget_cores": list(cores)},
         "profile": str(profile_path),
         "profile_other_share": profile_noise,
+        "profile_read_gbps": profile_gbps,
         "plane": {
             "ttft_ms": profile.plane.ttft_s * 1e3,
             "handoff_ms": profile.plane.handoff_s * 1e3,
@@ -258,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for d in splits:
         predicted = model_.predict(d, sims, slos, len(cores))
+        gbps = host_read_gbps(len(cores))  # the host's speed now, against the profile's moment's
         ms = ModeStack(d.name, stack_spec(d, model, cores, units, tp_ep))
         print(f"[{time.monotonic() - t_start:5.0f}s] {d.name}: starting ...", flush=True)
         ms.start()
@@ -284,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
             "measured": s | {"attainment": attainment(got["records"], slos_ms)},
             "predicted_over_measured": predicted.goodput / s["request_goodput"] if s["request_goodput"] else None,
             "other_share": got["other_share"],
+            "steal_share": got["steal_share"],
+            "read_gbps_before": gbps,
             "other_share_before": got["other_share_before"],
             "busy_share": got["busy_share"],
             "attempts_other_share": shares,
@@ -319,10 +329,23 @@ def checks(splits: list[dict]) -> dict:
     }
 
 
+def host_read_gbps(threads: int) -> float:
+    """The host's read bandwidth at `threads` threads now (host_info.read_bandwidth): a VM's memory bandwidth moves
+    from minute to minute, and a split measured on a slower minute than its profile's says so here."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return read_bandwidth()
+    finally:
+        torch.set_num_threads(before)
+
+
 def table(data: dict) -> str:
-    rows = ["| split | predicted goodput | measured goodput | predicted / measured | predicted TTFT p50/p90 ms | "
-            "measured TTFT p50/p90 ms | predicted TPOT p50/p90 ms | measured TPOT p50/p90 ms | other CPU |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    rows = [f"host read bandwidth at the profile: {data.get('profile_read_gbps', 0):.1f} GB/s\n",
+            "| split | predicted goodput | measured goodput | predicted / measured | predicted TTFT p50/p90 ms | "
+            "measured TTFT p50/p90 ms | predicted TPOT p50/p90 ms | measured TPOT p50/p90 ms | other CPU | "
+            "read GB/s before |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for s in data["splits"]:
         p, m = s["predicted"], s["measured"]
         ratio = f"{s['predicted_over_measured']:.2f}" if s["predicted_over_measured"] else "—"
@@ -330,7 +353,8 @@ def table(data: dict) -> str:
         rows.append(f"| {name} | {p['goodput']:.2f} | {m['request_goodput']:.2f} | {ratio} | "
                     f"{p['ttft_p50_s'] * 1e3:.0f} / {p['ttft_p90_s'] * 1e3:.0f} | {m['median_ttft_ms']:.0f} / "
                     f"{m['p90_ttft_ms']:.0f} | {p['tpot_p50_s'] * 1e3:.1f} / {p['tpot_p90_s'] * 1e3:.1f} | "
-                    f"{m['median_tpot_ms']:.1f} / {m['p90_tpot_ms']:.1f} | {s['other_share']:.0%} |")  # fmt: skip
+                    f"{m['median_tpot_ms']:.1f} / {m['p90_tpot_ms']:.1f} | {s['other_share']:.0%} | "
+                    f"{s.get('read_gbps_before', 0):.1f} |")  # fmt: skip
     err = data.get("recommended_error")
     rows.append(
         f"\nrecommended: predicted within {err:.0%} of measured (target 20%); at least as good as every "
