@@ -92,6 +92,7 @@ from services.bench.metrics import RequestRecord  # noqa: E402
 from services.bench.runner import BenchConfig, BenchResult, run  # noqa: E402
 from services.demo_model import ensure_demo_checkpoint  # noqa: E402
 from services.local.infra import free_port  # noqa: E402
+from services.local.proc_cpu import cpu_seconds as proc_cpu_s  # noqa: E402
 from services.local.stack import Stack, StackSpec  # noqa: E402
 from shared.engine.kv_budget import CPU_KV_CACHE_BYTES  # noqa: E402
 from shared.model.tokenizer import Tokenizer  # noqa: E402
@@ -264,16 +265,6 @@ def mode_spec(mode: str, model: Path, cores: tuple[int, int], chunk_budget: int,
         return StackSpec(prefill=1, decode=1, threads={"prefill": 1, "decode": 1}, worker_args=args,
                          cpu_affinity={"prefill": cores[:1], "decode": cores[1:]}, env=env, **common)  # fmt: skip
     raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
-
-
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of one process (all its threads), seconds; 0 if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def machine_busy_s() -> tuple[float, float]:

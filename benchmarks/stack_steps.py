@@ -31,7 +31,6 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.compare_pd import proc_cpu_s  # noqa: E402
 from benchmarks.host_info import cpu_info  # noqa: E402
 from services.bench.datasets import BenchRequest  # noqa: E402
 from services.bench.prompts import PromptMaker  # noqa: E402
@@ -39,6 +38,7 @@ from services.bench.runner import BenchConfig, run  # noqa: E402
 from services.demo_model import ensure_demo_checkpoint  # noqa: E402
 from services.local.cluster_state import heartbeats  # noqa: E402
 from services.local.infra import free_port  # noqa: E402
+from services.local.proc_cpu import cpu_seconds  # noqa: E402
 from services.local.stack import Stack, StackSpec  # noqa: E402
 from services.planning.costs import WorkerCosts  # noqa: E402
 from services.planning.plane import stack_model_name  # noqa: E402
@@ -62,9 +62,9 @@ def spec(model: str, role: str, threads: int) -> StackSpec:
 
 def cpu_s(stack: Stack) -> dict[str, float]:
     """CPU seconds so far of each process of the stack and of this one (the load's client)."""
-    out = {name: proc_cpu_s(p.pid) for name, p in stack.procs.items()}
-    out |= {s.name: proc_cpu_s(s.proc.pid) for s in stack.infra if s.proc is not None}
-    return out | {"client": proc_cpu_s(os.getpid())}
+    out = {name: cpu_seconds(p.pid) for name, p in stack.procs.items()}
+    out |= {s.name: cpu_seconds(s.proc.pid) for s in stack.infra if s.proc is not None}
+    return out | {"client": cpu_seconds(os.getpid())}
 
 
 def main() -> None:

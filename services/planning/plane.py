@@ -34,6 +34,7 @@ from services.bench.metrics import RequestRecord
 from services.bench.prompts import PromptMaker
 from services.bench.runner import BenchConfig, run
 from services.local.infra import free_port
+from services.local.proc_cpu import cpu_seconds
 from services.local.stack import Stack, StackSpec
 from services.planning.costs import WorkerCosts, WorkerOverhead
 from services.planning.profile import ProfileRequest
@@ -42,7 +43,6 @@ from shared.model.tokenizer import Tokenizer
 
 PROBE_OUTPUT = 16  # tokens of a lone request: the first gap is the hand-off's, the later ones decode steps
 BATCHES = (4, 16)  # requests sent at once
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 BATCH_PROMPT, BATCH_OUTPUT = 32, 96
 WARMUPS = 2
 
@@ -118,10 +118,11 @@ def sample_plane(
         cpu: list[CpuSample] = []
 
         def timed(phase: Callable[[], list[RequestRecord]]) -> list[RequestRecord]:
-            plane0, client0 = _plane_cpu_s(stack), _cpu_s(os.getpid())
+            plane0, client0 = _plane_cpu_s(stack), cpu_seconds(os.getpid())
             records = phase()
             tokens = sum(r.output_tokens for r in records)
-            cpu.append(CpuSample(len(records), tokens, _plane_cpu_s(stack) - plane0, _cpu_s(os.getpid()) - client0))
+            plane, client = _plane_cpu_s(stack) - plane0, cpu_seconds(os.getpid()) - client0
+            cpu.append(CpuSample(len(records), tokens, plane, client))
             return records
 
         for _ in range(WARMUPS):
@@ -152,21 +153,11 @@ def together(batch: int, records: list[RequestRecord]) -> BatchSample | None:
     return BatchSample(batch, statistics.median(gaps), statistics.fmean(contexts))
 
 
-def _cpu_s(pid: int) -> float:
-    """utime + stime of a process (all its threads), seconds; 0 if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
 def _plane_cpu_s(stack: Stack) -> float:
     """The CPU seconds so far of the stack's gateway, NATS and Redis."""
     gateway = stack.procs.get("gateway")
     pids = [s.proc.pid for s in stack.infra if s.proc is not None] + ([gateway.pid] if gateway else [])
-    return sum(_cpu_s(pid) for pid in pids)
+    return sum(cpu_seconds(pid) for pid in pids)
 
 
 def fit_cpu(samples: Sequence[CpuSample], of: Callable[[CpuSample], float]) -> tuple[float, float]:
