@@ -27,6 +27,8 @@ Before each run it waits (at most --quiet-wait s) until processes it did not sta
 records the share they used during the run (benchmarks/compare_pd.py's accounting) and each of its own processes'
 CPU; a run during which others used more than --retry-above (10%) is run again (--retries, 2), the quietest attempt
 kept: on a shared host the goodput of a run where others took part of a worker's core says little about the split.
+With --rounds N every split is measured N times, the splits taking turns (the order reversed every other round),
+and the medians are compared: a host whose speed drifts then spreads its slow minutes over the splits.
 Before each split's stack starts, and after the profile, it samples the host's read bandwidth at the budget's thread
 count (host_info.read_bandwidth): on a VM it moves from minute to minute, and a split run on a slower minute than
 the profile's shows it there; the hypervisor's steal share of each run is kept in the JSON too.
@@ -66,7 +68,7 @@ from services.bench.runner import BenchConfig, run  # noqa: E402
 from services.demo_model import ensure_demo_checkpoint  # noqa: E402
 from services.local.infra import free_port  # noqa: E402
 from services.local.stack import StackSpec  # noqa: E402
-from services.planning.model import Deployment, PerformanceModel, Slos  # noqa: E402
+from services.planning.model import Deployment, PerformanceModel, Prediction, Slos  # noqa: E402
 from services.planning.profile_file import load_profile  # noqa: E402
 from services.planning.simulate import SimRequest  # noqa: E402
 from services.planning.workload import from_lengths  # noqa: E402
@@ -202,6 +204,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="the profile's grid flags")  # fmt: skip
     ap.add_argument("--max-splits", type=int, default=4, help="splits measured: the recommendation and others")
     ap.add_argument("--quiet-wait", type=float, default=60.0, help="seconds to wait for a quiet machine per run")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="each split measured this many times, the splits alternating; medians compared")  # fmt: skip
     ap.add_argument("--retries", type=int, default=2, help="runs of a split again when others disturbed it")
     ap.add_argument("--retry-above", type=float, default=0.10,
                     help="run again a run during which others used more of the machine than this")  # fmt: skip
@@ -263,56 +267,84 @@ def main(argv: list[str] | None = None) -> int:
         },  # fmt: skip
         "splits": [],
     }
-    for d in splits:
-        predicted = model_.predict(d, sims, slos, len(cores))
-        gbps = host_read_gbps(len(cores))  # the host's speed now, against the profile's moment's
-        ms = ModeStack(d.name, stack_spec(d, model, cores, units, tp_ep))
-        print(f"[{time.monotonic() - t_start:5.0f}s] {d.name}: starting ...", flush=True)
-        ms.start()
-        try:
-            got, shares = None, []
-            for attempt in range(args.retries + 1):  # keep the quietest attempt
-                run_ = measure(ms, model.name, tok, requests, slos_ms, args.isl, args.seed, args.quiet_wait)
-                shares.append(run_["other_share"])
-                if got is None or shares[-1] < got["other_share"]:
-                    got = run_
-                if shares[-1] <= args.retry_above:
-                    break
-                print(f"  other processes used {shares[-1]:.0%} of the machine during the run: "
-                      f"{'again' if attempt < args.retries else 'keeping the quietest'}", flush=True)  # fmt: skip
-        finally:
-            ms.stop()
-        assert got is not None
-        s = got["summary"]
-        row = {
-            "deployment": d.to_json(),
-            "name": d.name,
-            "recommended": d == recommended,
-            "predicted": predicted.to_json(),
-            "measured": s | {"attainment": attainment(got["records"], slos_ms)},
-            "predicted_over_measured": predicted.goodput / s["request_goodput"] if s["request_goodput"] else None,
-            "other_share": got["other_share"],
-            "steal_share": got["steal_share"],
-            "read_gbps_before": gbps,
-            "other_share_before": got["other_share_before"],
-            "busy_share": got["busy_share"],
-            "attempts_other_share": shares,
-            "records": got["records"],
-        }
-        data["splits"].append(row)
-        print(f"  predicted goodput {predicted.goodput:.2f} req/s (TTFT p50/p90 {predicted.ttft_p50_s * 1e3:.0f}/"
-              f"{predicted.ttft_p90_s * 1e3:.0f} ms, TPOT p50/p90 {predicted.tpot_p50_s * 1e3:.1f}/"
-              f"{predicted.tpot_p90_s * 1e3:.1f}); measured {s['request_goodput']:.2f} (TTFT p50/p90 "
-              f"{s['median_ttft_ms']:.0f}/{s['p90_ttft_ms']:.0f}, TPOT p50/p90 {s['median_tpot_ms']:.1f}/"
-              f"{s['p90_tpot_ms']:.1f}), {s['failed']} failed; other processes used {got['other_share']:.0%} of "
-              "the machine", flush=True)  # fmt: skip
-        out.write_text(json.dumps(data))  # partial results survive a crash
+    predicted = {d.name: model_.predict(d, sims, slos, len(cores)) for d in splits}
+    rounds: dict[str, list[dict]] = {d.name: [] for d in splits}
+    for r in range(args.rounds):
+        # every split once a round, the order reversed every other round: a host whose speed drifts over the
+        # minutes spreads its slow and fast minutes over the splits instead of handing them to one
+        for d in splits if r % 2 == 0 else splits[::-1]:
+            print(f"[{time.monotonic() - t_start:5.0f}s] round {r + 1}/{args.rounds}, {d.name}: starting ...",
+                  flush=True)  # fmt: skip
+            got = run_split(d, args, model, cores, units, tp_ep, tok, requests, slos_ms)
+            rounds[d.name].append(got)
+            p, s = predicted[d.name], got["measured"]
+            print(f"  predicted goodput {p.goodput:.2f} req/s (TTFT p50/p90 {p.ttft_p50_s * 1e3:.0f}/"
+                  f"{p.ttft_p90_s * 1e3:.0f} ms, TPOT p50/p90 {p.tpot_p50_s * 1e3:.1f}/{p.tpot_p90_s * 1e3:.1f}); "
+                  f"measured {s['request_goodput']:.2f} (TTFT p50/p90 {s['median_ttft_ms']:.0f}/"
+                  f"{s['p90_ttft_ms']:.0f}, TPOT p50/p90 {s['median_tpot_ms']:.1f}/{s['p90_tpot_ms']:.1f}), "
+                  f"{s['failed']} failed; other processes used {got['other_share']:.0%} of the machine; read "
+                  f"{got['read_gbps_before']:.1f} GB/s before", flush=True)  # fmt: skip
+            data["splits"] = [split_row(x, x == recommended, predicted[x.name], rounds[x.name]) for x in splits
+                              if rounds[x.name]]  # fmt: skip
+            out.write_text(json.dumps(data))  # partial results survive a crash
     data |= checks(data["splits"])
     data["runtime_s"] = time.monotonic() - t_start
     out.write_text(json.dumps(data))
     print(table(data))
     print(f"wrote {out} ({data['runtime_s'] / 60:.1f} min)")
     return 0
+
+
+def run_split(d: Deployment, args: argparse.Namespace, model: Path, cores: tuple[int, ...], units: dict[str, int],
+              tp_ep: dict, tok: Tokenizer, requests: list[BenchRequest], slos_ms: dict) -> dict:  # fmt: skip
+    """One round of split `d`: the host's read bandwidth, then a fresh stack serving `requests` (again, up to
+    --retries times, while others disturb it; the quietest attempt kept), then the stack stopped."""
+    gbps = host_read_gbps(len(cores))  # the host's speed now, against the profile's moment's
+    ms = ModeStack(d.name, stack_spec(d, model, cores, units, tp_ep))
+    ms.start()
+    try:
+        got, shares = None, []
+        for attempt in range(args.retries + 1):  # keep the quietest attempt
+            run_ = measure(ms, model.name, tok, requests, slos_ms, args.isl, args.seed, args.quiet_wait)
+            shares.append(run_["other_share"])
+            if got is None or shares[-1] < got["other_share"]:
+                got = run_
+            if shares[-1] <= args.retry_above:
+                break
+            print(f"  other processes used {shares[-1]:.0%} of the machine during the run: "
+                  f"{'again' if attempt < args.retries else 'keeping the quietest'}", flush=True)  # fmt: skip
+    finally:
+        ms.stop()
+    assert got is not None
+    return {
+        "measured": got["summary"] | {"attainment": attainment(got["records"], slos_ms)},
+        "other_share": got["other_share"],
+        "steal_share": got["steal_share"],
+        "read_gbps_before": gbps,
+        "other_share_before": got["other_share_before"],
+        "busy_share": got["busy_share"],
+        "attempts_other_share": shares,
+        "records": got["records"],
+    }
+
+
+def split_row(d: Deployment, recommended: bool, predicted: Prediction, rounds: list[dict]) -> dict:
+    """A split's row: its prediction and, measured, each round's figures and their medians (one round: its own)."""
+    keys = [k for k, v in rounds[0]["measured"].items() if isinstance(v, int | float)]
+    measured = {k: float(np.median([r["measured"][k] for r in rounds])) for k in keys}
+    goodput = measured["request_goodput"]
+    return {
+        "deployment": d.to_json(),
+        "name": d.name,
+        "recommended": recommended,
+        "predicted": predicted.to_json(),
+        "measured": measured,
+        "predicted_over_measured": predicted.goodput / goodput if goodput else None,
+        "other_share": max(r["other_share"] for r in rounds),
+        "steal_share": max(r["steal_share"] for r in rounds),
+        "read_gbps_before": float(np.median([r["read_gbps_before"] for r in rounds])),
+        "rounds": rounds,
+    }
 
 
 def checks(splits: list[dict]) -> dict:
@@ -341,7 +373,9 @@ def host_read_gbps(threads: int) -> float:
 
 
 def table(data: dict) -> str:
-    rows = [f"host read bandwidth at the profile: {data.get('profile_read_gbps', 0):.1f} GB/s\n",
+    n = len(data["splits"][0].get("rounds", [None])) if data["splits"] else 0
+    rows = [f"host read bandwidth at the profile: {data.get('profile_read_gbps', 0):.1f} GB/s; measured figures: "
+            f"{'the medians of ' + str(n) + ' rounds' if n > 1 else 'one round'}\n",
             "| split | predicted goodput | measured goodput | predicted / measured | predicted TTFT p50/p90 ms | "
             "measured TTFT p50/p90 ms | predicted TPOT p50/p90 ms | measured TPOT p50/p90 ms | other CPU | "
             "read GB/s before |",
