@@ -19,9 +19,10 @@ slower, and a 2-thread mixed worker's decode steps in a stack whose plane took 0
 (benchmarks/stack_steps.py). But end to end, charging k·s over-predicted that worker's TPOT p50 and p90 by
 1.34-1.43x in the run that tried it, and a barrier-aware share (every burst that lands on any of its cores while it
 steps stalls it, after the idle cores) by 1.30-1.78x in four runs of six, while the share alone brought the TPOT
-p50 of eighteen split-runs (three splits, six plan checks, each on a fresh profile) from a geometric mean of 0.85x
-the measured without a plane term to 0.96x, its mean |log error| from 0.19 to 0.15 (docs/benchmarks.md,
-"Deployment planner"): the model keeps what the measured runs support.
+p50 of 21 split-runs (three splits, seven plan checks, each on a fresh profile) from a geometric mean of 0.88x the
+measured without a plane term to 0.99x, its mean |log error| from 0.17 to 0.16 (docs/benchmarks.md, "Deployment
+planner"). It takes out a bias, not the scatter of a host whose speed drifts, and the one check measured in three
+rounds favoured no term: thin evidence, which is why `--plane-cpu separate` exists.
 
 The idle time is an average over the run: a burst that keeps every core busy for a while loses its share then
 too, which the model does not charge, and a worker's idle moments inside a step (a thread at a barrier) are
