@@ -357,9 +357,8 @@ class ModeStack:
         return facts
 
     def cpu_s(self) -> dict[str, float]:
-        out = {name: proc_cpu_s(p.pid) for name, p in self.stack.procs.items()}
-        out |= {s.name: proc_cpu_s(s.proc.pid) for s in self.stack.infra}
-        return out
+        assert self.stack is not None, "start the stack first"
+        return self.stack.cpu_seconds()
 
 
 def estimate_worker_mb(model: Path) -> float:

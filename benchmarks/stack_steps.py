@@ -62,9 +62,7 @@ def spec(model: str, role: str, threads: int) -> StackSpec:
 
 def cpu_s(stack: Stack) -> dict[str, float]:
     """CPU seconds so far of each process of the stack and of this one (the load's client)."""
-    out = {name: cpu_seconds(p.pid) for name, p in stack.procs.items()}
-    out |= {s.name: cpu_seconds(s.proc.pid) for s in stack.infra if s.proc is not None}
-    return out | {"client": cpu_seconds(os.getpid())}
+    return stack.cpu_seconds() | {"client": cpu_seconds(os.getpid())}
 
 
 def main() -> None:

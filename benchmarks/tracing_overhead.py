@@ -60,7 +60,6 @@ from shared.telemetry.spanfile import read_spans  # noqa: E402
 from tests.otlp_receiver import OtlpReceiver  # noqa: E402
 
 SPANS_PER_REQUEST = 9  # chat/text_completion, 2× publish, 2× process, prefill, pull_kv, send_kv, decode
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 SPAN_WAIT_S = 20.0  # a traced round's spans must arrive within settle + this
 MODES = ("off", "otlp", "file", "off2")  # off2: a second stack exactly like off (A/A: stack-to-stack noise)
 
@@ -114,12 +113,7 @@ class ModeStack:
 
     def cpu_s(self) -> dict[str, float]:
         """utime + stime of the gateway and each worker, seconds."""
-        out = {}
-        for name, proc in self.stack.procs.items():
-            with open(f"/proc/{proc.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            out[name] = (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (fields 14, 15)
-        return out
+        return {name: s for name, s in self.stack.cpu_seconds().items() if name in self.stack.procs}
 
 
 # ---- client -----------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from services.local.children import popen_options
 from services.local.hosts import INFRA, ServiceHosts
 from services.local.infra import ServerProcess, free_port, start_nats, start_redis
 from services.local.kv_certs import KV_TLS_DIR, KvTlsFiles, dialled_hosts, generate, refuse_other_kv_tls, without_kv_tls
+from services.local.proc_cpu import cpu_seconds
 from services.local.replicated import (
     NatsCluster,
     RedisSentinels,
@@ -583,6 +584,12 @@ class Stack:
         for f in self._log_files:
             f.close()
         self._log_files.clear()
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds so far (utime + stime) of each process this stack started: its services by name, its private
+        NATS and Redis servers by theirs; 0 for one that is gone."""
+        out = {name: cpu_seconds(proc.pid) for name, proc in self.procs.items()}
+        return out | {s.name: cpu_seconds(s.proc.pid) for s in self.infra if s.proc is not None}
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.log_dir.glob("*.log"))

@@ -155,9 +155,7 @@ def together(batch: int, records: list[RequestRecord]) -> BatchSample | None:
 
 def _plane_cpu_s(stack: Stack) -> float:
     """The CPU seconds so far of the stack's gateway, NATS and Redis."""
-    gateway = stack.procs.get("gateway")
-    pids = [s.proc.pid for s in stack.infra if s.proc is not None] + ([gateway.pid] if gateway else [])
-    return sum(cpu_seconds(pid) for pid in pids)
+    return sum(s for name, s in stack.cpu_seconds().items() if name == "gateway" or name not in stack.procs)
 
 
 def fit_cpu(samples: Sequence[CpuSample], of: Callable[[CpuSample], float]) -> tuple[float, float]:
