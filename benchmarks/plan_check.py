@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(args.model) if args.model else ensure_demo_checkpoint(REPO / "models" / "demo-small-qwen3_moe",
                                                                          size="small")  # fmt: skip
     cores = tuple(int(c) for c in args.cores.split(","))
-    profile_path = Path(args.profile) if args.profile else out.with_name("plan_check_profile.json")
+    # a run's own profile beside its JSON (benchmarks/plan_models.py reads both)
+    profile_path = Path(args.profile) if args.profile else out.with_name(f"{out.stem}_profile.json")
     profile_noise = None
     if not args.profile:
         profile_noise = measure_profile(model, args, profile_path)
