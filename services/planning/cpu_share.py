@@ -15,9 +15,9 @@ its profiled time, whatever its thread count; the requests are simulated again a
 Why not more for a worker of several threads, whose threads meet at a barrier after every parallel region, so
 that a burst of the plane on any one of its cores stalls all of them (1 / (1 - k·s) for k threads)? Its steps do
 show some of that: on the 2-core Intel host a 2-thread engine under a burner of 0.2 cores stepped 1.12-1.36x
-slower (benchmarks/plane_burner.py), and a 2-thread mixed worker's decode steps in a stack whose plane took 0.18 cores 1.14-1.38x its profile
-(benchmarks/stack_steps.py). But end to end, charging k·s over-predicted that worker's TPOT p50 and p90 by
-1.34-1.43x in the run that tried it, and a barrier-aware share (every burst that lands on any of its cores while it
+slower (benchmarks/plane_burner.py), and a 2-thread mixed worker's decode steps in a stack whose plane took 0.18
+cores 1.14-1.38x its profile (benchmarks/stack_steps.py). But end to end, charging k·s over-predicted that
+worker's TPOT p50 and p90 by 1.34-1.43x in the run that tried it, and a barrier-aware share (every burst that lands on any of its cores while it
 steps stalls it, after the idle cores) by 1.30-1.78x in four runs of six, while the share alone brought the TPOT
 p50 of 21 split-runs (three splits, seven plan checks, each on a fresh profile) from a geometric mean of 0.88x the
 measured without a plane term to 0.99x, its mean |log error| from 0.17 to 0.16 (docs/benchmarks.md, "Deployment
