@@ -12,17 +12,17 @@ units counts U while it steps), leaving C - B idle. The rest, E = max(P - (C - B
 spread evenly: each busy core loses s = E / B of its time, and every step of every worker costs 1 / (1 - s) of
 its profiled time, whatever its thread count; the requests are simulated again at that speed (model.simulate).
 
-Why not more for a worker of several threads, whose threads meet at a barrier after every parallel region, so
-that a burst of the plane on any one of its cores stalls all of them (1 / (1 - k·s) for k threads)? Its steps do
-show some of that: on the 2-core Intel host a 2-thread engine under a burner of 0.2 cores stepped 1.12-1.36x
-slower (benchmarks/plane_burner.py), and a 2-thread mixed worker's decode steps in a stack whose plane took 0.18
-cores 1.14-1.38x its profile (benchmarks/stack_steps.py). But end to end, charging k·s over-predicted that
-worker's TPOT p50 and p90 by 1.34-1.43x in the run that tried it, and a barrier-aware share (every burst that lands on any of its cores while it
-steps stalls it, after the idle cores) by 1.30-1.78x in four runs of six, while the share alone brought the TPOT
-p50 of 21 split-runs (three splits, seven plan checks, each on a fresh profile) from a geometric mean of 0.88x the
-measured without a plane term to 0.99x, its mean |log error| from 0.17 to 0.16 (docs/benchmarks.md, "Deployment
-planner"). It takes out a bias, not the scatter of a host whose speed drifts, and the one check measured in three
-rounds favoured no term: thin evidence, which is why `--plane-cpu separate` exists.
+Why not more for a worker of several threads, whose threads meet at a barrier after every parallel region, so that a
+burst of the plane on any one of its cores stalls all of them (1 / (1 - k·s) for k threads)? Its steps do show some
+of that: on the 2-core Intel host a 2-thread engine under a burner of 0.2 cores stepped 1.12-1.36x slower
+(benchmarks/plane_burner.py), and a 2-thread mixed worker's decode steps in a stack whose plane took 0.18 cores
+1.14-1.38x its profile (benchmarks/stack_steps.py). But end to end, charging k·s over-predicted that worker's TPOT
+p50 and p90 by 1.34-1.43x in the run that tried it, and a barrier-aware share (every burst that lands on any of its
+cores while it steps stalls it, after the idle cores) by 1.30-1.78x in four runs of six, while the share alone
+brought the TPOT p50 of 21 split-runs (three splits, seven plan checks, each on a fresh profile) from a geometric
+mean of 0.88x the measured without a plane term to 0.99x, its mean |log error| from 0.17 to 0.16
+(docs/benchmarks.md, "Deployment planner"). It takes out a bias, not the scatter of a host whose speed drifts, and
+the one check measured in three rounds favoured no term: thin evidence, which is why `--plane-cpu separate` exists.
 
 The idle time is an average over the run: a burst that keeps every core busy for a while loses its share then
 too, which the model does not charge, and a worker's idle moments inside a step (a thread at a barrier) are
