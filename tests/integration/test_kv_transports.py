@@ -276,6 +276,13 @@ def test_a_failed_send_ends_once_and_frees_nothing_twice(name):
     asyncio.run(run())
 
 
+async def _sending(bench: Bench, timeout_s: float) -> None:
+    """Wait until a send is in flight (a pull reached the source), rather than a fixed time."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not bench.source.sending and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+
+
 async def _settled(bench: Bench, timeout_s: float = 5.0) -> None:
     """Wait until no send is in flight (a send's end runs after the reply: its wait, a borrowed KV's release)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
@@ -295,7 +302,8 @@ def test_a_pull_abandoned_mid_send_ends_its_send_once(name):
             client = bench.client()
             try:
                 pulling = asyncio.create_task(bench.pull(client, "scattered", setup))
-                await asyncio.sleep(0.3)  # the send is stalled midway
+                await _sending(bench, timeout_s=TIMEOUT_S)  # the send began (a loaded host may take its time)
+                await asyncio.sleep(0.1)  # and is stalled midway (the fault holds it 1 s)
                 pulling.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await pulling
