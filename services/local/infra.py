@@ -19,13 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.local.children import popen_options
+from shared.ports import free_port
 from shared.urls import with_credentials
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen | None = None) -> None:

@@ -6,18 +6,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from shared.ports import free_port
 from shared.sharding.group import RankGroup, Rendezvous
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _child(rdv: Rendezvous, rank: int, target: Callable[..., Any], args: tuple, parent: int) -> None:

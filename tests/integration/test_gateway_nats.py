@@ -47,17 +47,12 @@ from shared.messages import (
     token_subject,
 )
 from shared.model.tokenizer import Tokenizer
+from shared.ports import free_port
 from shared.settings import GatewaySettings, PrefillPathSettings
 
 NATS_SERVER = Path(sys.executable).parent / "nats-server"
 REDIS_SERVER = shutil.which("redis-server")
 Script = Callable[[PrefillJob], list[TokenEvent]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
