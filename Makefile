@@ -32,14 +32,20 @@ lint: $(STAMP)
 # Every tier (tests/unit, tests/integration, tests/e2e); each also runs alone (`make test-unit` in seconds).
 # The slow scenarios (marked `slow`: worker groups, fault stacks, single stack scenarios over ~30 s on 2 cores) are a
 # tier of their own: `make test-slow` (CI runs both). Keep `make test` under 15 minutes of tests on a 2-core machine.
+# TEST_WORKERS pytest processes share the files (xdist; a whole file to one process, so a module's stack starts
+# once); TEST_WORKERS=0 runs them in this process. One process left 2 cores ~60% idle (a stack test mostly waits on
+# its services); two cut both tiers' time by ~1.6x on 2 cores (docs/benchmarks.md, "The test suite's time").
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+
 test: $(STAMP) lint
-	$(PY) -m pytest -m "not slow"
+	$(PYTEST) -m "not slow"
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -m slow
+	$(PYTEST) -m slow
 
 test-unit test-integration test-e2e: test-%: $(STAMP)
-	$(PY) -m pytest -m "not slow" tests/$*
+	$(PYTEST) -m "not slow" tests/$*
 
 # Third-party clients against a live stack (tests/clients): litellm from the `clients` extra, AIPerf in a virtualenv
 # of its own (its pins conflict with the project's). Not part of `make test`, where these tests skip.
