@@ -1,6 +1,7 @@
 """Where a decode step's time goes: torch.profiler over decode steps of the engine, CPU.
 
     .venv/bin/python benchmarks/profile_decode.py [--batch 32] [--steps 10] [--threads N] [--no-prepack] [--phases]
+        [--dtype float32|bfloat16|int8]
 
 B requests of PROMPT tokens are prefilled, a few decode steps warm up, then `--steps` decode steps run under
 torch.profiler. Prints the ops by self CPU time, the profiled steps' median wall time, the aten op calls a
@@ -10,6 +11,7 @@ nothing (see docs/benchmarks.md).
 `--phases` times the same steps again without the profiler, per phase (metadata build, embedding, attention
 and MoE summed over the layers, final norm + logits, sampling; the rest is the engine's Python around them):
 wall-clock stamps at module boundaries, exact on CPU, where every op runs synchronously.
+`--dtype` serves the weights as engine_bench.py's --dtype does (bfloat16; int8: float32 with load-time int8).
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ def main() -> None:
     ap.add_argument("--no-prepack", action="store_true", help="plain matmul weights (no oneDNN packing)")
     ap.add_argument("--rows", type=int, default=25, help="ops listed")
     ap.add_argument("--phases", action="store_true", help="then time the same number of steps per phase")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "int8"), default="float32", help="weight format")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = ensure_demo_checkpoint(REPO / "models" / "demo-small-qwen3_moe", size="small")
@@ -129,6 +132,8 @@ def main() -> None:
         num_kv_blocks=args.batch * (-(-(PROMPT + 2 * args.steps + 16) // 16)),
         max_model_len=PROMPT + (2 if args.phases else 1) * args.steps + 16,
         prepack_weights=not args.no_prepack,
+        dtype="float32" if args.dtype == "int8" else args.dtype,
+        quantization="int8" if args.dtype == "int8" else None,
     )
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=2 * args.steps + 12, temperature=0.0, ignore_eos=True)
@@ -146,8 +151,9 @@ def main() -> None:
     op_us = sum(e.self_cpu_time_total for e in events) / args.steps
     calls = sum(e.count for e in events) / args.steps  # ops dispatched per step, nested ones included
     step_ms = 1000 * statistics.median(walls)
-    print(f"\n{args.batch} sequences, {args.threads} threads, prepack {'off' if args.no_prepack else 'on'}, "
-          f"{torch.__version__}: median step {step_ms:.2f} ms (under the profiler), "
+    print(f"\n{args.batch} sequences, {args.dtype}, {args.threads} threads, "
+          f"prepack {'off' if args.no_prepack else 'on'}, {torch.__version__}: "
+          f"median step {step_ms:.2f} ms (under the profiler), "
           f"ops {op_us / 1000:.2f} ms/step, {calls:.0f} op calls/step")  # fmt: skip
     by_class: dict[str, float] = {}
     for e in events:
