@@ -77,6 +77,10 @@ class PackedWeights:
     def int8_weights(self) -> tuple[str, ...]:
         return self.LINEAR_WEIGHTS if self.INT8_WEIGHTS is None else self.INT8_WEIGHTS
 
+    def panel_weights(self) -> tuple[str, ...]:
+        """The float32 weights the CPU panel linear may serve (shared/model/panel_linear.py): the int8 ones."""
+        return self.int8_weights()
+
     def prepack(self) -> None:
         """oneDNN packs of the weights no other format serves."""
         served = self.__dict__.get("_formats") or {}

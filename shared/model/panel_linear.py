@@ -11,8 +11,10 @@ a (3072, 1024) weight too) within 2% of oneDNN at one thread, and from 20% faste
 (docs/benchmarks.md, "Decode at one sequence"). So the panels serve every batch size and replace the packed twin:
 the same memory as prepacking (the parameter and one copy).
 
-It covers the linears a module lists as `int8_weights()` (attention's projections, dense and shared-expert MLPs,
-an untied LM head: never the router, whose scores decide routing), float32 on the CPU. An output count that is
+It covers the linears a module lists as `panel_weights()` (attention's projections, dense and shared-expert MLPs,
+an untied LM head, and the router when it has no logit bias: the panel gives each row the same bits whatever the
+batch, which a router's scores must have and oneDNN's packed GEMM lacks at real routers' shapes), float32 on
+the CPU. An output count that is
 not a multiple of the kernel's panel width (2L; the demo's 259-token vocabulary) gets zero rows to the next
 multiple, and the product's padding columns are cut off (one small copy). The results differ from oneDNN's in
 the last bits (summation order), as the expert kernel's do.
@@ -71,7 +73,7 @@ def use_panel_linears(model: nn.Module, kernel: cpu_moe.Kernel) -> str:
         if not isinstance(module, PackedWeights):
             continue
         formats = module.__dict__.setdefault("_formats", {})
-        for name in module.int8_weights():
+        for name in module.panel_weights():
             total += 1
             weight = module.plain_weight(name)
             if name not in formats and PanelLinear.fits(weight):

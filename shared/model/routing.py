@@ -61,19 +61,30 @@ class Router(nn.Module, PackedWeights):
             self._buffers["e_score_correction_bias"] = bias
         return self
 
+    def panel_weights(self) -> tuple[str, ...]:
+        """The panel linear gives a token's scores the same bits whatever its batch, as the scores must be (see
+        logits), where oneDNN's packed GEMM does not at real routers' shapes (64-256 experts over 2048-7168: a
+        lone token's scores differ from its scores in a batch). Not with a logit bias (gpt-oss): the panel adds
+        it after the product, one more rounding than transformers' fused bias."""
+        return ("weight",) if self.bias is None else ()
+
     def prepack(self) -> None:
+        if "weight" in (self.__dict__.get("_formats") or {}):  # the panels serve it: no second copy
+            return
         # float32 logits: pack the upcast weight, so the packed matmul is the float32 one
         weight = self.weight.float() if self.cfg.float32_logits else self.weight
         self.__dict__["_packed"] = {"weight": pack(weight)}
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """(T, D) → (T, E) float32."""
-        # one weight (its packed twin) whatever the batch: a token's scores, which decide its experts, must not
-        # depend on how many tokens share its step (a chunked prompt, a layer-streamed prefill's last chunk, a
-        # recomputed request: the same bits). A plain-weight path for small batches (~9 µs a layer faster at
-        # one token) gave other bits and broke that (tests/unit/test_routing.py).
+        # one weight whatever the batch: a token's scores, which decide its experts, must not depend on how many
+        # tokens share its step (a chunked prompt, a layer-streamed prefill's last chunk, a recomputed request:
+        # the same bits). A plain-weight path for small batches gave other bits and broke that
+        # (tests/unit/test_panel_linear.py); so does oneDNN's packed GEMM at real routers' shapes, which the
+        # panel linear serves where it can (panel_weights).
         weight = self.w("weight")
-        assert isinstance(weight, torch.Tensor)  # never another format (INT8_WEIGHTS)
+        if not isinstance(weight, torch.Tensor):  # the panel linear: float32 weights of a float32 model, no bias
+            return linear(x, weight)
         if self.cfg.float32_logits:
             bias = None if self.bias is None else self.bias.float()
             return linear(x.float(), weight if weight.is_mkldnn else weight.float(), bias)

@@ -19,8 +19,9 @@ from shared.engine.kernel_setup import prepare_model
 from shared.engine.sampling import SamplingParams
 from shared.model import routing
 from shared.model.kernels import cpu_moe
+from shared.model.linear import can_prepack
 from shared.model.loader import load_model
-from shared.model.panel_linear import PanelLinear
+from shared.model.panel_linear import PanelLinear, use_panel_linears
 from shared.model.router_config import RouterConfig, Scoring
 
 BUILDS = cpu_moe.kernels()
@@ -87,12 +88,13 @@ def test_panels_serve_the_dense_projections_only(tmp_path):
         }
         packed = {(type(m).__name__, name) for m in model.modules() for name in m.__dict__.get("_packed") or {}}
         assert not served & packed  # the panels replace the oneDNN pack: one copy beside the parameter
-        assert ("Router", "weight") in packed  # prepacking still packs what the panels do not serve
+        assert (("Router", "weight") in packed) != cpu_linear_kernel  # prepacking packs what the panels do not serve
         return served
 
     served = panel_served(True)
-    assert ("Attention", "qkv_proj") in served and ("Attention", "o_proj") in served
-    assert not any(kind in ("Router", "MoE") for kind, _ in served)  # routing keeps torch's scores
+    # the router too: its scores keep their bits whatever the batch (test_a_tokens_router_scores_...)
+    assert {("Attention", "qkv_proj"), ("Attention", "o_proj"), ("Router", "weight")} <= served
+    assert not any(kind == "MoE" for kind, _ in served)  # the routed experts have a kernel of their own
     assert panel_served(False) == set()
 
 
@@ -113,17 +115,46 @@ def test_engine_tokens_with_and_without_the_panels_agree(tmp_path):
     assert outs[0] == outs[1]
 
 
-def test_a_tokens_router_scores_do_not_depend_on_its_batch():
+@pytest.mark.parametrize("panels", [False, pytest.param(True, marks=needs_kernel)], ids=["packed", "panels"])
+@pytest.mark.parametrize(("experts", "hidden"), [(8, 64), (128, 2048)], ids=["demo", "qwen3-30b-a3b"])
+def test_a_tokens_router_scores_do_not_depend_on_its_batch(experts, hidden, panels):
     """The scores decide a token's experts: the same bits whether it is scored alone, in a decode batch or in a
     prompt chunk of any size (a chunked, layer-streamed or recomputed prompt must route as the whole one did). A
     plain-weight path for small batches broke this (tests/integration/test_kv_layer_stream.py saw the last layer's
-    KV of a 12-token last chunk differ by 1e-6)."""
-    cfg = RouterConfig(num_experts=8, top_k=2, scoring=Scoring.SOFTMAX, norm_topk_prob=True)
-    router = routing.Router(cfg, 64)
+    KV of a 12-token last chunk differ by 1e-6); oneDNN's packed GEMM breaks it at a real router's shape (a lone
+    token's scores), so a float32 engine serves the router on the panel linear (what prepare_model does)."""
+    cfg = RouterConfig(num_experts=experts, top_k=2, scoring=Scoring.SOFTMAX, norm_topk_prob=True)
+    router = routing.Router(cfg, hidden)
     torch.nn.init.normal_(router.weight, std=0.1)
-    router.prepack()
-    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(6))
+    if panels:
+        assert use_panel_linears(router, BUILDS[0]).startswith("1/1 ")
+        assert isinstance(router.w("weight"), PanelLinear)
+    elif experts > 8 or not can_prepack(torch.device("cpu"), torch.float32):
+        pytest.skip("the packed router keeps this property only at the demo's shape (or cannot pack here)")
+    router.prepack()  # packs nothing the panels serve
+    x = torch.randn(128, hidden, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         whole = router.logits(x)
         for rows in (1, 2, 12, 16, 17, 44):
             assert torch.equal(router.logits(x[:rows]), whole[:rows]), rows
+        if panels:  # and routes as the plain weight: the same experts, weights up to summation order (2048 terms)
+            plain_ids, plain_weights = routing.Router.forward(_plain(router), x)
+            ids, weights = router(x)
+            assert torch.equal(ids, plain_ids)
+            torch.testing.assert_close(weights, plain_weights, rtol=1e-4, atol=1e-5)
+
+
+def _plain(router: routing.Router) -> routing.Router:
+    """A twin of `router` serving its plain parameter (no format, no pack)."""
+    twin = routing.Router(router.cfg, router.in_features)
+    twin.load_state_dict(router.state_dict())
+    return twin
+
+
+@needs_kernel
+def test_a_router_with_a_logit_bias_keeps_its_fused_bias():
+    """gpt-oss's router adds a bias: the panel would add it after the product (one more rounding than
+    transformers' fused bias), so that router is not put on panels."""
+    cfg = RouterConfig(num_experts=8, top_k=2, scoring=Scoring.SOFTMAX, norm_topk_prob=True, logit_bias=True)
+    router = routing.Router(cfg, 64)
+    assert use_panel_linears(router, BUILDS[0]).startswith("0/0 ") and isinstance(router.w("weight"), torch.Tensor)
