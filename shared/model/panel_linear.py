@@ -13,11 +13,10 @@ the same memory as prepacking (the parameter and one copy).
 
 It covers the linears a module lists as `panel_weights()` (attention's projections, dense and shared-expert MLPs,
 an untied LM head, and the router when it has no logit bias: the panel gives each row the same bits whatever the
-batch, which a router's scores must have and oneDNN's packed GEMM lacks at real routers' shapes), float32 on
-the CPU. An output count that is
-not a multiple of the kernel's panel width (2L; the demo's 259-token vocabulary) gets zero rows to the next
-multiple, and the product's padding columns are cut off (one small copy). The results differ from oneDNN's in
-the last bits (summation order), as the expert kernel's do.
+batch, which a router's scores must have and oneDNN's packed GEMM lacks at real routers' shapes), float32 on the
+CPU. An output count that is not a multiple of the kernel's panel width (2L; the demo's 259-token vocabulary, a
+router's 8-256 experts) gets zero rows to the next multiple, and the product's padding columns are cut off (one
+small copy). The results differ from oneDNN's in the last bits (summation order), as the expert kernel's do.
 """
 
 from __future__ import annotations
