@@ -34,7 +34,7 @@ lint: $(STAMP)
 # tier of their own: `make test-slow` (CI runs both). Keep `make test` under 15 minutes of tests on a 2-core machine.
 # TEST_WORKERS pytest processes share the files (xdist; a whole file to one process, so a module's stack starts
 # once); TEST_WORKERS=0 runs them in this process. One process left 2 cores ~60% idle (a stack test mostly waits on
-# its services); two cut both tiers' time by ~1.6x on 2 cores (README, "Development").
+# its services); two cut both tiers' time by ~1.5x on 2 cores (README, "Development").
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 

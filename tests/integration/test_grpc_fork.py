@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 CHILDREN = 300  # at 4/150 a child, a process with the support on fails this with probability > 0.999
 
@@ -53,8 +54,7 @@ SCRIPT = textwrap.dedent(
 
 def test_children_started_beside_live_grpc_calls_all_reach_exec():
     env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])  # the repository: `shared` as the tree has it
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "support false failed 0 " in out.stdout, out.stdout + out.stderr[-2000:]

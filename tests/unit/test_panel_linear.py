@@ -1,5 +1,5 @@
 """Dense float32 linears on the CPU kernel's panels (shared/model/panel_linear.py) against torch's GEMM, and the
-router's plain weight for small batches (shared/model/routing.py).
+router on the panels: scores whose bits do not depend on the batch (shared/model/routing.py).
 
 Tolerance: the panel kernel sums each output's K products in order, oneDNN/MKL in their blocking, so the two
 agree up to float32 summation order: rtol 1e-5, atol 1e-5 on unit-scale data (the int8 linears' bound,
